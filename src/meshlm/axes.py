@@ -1,0 +1,29 @@
+"""The logical-axis vocabulary. Model code names axes with these; `parallel/rules.py` maps them
+to mesh axes. Parameters and activations use different names so that a weight dimension can be
+sharded (FSDP) without forcing the activation that flows through it to follow.
+
+Imports nothing on purpose.
+"""
+
+# Parameter axes.
+LAYERS = "layers"  # the stacked-layer axis scanned by lax.scan
+VOCAB = "vocab"
+EMBED = "embed"  # the model dimension h of a weight
+POS = "pos"  # rows of the learned position table
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+HEAD_DIM = "head_dim"
+MLP = "mlp"
+
+# Activation axes.
+BATCH = "batch"
+SEQ = "seq"  # sequence inside tensor-parallel blocks (never sharded)
+ACT_SEQ = "act_seq"  # sequence in the LayerNorm/dropout/residual regions (sequence parallelism)
+ACT_EMBED = "act_embed"
+ACT_HEADS = "act_heads"
+ACT_KV_HEADS = "act_kv_heads"
+ACT_MLP = "act_mlp"
+ACT_VOCAB = "act_vocab"
+
+PARAM_AXES = (LAYERS, VOCAB, EMBED, POS, HEADS, KV_HEADS, HEAD_DIM, MLP)
+ACTIVATION_AXES = (BATCH, SEQ, ACT_SEQ, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_VOCAB)

@@ -1,0 +1,310 @@
+"""Typed, frozen run configuration.
+
+A run is described by one `RunConfig` made of a handful of sections. Recipes (`recipes.py`) build
+whole configs; the CLI changes single fields with `--set section.key=value`, type-checked here.
+This module holds checks only, no training logic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Family = Literal["gpt", "llama"]
+DType = Literal["float32", "bfloat16"]
+
+
+class ConfigError(ValueError):
+    """A configuration the user asked for cannot run; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer. `gpt` is the papers' architecture; `llama` is RoPE/RMSNorm/SwiGLU/GQA."""
+
+    family: Family = "gpt"
+    vocab_size: int = 2048
+    d_model: int = 128  # h
+    n_layers: int = 4  # L
+    n_heads: int = 4  # a
+    n_kv_heads: int = 0  # 0 means n_heads (multi-head attention); llama may use fewer (GQA)
+    head_dim: int = 0  # 0 means d_model // n_heads
+    d_ff: int = 0  # 0 means 4h for gpt, the SwiGLU 8h/3 rounded to 64 for llama
+    max_seq_len: int = 128  # size of the learned position table (gpt); RoPE needs none
+    dropout: float = 0.0  # gpt only: embedding, attention probabilities, attention out, MLP out
+    dtype: DType = "float32"  # compute (activation) dtype; parameters are always fp32 masters
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.d_ff:
+            return self.d_ff
+        if self.family == "gpt":
+            return 4 * self.d_model
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return self.family == "gpt"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Mesh axis sizes; their product is the device count. Axes of size 1 shard nothing."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    @property
+    def n_devices(self) -> int:
+        return self.data * self.fsdp * self.tensor
+
+    @property
+    def batch_shards(self) -> int:
+        return self.data * self.fsdp
+
+
+@dataclass(frozen=True)
+class RematConfig:
+    """Activation recomputation policy, a name from `meshlm.parallel.remat.POLICIES`."""
+
+    policy: str = "none"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`, and global-norm clipping."""
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the training text comes from. Empty `paths` means the built-in corpus (stdlib source)."""
+
+    paths: tuple[str, ...] = ()
+    tokenizer: str = ""  # path to an existing tokenizer.json; empty = train a byte-level BPE
+    val_fraction: float = 0.05
+    max_corpus_mb: float = 16.0  # cap on text read (the built-in corpus is ~30 MB)
+    cache_dir: str = ""  # empty = $MESHLM_CACHE or ~/.cache/meshlm
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 500
+    global_batch: int = 16  # sequences per optimizer step (the papers' B)
+    microbatches: int = 1  # gradient accumulation: the batch is split into this many
+    seq_len: int = 128  # s
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    remat: RematConfig = field(default_factory=RematConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+
+
+def _section_class(name: str) -> type:
+    return typing.get_type_hints(RunConfig)[name]
+
+
+def from_dict(d: dict[str, Any]) -> RunConfig:
+    """Inverse of `RunConfig.to_dict` (used to reload a run directory's config.json)."""
+    sections = {}
+    for name, values in d.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown config section {name!r}; sections: {', '.join(SECTIONS)}")
+        cls = _section_class(name)
+        sections[name] = cls(**{k: _coerce(cls, k, v) for k, v in values.items()})
+    return RunConfig(**sections)
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def _field_type(cls: type, key: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    if key not in hints:
+        raise ConfigError(f"{cls.__name__} has no field {key!r}; fields: {', '.join(sorted(hints))}")
+    return hints[key]
+
+
+def _parse_scalar(tp: Any, raw: Any, where: str) -> Any:
+    if typing.get_origin(tp) is Literal:
+        allowed = typing.get_args(tp)
+        if raw not in allowed:
+            raise ConfigError(f"{where}={raw!r} is not one of {', '.join(map(str, allowed))}")
+        return raw
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        low = str(raw).lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where} expects a boolean (true/false), got {raw!r}")
+    if tp is int:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{where} expects an integer, got {raw!r}")
+        try:
+            value = float(raw) if isinstance(raw, str) and "e" in raw.lower() else raw
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} expects an integer, got {raw!r}") from None
+    if tp is float:
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} expects a number, got {raw!r}") from None
+    if tp is str:
+        return str(raw)
+    raise ConfigError(f"{where}: unsupported field type {tp}")
+
+
+def _coerce(cls: type, key: str, raw: Any) -> Any:
+    tp = _field_type(cls, key)
+    where = f"{cls.__name__}.{key}"
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        (elem, _) = typing.get_args(tp)
+        items = raw if isinstance(raw, (list, tuple)) else [s for s in str(raw).split(",") if s]
+        return tuple(_parse_scalar(elem, x, where) for x in items)
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"{where}: union types are not supported in configs")
+    return _parse_scalar(tp, raw, where)
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> RunConfig:
+    """Apply `section.key=value` strings, converting each value to the field's declared type."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
+        path, raw = item.split("=", 1)
+        if path.count(".") != 1:
+            raise ConfigError(f"--set key must be section.key (e.g. model.n_layers), got {path!r}")
+        section, key = path.split(".")
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section {section!r}; sections: {', '.join(SECTIONS)}")
+        sub = getattr(cfg, section)
+        value = _coerce(type(sub), key, raw)
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(sub, **{key: value})})
+    return cfg
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """`data=2,fsdp=1,tensor=4` -> {'data': 2, 'fsdp': 1, 'tensor': 4} (missing axes are 1)."""
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, value = part.partition("=")
+        if name not in sizes:
+            raise ConfigError(f"unknown mesh axis {name!r}; axes: data, fsdp, tensor")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise ConfigError(f"mesh axis {name} needs an integer size, got {value!r}") from None
+    return sizes
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _divides(value: int, what: str, size: int, axis: str) -> None:
+    _need(
+        size >= 1 and value % size == 0,
+        f"{what}={value} is not divisible by mesh axis '{axis}' (size {size}); "
+        f"choose a mesh whose '{axis}' size divides {value}",
+    )
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Check a config for internal consistency and divisibility by its mesh. Returns it unchanged."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+        _need(getattr(m, name) > 0, f"model.{name} must be positive")
+    for name in ("data", "fsdp", "tensor"):
+        _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
+    _need(m.n_heads % m.kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of n_kv_heads={m.kv_heads}")
+    _need(
+        m.head_dim > 0 or m.d_model % m.n_heads == 0,
+        f"model.d_model={m.d_model} is not divisible by n_heads={m.n_heads}; set model.head_dim",
+    )
+    _need(m.dim_head % 2 == 0 or m.family == "gpt", "llama needs an even head_dim for RoPE")
+    _need(0.0 <= m.dropout < 1.0, "model.dropout must be in [0, 1)")
+    _need(m.family == "gpt" or m.dropout == 0.0, "model.dropout is only implemented for the gpt family")
+    if m.family == "gpt":
+        _need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    from meshlm.parallel.remat import POLICIES  # imported late: the CLI sets XLA_FLAGS first
+
+    _need(cfg.remat.policy in POLICIES, f"remat.policy={cfg.remat.policy!r} unknown; choose from {', '.join(POLICIES)}")
+    _need(t.steps >= 0 and t.seq_len > 0 and t.global_batch > 0, "train.steps/seq_len/global_batch must be positive")
+    _need(t.microbatches >= 1, "train.microbatches must be >= 1")
+    _need(
+        t.global_batch % t.microbatches == 0,
+        f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}",
+    )
+    _need(t.log_every >= 1 and t.eval_every >= 0, "train.log_every must be >= 1, eval_every >= 0")
+    _need(0.0 < cfg.data.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
+    o = cfg.optim
+    _need(o.lr > 0 and 0 <= o.min_lr_ratio <= 1 and o.warmup_steps >= 0, "optim: lr>0, 0<=min_lr_ratio<=1, warmup>=0")
+
+    # Every sharded dimension must divide by the product of its mesh axes. Named so the user
+    # knows which number to change.
+    _divides(m.n_heads, "model.n_heads", p.tensor, "tensor")
+    _divides(m.kv_heads, "model.n_kv_heads", p.tensor, "tensor")
+    _divides(m.ffn, "model.d_ff", p.tensor, "tensor")
+    _divides(m.vocab_size, "model.vocab_size", p.tensor, "tensor")
+    _divides(m.d_model, "model.d_model", p.fsdp, "fsdp")
+    micro = t.global_batch // t.microbatches
+    _need(
+        micro % p.batch_shards == 0,
+        f"microbatch size {micro} (train.global_batch={t.global_batch} / train.microbatches={t.microbatches}) "
+        f"is not divisible by mesh axes data*fsdp={p.batch_shards}",
+    )
+    return cfg

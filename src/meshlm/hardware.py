@@ -1,0 +1,77 @@
+"""Peak FLOP/s of the devices a run uses: a table for accelerators, a measured probe for CPUs.
+
+On CPU there is no datasheet number worth quoting, so the peak is a jitted square matmul timed on
+this machine (best of several runs), cached per (CPU, dtype). All simulated CPU devices share the
+same cores, so the probe measures the whole host and MFU is quoted against the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+# Dense peak FLOP/s per chip, by dtype. Sources: vendor datasheets (bf16/fp16 dense, no sparsity).
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "a100": {"bfloat16": 312e12, "float32": 19.5e12},
+    "h100": {"bfloat16": 989e12, "float32": 67e12},
+    "h200": {"bfloat16": 989e12, "float32": 67e12},
+    "tpu v4": {"bfloat16": 275e12, "float32": 275e12 / 4},
+    "tpu v5p": {"bfloat16": 459e12, "float32": 459e12 / 4},
+    "tpu v5 lite": {"bfloat16": 197e12, "float32": 197e12 / 4},
+}
+
+
+def _cache_file() -> Path:
+    return Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshlm")) / "peak_flops.json"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 7) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((n, n), jnp.dtype(dtype), device=jax.devices()[0])
+    f = jax.jit(lambda a: a @ a)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def peak_flops(dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s of all devices in this process, a short description of where it came from)."""
+    import jax
+
+    dev = jax.devices()[0]
+    kind = dev.device_kind.lower()
+    if dev.platform != "cpu":
+        for name, table in PEAK_FLOPS.items():
+            if name in kind:
+                return table[dtype] * jax.local_device_count(), f"{name} datasheet x{jax.local_device_count()}"
+        return 0.0, f"unknown device {dev.device_kind!r}: no peak, MFU not reported"
+    key = f"{_cpu_name()}|{os.cpu_count()}|{dtype}"
+    path = _cache_file()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = probe_matmul_flops(dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cache, indent=2))
+    return cache[key], f"CPU matmul probe {cache[key] / 1e9:.0f} GFLOP/s ({dtype}, host)"

@@ -1,0 +1,78 @@
+"""Run outputs: a live progress line on the console and `metrics.jsonl` in the run directory."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def _fmt_eta(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step and keeps a progress line on the terminal
+    (a live bar when stdout is a terminal, plain lines otherwise, e.g. in CI logs)."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, enabled: bool = True):
+        self.enabled = enabled
+        self.console = Console(highlight=False, soft_wrap=True)
+        self.path = run_dir / "metrics.jsonl"
+        self.file = open(self.path, "a") if enabled else None  # noqa: SIM115 (closed in close())
+        self.total = total_steps
+        self.live = enabled and sys.stdout.isatty()
+        self.progress = None
+        if self.live:
+            self.progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(bar_width=20),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self.task = self.progress.add_task("starting", total=total_steps, completed=start_step)
+            self.progress.start()
+        self.t0 = time.time()
+
+    def print(self, msg: str) -> None:
+        if self.enabled:
+            self.console.print(msg, markup=False)
+
+    def log(self, record: dict, eta_s: float | None = None) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if "loss" not in record:
+            return
+        parts = [
+            f"step {record['step']}/{self.total}",
+            f"loss {record['loss']:.4f}",
+            f"{_fmt_rate(record['tokens_per_s'])} tok/s",
+            f"MFU {100 * record['mfu']:.1f}%",
+        ]
+        if eta_s is not None:
+            parts.append(f"ETA {_fmt_eta(eta_s)}")
+        line = " | ".join(parts)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=record["step"], description=line)
+        else:
+            self.console.print(line, markup=False)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.file is not None:
+            self.file.close()

@@ -1,0 +1,137 @@
+"""Parameters are declared once, with their logical axes, when they are created.
+
+`param_specs(cfg)` returns a pytree of `ParamSpec`; everything else (abstract shapes, shardings,
+initialisation, parameter count) is derived from it, so a renamed parameter can never lose its
+sharding (the failure mode of regex-over-path rules).
+
+Shape legend: L layers, V vocab, D d_model, N heads, K kv heads, H head_dim, F d_ff, S max_seq_len.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from meshlm import axes as ax
+from meshlm.config import ModelConfig
+
+Init = Callable[[jax.Array, tuple[int, ...]], jax.Array]
+
+
+def normal(std: float) -> Init:
+    return lambda key, shape: std * jax.random.normal(key, shape, jnp.float32)
+
+
+def zeros(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return jnp.zeros(shape, jnp.float32)
+
+
+def ones(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return jnp.ones(shape, jnp.float32)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """Shape, logical axes (one per dim) and initialiser of one fp32 master parameter."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: Init
+    decay: bool = True  # AdamW weight decay applies (weight matrices); False for norms and biases
+
+    def __post_init__(self) -> None:
+        assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+
+
+def _is_spec(x: object) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """The full parameter tree of a model: {'embed': ..., 'layers': {...}, 'final_norm': ...}.
+
+    Layer parameters are stacked along a leading LAYERS axis and consumed by `lax.scan`.
+    """
+    L, V, D, N, K, H, F = (
+        cfg.n_layers,
+        cfg.vocab_size,
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.kv_heads,
+        cfg.dim_head,
+        cfg.ffn,
+    )
+    w = normal(cfg.init_std)
+    # GPT-2: residual-branch output projections scaled by 1/sqrt(2L) so the stream's variance
+    # does not grow with depth.
+    w_out = normal(cfg.init_std / math.sqrt(2 * L))
+    layer = {
+        "wq": ParamSpec((L, D, N, H), (ax.LAYERS, ax.EMBED, ax.HEADS, ax.HEAD_DIM), w),
+        "wk": ParamSpec((L, D, K, H), (ax.LAYERS, ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), w),
+        "wv": ParamSpec((L, D, K, H), (ax.LAYERS, ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), w),
+        "wo": ParamSpec((L, N, H, D), (ax.LAYERS, ax.HEADS, ax.HEAD_DIM, ax.EMBED), w_out),
+    }
+    if cfg.family == "gpt":
+        norm = lambda: ParamSpec((L, D), (ax.LAYERS, ax.EMBED), ones, decay=False)
+        bias = lambda *shape_axes: ParamSpec(
+            (L, *[s for s, _ in shape_axes]), (ax.LAYERS, *[a for _, a in shape_axes]), zeros, decay=False
+        )
+        layer |= {
+            "ln1_scale": norm(),
+            "ln1_bias": bias((D, ax.EMBED)),
+            "bq": bias((N, ax.HEADS), (H, ax.HEAD_DIM)),
+            "bk": bias((K, ax.KV_HEADS), (H, ax.HEAD_DIM)),
+            "bv": bias((K, ax.KV_HEADS), (H, ax.HEAD_DIM)),
+            "bo": bias((D, ax.EMBED)),
+            "ln2_scale": norm(),
+            "ln2_bias": bias((D, ax.EMBED)),
+            "w_fc": ParamSpec((L, D, F), (ax.LAYERS, ax.EMBED, ax.MLP), w),
+            "b_fc": bias((F, ax.MLP)),
+            "w_proj": ParamSpec((L, F, D), (ax.LAYERS, ax.MLP, ax.EMBED), w_out),
+            "b_proj": bias((D, ax.EMBED)),
+        }
+        return {
+            "wte": ParamSpec((V, D), (ax.VOCAB, ax.EMBED), w),
+            "wpe": ParamSpec((cfg.max_seq_len, D), (ax.POS, ax.EMBED), normal(0.01)),
+            "layers": layer,
+            "ln_f_scale": ParamSpec((D,), (ax.EMBED,), ones, decay=False),
+            "ln_f_bias": ParamSpec((D,), (ax.EMBED,), zeros, decay=False),
+        }
+    layer |= {
+        "attn_norm": ParamSpec((L, D), (ax.LAYERS, ax.EMBED), ones, decay=False),
+        "mlp_norm": ParamSpec((L, D), (ax.LAYERS, ax.EMBED), ones, decay=False),
+        "w_gate": ParamSpec((L, D, F), (ax.LAYERS, ax.EMBED, ax.MLP), w),
+        "w_up": ParamSpec((L, D, F), (ax.LAYERS, ax.EMBED, ax.MLP), w),
+        "w_down": ParamSpec((L, F, D), (ax.LAYERS, ax.MLP, ax.EMBED), w_out),
+    }
+    return {
+        "wte": ParamSpec((V, D), (ax.VOCAB, ax.EMBED), w),
+        "layers": layer,
+        "final_norm": ParamSpec((D,), (ax.EMBED,), ones, decay=False),
+        "lm_head": ParamSpec((D, V), (ax.EMBED, ax.VOCAB), w),
+    }
+
+
+def init_params(specs: dict, key: jax.Array) -> dict:
+    """Materialise every parameter from `key`. Leaf i draws from fold_in(key, i), and JAX's
+    partitionable threefry makes the values independent of how the output is sharded."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    arrays = [s.init(jax.random.fold_in(key, i), s.shape) for i, s in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, arrays)
+
+
+def abstract_params(specs: dict) -> dict:
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), specs, is_leaf=_is_spec)
+
+
+def map_specs(fn: Callable[[ParamSpec], object], specs: dict) -> dict:
+    """Apply `fn` to every ParamSpec (e.g. to build the sharding tree from logical axes)."""
+    return jax.tree.map(fn, specs, is_leaf=_is_spec)
+
+
+def count_params(specs: dict) -> int:
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=_is_spec))

@@ -1,0 +1,32 @@
+"""Build the device mesh from `ParallelConfig`. Axes are always (data, fsdp, tensor); an axis of
+size 1 shards nothing, so every strategy is a choice of sizes, never a different code path.
+
+Axis types are `Auto`: shardings are declared with `NamedSharding`/`with_sharding_constraint` and
+GSPMD propagates the rest (the FAX model: declared partitioning, compiler-inserted collectives).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from meshlm.config import ConfigError, ParallelConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
+    """A `Mesh` of shape (data, fsdp, tensor) over `devices` (default: all global devices).
+
+    `tensor` is the innermost (fastest-varying) axis so that it maps onto the closest devices
+    (same host / NVLink / ICI neighbours), as both papers require of the model-parallel group.
+    """
+    devices = list(jax.devices()) if devices is None else list(devices)
+    shape = (parallel.data, parallel.fsdp, parallel.tensor)
+    if int(np.prod(shape)) != len(devices):
+        raise ConfigError(
+            f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} needs {int(np.prod(shape))} "
+            f"devices but {len(devices)} are available (use --devices N on CPU, or change --mesh)"
+        )
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)

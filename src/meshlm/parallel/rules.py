@@ -1,0 +1,97 @@
+"""THE rules table: logical axis -> mesh axes. The model names logical axes only; this table is
+the single place where a strategy becomes a sharding.
+
+One table serves data parallel, FSDP (ZeRO-3), Megatron tensor parallelism and their
+combinations, because the mesh always has all three axes and an axis of size 1 shards nothing:
+
+- batch over (data, fsdp): every data-like axis splits the batch;
+- weight `embed` dims over fsdp: parameters (and, through `optim.py`, optimizer state) are split
+  ZeRO-3 style and gathered by XLA just in time for each layer;
+- heads / kv_heads / mlp / vocab over tensor: QKV and MLP-in are column-parallel, attention-out
+  and MLP-out row-parallel, the embedding and output layer vocabulary-parallel (Megatron, P2 4.2.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshlm import axes as ax
+
+MeshAxes = str | tuple[str, ...] | None
+
+RULES: dict[str, MeshAxes] = {
+    # parameters
+    ax.LAYERS: None,
+    ax.VOCAB: "tensor",
+    ax.EMBED: "fsdp",
+    ax.POS: None,
+    ax.HEADS: "tensor",
+    ax.KV_HEADS: "tensor",
+    ax.HEAD_DIM: None,
+    ax.MLP: "tensor",
+    # activations
+    ax.BATCH: ("data", "fsdp"),
+    ax.SEQ: None,
+    ax.ACT_SEQ: None,
+    ax.ACT_EMBED: None,
+    ax.ACT_HEADS: "tensor",
+    ax.ACT_KV_HEADS: "tensor",
+    ax.ACT_MLP: "tensor",
+    ax.ACT_VOCAB: "tensor",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A mesh plus the rules table: turns logical axis names into shardings and constraints."""
+
+    mesh: Mesh
+    rules: tuple[tuple[str, MeshAxes], ...] = tuple(RULES.items())
+
+    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        """Mesh axes of size > 1 that a logical axis maps to (size-1 axes are dropped)."""
+        if logical is None:
+            return ()
+        table = dict(self.rules)
+        if logical not in table:
+            raise KeyError(f"logical axis {logical!r} has no rule; add it to parallel/rules.py")
+        target = table[logical]
+        names = (target,) if isinstance(target, str) else tuple(target or ())
+        return tuple(n for n in names if self.mesh.shape[n] > 1)
+
+    def spec(self, logical_axes: Sequence[str | None]) -> P:
+        parts: list[MeshAxes] = []
+        used: set[str] = set()
+        for logical in logical_axes:
+            names = tuple(n for n in self.mesh_axes(logical) if n not in used)
+            used.update(names)
+            parts.append(None if not names else names[0] if len(names) == 1 else names)
+        while parts and parts[-1] is None:
+            parts.pop()
+        return P(*parts)
+
+    def sharding(self, logical_axes: Sequence[str | None]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical_axes))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+        """`with_sharding_constraint` by logical names; the model's only contact with the mesh."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes))
+
+    def shard_count(self, logical: str) -> int:
+        n = 1
+        for name in self.mesh_axes(logical):
+            n *= self.mesh.shape[name]
+        return n
+
+
+def constrain(layout: Layout | None, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Constrain `x` if a layout is given; single-device model code passes `None`."""
+    return x if layout is None else layout.constrain(x, logical_axes)

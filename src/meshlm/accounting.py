@@ -70,7 +70,12 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
 
 
 def hardware_flops_per_step(cfg: RunConfig) -> int:
-    """P2 Eq. 8 for selective recomputation; one extra layer forward for full recomputation."""
+    """GEMM FLOPs actually executed: model FLOPs plus the policy's recomputed forward.
+
+    For selective recomputation this adds 4*B*s^2*h per layer (QK^T and attention over V once
+    more), as P2's text says. Note: P2's printed Eq. 8, 72BLsh^2(1 + s/(3h) + v/(12hL)), adds
+    12*B*s^2*h per layer, i.e. a forward *and* backward of the attention core; its Table 5 HFU uses
+    that. We count what runs; the printed form is kept for reproducing the paper's table."""
     return model_flops_per_step(cfg) + recompute_flops_per_step(cfg)
 
 

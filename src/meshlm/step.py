@@ -73,17 +73,17 @@ def make_train_step(
                 g_acc, l_acc, c_acc = carry
                 mb, i = xs
                 mkey = None if key is None else jax.random.fold_in(key, i)
-                (l, c), g = grad_fn(state.params, mb, mkey)
+                (loss_i, count_i), g = grad_fn(state.params, mb, mkey)
                 g_acc = jax.tree.map(jnp.add, g_acc, g)
                 g_acc = jax.lax.with_sharding_constraint(g_acc, shardings.params)
-                return (g_acc, l_acc + l, c_acc + c), None
+                return (g_acc, l_acc + loss_i, c_acc + count_i), None
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
             init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
             (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
         grads = jax.tree.map(lambda g: g / count, grads)
         loss = loss_sum / count
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # A non-finite loss or gradient leaves the state untouched (the trainer then stops with a

@@ -74,7 +74,7 @@ def _fingerprint(docs: list[str], cfg: DataConfig, vocab_size: int) -> str:
 
 def _encode(tok, docs: list[str], eot: int, dtype: np.dtype) -> np.ndarray:
     ids = tok.encode_batch(docs, add_special_tokens=False)
-    parts = [np.asarray(e.ids + [eot], dtype=dtype) for e in ids]
+    parts = [np.asarray([*e.ids, eot], dtype=dtype) for e in ids]
     return np.concatenate(parts) if parts else np.zeros((0,), dtype)
 
 

@@ -100,7 +100,7 @@ def forward(
     """
     dtype = _dtype(cfg)
     cast = partial(jax.tree.map, lambda w: w.astype(dtype))
-    b, t = tokens_bt.shape
+    t = tokens_bt.shape[1]
     x = jnp.take(params["wte"], tokens_bt, axis=0)
     if cfg.family == "gpt":
         x = x + params["wpe"][:t][None]

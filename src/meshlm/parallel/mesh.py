@@ -17,13 +17,19 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 
 def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
-    """A `Mesh` of shape (data, fsdp, tensor) over `devices` (default: all global devices).
+    """A `Mesh` of shape (data, fsdp, tensor) over `devices` (default: the global devices).
 
     `tensor` is the innermost (fastest-varying) axis so that it maps onto the closest devices
     (same host / NVLink / ICI neighbours), as both papers require of the model-parallel group.
     """
-    devices = list(jax.devices()) if devices is None else list(devices)
     shape = (parallel.data, parallel.fsdp, parallel.tensor)
+    if devices is None:
+        devices = jax.devices()
+        # One process may run a smaller mesh on the first devices (e.g. a 2-device job on an 8-GPU
+        # box); across processes every device must take part.
+        if jax.process_count() == 1 and int(np.prod(shape)) < len(devices):
+            devices = devices[: int(np.prod(shape))]
+    devices = list(devices)
     if int(np.prod(shape)) != len(devices):
         raise ConfigError(
             f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} needs {int(np.prod(shape))} "

@@ -1,0 +1,68 @@
+"""Small shared builders for tests: tiny configs and a few-step training run on any mesh."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from meshlm.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig, validate
+from meshlm.model.params import param_specs
+from meshlm.optim import make_optimizer
+from meshlm.parallel.mesh import make_mesh
+from meshlm.parallel.rules import Layout
+from meshlm.step import make_train_step
+from meshlm.train_state import init_state, state_shardings
+
+MESHES = {
+    "single": dict(data=1),
+    "data8": dict(data=8),
+    "fsdp8": dict(fsdp=8),
+    "data2_tensor4": dict(data=2, tensor=4),
+    "fsdp2_tensor4": dict(fsdp=2, tensor=4),
+}
+
+
+def tiny_config(family: str = "gpt", mesh: dict | None = None, **train) -> RunConfig:
+    model = ModelConfig(
+        family=family,
+        vocab_size=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4 if family == "gpt" else 8,
+        n_kv_heads=4,  # llama: 8 query heads share 4 kv heads (GQA), still divisible by tensor=4
+        max_seq_len=32,
+        dropout=0.1 if family == "gpt" else 0.0,
+    )
+    tc = dict(steps=3, global_batch=8, seq_len=32, microbatches=1) | train
+    return validate(RunConfig(model=model, parallel=ParallelConfig(**(mesh or {})), train=TrainConfig(**tc)))
+
+
+def random_batches(cfg: RunConfig, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        toks = rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1))
+        toks = toks.astype(np.int32)
+        out.append({"inputs": toks[:, :-1], "targets": toks[:, 1:]})
+    return out
+
+
+def build(cfg: RunConfig):
+    devices = jax.devices()[: cfg.parallel.n_devices]
+    layout = Layout(make_mesh(cfg.parallel, devices))
+    specs = param_specs(cfg.model)
+    tx = make_optimizer(cfg.optim, cfg.train.steps, specs)
+    shardings = state_shardings(specs, layout, tx)
+    state = init_state(specs, layout, tx, cfg.train.seed)
+    return layout, specs, tx, shardings, state
+
+
+def run_steps(cfg: RunConfig, batches) -> tuple[list[float], dict, object]:
+    """Train len(batches) steps; returns (losses, final params as numpy, final state)."""
+    layout, _, tx, shardings, state = build(cfg)
+    step = make_train_step(cfg, layout, tx, shardings)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    return losses, jax.tree.map(np.asarray, state.params), state

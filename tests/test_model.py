@@ -1,0 +1,176 @@
+"""The model against real reference implementations (Hugging Face transformers on PyTorch CPU),
+and the parameter count against the initialised leaves."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshlm import accounting, recipes
+from meshlm.config import ModelConfig, RematConfig
+from meshlm.model.params import count_params, init_params, param_specs
+from meshlm.model.transformer import forward
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _params(cfg: ModelConfig, seed: int = 0) -> dict:
+    # Random non-trivial values everywhere (norms and biases too), so every weight's mapping matters.
+    specs = param_specs(cfg)
+    params = init_params(specs, jax.random.key(seed))
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    leaves = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    return jax.tree.map(np.asarray, jax.tree.unflatten(treedef, leaves))
+
+
+def _t(x: np.ndarray) -> "torch.Tensor":
+    return torch.from_numpy(np.array(x, dtype=np.float32))  # a writable copy
+
+
+def _gpt2_state_dict(p: dict, cfg: ModelConfig) -> dict:
+    d = cfg.d_model
+    sd = {"transformer.wte.weight": p["wte"], "transformer.wpe.weight": p["wpe"], "lm_head.weight": p["wte"]}
+    sd |= {"transformer.ln_f.weight": p["ln_f_scale"], "transformer.ln_f.bias": p["ln_f_bias"]}
+    lp = p["layers"]
+    for i in range(cfg.n_layers):
+        pre = f"transformer.h.{i}."
+        qkv_w = [lp[n][i].reshape(d, -1) for n in ("wq", "wk", "wv")]
+        qkv_b = [lp[n][i].reshape(-1) for n in ("bq", "bk", "bv")]
+        sd |= {
+            pre + "ln_1.weight": lp["ln1_scale"][i],
+            pre + "ln_1.bias": lp["ln1_bias"][i],
+            pre + "attn.c_attn.weight": np.concatenate(qkv_w, axis=1),  # Conv1D: y = x @ W
+            pre + "attn.c_attn.bias": np.concatenate(qkv_b),
+            pre + "attn.c_proj.weight": lp["wo"][i].reshape(-1, d),
+            pre + "attn.c_proj.bias": lp["bo"][i],
+            pre + "ln_2.weight": lp["ln2_scale"][i],
+            pre + "ln_2.bias": lp["ln2_bias"][i],
+            pre + "mlp.c_fc.weight": lp["w_fc"][i],
+            pre + "mlp.c_fc.bias": lp["b_fc"][i],
+            pre + "mlp.c_proj.weight": lp["w_proj"][i],
+            pre + "mlp.c_proj.bias": lp["b_proj"][i],
+        }
+    return {k: _t(v) for k, v in sd.items()}
+
+
+def _llama_state_dict(p: dict, cfg: ModelConfig) -> dict:
+    d = cfg.d_model
+    sd = {
+        "model.embed_tokens.weight": p["wte"],
+        "model.norm.weight": p["final_norm"],
+        "lm_head.weight": p["lm_head"].T,  # torch Linear: y = x @ W.T
+    }
+    lp = p["layers"]
+    for i in range(cfg.n_layers):
+        pre = f"model.layers.{i}."
+        sd |= {
+            pre + "input_layernorm.weight": lp["attn_norm"][i],
+            pre + "post_attention_layernorm.weight": lp["mlp_norm"][i],
+            pre + "self_attn.q_proj.weight": lp["wq"][i].reshape(d, -1).T,
+            pre + "self_attn.k_proj.weight": lp["wk"][i].reshape(d, -1).T,
+            pre + "self_attn.v_proj.weight": lp["wv"][i].reshape(d, -1).T,
+            pre + "self_attn.o_proj.weight": lp["wo"][i].reshape(-1, d).T,
+            pre + "mlp.gate_proj.weight": lp["w_gate"][i].T,
+            pre + "mlp.up_proj.weight": lp["w_up"][i].T,
+            pre + "mlp.down_proj.weight": lp["w_down"][i].T,
+        }
+    return {k: _t(v) for k, v in sd.items()}
+
+
+def _reference_logits(model, state_dict: dict, tokens: np.ndarray) -> np.ndarray:
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    # Only non-persistent buffers (e.g. causal-mask/rotary caches) may be absent from our dict.
+    assert not unexpected, unexpected
+    assert all("rotary" in k or "attn.bias" in k or "masked_bias" in k for k in missing), missing
+    model.eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+
+
+def _tokens(cfg: ModelConfig, b: int = 2, t: int = 24) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
+
+
+def test_gpt_matches_huggingface_gpt2():
+    cfg = ModelConfig(family="gpt", vocab_size=96, d_model=64, n_layers=3, n_heads=4, max_seq_len=32)
+    params, tokens = _params(cfg), _tokens(cfg)
+    hf_cfg = transformers.GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.max_seq_len,
+        n_embd=cfg.d_model,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=cfg.norm_eps,
+        tie_word_embeddings=True,
+    )
+    want = _reference_logits(transformers.GPT2LMHeadModel(hf_cfg), _gpt2_state_dict(params, cfg), tokens)
+    got = np.asarray(forward(jax.tree.map(jnp.asarray, params), jnp.asarray(tokens), cfg))
+    assert got.dtype == np.float32 and got.shape == (2, 24, cfg.vocab_size)
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_llama_matches_huggingface_llama_gqa():
+    cfg = ModelConfig(family="llama", vocab_size=96, d_model=64, n_layers=3, n_heads=8, n_kv_heads=2, d_ff=96)
+    params, tokens = _params(cfg), _tokens(cfg)
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.dim_head,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    want = _reference_logits(transformers.LlamaForCausalLM(hf_cfg), _llama_state_dict(params, cfg), tokens)
+    got = np.asarray(forward(jax.tree.map(jnp.asarray, params), jnp.asarray(tokens), cfg))
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_bf16_compute_stays_close_to_fp32():
+    cfg = ModelConfig(family="llama", vocab_size=96, d_model=64, n_layers=2, n_heads=4)
+    params, tokens = jax.tree.map(jnp.asarray, _params(cfg)), jnp.asarray(_tokens(cfg))
+    ref = forward(params, tokens, cfg)
+    bf = forward(params, tokens, dataclasses.replace(cfg, dtype="bfloat16"))
+    assert bf.dtype == jnp.float32  # logits are fp32 whatever the compute dtype
+    assert float(jnp.max(jnp.abs(bf - ref))) < 0.15 * float(jnp.max(jnp.abs(ref)))
+    assert not np.allclose(np.asarray(bf), np.asarray(ref), atol=1e-6)  # it really ran in bf16
+
+
+@pytest.mark.parametrize("name", list(recipes.RECIPES))
+def test_param_count_formula_matches_declared_leaves(name):
+    cfg = recipes.get(name).model
+    assert accounting.param_count(cfg) == count_params(param_specs(cfg))
+
+
+def test_paper_param_counts():
+    # P2 Table 3 models: 22.1B and 174.6B parameters (notes 2.9, 12Lh^2(1 + 13/12h + (v+s)/12Lh)).
+    assert round(accounting.param_count(recipes.get("gpt-22b").model) / 1e9, 1) == 22.1
+    assert round(accounting.param_count(recipes.get("gpt-175b").model) / 1e9, 1) == 174.6
+
+
+def test_model_flops_is_paper_eq7_for_gpt():
+    cfg = recipes.get("gpt-22b")
+    B, L, s, h, v = cfg.train.global_batch, cfg.model.n_layers, cfg.train.seq_len, cfg.model.d_model, 51200
+    eq7 = 72 * B * L * s * h**2 * (1 + s / (6 * h) + v / (12 * h * L))
+    assert accounting.model_flops_per_step(cfg) == pytest.approx(eq7, rel=1e-12)
+    # Selective recomputation executes QK^T and attention-over-V once more: 4 B s^2 h per layer
+    # (P2's text). Its printed Eq. 8 adds 3x that (see accounting.hardware_flops_per_step).
+    sel = dataclasses.replace(cfg, remat=RematConfig(policy="selective"))
+    assert accounting.hardware_flops_per_step(sel) - eq7 == pytest.approx(4 * B * L * s**2 * h, rel=1e-12)
+    full = dataclasses.replace(cfg, remat=RematConfig(policy="full"))
+    layer_fwd = B * L * s * (24 * h**2 + 4 * s * h)  # P2 Appendix A forward, without logits
+    assert accounting.hardware_flops_per_step(full) - eq7 == pytest.approx(layer_fwd, rel=1e-12)

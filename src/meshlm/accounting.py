@@ -84,3 +84,155 @@ def utilisation(flops_per_step: float, step_time_s: float, peak_flops_per_s: flo
     if step_time_s <= 0 or peak_flops_per_s <= 0:
         return 0.0
     return flops_per_step / step_time_s / peak_flops_per_s
+
+
+# ----------------------------------------------------------------------------- activation memory
+#
+# P2 section 4: bytes of forward tensors kept for the backward pass, per device. Each term is named
+# after the tensor it is, so a report can say which part is large. With the `gpt` family in P2's
+# setting (bf16, dropout on, explicit softmax) the per-layer sum is exactly Table 2:
+#   none: sbh(34 + 5as/h)            TP: sbh(10 + 24/t + 5as/(ht))      TP+SP: sbh(34 + 5as/h)/t
+#   TP+selective: sbh(10 + 24/t)     TP+SP+selective: 34sbh/t           full: 2sbh (2sbh/t with SP)
+# and it extends term by term to GQA (smaller K and V), SwiGLU (gate, up and down-projection input
+# instead of GeLU input and FC2 input), no dropout (no masks, probabilities kept once) and fused
+# attention (no score matrix; an fp32 log-sum-exp per row instead, as flash attention keeps).
+
+MASK_BYTES = 1  # a bool keep-mask per element (P2: 1 byte)
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"bfloat16": 2, "float32": 4}[dtype]
+
+
+def layer_activation_terms(
+    m: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tensor: int = 1,
+    sequence_parallel: bool = False,
+    policy: str = "none",
+) -> dict[str, float]:
+    """Bytes per device of one layer's stored activations, by tensor. `micro_batch` is per device
+    (P2's b); `tensor` is t; the LayerNorm/dropout/residual regions are split by t only under SP."""
+    e, s, b, t = _dtype_bytes(m.dtype), seq_len, micro_batch, tensor
+    d, n, k, hd, f = m.d_model, m.n_heads, m.kv_heads, m.dim_head, m.ffn
+    r = t if sequence_parallel else 1  # split of the sequence-parallel regions
+    dropout = m.dropout > 0
+    if policy in ("full", "offload", "dots"):
+        terms = {"layer_input": e * s * b * d / r}
+        if policy == "dots":
+            terms |= _dot_output_terms(m, s, b, t, r)
+        return terms  # offload: the dot outputs live in host memory (`layer_host_terms`)
+
+    terms: dict[str, float] = {
+        "norm1_input": e * s * b * d / r,
+        "qkv_input": e * s * b * d / r,  # LayerNorm output (under SP: the local shard, re-gathered)
+        "q": e * s * b * n * hd / t,
+        "k": e * s * b * k * hd / t,
+        "v": e * s * b * k * hd / t,
+    }
+    if m.attention == "fused":
+        terms["attn_logsumexp"] = 4 * s * b * n / t
+    elif policy != "selective":  # selective recomputes these from Q, K, V
+        terms["attn_probs"] = e * n * s * s * b / t
+        if dropout:
+            terms["attn_dropout_mask"] = MASK_BYTES * n * s * s * b / t
+            terms["attn_probs_dropped"] = e * n * s * s * b / t
+    terms["out_proj_input"] = e * s * b * n * hd / t
+    if dropout:
+        terms["attn_out_dropout_mask"] = MASK_BYTES * s * b * d / r
+    terms["norm2_input"] = e * s * b * d / r
+    terms["mlp_input"] = e * s * b * d / r
+    if m.family == "gpt":
+        terms["gelu_input"] = e * s * b * f / t
+        terms["fc2_input"] = e * s * b * f / t
+    else:
+        terms["gate"] = e * s * b * f / t
+        terms["up"] = e * s * b * f / t
+        terms["down_input"] = e * s * b * f / t
+    if dropout:
+        terms["mlp_dropout_mask"] = MASK_BYTES * s * b * d / r
+    return terms
+
+
+def _dot_output_terms(m: ModelConfig, s: int, b: int, t: int, r: int) -> dict[str, float]:
+    """The `dots` policy keeps the weight-matmul outputs the backward pass needs: Q, K, V, the
+    attention-out projection (to rebuild the MLP's input) and the MLP's first matmul(s). The MLP-out
+    projection's output is needed by nothing and is not kept. Under SP the attention-out product is
+    kept as the partial sums before the reduce-scatter, full-sequence (r = 1 for that term)."""
+    e, d, n, k, hd, f = _dtype_bytes(m.dtype), m.d_model, m.n_heads, m.kv_heads, m.dim_head, m.ffn
+    terms = {"q": e * s * b * n * hd / t, "k": e * s * b * k * hd / t, "v": e * s * b * k * hd / t}
+    terms["attn_out"] = e * s * b * d
+    if m.family == "gpt":
+        terms["fc1_out"] = e * s * b * f / t
+    else:
+        terms |= {"gate": e * s * b * f / t, "up": e * s * b * f / t}
+    return terms
+
+
+def layer_host_terms(
+    m: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tensor: int = 1,
+    sequence_parallel: bool = False,
+    policy: str = "none",
+) -> dict[str, float]:
+    """Bytes per device one layer keeps in pinned host memory (the `offload` policy only)."""
+    if policy != "offload":
+        return {}
+    return _dot_output_terms(m, seq_len, micro_batch, tensor, tensor if sequence_parallel else 1)
+
+
+def outside_activation_terms(
+    m: ModelConfig, seq_len: int, micro_batch: int, tensor: int = 1, sequence_parallel: bool = False, pipeline: int = 1
+) -> dict[str, float]:
+    """P2 section 4.3: embedding dropout (x p microbatches in flight on the first pipeline stage),
+    and - only when p = 1 - final norm input, output-layer input and fp32 logits. Token ids and
+    targets (int32) are listed too: P2 ignores them as small; we keep every byte we store."""
+    e, s, b, t, d, v = _dtype_bytes(m.dtype), seq_len, micro_batch, tensor, m.d_model, m.vocab_size
+    r = t if sequence_parallel else 1
+    terms: dict[str, float] = {"token_ids": 4 * s * b * pipeline}
+    if m.dropout > 0:
+        terms["embedding_dropout_mask"] = MASK_BYTES * s * b * d * pipeline / r
+    if pipeline == 1:
+        terms |= {
+            "final_norm_input": e * s * b * d / r,
+            "output_layer_input": e * s * b * d / r,
+            "logits": 4 * s * b * v / t,
+            "targets": 4 * s * b,
+        }
+    return terms
+
+
+def activation_memory(
+    cfg: RunConfig,
+    *,
+    policy: str | None = None,
+    sequence_parallel: bool | None = None,
+    pipeline: int = 1,
+    interleave: int = 1,
+) -> dict[str, object]:
+    """Per-device activation bytes of a whole model: {'per_layer': {term: bytes}, 'layer_total',
+    'layers': L x layer_total x interleave penalty (P2 5: the first pipeline stage holds L layers'
+    worth, times 1 + (p-1)/(p m) when interleaved), 'outside': {term: bytes}, 'total' (device),
+    'host_per_layer', 'host_total' (pinned host memory, offload policy)}."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    policy = cfg.remat.policy if policy is None else policy
+    sp = par.sequence_parallel if sequence_parallel is None else sequence_parallel
+    b = t.global_batch // t.microbatches // par.batch_shards
+    per_layer = layer_activation_terms(m, t.seq_len, b, par.tensor, sp, policy)
+    host_per_layer = layer_host_terms(m, t.seq_len, b, par.tensor, sp, policy)
+    layer_total = sum(per_layer.values())
+    penalty = 1 + (pipeline - 1) / (pipeline * interleave) if interleave > 1 else 1.0
+    layers = m.n_layers * layer_total * penalty
+    outside = outside_activation_terms(m, t.seq_len, b, par.tensor, sp, pipeline)
+    return {
+        "per_layer": per_layer,
+        "layer_total": layer_total,
+        "layers": layers,
+        "outside": outside,
+        "total": layers + sum(outside.values()),
+        "host_per_layer": host_per_layer,
+        "host_total": m.n_layers * sum(host_per_layer.values()),
+    }

@@ -1,4 +1,4 @@
-"""`meshlm` command line: train | recipes.
+"""`meshlm` command line: train | memory | recipes.
 
 Only this entry point touches process-wide state (XLA_FLAGS, JAX_PLATFORMS), and it does so
 before jax is imported: jax reads the device count once, at import.
@@ -7,6 +7,7 @@ before jax is imported: jax reads the device count once, at import.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -39,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(train)
     train.add_argument("--run-dir", help="output directory (default: runs/<recipe>-<time>)")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    memory = sub.add_parser(
+        "memory", help="activation memory per device: formula (P2 Table 2, extended) vs measured, every policy"
+    )
+    _add_run_args(memory)
+    memory.add_argument("--json", action="store_true", help="machine-readable output")
+    memory.add_argument("--no-measure", action="store_true", help="formula only (no compilation)")
+    memory.add_argument("--terms", type=int, default=4, help="largest per-layer terms to show per row")
     sub.add_parser("recipes", help="list the named recipes")
     return parser
 
@@ -65,14 +73,19 @@ def _set_device_count(n: int, explicit: bool) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _prepare(args: argparse.Namespace) -> RunConfig:
+    """Resolve and validate the config, and set the simulated device count before jax loads."""
     cfg = resolve_config(args)
     if args.devices is not None and args.devices < 1:
         raise ConfigError("--devices must be >= 1")
     _set_device_count(args.devices or cfg.parallel.n_devices, explicit=args.devices is not None)
     from meshlm.config import validate
 
-    validate(cfg)
+    return validate(cfg)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _prepare(args)
     if args.print_config:
         print(cfg.to_json())
         return 0
@@ -80,6 +93,65 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir or f"runs/{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
     train(cfg, run_dir)
+    return 0
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:,.2f}"
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    cfg = _prepare(args)
+    from meshlm.memory import memory_table
+
+    rows = memory_table(cfg, measure=not args.no_measure)
+    if args.json:
+        out = []
+        for r in rows:
+            item = {"policy": r.policy, "sequence_parallel": r.sequence_parallel, "formula": r.formula}
+            if r.measured is not None:
+                item["measured"] = {
+                    "activation_bytes": r.measured.activation_bytes,
+                    "host_bytes": r.measured.host_bytes,
+                    "compiled_output_bytes": r.measured.compiled_output_bytes,
+                    "residuals": [vars(x) for x in r.measured.residuals],
+                }
+                item["ratio"] = r.ratio
+            out.append(item)
+        print(json.dumps(out, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    m, t = cfg.model, cfg.train
+    b = t.global_batch // t.microbatches // cfg.parallel.batch_shards
+    table = Table(
+        title=f"activation memory per device: {args.recipe} ({m.family}, L={m.n_layers}, s={t.seq_len}, "
+        f"b={b} per device, h={m.d_model}, a={m.n_heads}, {m.dtype}), mesh data={cfg.parallel.data} "
+        f"fsdp={cfg.parallel.fsdp} tensor={cfg.parallel.tensor}",
+        title_justify="left",
+    )
+    for col in ("policy", "SP", "per layer MiB", "formula MiB", "measured MiB", "ratio", "host MiB (f/m)"):
+        table.add_column(col, justify="left" if col in ("policy", "SP") else "right")
+    table.add_column("largest per-layer terms (MiB)")
+    for r in rows:
+        terms = sorted(r.formula["per_layer"].items(), key=lambda kv: -kv[1])[: args.terms]
+        table.add_row(
+            r.policy,
+            "on" if r.sequence_parallel else "off",
+            _mib(r.formula["layer_total"]),
+            _mib(r.formula["total"]),
+            "-" if r.measured is None else _mib(r.measured.activation_bytes),
+            "-" if r.ratio is None else f"{r.ratio:.3f}",
+            f"{_mib(r.formula['host_total'])} / {_mib(r.measured.host_bytes) if r.measured else '-'}"
+            if r.formula["host_total"]
+            else "",
+            ", ".join(f"{k} {_mib(v)}" for k, v in terms),
+        )
+    console = Console()
+    if not console.is_terminal:
+        console.width = 220
+    console.print(table)
     return 0
 
 
@@ -100,7 +172,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "recipes": cmd_recipes}[args.command](args)
+        return {"train": cmd_train, "memory": cmd_memory, "recipes": cmd_recipes}[args.command](args)
     except ConfigError as e:
         print(f"meshlm: error: {e}", file=sys.stderr)
         return EXIT_CONFIG

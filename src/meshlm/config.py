@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 Family = Literal["gpt", "llama"]
 DType = Literal["float32", "bfloat16"]
+Attention = Literal["explicit", "fused"]
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,9 @@ class ModelConfig:
     max_seq_len: int = 128  # size of the learned position table (gpt); RoPE needs none
     dropout: float = 0.0  # gpt only: embedding, attention probabilities, attention out, MLP out
     dtype: DType = "float32"  # compute (activation) dtype; parameters are always fp32 masters
+    # "explicit": softmax(QK^T)V with the score matrix materialised (the papers' assumption);
+    # "fused": jax.nn.dot_product_attention (cuDNN flash attention on GPUs, no stored scores there)
+    attention: Attention = "explicit"
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
@@ -65,11 +69,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Mesh axis sizes; their product is the device count. Axes of size 1 shard nothing."""
+    """Mesh axis sizes; their product is the device count. Axes of size 1 shard nothing.
+
+    `sequence_parallel` (P2 section 4.2.2) shards the LayerNorm/dropout/residual regions along the
+    sequence over the `tensor` axis, with all-gather / reduce-scatter at the block boundaries.
+    """
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    sequence_parallel: bool = False
 
     @property
     def n_devices(self) -> int:
@@ -278,6 +287,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     _need(m.dim_head % 2 == 0 or m.family == "gpt", "llama needs an even head_dim for RoPE")
     _need(0.0 <= m.dropout < 1.0, "model.dropout must be in [0, 1)")
     _need(m.family == "gpt" or m.dropout == 0.0, "model.dropout is only implemented for the gpt family")
+    _need(
+        m.attention == "explicit" or m.dropout == 0.0,
+        "model.attention=fused has no attention-probability dropout; set model.dropout=0 or attention=explicit",
+    )
+    if p.sequence_parallel:
+        _need(p.tensor > 1, "parallel.sequence_parallel needs a tensor axis > 1 (it shards over 'tensor')")
+        _divides(t.seq_len, "train.seq_len", p.tensor, "tensor")
     if m.family == "gpt":
         _need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     from meshlm.parallel.remat import POLICIES  # imported late: the CLI sets XLA_FLAGS first

@@ -21,8 +21,7 @@ from meshlm.data.prepare import prepare
 from meshlm.metrics import MetricsLogger
 from meshlm.model.params import param_specs
 from meshlm.optim import make_optimizer
-from meshlm.parallel.mesh import make_mesh
-from meshlm.parallel.rules import Layout
+from meshlm.parallel.mesh import make_layout
 from meshlm.step import batch_sharding, make_eval_step, make_train_step
 from meshlm.train_state import init_state, state_shardings
 
@@ -83,7 +82,7 @@ def train(cfg: RunConfig, run_dir: Path, *, quiet: bool = False) -> RunResult:
 
 def _train(cfg: RunConfig, run_dir: Path, log: MetricsLogger) -> RunResult:
     tc = cfg.train
-    layout = Layout(make_mesh(cfg.parallel))
+    layout = make_layout(cfg.parallel)
     data = prepare(cfg.data, cfg.model.vocab_size, log=log.print)
     train_tokens = data.tokens("train")
     train_loader = WindowLoader(train_tokens, tc.seq_len, tc.global_batch, tc.seed, "train")

@@ -1,20 +1,27 @@
 """Pure math of a decoder layer: no parameters are created here and no mesh is known.
 
+What each function keeps for the backward pass is chosen to match P2's accounting (section 4.1):
+norms keep only their input, GeLU/SwiGLU only their input(s), softmax only its output, dropout a
+1-byte mask. Wrapping a function in `jax.checkpoint` is how "keep only the inputs, recompute the
+rest" is said in JAX; the recomputation is element-wise work, never a GEMM.
+
 Shape legend (einsum letters): b batch, t query positions, s key positions, d d_model,
-n query heads, k kv heads, g query heads per kv head (n = k*g), h head_dim, f d_ff, v vocab.
+n query heads, k kv heads, g query heads per kv head (n = k*g), h head_dim, f d_ff.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 
+@partial(jax.checkpoint, static_argnums=(3,))
 def layer_norm(x_btd: jax.Array, scale_d: jax.Array, bias_d: jax.Array, eps: float) -> jax.Array:
-    """LayerNorm with statistics in fp32; output in x's dtype."""
+    """LayerNorm with statistics in fp32; output in x's dtype. Keeps only x for backward."""
     x = x_btd.astype(jnp.float32)
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
@@ -22,23 +29,51 @@ def layer_norm(x_btd: jax.Array, scale_d: jax.Array, bias_d: jax.Array, eps: flo
     return (y * scale_d.astype(jnp.float32) + bias_d.astype(jnp.float32)).astype(x_btd.dtype)
 
 
+@partial(jax.checkpoint, static_argnums=(2,))
 def rms_norm(x_btd: jax.Array, scale_d: jax.Array, eps: float) -> jax.Array:
     x = x_btd.astype(jnp.float32)
     y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + eps)
     return (y * scale_d.astype(jnp.float32)).astype(x_btd.dtype)
 
 
+@jax.checkpoint
 def gelu(x: jax.Array) -> jax.Array:
-    """GPT-2's tanh-approximate GeLU ("gelu_new" in Hugging Face)."""
+    """GPT-2's tanh-approximate GeLU ("gelu_new" in Hugging Face). Keeps only its input."""
     return jax.nn.gelu(x, approximate=True)
 
 
+@jax.checkpoint
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up. Keeps only gate and up."""
+    return jax.nn.silu(gate) * up
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """Inverted dropout. The keep mask is a bool (1 byte/element), matching P2's accounting."""
+    """Inverted dropout. The keep mask is a bool (1 byte/element), matching P2's accounting.
+    Bits come from the global position of each element (partitionable threefry), so every shard
+    of a sharded tensor draws different bits, the same ones on any layout, and recomputation
+    regenerates them from the key rather than storing anything."""
     if key is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+    return _apply_keep_mask(x, jax.random.bernoulli(key, 1.0 - rate, x.shape), rate)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _apply_keep_mask(x: jax.Array, keep: jax.Array, rate: float) -> jax.Array:
+    # A custom VJP so that backward keeps the bool mask and nothing else (a plain jnp.where also
+    # keeps a broadcast zeros tensor, which lax.scan hoists out of the layer loop as a residual).
+    return jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), jnp.zeros((), x.dtype))
+
+
+def _mask_fwd(x, keep, rate):
+    return _apply_keep_mask(x, keep, rate), keep
+
+
+def _mask_bwd(rate, keep, g):
+    return jnp.where(keep, g * jnp.asarray(1.0 / (1.0 - rate), g.dtype), jnp.zeros((), g.dtype)), None
+
+
+_apply_keep_mask.defvjp(_mask_fwd, _mask_bwd)
 
 
 def rope(x_btnh: jax.Array, positions_t: jax.Array, theta: float) -> jax.Array:
@@ -55,28 +90,70 @@ def rope(x_btnh: jax.Array, positions_t: jax.Array, theta: float) -> jax.Array:
     return (x * cos + rotated * sin).astype(x_btnh.dtype)
 
 
+def _causal_softmax(scores: jax.Array) -> jax.Array:
+    """Softmax over the last axis with a causal mask, in fp32, returned in the scores' dtype."""
+    t, s = scores.shape[-2:]
+    causal = jnp.tril(jnp.ones((t, s), dtype=bool), k=s - t)
+    return jax.nn.softmax(jnp.where(causal, scores.astype(jnp.float32), -jnp.inf), axis=-1).astype(scores.dtype)
+
+
+_AV = "bkgts,bskh->btkgh"  # attention over V
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _softmax_dropout_av(scores: jax.Array, v_bskh: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
+    """softmax -> dropout -> @V as one VJP that keeps exactly P2's tensors: the softmax output
+    (2as^2b), the dropout mask (as^2b) and its output (2as^2b), and V; without dropout the softmax
+    output once. (Separate VJPs for softmax and @V would each keep their own copy of it.)"""
+    return _softmax_dropout_av_fwd(scores, v_bskh, keep, rate)[0]
+
+
+def _softmax_dropout_av_fwd(scores, v, keep, rate):
+    probs = _causal_softmax(scores)
+    dropped = probs if keep is None else _apply_keep_mask(probs, keep, rate)
+    return jnp.einsum(_AV, dropped, v), (probs, keep, None if keep is None else dropped, v)
+
+
+def _softmax_dropout_av_bwd(rate, res, g):
+    probs, keep, dropped, v = res
+    dropped = probs if dropped is None else dropped
+    d_dropped = jnp.einsum("btkgh,bskh->bkgts", g, v)
+    dv = jnp.einsum("bkgts,btkgh->bskh", dropped, g)
+    d_probs = d_dropped if keep is None else _mask_bwd(rate, keep, d_dropped)[0]
+    p, gp = probs.astype(jnp.float32), d_probs.astype(jnp.float32)
+    d_scores = (p * (gp - jnp.sum(gp * p, axis=-1, keepdims=True))).astype(probs.dtype)
+    return d_scores, dv, None
+
+
+_softmax_dropout_av.defvjp(_softmax_dropout_av_fwd, _softmax_dropout_av_bwd)
+
+
 def causal_attention(
     q_btnh: jax.Array,
     k_bskh: jax.Array,
     v_bskh: jax.Array,
-    *,
     dropout_rate: float = 0.0,
     key: jax.Array | None = None,
 ) -> jax.Array:
     """Explicit softmax attention with grouped KV heads (n = k*g; MHA is g = 1).
 
     The score matrix is materialised on purpose: P2's memory model and selective recomputation
-    are about exactly these tensors, which are tagged for the remat policies:
-    attn_scores (QK^T), attn_probs (softmax), attn_probs_dropped (softmax dropout).
+    are about exactly these tensors (QK^T, softmax, softmax dropout, attention over V). The dropout
+    bits depend only on `key` and the element's position, so recomputation replays them exactly.
     """
     b, t, n, h = q_btnh.shape
     k = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh) / math.sqrt(h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh) * jnp.asarray(1 / math.sqrt(h), q_btnh.dtype)
     scores = checkpoint_name(scores, "attn_scores")
-    causal_ts = jnp.tril(jnp.ones((t, k_bskh.shape[1]), dtype=bool))
-    scores = jnp.where(causal_ts, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(q_btnh.dtype), "attn_probs")
-    probs = checkpoint_name(dropout(probs, dropout_rate, key), "attn_probs_dropped")
-    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+    keep = None
+    if key is not None and dropout_rate > 0:
+        keep = jax.random.bernoulli(key, 1.0 - dropout_rate, scores.shape)
+    out_btkgh = _softmax_dropout_av(scores, v_bskh, keep, dropout_rate)
     return out_btkgh.reshape(b, t, n, h)
+
+
+def fused_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array) -> jax.Array:
+    """`jax.nn.dot_product_attention`: cuDNN flash attention on GPUs (no stored score matrix),
+    XLA's own lowering elsewhere."""
+    return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True)

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from meshlm.config import ConfigError, ParallelConfig
+from meshlm.parallel.rules import Layout, rules_for
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -36,3 +37,8 @@ def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
             f"devices but {len(devices)} are available (use --devices N on CPU, or change --mesh)"
         )
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def make_layout(parallel: ParallelConfig, devices: list | None = None) -> Layout:
+    """The mesh plus the rules table for this parallel config (sequence parallelism included)."""
+    return Layout(make_mesh(parallel, devices), rules_for(parallel.sequence_parallel))

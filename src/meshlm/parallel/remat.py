@@ -1,34 +1,53 @@
-"""Activation recomputation policies by name (MaxText style): the model tags tensors with
-`checkpoint_name`; a policy decides which tagged or untagged intermediates the backward pass keeps.
+"""Activation recomputation policies, by name, in one registry.
 
-`None` means "no jax.checkpoint at all": every residual is stored.
+A policy says two things: which `jax.checkpoint` policy wraps a whole layer (None: no layer-level
+checkpoint), and whether the attention core (QK^T, softmax, softmax dropout, attention over V) is
+recomputed in the backward pass - P2's selective recomputation, done as Megatron does it, by
+checkpointing exactly that core. (Under sequence parallelism the all-gathered LayerNorm output is
+never kept, whatever the policy: `parallel.collectives.column_parallel` sees to that.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 
-# Names the model gives to the attention core's large, cheap tensors (P2 section 5, Fig. 3).
-ATTN_CORE_NAMES = ("attn_scores", "attn_probs", "attn_probs_dropped")
+cp = jax.checkpoint_policies
 
-POLICIES: dict[str, Callable | None] = {
-    "none": None,
-    # Store only each layer's input (the scan carry); recompute the whole layer in backward.
-    "full": jax.checkpoint_policies.nothing_saveable,
-    # P2's selective recomputation: keep everything except QK^T, softmax, softmax dropout
-    # (their outputs are recomputed, as is attention over V which consumes them).
-    "selective": jax.checkpoint_policies.save_anything_except_these_names(*ATTN_CORE_NAMES),
-    # JAX-native: keep only matmul outputs without batch dimensions (weights-stationary GEMMs).
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+
+@dataclass(frozen=True)
+class RematPolicy:
+    description: str
+    layer: Callable | None = None
+    attention_core: bool = False
+
+
+POLICIES: dict[str, RematPolicy] = {
+    "none": RematPolicy("store every activation the backward pass needs"),
+    "selective": RematPolicy(
+        "P2's selective recomputation: recompute QK^T, softmax, softmax dropout and attention over V",
+        attention_core=True,
+    ),
+    "full": RematPolicy("store each layer's input only; recompute the whole layer", layer=cp.nothing_saveable),
+    "dots": RematPolicy(
+        "store only matmul outputs (no batch dims); recompute element-wise work",
+        layer=cp.dots_with_no_batch_dims_saveable,
+    ),
+    "offload": RematPolicy(
+        "like dots, but the saved matmul outputs live in pinned host memory",
+        layer=cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    ),
 }
 
 
-def wrap(fn: Callable, policy: str, *, static_argnums: tuple[int, ...] = ()) -> Callable:
-    """Apply the named policy to a layer function (identity for 'none')."""
-    if policy not in POLICIES:
-        raise KeyError(f"unknown remat policy {policy!r}; choose from {', '.join(POLICIES)}")
-    if policy == "none":
-        return fn
-    return jax.checkpoint(fn, policy=POLICIES[policy], static_argnums=static_argnums)
+def wrap_layer(fn: Callable, name: str) -> Callable:
+    """Checkpoint a whole layer with the policy's layer-level rule (identity when it has none)."""
+    pol = POLICIES[name].layer
+    return fn if pol is None else jax.checkpoint(fn, policy=pol)
+
+
+def wrap_attention_core(fn: Callable, name: str) -> Callable:
+    # prevent_cse=False: inside a scan there is nothing for XLA's CSE to undo.
+    return jax.checkpoint(fn, prevent_cse=False) if POLICIES[name].attention_core else fn

@@ -8,7 +8,9 @@ combinations, because the mesh always has all three axes and an axis of size 1 s
 - weight `embed` dims over fsdp: parameters (and, through `optim.py`, optimizer state) are split
   ZeRO-3 style and gathered by XLA just in time for each layer;
 - heads / kv_heads / mlp / vocab over tensor: QKV and MLP-in are column-parallel, attention-out
-  and MLP-out row-parallel, the embedding and output layer vocabulary-parallel (Megatron, P2 4.2.1).
+  and MLP-out row-parallel, the embedding and output layer vocabulary-parallel (Megatron, P2 4.2.1);
+- with sequence parallelism (P2 4.2.2), `act_seq` - the sequence axis of the LayerNorm, dropout and
+  residual regions - is also sharded over tensor (`rules_for`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ RULES: dict[str, MeshAxes] = {
     ax.ACT_MLP: "tensor",
     ax.ACT_VOCAB: "tensor",
 }
+
+
+def rules_for(sequence_parallel: bool) -> tuple[tuple[str, MeshAxes], ...]:
+    """The rules table, with the sequence-parallel row switched on or off."""
+    table = dict(RULES)
+    if sequence_parallel:
+        table[ax.ACT_SEQ] = "tensor"
+    return tuple(table.items())
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,14 @@ class Layout:
     def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         """`with_sharding_constraint` by logical names; the model's only contact with the mesh."""
         return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes))
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return "tensor" in self.mesh_axes(ax.ACT_SEQ)
+
+    @property
+    def tensor_size(self) -> int:
+        return self.mesh.shape["tensor"]
 
     def shard_count(self, logical: str) -> int:
         n = 1

@@ -1,0 +1,111 @@
+"""The tensor-parallel region boundaries, written as explicit collectives over the `tensor` axis.
+
+Megatron's conjugate operators (P2 section 4.2):
+
+| region boundary           | TP only (f / f-bar)           | TP + SP (g / g-bar)                      |
+|---------------------------|-------------------------------|------------------------------------------|
+| block entry               | identity (bwd: all-reduce)    | all-gather along s (bwd: reduce-scatter) |
+| block exit (row-parallel) | all-reduce (bwd: identity)    | reduce-scatter along s (bwd: all-gather) |
+
+Without SP, GSPMD inserts f / f-bar by itself from the sharding constraints. With SP the boundaries
+are written as `shard_map` collectives: left to itself, XLA's CPU pipeline lowers the reduce-scatter
+as all-reduce + dynamic-slice (only the GPU and TPU pipelines fuse that pair back), which would hide
+exactly what P2 is about. JAX differentiates `all_gather` into `psum_scatter` and back, giving the
+conjugates for free.
+
+The shard_maps are manual over every mesh axis. Activations enter with their full logical spec;
+weights with their `tensor` spec only, so an FSDP-sharded weight is gathered by GSPMD on entry, as
+it would be for any matmul. (Manual over `tensor` alone would be tidier, but XLA 0.10's CPU
+all-reduce promotion aborts on a bf16 reduce-scatter in a partially manual computation.)
+
+Shapes: b batch, t sequence, d d_model, v vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from meshlm import axes as ax
+from meshlm.parallel.rules import Layout, constrain
+
+
+def _tensor_spec(layout: Layout, logical_axes: Sequence[str | None]) -> P:
+    """A weight's partition spec restricted to the `tensor` axis (replicated over the others)."""
+    parts = []
+    for logical in logical_axes:
+        parts.append("tensor" if "tensor" in layout.mesh_axes(logical) else None)
+    return P(*parts)
+
+
+def _manual(layout: Layout, fn, in_specs, out_specs):
+    return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def column_parallel(layout: Layout | None, fn: Callable, x_btd: jax.Array, residual_axes: Sequence[str | None]):
+    """g, then `fn` (the column-parallel matmuls of a block) on the full sequence.
+
+    Under SP the input is all-gathered along the sequence (backward: reduce-scatter), and the
+    gather and `fn` are checkpointed together, so the backward pass keeps only the local
+    sequence shard and re-gathers it (P2 4.2.2; Megatron's LinearWithGradAccumulation...). The
+    recomputed matmul outputs are unused in backward and removed by XLA, so no GEMM runs twice.
+    Without SP this is just `fn(x_btd)` (GSPMD inserts f).
+    """
+    if layout is None or not layout.sequence_parallel:
+        return fn(x_btd)
+    gathered_axes = (residual_axes[0], ax.SEQ, *residual_axes[2:])
+    gather = _manual(
+        layout,
+        lambda x: jax.lax.all_gather(x, "tensor", axis=1, tiled=True),
+        in_specs=layout.spec(residual_axes),
+        out_specs=layout.spec(gathered_axes),
+    )
+    return jax.checkpoint(lambda x: fn(gather(x)))(x_btd)
+
+
+def row_parallel(
+    layout: Layout | None,
+    equation: str,
+    x: jax.Array,
+    w: jax.Array,
+    x_axes: Sequence[str | None],
+    w_axes: Sequence[str | None],
+    out_axes: Sequence[str | None],
+) -> jax.Array:
+    """f-bar / g-bar: a row-parallel matmul (contraction over a tensor-sharded axis) leaving the block.
+
+    TP only: the einsum, constrained to the residual layout; GSPMD all-reduces the partial sums.
+    TP + SP: local partial sums reduce-scattered along the sequence (axis 1 of the output).
+    """
+    if layout is None or not layout.sequence_parallel:
+        return constrain(layout, jnp.einsum(equation, x, w), out_axes)
+    return _manual(
+        layout,
+        lambda xl, wl: jax.lax.psum_scatter(jnp.einsum(equation, xl, wl), "tensor", scatter_dimension=1, tiled=True),
+        in_specs=(layout.spec(x_axes), _tensor_spec(layout, w_axes)),
+        out_specs=layout.spec(out_axes),
+    )(x, w)
+
+
+def vocab_parallel_embed(
+    layout: Layout | None, table_vd: jax.Array, tokens_bt: jax.Array, out_axes: Sequence[str | None]
+) -> jax.Array:
+    """Embedding lookup in a vocabulary-sharded table. Under SP each tensor rank looks up the
+    tokens of its vocabulary slice, and the partial embeddings are reduce-scattered along the
+    sequence (Megatron's VocabParallelEmbedding + scatter to the SP region)."""
+    if layout is None or not layout.sequence_parallel or "tensor" not in layout.mesh_axes(ax.VOCAB):
+        return constrain(layout, jnp.take(table_vd, tokens_bt, axis=0), out_axes)
+
+    def local(table, tokens):
+        # Rows outside this rank's slice read as zeros (mode="fill"), so backward keeps only the ids.
+        local_ids = tokens - jax.lax.axis_index("tensor") * table.shape[0]
+        x = jnp.take(table, local_ids, axis=0, mode="fill", fill_value=0)
+        return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
+
+    tokens_spec = layout.spec((out_axes[0], None))
+    return _manual(layout, local, in_specs=(P("tensor"), tokens_spec), out_specs=layout.spec(out_axes))(
+        table_vd, tokens_bt
+    )

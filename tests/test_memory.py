@@ -1,0 +1,154 @@
+"""Activation memory to the byte: P2's Table 2 measured on a simulated mesh, Figure 7 reproduced by
+the analytic model, and formula = measurement for every policy, SP on/off, both families."""
+
+import dataclasses
+import json
+
+import jax
+import pytest
+
+from meshlm import accounting
+from meshlm.cli import main
+from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig, validate
+from meshlm.memory import measure_activations
+from meshlm.parallel.mesh import make_layout
+from meshlm.parallel.remat import POLICIES
+
+GiB = 2**30
+
+# The issue's setting: P2's architecture (bf16, 1-byte dropout masks, explicit softmax) at s=512,
+# h=512, a=8, b=2 on tensor=4.
+S, H, A, B, T = 512, 512, 8, 2, 4
+SBH = S * B * H
+
+# P2 Table 2, per layer, in units of sbh bytes.
+TABLE2 = {
+    "no parallelism": (1, False, "none", 34 + 5 * A * S / H),
+    "tensor parallel": (T, False, "none", 10 + 24 / T + 5 * A * S / (H * T)),
+    "tensor + sequence parallel": (T, True, "none", 34 / T + 5 * A * S / (H * T)),
+    "tensor parallel + selective": (T, False, "selective", 10 + 24 / T),
+    "tensor + sequence + selective": (T, True, "selective", 34 / T),
+    "full recompute": (T, False, "full", 2),
+}
+
+
+def paper_config(n_layers: int, tensor: int, sp: bool, policy: str, family: str = "gpt") -> RunConfig:
+    model = ModelConfig(
+        family=family,
+        vocab_size=512,
+        d_model=H,
+        n_layers=n_layers,
+        n_heads=A,
+        n_kv_heads=4 if family == "llama" else 0,
+        max_seq_len=S,
+        dropout=0.1 if family == "gpt" else 0.0,
+        dtype="bfloat16",
+    )
+    return validate(
+        RunConfig(
+            model=model,
+            parallel=ParallelConfig(tensor=tensor, sequence_parallel=sp),
+            remat=RematConfig(policy=policy),
+            train=TrainConfig(global_batch=B, seq_len=S),
+        )
+    )
+
+
+def _measure(cfg: RunConfig):
+    return measure_activations(cfg, make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices]))
+
+
+@pytest.mark.parametrize("row", list(TABLE2))
+def test_table2_measured_per_layer(row, devices):
+    """Slope over L = 1, 2, 4 of the bytes really stored per device = P2 Table 2 (5% allowed;
+    what we get is exact)."""
+    tensor, sp, policy, expected = TABLE2[row]
+    measured = {L: _measure(paper_config(L, tensor, sp, policy)).activation_bytes for L in (1, 2, 4)}
+    slope = (measured[4] - measured[1]) / 3
+    assert measured[2] - measured[1] == pytest.approx(slope, rel=1e-9)  # linear in L
+    assert slope / SBH == pytest.approx(expected, rel=0.05)
+    assert slope / SBH == pytest.approx(expected, rel=1e-9), "exact today: a regression stores more"
+    # and the analytic model says the same, term by term summed
+    formula = accounting.activation_memory(paper_config(1, tensor, sp, policy))["layer_total"]
+    assert formula / SBH == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("sp", [False, True])
+def test_formula_equals_measurement_whole_model(family, policy, sp, devices):
+    """Every policy x SP x family: the model-level total (layers and the terms outside them) and
+    the host-offloaded bytes match the formula within 0.5%."""
+    cfg = paper_config(2, T, sp, policy, family)
+    m = _measure(cfg)
+    f = accounting.activation_memory(cfg)
+    assert m.activation_bytes == pytest.approx(f["total"], rel=5e-3)
+    assert m.host_bytes == pytest.approx(f["host_total"], rel=5e-3, abs=1)
+    assert sum(r.device_bytes for r in m.residuals) == m.activation_bytes
+    assert m.compiled_output_bytes >= m.activation_bytes  # XLA's own count includes the parameters
+
+
+def test_selective_and_sp_shrink_memory_in_the_papers_order(devices):
+    totals = {row: accounting.activation_memory(paper_config(1, *TABLE2[row][:3]))["layer_total"] for row in TABLE2}
+    order = sorted(totals, key=totals.get, reverse=True)
+    assert order == list(TABLE2)  # Table 2 is written from most to least memory
+
+
+# Figure 7 [CALC in the notes, section 2.11]: first-stage activations per GPU in GiB, from Table 2 x
+# L x interleave factor, Table 3 configurations (TP = 8, s = 2048, v = 51200).
+FIGURE7 = {
+    # name: (h, a, L, b, p, m): none, TP, TP+SP, TP+sel, TP+SP+sel, full
+    "22B": ((6144, 64, 48, 4, 1, 1), (316.5, 59.2, 39.6, 29.2, 9.6, 4.5)),
+    "175B": ((12288, 96, 96, 1, 8, 3), (331.3, 66.8, 41.4, 37.8, 12.4, 5.8)),
+    "530B": ((20480, 128, 105, 1, 35, 3), (532.1, 114.0, 66.5, 70.6, 23.1, 10.9)),
+    "1T": ((25600, 160, 128, 1, 64, 1), (612.5, 131.2, 76.6, 81.2, 26.6, 12.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(FIGURE7))
+def test_figure7_reproduced(name):
+    (h, a, L, b, p, m), expected = FIGURE7[name]
+    model = ModelConfig(
+        d_model=h, n_heads=a, n_layers=L, vocab_size=51200, max_seq_len=2048, dropout=0.1, dtype="bfloat16"
+    )
+    got = []
+    for tensor, sp, policy, _ in TABLE2.values():
+        cfg = RunConfig(
+            model=model,
+            parallel=ParallelConfig(tensor=8 if tensor > 1 else 1),
+            train=TrainConfig(global_batch=b, seq_len=2048),
+        )
+        got.append(
+            accounting.activation_memory(cfg, policy=policy, sequence_parallel=sp, pipeline=p, interleave=m)["layers"]
+            / GiB
+        )
+    assert [round(x, 1) for x in got] == list(expected)
+    # P2's conclusion: SP + selective is about 5x below the TP baseline, full recompute about 10%
+    assert 0.15 < got[4] / got[1] < 0.21 and 0.07 < got[5] / got[1] < 0.10
+
+
+def test_outside_terms_match_p2_section_4_3():
+    cfg = paper_config(1, T, True, "selective")
+    out = accounting.activation_memory(cfg)["outside"]
+    # sbh/t embedding dropout mask, and 4sbh/t (1 + v/h) for final LN, output-layer input and logits
+    assert out["embedding_dropout_mask"] == SBH / T
+    v = cfg.model.vocab_size
+    assert out["final_norm_input"] + out["output_layer_input"] + out["logits"] == 4 * SBH / T * (1 + v / H)
+
+
+def test_fused_attention_drops_the_score_terms():
+    cfg = paper_config(1, T, False, "none")
+    fused = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="fused", dropout=0.0))
+    terms = accounting.activation_memory(fused)["per_layer"]
+    assert "attn_probs" not in terms and terms["attn_logsumexp"] == 4 * S * B * A / T
+
+
+def test_memory_cli_json(capsys, devices):
+    rc = main(["memory", "--recipe", "tiny", "--mesh", "tensor=4", "--set", "model.dtype=bfloat16", "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 2 * len(POLICIES)
+    assert {(r["policy"], r["sequence_parallel"]) for r in rows} == {(p, sp) for p in POLICIES for sp in (False, True)}
+    for r in rows:
+        assert r["ratio"] == pytest.approx(1.0, rel=5e-3)
+        assert r["measured"]["residuals"] and r["formula"]["per_layer"]

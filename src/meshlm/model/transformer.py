@@ -33,23 +33,42 @@ def _site_key(key: jax.Array | None, site: int) -> jax.Array | None:
     return None if key is None else jax.random.fold_in(key, site)
 
 
-def _qkv(h_btd, p, cfg: ModelConfig, layout: Layout | None):
-    """Column-parallel QKV projections (heads over tensor), biases (gpt) or RoPE (llama)."""
-    q = jnp.einsum("btd,dnh->btnh", h_btd, p["wq"])
-    k = jnp.einsum("btd,dkh->btkh", h_btd, p["wk"])
-    v = jnp.einsum("btd,dkh->btkh", h_btd, p["wv"])
-    if cfg.family == "gpt":
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    else:
-        positions = jnp.arange(h_btd.shape[1])
-        q, k = layers.rope(q, positions, cfg.rope_theta), layers.rope(k, positions, cfg.rope_theta)
-    kv_axes = (ax.BATCH, ax.SEQ, ax.ACT_KV_HEADS, None)
-    return constrain(layout, q, HEADS_ACT), constrain(layout, k, kv_axes), constrain(layout, v, kv_axes)
+QKV_AXES = {
+    "wq": (ax.EMBED, ax.HEADS, ax.HEAD_DIM),
+    "wk": (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
+    "wv": (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
+    "bq": (ax.HEADS, ax.HEAD_DIM),
+    "bk": (ax.KV_HEADS, ax.HEAD_DIM),
+    "bv": (ax.KV_HEADS, ax.HEAD_DIM),
+}
+KV_ACT = (ax.BATCH, ax.SEQ, ax.ACT_KV_HEADS, None)
+
+
+def _qkv(h_btd, wq, wk, wv, *biases, cfg: ModelConfig):
+    """Column-parallel QKV projections, then biases (gpt) or RoPE (llama). Runs per tensor rank
+    on its heads (inside `column_parallel`), so it must not name mesh axes."""
+    q = jnp.einsum("btd,dnh->btnh", h_btd, wq)
+    k = jnp.einsum("btd,dkh->btkh", h_btd, wk)
+    v = jnp.einsum("btd,dkh->btkh", h_btd, wv)
+    if biases:
+        bq, bk, bv = biases
+        return q + bq, k + bk, v + bv
+    positions = jnp.arange(h_btd.shape[1])
+    return layers.rope(q, positions, cfg.rope_theta), layers.rope(k, positions, cfg.rope_theta), v
 
 
 def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str):
-    """g -> QKV -> attention core -> row-parallel output projection -> f-bar / g-bar."""
-    q, k, v = column_parallel(layout, lambda h: _qkv(h, p, cfg, layout), h_btd, RESIDUAL)
+    """f / g -> QKV -> attention core -> row-parallel output projection -> f-bar / g-bar."""
+    names = ["wq", "wk", "wv"] + (["bq", "bk", "bv"] if cfg.family == "gpt" else [])
+    q, k, v = column_parallel(
+        layout,
+        partial(_qkv, cfg=cfg),
+        h_btd,
+        [p[n] for n in names],
+        [QKV_AXES[n] for n in names],
+        (HEADS_ACT, KV_ACT, KV_ACT),
+        RESIDUAL,
+    )
     if cfg.attention == "fused":
         a = layers.fused_attention(q, k, v)
     else:
@@ -68,8 +87,10 @@ def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_poli
     x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _ATTN_OUT)), RESIDUAL)
 
     h = layers.layer_norm(x_btd, p["ln2_scale"], p["ln2_bias"], cfg.norm_eps)
-    fc1 = lambda h: constrain(layout, jnp.einsum("btd,df->btf", h, p["w_fc"]) + p["b_fc"], MLP_ACT)
-    f = layers.gelu(column_parallel(layout, fc1, h, RESIDUAL))
+    fc1 = lambda h, w, b: (jnp.einsum("btd,df->btf", h, w) + b,)
+    w_axes = [(ax.EMBED, ax.MLP), (ax.MLP,)]
+    (f,) = column_parallel(layout, fc1, h, [p["w_fc"], p["b_fc"]], w_axes, (MLP_ACT,), RESIDUAL)
+    f = layers.gelu(f)
     o = row_parallel(layout, "btf,fd->btd", f, p["w_proj"], MLP_ACT, (ax.MLP, ax.EMBED), RESIDUAL) + p["b_proj"]
     return constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _MLP_OUT)), RESIDUAL)
 
@@ -82,11 +103,11 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
     h = layers.rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps)
     gate, up = column_parallel(
         layout,
-        lambda h: (
-            constrain(layout, jnp.einsum("btd,df->btf", h, p["w_gate"]), MLP_ACT),
-            constrain(layout, jnp.einsum("btd,df->btf", h, p["w_up"]), MLP_ACT),
-        ),
+        lambda h, wg, wu: (jnp.einsum("btd,df->btf", h, wg), jnp.einsum("btd,df->btf", h, wu)),
         h,
+        [p["w_gate"], p["w_up"]],
+        [(ax.EMBED, ax.MLP)] * 2,
+        (MLP_ACT, MLP_ACT),
         RESIDUAL,
     )
     o = row_parallel(layout, "btf,fd->btd", layers.swiglu(gate, up), p["w_down"], MLP_ACT, (ax.MLP, ax.EMBED), RESIDUAL)
@@ -132,13 +153,14 @@ def forward(
 
     if cfg.family == "gpt":
         x = layers.layer_norm(x, params["ln_f_scale"], params["ln_f_bias"], cfg.norm_eps)
-        w_out, equation = params["wte"].astype(dtype), "btd,vd->btv"  # tied embeddings
+        w_out, w_axes, equation = params["wte"], (ax.VOCAB, ax.EMBED), "btd,vd->btv"  # tied
     else:
         x = layers.rms_norm(x, params["final_norm"], cfg.norm_eps)
-        w_out, equation = params["lm_head"].astype(dtype), "btd,dv->btv"
+        w_out, w_axes, equation = params["lm_head"], (ax.EMBED, ax.VOCAB), "btd,dv->btv"
 
-    def unembed(x_btd):  # vocabulary-parallel output layer, fp32 logits
-        logits = jnp.einsum(equation, x_btd, w_out, preferred_element_type=jnp.float32)
-        return constrain(layout, logits, (ax.BATCH, ax.SEQ, ax.ACT_VOCAB))
+    def unembed(x_btd, w):  # vocabulary-parallel output layer, fp32 logits
+        return (jnp.einsum(equation, x_btd, w, preferred_element_type=jnp.float32),)
 
-    return column_parallel(layout, unembed, x, RESIDUAL)
+    logits_axes = (ax.BATCH, ax.SEQ, ax.ACT_VOCAB)
+    (logits,) = column_parallel(layout, unembed, x, [w_out.astype(dtype)], [w_axes], (logits_axes,), RESIDUAL)
+    return logits

@@ -45,25 +45,48 @@ def _manual(layout: Layout, fn, in_specs, out_specs):
     return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def column_parallel(layout: Layout | None, fn: Callable, x_btd: jax.Array, residual_axes: Sequence[str | None]):
-    """g, then `fn` (the column-parallel matmuls of a block) on the full sequence.
+def column_parallel(
+    layout: Layout | None,
+    fn: Callable,
+    x_btd: jax.Array,
+    weights: Sequence[jax.Array],
+    weight_axes: Sequence[Sequence[str | None]],
+    out_axes: Sequence[Sequence[str | None]],
+    residual_axes: Sequence[str | None],
+):
+    """Enter a tensor-parallel block: f (TP) or g (TP+SP), then `fn(x, *weights)` - the block's
+    column-parallel matmuls - on the full sequence, returning a tuple of outputs laid out as
+    `out_axes`.
 
-    Under SP the input is all-gathered along the sequence (backward: reduce-scatter), and the
-    gather and `fn` are checkpointed together, so the backward pass keeps only the local
-    sequence shard and re-gathers it (P2 4.2.2; Megatron's LinearWithGradAccumulation...). The
-    recomputed matmul outputs are unused in backward and removed by XLA, so no GEMM runs twice.
-    Without SP this is just `fn(x_btd)` (GSPMD inserts f).
+    With a tensor axis, `fn` runs inside one manual region on each rank's weight shards, so the
+    backward pass sums the input-gradient contributions of all its matmuls locally and reduces them
+    once: an all-reduce (f, TP) or a reduce-scatter (g-conjugate, SP). Left to GSPMD, each
+    matmul's partial input-gradient is all-reduced on its own (3x the bytes for Q, K, V).
+
+    Under SP the region all-gathers the sequence first and is checkpointed, so backward keeps only
+    the local sequence shard and re-gathers it (P2 4.2.2; Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication). The recomputed matmul outputs are unused in
+    backward and removed by XLA, so no GEMM runs twice.
     """
-    if layout is None or not layout.sequence_parallel:
-        return fn(x_btd)
-    gathered_axes = (residual_axes[0], ax.SEQ, *residual_axes[2:])
-    gather = _manual(
+    if layout is None or layout.tensor_size == 1:
+        outs = fn(x_btd, *weights)
+        return tuple(constrain(layout, o, a) for o, a in zip(outs, out_axes, strict=True))
+    sp = layout.sequence_parallel
+
+    def local(x, *ws):
+        if sp:
+            x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
+        return tuple(fn(x, *ws))
+
+    region = _manual(
         layout,
-        lambda x: jax.lax.all_gather(x, "tensor", axis=1, tiled=True),
-        in_specs=layout.spec(residual_axes),
-        out_specs=layout.spec(gathered_axes),
+        local,
+        in_specs=(layout.spec(residual_axes), *(_tensor_spec(layout, a) for a in weight_axes)),
+        out_specs=tuple(layout.spec(a) for a in out_axes),
     )
-    return jax.checkpoint(lambda x: fn(gather(x)))(x_btd)
+    if sp:
+        region = jax.checkpoint(region)
+    return region(x_btd, *weights)
 
 
 def row_parallel(
@@ -101,7 +124,10 @@ def vocab_parallel_embed(
 
     def local(table, tokens):
         # Rows outside this rank's slice read as zeros (mode="fill"), so backward keeps only the ids.
-        local_ids = tokens - jax.lax.axis_index("tensor") * table.shape[0]
+        # take() wraps negative indices NumPy-style even in fill mode: send them past the end.
+        rows = table.shape[0]
+        local_ids = tokens - jax.lax.axis_index("tensor") * rows
+        local_ids = jnp.where(local_ids < 0, rows, local_ids)
         x = jnp.take(table, local_ids, axis=0, mode="fill", fill_value=0)
         return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
 

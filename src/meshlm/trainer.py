@@ -121,7 +121,8 @@ def _train(cfg: RunConfig, run_dir: Path, log: MetricsLogger) -> RunResult:
     )
     log.print(
         f"meshlm {code_version()} | {cfg.model.family} {accounting.param_count(cfg.model) / 1e6:.2f}M params | "
-        f"mesh {dict(layout.mesh.shape)} | {tc.global_batch}x{tc.seq_len} tokens/step | "
+        f"mesh {dict(layout.mesh.shape)}{' +SP' if cfg.parallel.sequence_parallel else ''} | "
+        f"remat {cfg.remat.policy} | {tc.global_batch}x{tc.seq_len} tokens/step | "
         f"unigram entropy {entropy:.3f} nats | peak: {peak_source}"
     )
 

@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     model = ModelConfig(
@@ -75,7 +76,7 @@ def main() -> None:
         n_layers=1,
         n_heads=args.heads,
         max_seq_len=args.seq,
-        dropout=0.1,
+        dropout=args.dropout,
         dtype="bfloat16",
     )
     built = {name: build(model, sp, pol, args.batch, args.seq) for name, sp, pol in VARIANTS}
@@ -95,7 +96,7 @@ def main() -> None:
     cmd = "python benchmarks/layer_recompute.py " + " ".join(sys.argv[1:])
     lines = [
         f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, 4 simulated devices, "
-        f"tensor=4; one gpt layer s={s} b={b} h={h} a={a}, bf16, dropout 0.1; median of {args.rounds} "
+        f"tensor=4; one gpt layer s={s} b={b} h={h} a={a}, bf16, dropout {args.dropout}; median of {args.rounds} "
         "interleaved rounds)",
         "",
         "| experiment | forward (ms) | backward (ms) | combined (ms) | overhead vs baseline | P2 Table 4 (A100) |",
@@ -110,7 +111,8 @@ def main() -> None:
     if args.write:
         path = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
         text = path.read_text()
-        start, end = "<!-- layer_recompute:start -->", "<!-- layer_recompute:end -->"
+        tag = f"layer_recompute_dropout{args.dropout:g}"
+        start, end = f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
         if start not in text:
             text += f"\n{start}\n{end}\n"
         head, _, rest = text.partition(start)

@@ -2,7 +2,6 @@
 compiled program, and dropout bits that differ per shard and replay exactly under recomputation."""
 
 import dataclasses
-import re
 from collections import Counter
 
 import jax
@@ -12,6 +11,7 @@ import pytest
 
 from helpers import MESHES, random_batches, run_steps, tiny_config
 from meshlm import axes as ax
+from meshlm import hlo
 from meshlm.config import ConfigError, ModelConfig, ParallelConfig, validate
 from meshlm.model import layers
 from meshlm.model.loss import cross_entropy_sum
@@ -59,25 +59,6 @@ def test_every_policy_with_sp_gives_the_reference_gradients(policy, devices):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), got, ref)
 
 
-def _collectives(hlo: str, batch_rows: int) -> Counter:
-    """Activation tensors moved by collectives that really communicate (replica groups larger than
-    one device), by kind. An activation has rank >= 3 and the local batch as leading dim. XLA's
-    combiner may merge several collectives into one tuple-shaped op: each tensor is counted."""
-    found = Counter()
-    for line in hlo.splitlines():
-        m = re.search(r"= (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", line)
-        if not m:
-            continue
-        groups = re.search(r"replica_groups=\{(.*?)\}\}?,", line)
-        if groups and re.fullmatch(r"(\{\d+\},?)*\{\d+", groups.group(1)):
-            continue  # singleton groups: a no-op left by shard_map's transpose over size-1 axes
-        for shape in re.findall(r"\w+\[([\d,]*)\]", m.group(1)):
-            dims = [int(d) for d in shape.split(",") if d]
-            if len(dims) >= 3 and dims[0] == batch_rows:
-                found[m.group(2)] += 1
-    return found
-
-
 @pytest.mark.parametrize("block", [gpt_block, llama_block])
 def test_layer_collectives_are_the_papers(block, devices):
     """One layer, forward + backward, tensor=4: TP does 4 all-reduces of activations (f-bar twice
@@ -99,7 +80,7 @@ def test_layer_collectives_are_the_papers(block, devices):
 
         in_sh = (layout.sharding(RESIDUAL), param_shardings(specs, layout)["layers"])
         fn = jax.jit(jax.grad(loss, argnums=(0, 1)), in_shardings=in_sh)
-        counts[sp] = _collectives(fn.lower(x_abs, p_abs).compile().as_text(), batch_rows=2)
+        counts[sp] = hlo.collectives(fn.lower(x_abs, p_abs).compile().as_text(), batch_rows=2)
     # Megatron's pattern exactly: TP = 4 all-reduces; TP+SP = 4 all-gathers + 4 reduce-scatters.
     # (With forward and backward in one unscanned program XLA keeps the forward gathers alive
     # rather than re-gathering; the scanned model below does re-gather.)
@@ -121,7 +102,7 @@ def test_whole_model_sp_has_no_activation_all_reduce_and_regathers_in_backward(d
         lowered = jax.jit(jax.grad(loss), in_shardings=in_sh).lower(
             abstract_params(specs), jax.ShapeDtypeStruct((4, 32), jnp.int32)
         )
-        counts[sp] = _collectives(lowered.compile().as_text(), batch_rows=2)
+        counts[sp] = hlo.collectives(lowered.compile().as_text(), batch_rows=2)
     # TP: 4 per layer (the scanned body appears once) + embedding forward + output layer backward.
     assert counts[False] == Counter({"all-reduce": 6}), counts[False]
     # SP, per layer: 2 gathers (g), 2 conjugates of g-bar, 2 backward re-gathers of the saved shards;

@@ -121,3 +121,13 @@ def _split_factor(arr) -> int:
         for name in (part,) if isinstance(part, str) else part or ():
             n *= arr.sharding.mesh.shape[name]
     return n
+
+
+def test_every_logical_axis_has_exactly_one_rule():
+    from meshlm import axes
+    from meshlm.parallel.rules import RULES, rules_for
+
+    assert set(RULES) == set(axes.PARAM_AXES) | set(axes.ACTIVATION_AXES)
+    sp = dict(rules_for(True))
+    assert sp[axes.ACT_SEQ] == "tensor" and dict(rules_for(False))[axes.ACT_SEQ] is None
+    assert {k: v for k, v in sp.items() if k != axes.ACT_SEQ} == {k: v for k, v in RULES.items() if k != axes.ACT_SEQ}

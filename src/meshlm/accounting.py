@@ -57,26 +57,41 @@ def model_flops_per_step(cfg: RunConfig) -> int:
 
 
 def recompute_flops_per_step(cfg: RunConfig) -> int:
-    """Extra forward GEMM FLOPs that the remat policy re-executes in the backward pass."""
+    """Forward GEMM FLOPs the remat policy re-executes in the backward pass - what really runs,
+    checked against the lowered program (tests/test_flops.py). JAX recomputes only what backward
+    needs, so this is less than P2 assumes:
+
+    - selective: QK^T once more (2*B*s^2*h per layer). P2 counts QK^T *and* attention over V
+      (4*B*s^2*h); attention-over-V's output is not needed by backward, so it is not recomputed.
+    - full: the layer's forward GEMMs except the last MLP projection, whose output only feeds the
+      residual add and is needed by nothing in backward.
+    - dots / offload: matmul outputs are kept, nothing is recomputed; none: nothing.
+    """
     m, t = cfg.model, cfg.train
     terms = layer_forward_flops_per_token(m, t.seq_len)
     tokens_layers = t.global_batch * t.seq_len * m.n_layers
     policy = cfg.remat.policy
     if policy == "full":
-        return tokens_layers * sum(terms.values())
-    if policy == "selective":  # P2 Eq. 8: QK^T and attention over V once more
-        return tokens_layers * (terms["attn_scores"] + terms["attn_values"])
-    return 0  # "none" stores everything; "dots" recomputes only non-GEMM work
+        last_mlp = terms["mlp"] // (2 if m.family == "gpt" else 3)
+        return tokens_layers * (sum(terms.values()) - last_mlp)
+    if policy == "selective":
+        return tokens_layers * terms["attn_scores"]
+    return 0
 
 
 def hardware_flops_per_step(cfg: RunConfig) -> int:
-    """GEMM FLOPs actually executed: model FLOPs plus the policy's recomputed forward.
-
-    For selective recomputation this adds 4*B*s^2*h per layer (QK^T and attention over V once
-    more), as P2's text says. Note: P2's printed Eq. 8, 72BLsh^2(1 + s/(3h) + v/(12hL)), adds
-    12*B*s^2*h per layer, i.e. a forward *and* backward of the attention core; its Table 5 HFU uses
-    that. We count what runs; the printed form is kept for reproducing the paper's table."""
+    """GEMM FLOPs actually executed per step: model FLOPs plus the policy's recomputation. HFU
+    uses this. (For P2's own HFU numbers, which assume more recomputation, see `p2_eq8_flops`.)"""
     return model_flops_per_step(cfg) + recompute_flops_per_step(cfg)
+
+
+def p2_eq8_flops(batch: int, n_layers: int, seq_len: int, d_model: int, vocab: int) -> float:
+    """P2's Eq. 8 as printed, 72BLsh^2(1 + s/(3h) + v/(12hL)): the hardware FLOPs behind its
+    Table 5 HFU. It adds 12*B*s^2*h per layer over Eq. 7, three times the 4*B*s^2*h forward of QK^T
+    and attention over V that its text describes; we reproduce the paper with it and count what
+    runs with `hardware_flops_per_step`."""
+    B, L, s, h, v = batch, n_layers, seq_len, d_model, vocab
+    return 72 * B * L * s * h**2 * (1 + s / (3 * h) + v / (12 * h * L))
 
 
 def utilisation(flops_per_step: float, step_time_s: float, peak_flops_per_s: float) -> float:

@@ -13,6 +13,9 @@ import platform
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+
 # Dense peak FLOP/s per chip, by dtype. Sources: vendor datasheets (bf16/fp16 dense, no sparsity).
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "a100": {"bfloat16": 312e12, "float32": 19.5e12},
@@ -39,9 +42,6 @@ def _cpu_name() -> str:
 
 
 def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 7) -> float:
-    import jax
-    import jax.numpy as jnp
-
     x = jnp.ones((n, n), jnp.dtype(dtype), device=jax.devices()[0])
     f = jax.jit(lambda a: a @ a)
     f(x).block_until_ready()
@@ -55,8 +55,6 @@ def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 7) -> float:
 
 def peak_flops(dtype: str) -> tuple[float, str]:
     """(peak FLOP/s of all devices in this process, a short description of where it came from)."""
-    import jax
-
     dev = jax.devices()[0]
     kind = dev.device_kind.lower()
     if dev.platform != "cpu":

@@ -14,6 +14,7 @@ configurations can be measured where they compile.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -21,11 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlm import accounting
 from meshlm import axes as ax
-from meshlm.config import RunConfig
+from meshlm.config import RematConfig, RunConfig, validate
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.params import abstract_params, param_specs
 from meshlm.model.transformer import forward
+from meshlm.parallel.mesh import make_layout
+from meshlm.parallel.remat import POLICIES
 from meshlm.parallel.rules import Layout
 from meshlm.train_state import param_shardings
 
@@ -103,8 +107,6 @@ def measure_activations(cfg: RunConfig, layout: Layout, batch: int | None = None
 
 def _stacked_leaves(cfg: RunConfig, layout: Layout, p_abs, b: int, s: int) -> set[int]:
     """Indices of residuals stacked over layers: their leading dim grows with n_layers."""
-    import dataclasses
-
     deeper = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers + 1))
     specs = param_specs(deeper.model)
     tokens = jax.ShapeDtypeStruct((b, s), jnp.int32)
@@ -130,13 +132,6 @@ class MemoryRow:
 def memory_table(cfg: RunConfig, *, measure: bool = True, devices: list | None = None) -> list[MemoryRow]:
     """Every remat policy x sequence parallelism on/off (on only where tensor > 1): formula bytes
     from `accounting.activation_memory`, and measured bytes when `measure`."""
-    import dataclasses
-
-    from meshlm import accounting
-    from meshlm.config import RematConfig, validate
-    from meshlm.parallel.mesh import make_layout
-    from meshlm.parallel.remat import POLICIES
-
     rows = []
     for policy in POLICIES:
         for sp in (False, True) if cfg.parallel.tensor > 1 else (False,):

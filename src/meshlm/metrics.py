@@ -25,8 +25,11 @@ class MetricsLogger:
     """Writes one JSON object per logged step and keeps a progress line on the terminal
     (a live bar when stdout is a terminal, plain lines otherwise, e.g. in CI logs)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, enabled: bool = True):
+    def __init__(
+        self, run_dir: Path, total_steps: int, start_step: int = 0, enabled: bool = True, peak_label: str = ""
+    ):
         self.enabled = enabled
+        self.peak_label = peak_label  # where the peak for MFU/HFU comes from, e.g. "CPU probe"
         self.console = Console(highlight=False, soft_wrap=True)
         self.path = run_dir / "metrics.jsonl"
         self.file = open(self.path, "a") if enabled else None  # noqa: SIM115 (closed in close())
@@ -61,7 +64,8 @@ class MetricsLogger:
             f"step {record['step']}/{self.total}",
             f"loss {record['loss']:.4f}",
             f"{_fmt_rate(record['tokens_per_s'])} tok/s",
-            f"MFU {100 * record['mfu']:.1f}%",
+            f"MFU {100 * record['mfu']:.1f}% HFU {100 * record['hfu']:.1f}%"
+            + (f" [{self.peak_label}]" if self.peak_label else ""),
         ]
         if eta_s is not None:
             parts.append(f"ETA {_fmt_eta(eta_s)}")

@@ -51,10 +51,3 @@ def init_state(specs: dict, layout: Layout, tx: optax.GradientTransformation, se
 
     shardings = state_shardings(specs, layout, tx)
     return jax.jit(_init, out_shardings=shardings)(jax.random.key(seed))
-
-
-def abstract_state(specs: dict, layout: Layout, tx: optax.GradientTransformation) -> TrainState:
-    """ShapeDtypeStructs carrying shardings: what a restore or an AOT compile needs."""
-    shapes = jax.eval_shape(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)), abstract_params(specs))
-    shardings = state_shardings(specs, layout, tx)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)

@@ -100,6 +100,7 @@ def _train(cfg: RunConfig, run_dir: Path, log: MetricsLogger) -> RunResult:
     model_flops = accounting.model_flops_per_step(cfg)
     hw_flops = accounting.hardware_flops_per_step(cfg)
     peak, peak_source = hardware.peak_flops(cfg.model.dtype)
+    log.peak_label = "CPU probe" if peak_source.startswith("CPU") else peak_source.split(" ")[0]
     (run_dir / "config.json").write_text(cfg.to_json())
     (run_dir / "run.json").write_text(
         json.dumps(

@@ -49,5 +49,6 @@ def wrap_layer(fn: Callable, name: str) -> Callable:
 
 
 def wrap_attention_core(fn: Callable, name: str) -> Callable:
-    # prevent_cse=False: inside a scan there is nothing for XLA's CSE to undo.
-    return jax.checkpoint(fn, prevent_cse=False) if POLICIES[name].attention_core else fn
+    # prevent_cse stays on: without it XLA may merge the recomputed QK^T with the forward one
+    # (seen with a single layer) and keep the score matrix alive after all.
+    return jax.checkpoint(fn) if POLICIES[name].attention_core else fn

@@ -103,12 +103,6 @@ class Layout:
     def tensor_size(self) -> int:
         return self.mesh.shape["tensor"]
 
-    def shard_count(self, logical: str) -> int:
-        n = 1
-        for name in self.mesh_axes(logical):
-            n *= self.mesh.shape[name]
-        return n
-
 
 def constrain(layout: Layout | None, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Constrain `x` if a layout is given; single-device model code passes `None`."""

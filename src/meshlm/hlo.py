@@ -1,0 +1,63 @@
+"""Read facts out of a compiled XLA program's text (`jax.jit(...).lower(...).compile().as_text()`):
+the GEMM FLOPs it executes and the collectives it runs. Used to check the analytic accounting
+against what the compiler really produced.
+
+Caveat: a `while` body (`lax.scan`) appears once in the text, whatever its trip count, so counts
+are per program *text*; measure with one layer (and one microbatch) when comparing totals.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+
+_SHAPE = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")
+_DOT = re.compile(r"^\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\S* dot\(%([^,\s]+), %([^,\s)]+)\)(.*)$")
+_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
+_GROUPS = re.compile(r"replica_groups=\{(.*?)\}\}?,")
+
+
+def _dims(text: str) -> list[int]:
+    return [int(d) for d in text.split(",") if d]
+
+
+def dot_flops(hlo_text: str) -> int:
+    """2 x MACs of every `dot` in the program (inside fusions included), per device.
+
+    Compiled HLO names operands without shapes, so shapes are looked up per computation."""
+    total = 0
+    shapes: dict[str, list[int]] = {}
+    for line in hlo_text.splitlines():
+        if line.rstrip().endswith("{") and "=" not in line.split("(")[0]:
+            shapes = {}  # a new computation: names are scoped to it
+            continue
+        if m := _SHAPE.match(line):
+            shapes[m.group(1)] = _dims(m.group(3))
+        if m := _DOT.match(line):
+            out, lhs_name, attrs = _dims(m.group(1)), m.group(2), m.group(4)
+            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attrs)
+            lhs = shapes.get(lhs_name)
+            if lhs is None or contracting is None:
+                raise ValueError(f"cannot size dot: {line.strip()[:200]}")
+            total += 2 * math.prod(out) * math.prod(lhs[c] for c in _dims(contracting.group(1)))
+    return total
+
+
+def collectives(hlo_text: str, batch_rows: int | None = None) -> Counter:
+    """Tensors moved by collectives that really communicate (replica groups of more than one
+    device), by kind. With `batch_rows`, only activations: rank >= 3 with that leading dim. XLA's
+    combiner may merge several collectives into one tuple-shaped op; each tensor is counted."""
+    found: Counter = Counter()
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m:
+            continue
+        groups = _GROUPS.search(line)
+        if groups and re.fullmatch(r"(\{\d+\},?)*\{\d+", groups.group(1)):
+            continue  # singleton groups: a no-op (e.g. shard_map's transpose over a size-1 axis)
+        for shape in re.findall(r"\w+\[([\d,]*)\]", m.group(1)):
+            dims = _dims(shape)
+            if batch_rows is None or (len(dims) >= 3 and dims[0] == batch_rows):
+                found[m.group(2)] += 1
+    return found

@@ -111,3 +111,21 @@ def test_default_tiny_job_learns(tmp_path):
     assert val[-1] < entropy - 1.5, (val, entropy)
     assert val == sorted(val, reverse=True)  # validation loss falls at every evaluation
     print(f"tiny: val losses {val}, unigram entropy {entropy:.3f}")
+
+
+def test_dry_run_reports_layout_and_matches_xla_argument_bytes(tmp_path, capsys, devices):
+    run = tmp_path / "dry"
+    args = ["train", "--dry-run", "--mesh", "fsdp=2,tensor=4", "--set", "parallel.sequence_parallel=true"]
+    assert main([*args, "--set", "remat.policy=selective", "--run-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "P(None, 'fsdp', 'tensor')" in out and "expected bound" in out
+    assert not (run / "metrics.jsonl").read_text()  # nothing trained
+    report = json.loads((run / "run.json").read_text())["startup_report"]
+    predicted = report["predicted_device_bytes"]
+    assert predicted["gradients (fp32)"] == predicted["parameters (fp32)"]
+    assert predicted["optimizer state"] >= 2 * predicted["parameters (fp32)"]  # Adam's two moments
+    # The compiled step's arguments are the state and the batch; ours are exact up to scalars.
+    cfg = from_dict(json.loads((run / "config.json").read_text()))
+    batch = 2 * 4 * cfg.train.global_batch * cfg.train.seq_len // cfg.parallel.batch_shards
+    state = predicted["parameters (fp32)"] + predicted["optimizer state"]
+    assert state + batch <= report["xla_memory_analysis"]["argument_size"] <= state + batch + 64

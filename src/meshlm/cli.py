@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(train)
     train.add_argument("--run-dir", help="output directory (default: runs/<recipe>-<time>)")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    train.add_argument(
+        "--dry-run", action="store_true", help="build the mesh, compile the step, print the startup report, exit"
+    )
     memory = sub.add_parser(
         "memory", help="activation memory per device: formula (P2 Table 2, extended) vs measured, every policy"
     )
@@ -92,7 +95,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from meshlm.trainer import train
 
     run_dir = Path(args.run_dir or f"runs/{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
-    train(cfg, run_dir)
+    train(cfg, run_dir, dry_run=args.dry_run)
     return 0
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from meshlm import __version__, accounting, hardware
@@ -22,6 +23,7 @@ from meshlm.metrics import MetricsLogger
 from meshlm.model.params import param_specs
 from meshlm.optim import make_optimizer
 from meshlm.parallel.mesh import make_layout
+from meshlm.report import format_report, startup_report
 from meshlm.step import batch_sharding, make_eval_step, make_train_step
 from meshlm.train_state import init_state, state_shardings
 
@@ -69,66 +71,74 @@ def evaluate(eval_fn, params, loader: WindowLoader, n_batches: int, sharding) ->
     return total / count
 
 
-def train(cfg: RunConfig, run_dir: Path, *, quiet: bool = False) -> RunResult:
+def train(cfg: RunConfig, run_dir: Path, *, quiet: bool = False, dry_run: bool = False) -> RunResult | None:
+    """Train `cfg`, writing into `run_dir`. With `dry_run`, stop after the startup report (the
+    layout is built and the step compiled, but no data is prepared and no parameter allocated)."""
     validate(cfg)
-    tc = cfg.train
     run_dir.mkdir(parents=True, exist_ok=True)
-    log = MetricsLogger(run_dir, tc.steps, enabled=not quiet)
+    log = MetricsLogger(run_dir, cfg.train.steps, enabled=not quiet)
     try:
-        return _train(cfg, run_dir, log)
+        return _train(cfg, run_dir, log, dry_run)
     finally:
         log.close()
 
 
-def _train(cfg: RunConfig, run_dir: Path, log: MetricsLogger) -> RunResult:
+def _train(cfg: RunConfig, run_dir: Path, log: MetricsLogger, dry_run: bool) -> RunResult | None:
     tc = cfg.train
     layout = make_layout(cfg.parallel)
+    specs = param_specs(cfg.model)
+    tx = make_optimizer(cfg.optim, tc.steps, specs)
+    shardings = state_shardings(specs, layout, tx)
+    bsharding = batch_sharding(layout)
+
+    # Compile ahead of time from abstract shapes: the startup report reads the compiled program,
+    # and the loop runs this same executable.
+    t0 = time.time()
+    abstract_state = jax.eval_shape(lambda: init_state(specs, layout, tx, tc.seed))
+    abstract_batch = {
+        k: jax.ShapeDtypeStruct((tc.global_batch, tc.seq_len), jnp.int32, sharding=bsharding)
+        for k in ("inputs", "targets")
+    }
+    step_fn = make_train_step(cfg, layout, tx, shardings).lower(abstract_state, abstract_batch).compile()
+    compile_s = time.time() - t0
+    peak, peak_source = hardware.peak_flops(cfg.model.dtype)
+    log.peak_label = "CPU probe" if peak_source.startswith("CPU") else peak_source.split(" ")[0]
+    report = startup_report(cfg, layout, abstract_state, shardings, step_fn, peak)
+    log.print(
+        f"meshlm {code_version()} | {cfg.model.family} | {tc.global_batch}x{tc.seq_len} tokens/step | "
+        f"peak: {peak_source} | train step compiled in {compile_s:.1f}s"
+    )
+    for line in format_report(report):
+        log.print(line)
+    run_info = {
+        "code_version": code_version(),
+        "jax_version": jax.__version__,
+        "devices": [str(d) for d in jax.devices()],
+        "mesh": dict(layout.mesh.shape),
+        "params": accounting.param_count(cfg.model),
+        "model_flops_per_step": report["model_flops_per_step"],
+        "hardware_flops_per_step": report["hardware_flops_per_step"],
+        "peak_flops_per_s": peak,
+        "peak_source": peak_source,
+        "startup_report": report,
+    }
+    (run_dir / "config.json").write_text(cfg.to_json())
+    (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
+    if dry_run:
+        return None
+
     data = prepare(cfg.data, cfg.model.vocab_size, log=log.print)
     train_tokens = data.tokens("train")
     train_loader = WindowLoader(train_tokens, tc.seq_len, tc.global_batch, tc.seed, "train")
     val_loader = WindowLoader(data.tokens("val"), tc.seq_len, tc.global_batch, tc.seed + 1, "validation")
     entropy = unigram_entropy(train_tokens, cfg.model.vocab_size)
-
-    specs = param_specs(cfg.model)
-    tx = make_optimizer(cfg.optim, tc.steps, specs)
-    shardings = state_shardings(specs, layout, tx)
+    run_info |= {"data": data.meta, "unigram_entropy": entropy}
+    (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
+    log.print(f"data: {data.meta['train_tokens']:,} training tokens, unigram entropy {entropy:.3f} nats")
     state = init_state(specs, layout, tx, tc.seed)
-    step_fn = make_train_step(cfg, layout, tx, shardings)
     eval_fn = make_eval_step(cfg, layout, shardings.params)
-    bsharding = batch_sharding(layout)
+    model_flops, hw_flops = report["model_flops_per_step"], report["hardware_flops_per_step"]
 
-    model_flops = accounting.model_flops_per_step(cfg)
-    hw_flops = accounting.hardware_flops_per_step(cfg)
-    peak, peak_source = hardware.peak_flops(cfg.model.dtype)
-    log.peak_label = "CPU probe" if peak_source.startswith("CPU") else peak_source.split(" ")[0]
-    (run_dir / "config.json").write_text(cfg.to_json())
-    (run_dir / "run.json").write_text(
-        json.dumps(
-            {
-                "code_version": code_version(),
-                "jax_version": jax.__version__,
-                "devices": [str(d) for d in jax.devices()],
-                "mesh": dict(layout.mesh.shape),
-                "params": accounting.param_count(cfg.model),
-                "model_flops_per_step": model_flops,
-                "hardware_flops_per_step": hw_flops,
-                "peak_flops_per_s": peak,
-                "peak_source": peak_source,
-                "data": data.meta,
-                "unigram_entropy": entropy,
-            },
-            indent=2,
-        )
-    )
-    log.print(
-        f"meshlm {code_version()} | {cfg.model.family} {accounting.param_count(cfg.model) / 1e6:.2f}M params | "
-        f"mesh {dict(layout.mesh.shape)}{' +SP' if cfg.parallel.sequence_parallel else ''} | "
-        f"remat {cfg.remat.policy} | {tc.global_batch}x{tc.seq_len} tokens/step | "
-        f"unigram entropy {entropy:.3f} nats | peak: {peak_source}"
-    )
-
-    t_start = time.time()
-    compile_s = 0.0
     t_last, step_last = None, 0
     tokens_per_s = mfu = 0.0
     loss = float("nan")
@@ -137,9 +147,8 @@ def _train(cfg: RunConfig, run_dir: Path, log: MetricsLogger) -> RunResult:
         batch = global_batch(train_loader.batch(step), bsharding)
         state, metrics = step_fn(state, batch)
         last = step + 1 == tc.steps
-        if step == 0:
+        if step == 0:  # warm-up: throughput is measured from the end of the first step
             jax.block_until_ready(metrics)
-            compile_s = time.time() - t_start
             t_last, step_last = time.time(), 1
         if (step + 1) % tc.log_every == 0 or last:
             m = jax.device_get(metrics)
@@ -185,6 +194,6 @@ def _train(cfg: RunConfig, run_dir: Path, log: MetricsLogger) -> RunResult:
     log.print(
         f"done: {result.final_step} steps, train loss {loss:.4f}, val loss "
         f"{'-' if val_loss is None else f'{val_loss:.4f}'} (unigram entropy {entropy:.3f}), "
-        f"{tokens_per_s:.0f} tok/s, MFU {100 * mfu:.1f}%, first step (compile) {compile_s:.1f}s -> {run_dir}"
+        f"{tokens_per_s:.0f} tok/s, MFU {100 * mfu:.1f}%, compile {compile_s:.1f}s -> {run_dir}"
     )
     return result

@@ -1,0 +1,113 @@
+"""The startup report of `meshlm train` (and all of `--dry-run`): how the model is laid out, what it
+should cost per device, and what the compiled program says.
+
+Predicted bytes come from the shardings (parameters, gradients, optimizer state: exact) and from
+`accounting.activation_memory` (activations per microbatch). XLA's `memory_analysis()` of the
+compiled step is printed next to them; note that on the CPU backend its temp figure does not track
+rematerialisation, so only `meshlm memory` checks activations.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from meshlm import accounting
+from meshlm.config import RunConfig
+from meshlm.parallel.rules import Layout
+from meshlm.train_state import TrainState
+
+
+def _device_bytes(abstract, sharding) -> int:
+    return math.prod(sharding.shard_shape(abstract.shape)) * np.dtype(abstract.dtype).itemsize
+
+
+def _tree_device_bytes(abstract_tree, sharding_tree) -> int:
+    leaves = jax.tree.leaves(abstract_tree)
+    shardings = jax.tree.leaves(sharding_tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    return sum(_device_bytes(a, s) for a, s in zip(leaves, shardings, strict=True))
+
+
+def startup_report(
+    cfg: RunConfig, layout: Layout, abstract: TrainState, shardings: TrainState, compiled: Any, peak: float
+) -> dict[str, Any]:
+    """A JSON-able summary; `format_report` turns it into lines."""
+    params = [
+        {
+            "name": "/".join(str(k.key) for k in path),
+            "shape": list(a.shape),
+            "spec": str(s.spec),
+            "device_bytes": _device_bytes(a, s),
+        }
+        for (path, a), s in zip(
+            jax.tree_util.tree_leaves_with_path(abstract.params), jax.tree.leaves(shardings.params), strict=True
+        )
+    ]
+    param_bytes = sum(p["device_bytes"] for p in params)
+    opt_bytes = _tree_device_bytes(abstract.opt_state, shardings.opt_state)
+    act = accounting.activation_memory(cfg)
+    predicted = {
+        "parameters (fp32)": param_bytes,
+        "gradients (fp32)": param_bytes,
+        "optimizer state": opt_bytes,
+        "activations (per microbatch)": act["total"],
+    }
+    if act["host_total"]:
+        predicted["activations offloaded to host"] = act["host_total"]
+    analysis = compiled.memory_analysis()
+    xla = {}
+    if analysis is not None:
+        for field in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes"):
+            if hasattr(analysis, field):
+                xla[field.removesuffix("_in_bytes")] = int(getattr(analysis, field))
+    model_flops = accounting.model_flops_per_step(cfg)
+    hardware_flops = accounting.hardware_flops_per_step(cfg)
+    return {
+        "mesh": dict(layout.mesh.shape),
+        "sequence_parallel": layout.sequence_parallel,
+        "remat": cfg.remat.policy,
+        "parameters": params,
+        "param_count": accounting.param_count(cfg.model),
+        "predicted_device_bytes": predicted,
+        "predicted_device_total": sum(v for k, v in predicted.items() if "host" not in k),
+        "xla_memory_analysis": xla,
+        "model_flops_per_step": model_flops,
+        "hardware_flops_per_step": hardware_flops,
+        "peak_flops_per_s": peak,
+        "min_step_time_s": hardware_flops / peak if peak else None,
+    }
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_report(r: dict[str, Any]) -> list[str]:
+    mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
+    lines = [f"mesh {mesh}{' + sequence parallel' if r['sequence_parallel'] else ''}, remat {r['remat']}"]
+    lines.append(f"parameters: {r['param_count'] / 1e6:.2f}M; per-device shards:")
+    for p in r["parameters"]:
+        lines.append(f"  {p['name']:18s} {tuple(p['shape'])!s:24s} {p['spec']:32s} {_size(p['device_bytes'])}")
+    lines.append("predicted per device:")
+    for k, v in r["predicted_device_bytes"].items():
+        lines.append(f"  {k:32s} {_size(v)}")
+    lines.append(f"  {'total on device':32s} {_size(r['predicted_device_total'])}")
+    if r["xla_memory_analysis"]:
+        lines.append("compiled train step, XLA memory_analysis per device:")
+        lines.append("  " + ", ".join(f"{k} {_size(v)}" for k, v in r["xla_memory_analysis"].items()))
+    lines.append(
+        f"FLOPs per step: model {r['model_flops_per_step']:.3e}, hardware {r['hardware_flops_per_step']:.3e} "
+        "(GEMMs; P2 Eq. 7 + recomputation that runs)"
+    )
+    if r["min_step_time_s"]:
+        lines.append(
+            f"expected bound: >= {1e3 * r['min_step_time_s']:.1f} ms/step at 100% of peak "
+            f"({r['peak_flops_per_s'] / 1e12:.3g} TFLOP/s); step time / this = 1 / HFU"
+        )
+    return lines

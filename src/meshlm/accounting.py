@@ -137,7 +137,7 @@ def layer_activation_terms(
         terms = {"layer_input": e * s * b * d / r}
         if policy == "dots":
             terms |= _dot_output_terms(m, s, b, t, r)
-        return terms  # offload: the dot outputs live in host memory (`layer_host_terms`)
+        return terms  # offload: the dot outputs live in host memory (see activation_memory)
 
     terms: dict[str, float] = {
         "norm1_input": e * s * b * d / r,
@@ -185,20 +185,6 @@ def _dot_output_terms(m: ModelConfig, s: int, b: int, t: int, r: int) -> dict[st
     return terms
 
 
-def layer_host_terms(
-    m: ModelConfig,
-    seq_len: int,
-    micro_batch: int,
-    tensor: int = 1,
-    sequence_parallel: bool = False,
-    policy: str = "none",
-) -> dict[str, float]:
-    """Bytes per device one layer keeps in pinned host memory (the `offload` policy only)."""
-    if policy != "offload":
-        return {}
-    return _dot_output_terms(m, seq_len, micro_batch, tensor, tensor if sequence_parallel else 1)
-
-
 def outside_activation_terms(
     m: ModelConfig, seq_len: int, micro_batch: int, tensor: int = 1, sequence_parallel: bool = False, pipeline: int = 1
 ) -> dict[str, float]:
@@ -237,7 +223,10 @@ def activation_memory(
     sp = par.sequence_parallel if sequence_parallel is None else sequence_parallel
     b = t.global_batch // t.microbatches // par.batch_shards
     per_layer = layer_activation_terms(m, t.seq_len, b, par.tensor, sp, policy)
-    host_per_layer = layer_host_terms(m, t.seq_len, b, par.tensor, sp, policy)
+    # offload: the dot outputs `dots` would keep live in pinned host memory instead
+    host_per_layer = (
+        _dot_output_terms(m, t.seq_len, b, par.tensor, par.tensor if sp else 1) if policy == "offload" else {}
+    )
     layer_total = sum(per_layer.values())
     penalty = 1 + (pipeline - 1) / (pipeline * interleave) if interleave > 1 else 1.0
     layers = m.n_layers * layer_total * penalty

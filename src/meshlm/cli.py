@@ -1,4 +1,4 @@
-"""`meshlm` command line: train | memory | recipes.
+"""`meshlm` command line: train | memory | plan | recipes.
 
 Only this entry point touches process-wide state (XLA_FLAGS, JAX_PLATFORMS), and it does so
 before jax is imported: jax reads the device count once, at import.
@@ -16,6 +16,23 @@ from pathlib import Path
 from meshlm.config import ConfigError, RunConfig, apply_overrides, parse_mesh
 
 EXIT_CONFIG, EXIT_TRAINING = 2, 1
+DEVICE_KINDS = ("a100", "h100", "h200", "tpu-v4", "tpu-v5p")  # meshlm.plan.DEVICES (jax-free here)
+
+
+def parse_bytes(text: str) -> float:
+    """'80GiB', '80GB', '512MiB' or a plain number of bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+    low = text.strip().lower()
+    for unit, scale in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if low.endswith(unit):
+            low, mult = low[: -len(unit)], scale
+            break
+    else:
+        mult = 1
+    try:
+        return float(low) * mult
+    except ValueError:
+        raise ConfigError(f"cannot read a memory size from {text!r} (e.g. 80GiB)") from None
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--json", action="store_true", help="machine-readable output")
     memory.add_argument("--no-measure", action="store_true", help="formula only (no compilation)")
     memory.add_argument("--terms", type=int, default=4, help="largest per-layer terms to show per row")
+    plan = sub.add_parser("plan", help="rank mesh / SP / remat / microbatch layouts for a device budget")
+    plan.add_argument("--recipe", default="tiny")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    plan.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
+    plan.add_argument("--device", default="a100", help="device kind: " + ", ".join(DEVICE_KINDS))
+    plan.add_argument("--device-memory", help="memory per device, e.g. 80GiB (default: the device kind's)")
+    plan.add_argument("--top", type=int, default=10, help="feasible plans to show")
+    plan.add_argument("--verify", action="store_true", help="compile the best plan (2 layers) on simulated devices")
+    plan.add_argument("--json", action="store_true")
     sub.add_parser("recipes", help="list the named recipes")
     return parser
 
@@ -158,6 +184,36 @@ def cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.device not in DEVICE_KINDS:
+        raise ConfigError(f"unknown device kind {args.device!r}; choose from {', '.join(DEVICE_KINDS)}")
+    if args.devices < 1:
+        raise ConfigError("--devices must be >= 1")
+    limit = parse_bytes(args.device_memory) if args.device_memory else None
+    from meshlm import recipes
+
+    cfg = apply_overrides(recipes.get(args.recipe), args.overrides)
+    _set_device_count(min(args.devices, 8) if args.verify else 1, explicit=True)
+    from meshlm import plan as planner
+
+    device = planner.DEVICES[args.device]
+    limit = device.memory if limit is None else limit
+    plans = planner.enumerate_plans(cfg, args.devices, device, limit)
+    feasible = [p for p in plans if not p.rejected]
+    verified = planner.verify(feasible[0]) if args.verify and feasible else None
+    if args.json:
+        print(json.dumps(planner.to_json(plans, verified), indent=2))
+        return 0 if feasible else EXIT_CONFIG
+    for line in planner.format_plans(plans, args.top, device, limit):
+        print(line)
+    if verified:
+        print(verified)
+    if not feasible:
+        print(f"meshlm: error: {planner.closest_miss(cfg, plans, args.devices, device, limit)}", file=sys.stderr)
+        return EXIT_CONFIG
+    return 0
+
+
 def cmd_recipes(args: argparse.Namespace) -> int:
     from meshlm import accounting, recipes
 
@@ -175,7 +231,8 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "memory": cmd_memory, "recipes": cmd_recipes}[args.command](args)
+        commands = {"train": cmd_train, "memory": cmd_memory, "plan": cmd_plan, "recipes": cmd_recipes}
+        return commands[args.command](args)
     except ConfigError as e:
         print(f"meshlm: error: {e}", file=sys.stderr)
         return EXIT_CONFIG

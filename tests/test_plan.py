@@ -1,0 +1,110 @@
+"""The planner: the paper's Figure 1/7 conclusion from its own Table 3 layouts, exact per-device
+state bytes, ranked feasible plans with reasons for the rest, and a clear answer when nothing fits."""
+
+import dataclasses
+import json
+import math
+
+import jax
+import pytest
+
+from meshlm import plan as planner
+from meshlm import recipes
+from meshlm.cli import main
+from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
+from meshlm.model.params import abstract_params, param_specs
+from meshlm.parallel.mesh import make_layout
+from meshlm.train_state import param_shardings
+
+# P2 Table 3: h, a, L, tensor, pipeline, interleave, global batch = micro batch x in-flight
+TABLE3 = {
+    "22B": (6144, 64, 48, 8, 1, 1, 4),
+    "175B": (12288, 96, 96, 8, 8, 3, 1),
+    "530B": (20480, 128, 105, 8, 35, 3, 1),
+    "1T": (25600, 160, 128, 8, 64, 1, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(TABLE3))
+def test_paper_layouts_fit_only_with_sp_and_selective(name):
+    """P2 Figures 1 and 7: on 80 GB A100s with mixed-precision Adam (18 bytes/parameter), tensor
+    parallelism alone fits none of the four models; SP + selective recomputation fits all four."""
+    h, a, L, t, p, m, b = TABLE3[name]
+    model = ModelConfig(
+        d_model=h, n_heads=a, n_layers=L, vocab_size=51200, max_seq_len=2048, dropout=0.1, dtype="bfloat16"
+    )
+    base = RunConfig(model=model, parallel=ParallelConfig(tensor=t), train=TrainConfig(global_batch=b, seq_len=2048))
+    a100 = planner.DEVICES["a100"]
+
+    def fits(sp: bool, policy: str) -> bool:
+        cfg = dataclasses.replace(
+            base, parallel=ParallelConfig(tensor=t, sequence_parallel=sp), remat=RematConfig(policy)
+        )
+        return not planner.estimate(cfg, a100, pipeline=p, interleave=m, bytes_per_param=18).rejected
+
+    assert not fits(False, "none")
+    assert fits(True, "selective")
+
+
+def test_sharded_state_bytes_are_exact(devices):
+    """The planner's per-device parameter count (from the rules table alone) equals the real
+    shard sizes of the initialised state."""
+    for mesh in (dict(fsdp=2, tensor=4), dict(data=2, tensor=4), dict(fsdp=8)):
+        cfg = dataclasses.replace(recipes.get("tiny"), parallel=ParallelConfig(**mesh))
+        specs = param_specs(cfg.model)
+        leaves = jax.tree.leaves(abstract_params(specs))
+        shardings = jax.tree.leaves(param_shardings(specs, make_layout(cfg.parallel)))
+        exact = sum(math.prod(s.shard_shape(a.shape)) for a, s in zip(leaves, shardings, strict=True))
+        assert planner.sharded_params(cfg) == exact
+
+
+def test_plans_are_ranked_and_rejections_explained():
+    cfg = dataclasses.replace(
+        recipes.get("llama-1b"), train=dataclasses.replace(recipes.get("llama-1b").train, global_batch=64)
+    )
+    plans = planner.enumerate_plans(cfg, 64, planner.DEVICES["h100"])
+    feasible = [p for p in plans if not p.rejected]
+    assert feasible and all(p.total_memory <= 80 * 2**30 for p in feasible)
+    times = [p.step_time for p in feasible]
+    assert times == sorted(times)
+    reasons = {p.rejected for p in plans if p.rejected}
+    assert "model.n_kv_heads=8 is not divisible by mesh axis 'tensor' (size 16)" in reasons
+    lines = planner.format_plans(plans, 5, planner.DEVICES["h100"], 80 * 2**30)
+    assert any("n_kv_heads=8" in line for line in lines)
+
+
+def test_nothing_fits_names_the_closest_plan(capsys):
+    rc = main(["plan", "--recipe", "gpt-175b", "--devices", "8", "--device", "a100"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "nothing fits; closest:" in err and "GiB per device (limit 80.0 GiB)" in err and "devices" in err
+
+
+def test_plan_cli_json_and_verify(capsys, devices):
+    rc = main(
+        [
+            "plan",
+            "--recipe",
+            "tiny",
+            "--devices",
+            "8",
+            "--device",
+            "h100",
+            "--device-memory",
+            "1GiB",
+            "--json",
+            "--verify",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    best = out["plans"][0]
+    assert not best["rejected"] and best["total_memory_bytes"] <= 2**30
+    assert best["data"] * best["fsdp"] * best["tensor"] == 8
+    ratio = float(out["verified"].split("ratio ")[1].rstrip(")"))
+    assert ratio == pytest.approx(1.0, rel=0.01)  # predicted activations = what the compiled plan stores
+
+
+def test_bad_plan_requests():
+    assert main(["plan", "--devices", "8", "--device", "tpu-v9"]) == 2
+    assert main(["plan", "--devices", "8", "--device-memory", "lots"]) == 2

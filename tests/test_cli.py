@@ -129,3 +129,18 @@ def test_dry_run_reports_layout_and_matches_xla_argument_bytes(tmp_path, capsys,
     batch = 2 * 4 * cfg.train.global_batch * cfg.train.seq_len // cfg.parallel.batch_shards
     state = predicted["parameters (fp32)"] + predicted["optimizer state"]
     assert state + batch <= report["xla_memory_analysis"]["argument_size"] <= state + batch + 64
+
+
+def test_bench_writes_table_and_chart(tmp_path, capsys, devices):
+    run = tmp_path / "bench"
+    args = ["bench", "--layouts", "data=8;tensor=4,data=2+sp", "--policies", "none,full", "--steps", "2"]
+    small = ["--set", "model.n_layers=2", "--set", "train.seq_len=64", "--set", "model.max_seq_len=64"]
+    assert main([*args, *small, "--run-dir", str(run)]) == 0
+    table = (run / "bench.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| data") or line.startswith("| tensor")]
+    assert len(rows) == 4 and "meshlm bench --layouts" in table
+    assert (run / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    acts = {tuple(c.strip() for c in r.split("|")[1:3]): float(r.split("|")[8]) for r in rows}
+    assert acts[("data=8", "full")] < acts[("data=8", "none")]  # recomputation stores less
+    mfus = [float(r.split("|")[6].strip().rstrip("%")) for r in rows]
+    assert all(0 < m < 100 for m in mfus)

@@ -1,4 +1,4 @@
-"""`meshlm` command line: train | memory | plan | recipes.
+"""`meshlm` command line: train | memory | plan | bench | recipes.
 
 Only this entry point touches process-wide state (XLA_FLAGS, JAX_PLATFORMS), and it does so
 before jax is imported: jax reads the device count once, at import.
@@ -76,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=10, help="feasible plans to show")
     plan.add_argument("--verify", action="store_true", help="compile the best plan (2 layers) on simulated devices")
     plan.add_argument("--json", action="store_true")
+    bench = sub.add_parser("bench", help="sweep layouts x remat policies here: step time, MFU/HFU, activation bytes")
+    bench.add_argument("--recipe", default="tiny")
+    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    bench.add_argument("--devices", type=int, default=8, help="simulated CPU devices (each layout uses all)")
+    bench.add_argument("--layouts", help="';'-separated meshes, '+sp' for sequence parallelism (default: a sweep)")
+    bench.add_argument("--policies", default="none,selective,full")
+    bench.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    bench.add_argument("--run-dir", help="output directory (default: runs/bench-<time>)")
     sub.add_parser("recipes", help="list the named recipes")
     return parser
 
@@ -214,6 +222,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from meshlm import recipes
+
+    base = apply_overrides(recipes.get(args.recipe), args.overrides)
+    if args.devices < 1 or args.steps < 1:
+        raise ConfigError("--devices and --steps must be >= 1")
+    _set_device_count(args.devices, explicit=True)
+    from meshlm import bench
+
+    layouts = args.layouts.split(";") if args.layouts else bench.default_layouts(base, args.devices)
+    policies = [p for p in args.policies.split(",") if p]
+    rows, _, peak_source = bench.run_bench(base, layouts, policies, args.steps)
+    run_dir = Path(args.run_dir or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    m, t = base.model, base.train
+    header = (
+        f"Command: `meshlm {' '.join(args.argv)}` ({time.strftime('%Y-%m-%d')}): `{args.recipe}` ({m.family}, "
+        f"L={m.n_layers}, h={m.d_model}, s={t.seq_len}, batch {t.global_batch}, {m.dtype}) on {args.devices} "
+        f"simulated devices, median of {args.steps} interleaved steps"
+    )
+    text = bench.markdown(rows, peak_source, header)
+    (run_dir / "bench.md").write_text(text + "\n")
+    bench.chart(rows, run_dir / "bench.png")
+    print(text)
+    print(f"wrote {run_dir / 'bench.md'} and {run_dir / 'bench.png'}")
+    return 0
+
+
 def cmd_recipes(args: argparse.Namespace) -> int:
     from meshlm import accounting, recipes
 
@@ -230,8 +266,10 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        commands = {"train": cmd_train, "memory": cmd_memory, "plan": cmd_plan, "recipes": cmd_recipes}
+        commands = {"train": cmd_train, "memory": cmd_memory, "plan": cmd_plan, "bench": cmd_bench}
+        commands["recipes"] = cmd_recipes
         return commands[args.command](args)
     except ConfigError as e:
         print(f"meshlm: error: {e}", file=sys.stderr)

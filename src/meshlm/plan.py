@@ -20,6 +20,7 @@ import jax
 
 from meshlm import accounting
 from meshlm.config import ConfigError, ParallelConfig, RematConfig, RunConfig, validate
+from meshlm.hardware import PEAK_FLOPS
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel.rules import RULES
 
@@ -39,12 +40,13 @@ class DeviceKind:
     per_node: int
 
 
+_BF16 = {name: table["bfloat16"] for name, table in PEAK_FLOPS.items()}
 DEVICES = {
-    "a100": DeviceKind("a100", 80 * GiB, 312e12, 300e9, 25e9, 8),
-    "h100": DeviceKind("h100", 80 * GiB, 989e12, 450e9, 50e9, 8),
-    "h200": DeviceKind("h200", 141 * GiB, 989e12, 450e9, 50e9, 8),
-    "tpu-v4": DeviceKind("tpu-v4", 32 * GiB, 275e12, 300e9, 300e9, 4096),
-    "tpu-v5p": DeviceKind("tpu-v5p", 95 * GiB, 459e12, 600e9, 600e9, 8960),
+    "a100": DeviceKind("a100", 80 * GiB, _BF16["a100"], 300e9, 25e9, 8),
+    "h100": DeviceKind("h100", 80 * GiB, _BF16["h100"], 450e9, 50e9, 8),
+    "h200": DeviceKind("h200", 141 * GiB, _BF16["h200"], 450e9, 50e9, 8),
+    "tpu-v4": DeviceKind("tpu-v4", 32 * GiB, _BF16["tpu v4"], 300e9, 300e9, 4096),
+    "tpu-v5p": DeviceKind("tpu-v5p", 95 * GiB, _BF16["tpu v5p"], 600e9, 600e9, 8960),
 }
 
 # meshlm keeps fp32 master weights, fp32 gradients and AdamW's two fp32 moments: 16 bytes per

@@ -108,3 +108,15 @@ def test_plan_cli_json_and_verify(capsys, devices):
 def test_bad_plan_requests():
     assert main(["plan", "--devices", "8", "--device", "tpu-v9"]) == 2
     assert main(["plan", "--devices", "8", "--device-memory", "lots"]) == 2
+
+
+def test_cli_device_kinds_are_the_planners():
+    from meshlm.cli import DEVICE_KINDS
+
+    assert set(DEVICE_KINDS) == set(planner.DEVICES)
+
+
+def test_nothing_fits_in_json_too(capsys):
+    assert main(["plan", "--recipe", "gpt-175b", "--devices", "8", "--json"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["error"].startswith("nothing fits; closest:") and all(p["rejected"] for p in out["plans"])

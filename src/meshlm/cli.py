@@ -209,15 +209,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plans = planner.enumerate_plans(cfg, args.devices, device, limit)
     feasible = [p for p in plans if not p.rejected]
     verified = planner.verify(feasible[0]) if args.verify and feasible else None
+    miss = None if feasible else planner.closest_miss(cfg, plans, args.devices, device, limit)
     if args.json:
-        print(json.dumps(planner.to_json(plans, verified), indent=2))
+        print(json.dumps(planner.to_json(plans, verified) | {"error": miss}, indent=2))
         return 0 if feasible else EXIT_CONFIG
     for line in planner.format_plans(plans, args.top, device, limit):
         print(line)
     if verified:
         print(verified)
-    if not feasible:
-        print(f"meshlm: error: {planner.closest_miss(cfg, plans, args.devices, device, limit)}", file=sys.stderr)
+    if miss:
+        print(f"meshlm: error: {miss}", file=sys.stderr)
         return EXIT_CONFIG
     return 0
 

@@ -1,0 +1,80 @@
+"""Activation memory of P2's 22B model at its own layout (tensor=8, s=2048, b=4), measured on this
+CPU by compiling the residual function with 8 simulated devices (nothing is allocated), next to the
+formula and P2's Figure 7 figure (layers only).
+
+    python benchmarks/paper_scale_memory.py [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import dataclasses
+
+from meshlm import accounting, recipes
+from meshlm.config import RematConfig
+from meshlm.memory import measure_activations
+from meshlm.parallel.mesh import make_layout
+
+GiB = 2**30
+ROWS = [  # (label, sequence parallel, policy, P2 Figure 7 layers-only GiB from the notes)
+    ("tensor parallel", False, "none", 59.2),
+    ("tensor + sequence parallel", True, "none", 39.6),
+    ("tensor parallel + selective", False, "selective", 29.2),
+    ("tensor + sequence parallel + selective", True, "selective", 9.6),
+    ("full recompute", False, "full", 4.5),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    base = recipes.get("gpt-22b")
+    lines = [
+        f"Command: `python benchmarks/paper_scale_memory.py {' '.join(sys.argv[1:])}`".replace(" `", "`")
+        + f" ({time.strftime('%Y-%m-%d')}; gpt-22b: h=6144, a=64, L=48, s=2048, b=4, tensor=8, bf16, dropout 0.1)",
+        "",
+        "| configuration | measured GiB/device | formula GiB | ratio | P2 Fig. 7 (layers only) | compile s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, sp, policy, fig7 in ROWS:
+        cfg = dataclasses.replace(
+            base,
+            parallel=dataclasses.replace(base.parallel, sequence_parallel=sp),
+            remat=RematConfig(policy),
+        )
+        t0 = time.time()
+        measured = measure_activations(cfg, make_layout(cfg.parallel)).activation_bytes
+        formula = accounting.activation_memory(cfg)["total"]
+        lines.append(
+            f"| {label} | {measured / GiB:.2f} | {formula / GiB:.2f} | {measured / formula:.5f} | {fig7} | "
+            f"{time.time() - t0:.1f} |"
+        )
+        print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print(table)
+    if args.write:
+        path = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+        text = path.read_text()
+        start, end = "<!-- paper_scale_memory:start -->", "<!-- paper_scale_memory:end -->"
+        if start not in text:
+            text = text.rstrip() + (
+                "\n\n## Activation memory at paper scale (22B, tensor=8), measured on CPU\n\n"
+                "The totals include the terms outside the layers (logits etc.), which Figure 7 leaves out.\n\n"
+                f"{start}\n{end}\n"
+            )
+        head, _, rest = text.partition(start)
+        _, _, tail = rest.partition(end)
+        path.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+
+
+if __name__ == "__main__":
+    main()

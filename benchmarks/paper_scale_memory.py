@@ -39,8 +39,8 @@ def main() -> None:
     args = ap.parse_args()
     base = recipes.get("gpt-22b")
     lines = [
-        f"Command: `python benchmarks/paper_scale_memory.py {' '.join(sys.argv[1:])}`".replace(" `", "`")
-        + f" ({time.strftime('%Y-%m-%d')}; gpt-22b: h=6144, a=64, L=48, s=2048, b=4, tensor=8, bf16, dropout 0.1)",
+        f"Command: `{' '.join(['python benchmarks/paper_scale_memory.py', *sys.argv[1:]])}` "
+        f"({time.strftime('%Y-%m-%d')}; gpt-22b: h=6144, a=64, L=48, s=2048, b=4, tensor=8, bf16, dropout 0.1)",
         "",
         "| configuration | measured GiB/device | formula GiB | ratio | P2 Fig. 7 (layers only) | compile s |",
         "|---|---:|---:|---:|---:|---:|",

@@ -81,7 +81,8 @@ def test_train_writes_config_and_metrics(small_corpus, tmp_path, devices):
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in steps] == [4, 8, 12] and [r["step"] for r in evals] == [6, 12]
     for r in steps:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu"} <= r.keys()
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "hfu"} <= r.keys()
+        assert r["hfu"] >= r["mfu"]  # hardware FLOPs include recomputation
         assert np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
     assert steps[-1]["loss"] < steps[0]["loss"]
     info = json.loads((run / "run.json").read_text())

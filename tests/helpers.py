@@ -6,11 +6,9 @@ import jax
 import numpy as np
 
 from meshlm.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig, validate
-from meshlm.model.params import param_specs
-from meshlm.optim import make_optimizer
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import make_train_step
-from meshlm.train_state import init_state, state_shardings
+from meshlm.train_state import init_state, setup
 
 MESHES = {
     "single": dict(data=1),
@@ -49,9 +47,7 @@ def random_batches(cfg: RunConfig, n: int, seed: int = 0) -> list[dict[str, np.n
 def build(cfg: RunConfig):
     devices = jax.devices()[: cfg.parallel.n_devices]
     layout = make_layout(cfg.parallel, devices)
-    specs = param_specs(cfg.model)
-    tx = make_optimizer(cfg.optim, cfg.train.steps, specs)
-    shardings = state_shardings(specs, layout, tx)
+    specs, tx, shardings = setup(cfg, layout)
     state = init_state(specs, layout, tx, cfg.train.seed)
     return layout, specs, tx, shardings, state
 

@@ -11,11 +11,9 @@ import pytest
 
 from meshlm import accounting, hlo, recipes
 from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
-from meshlm.model.params import param_specs
-from meshlm.optim import make_optimizer
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import make_train_step
-from meshlm.train_state import init_state, state_shardings
+from meshlm.train_state import init_state, setup
 
 # P2 Table 3 + Table 5 "present work": (h, a, L, global batch, GPUs, seconds/iteration) -> MFU, HFU
 TABLE5 = {
@@ -54,10 +52,9 @@ def _step_programs(family: str, policy: str, n_layers: int = 1):
     )
     cfg = RunConfig(model=model, remat=RematConfig(policy), train=TrainConfig(global_batch=4, seq_len=64, steps=3))
     layout = make_layout(ParallelConfig(), jax.devices()[:1])
-    specs = param_specs(model)
-    tx = make_optimizer(cfg.optim, 3, specs)
+    specs, tx, shardings = setup(cfg, layout)
     state = jax.eval_shape(lambda: init_state(specs, layout, tx, 0))
-    step = make_train_step(cfg, layout, tx, state_shardings(specs, layout, tx))
+    step = make_train_step(cfg, layout, tx, shardings)
     batch = {k: jax.ShapeDtypeStruct((4, 64), jnp.int32) for k in ("inputs", "targets")}
     lowered = step.lower(state, batch)
     return cfg, lowered, lowered.compile()

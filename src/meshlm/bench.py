@@ -21,11 +21,9 @@ import numpy as np
 from meshlm import accounting, hardware
 from meshlm.config import ConfigError, RematConfig, RunConfig, apply_overrides, parse_mesh, validate
 from meshlm.memory import measure_activations
-from meshlm.model.params import param_specs
-from meshlm.optim import make_optimizer
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import batch_sharding, make_train_step
-from meshlm.train_state import init_state, state_shardings
+from meshlm.train_state import init_state, setup
 from meshlm.trainer import global_batch
 
 
@@ -73,9 +71,8 @@ def run_bench(
         for policy in policies:
             cfg = _config(base, layout, policy)
             lay = make_layout(cfg.parallel)
-            specs = param_specs(cfg.model)
-            tx = make_optimizer(cfg.optim, t.steps, specs)
-            step = make_train_step(cfg, lay, tx, state_shardings(specs, lay, tx))
+            specs, tx, shardings = setup(cfg, lay)
+            step = make_train_step(cfg, lay, tx, shardings)
             state = init_state(specs, lay, tx, t.seed)
             batches = [global_batch({"inputs": x[:, :-1], "targets": x[:, 1:]}, batch_sharding(lay)) for x in tokens]
             state, _ = step(state, batches[-1])  # compile + warm up

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from meshlm.model.params import abstract_params, init_params, map_specs
+from meshlm.config import RunConfig
+from meshlm.model.params import abstract_params, init_params, map_specs, param_specs
+from meshlm.optim import make_optimizer
 from meshlm.parallel.rules import Layout
 
 
@@ -51,3 +53,10 @@ def init_state(specs: dict, layout: Layout, tx: optax.GradientTransformation, se
 
     shardings = state_shardings(specs, layout, tx)
     return jax.jit(_init, out_shardings=shardings)(jax.random.key(seed))
+
+
+def setup(cfg: RunConfig, layout: Layout) -> tuple[dict, optax.GradientTransformation, TrainState]:
+    """(parameter specs, optimizer, state shardings): what every caller builds a step from."""
+    specs = param_specs(cfg.model)
+    tx = make_optimizer(cfg.optim, cfg.train.steps, specs)
+    return specs, tx, state_shardings(specs, layout, tx)

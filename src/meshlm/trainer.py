@@ -20,12 +20,10 @@ from meshlm.config import RunConfig, validate
 from meshlm.data.loader import WindowLoader, unigram_entropy
 from meshlm.data.prepare import prepare
 from meshlm.metrics import MetricsLogger
-from meshlm.model.params import param_specs
-from meshlm.optim import make_optimizer
 from meshlm.parallel.mesh import make_layout
 from meshlm.report import format_report, startup_report
 from meshlm.step import batch_sharding, make_eval_step, make_train_step
-from meshlm.train_state import init_state, state_shardings
+from meshlm.train_state import init_state, setup
 
 
 class TrainingError(RuntimeError):
@@ -86,9 +84,7 @@ def train(cfg: RunConfig, run_dir: Path, *, quiet: bool = False, dry_run: bool =
 def _train(cfg: RunConfig, run_dir: Path, log: MetricsLogger, dry_run: bool) -> RunResult | None:
     tc = cfg.train
     layout = make_layout(cfg.parallel)
-    specs = param_specs(cfg.model)
-    tx = make_optimizer(cfg.optim, tc.steps, specs)
-    shardings = state_shardings(specs, layout, tx)
+    specs, tx, shardings = setup(cfg, layout)
     bsharding = batch_sharding(layout)
 
     # Compile ahead of time from abstract shapes: the startup report reads the compiled program,

@@ -85,7 +85,9 @@ def test_formula_equals_measurement_whole_model(family, policy, sp, devices):
     assert m.activation_bytes == pytest.approx(f["total"], rel=5e-3)
     assert m.host_bytes == pytest.approx(f["host_total"], rel=5e-3, abs=1)
     assert sum(r.device_bytes for r in m.residuals) == m.activation_bytes
-    assert m.compiled_output_bytes >= m.activation_bytes  # XLA's own count includes the parameters
+    # XLA's own count of the residual outputs = our per-leaf sum, up to its tuple overhead
+    assert 0 <= m.compiled_output_bytes - m.residual_bytes <= 1024
+    assert m.residual_bytes >= m.activation_bytes + m.host_bytes  # parameters are residuals too
 
 
 def test_selective_and_sp_shrink_memory_in_the_papers_order(devices):

@@ -3,10 +3,11 @@
 P2's "activations" are the forward tensors the backward pass needs. In JAX those are exactly the
 residuals of `jax.vjp`: the leaves of the returned vjp function. We jit a function that returns
 them, with the model's real shardings, and read each leaf's per-device size from the compiled
-program's output shardings (`memory_analysis().output_size_in_bytes` is their sum, and is checked
-against it). Residuals that do not grow with the batch - the parameters and their compute-dtype
-copies, causal masks, RoPE tables - are not activations and are excluded: a leaf counts when its
-global size doubles with the batch (found by tracing the same function at batch 2b).
+program's output shardings. XLA's own count, `memory_analysis().output_size_in_bytes`, equals their
+sum (parameters included) up to a few hundred bytes of tuple overhead; a test holds it to that.
+Residuals that do not grow with the batch - the parameters and their compute-dtype copies, causal
+masks, RoPE tables - are not activations and are excluded: a leaf counts when its global size
+doubles with the batch (found by tracing the same function at batch 2b).
 
 Nothing is executed and no parameter is materialised: inputs are abstract, so even paper-scale
 configurations can be measured where they compile.
@@ -48,7 +49,8 @@ class Measurement:
     activation_bytes: int  # per device, device memory only
     host_bytes: int  # per device, offloaded to host memory
     residuals: list[Residual] = field(default_factory=list)
-    compiled_output_bytes: int = 0  # XLA's memory_analysis of all residual outputs (params included)
+    residual_bytes: int = 0  # per device, every residual leaf (parameters and constants included)
+    compiled_output_bytes: int = 0  # XLA's memory_analysis of the same outputs
 
 
 def _residual_fn(cfg: RunConfig, layout: Layout):
@@ -83,12 +85,11 @@ def measure_activations(cfg: RunConfig, layout: Layout, batch: int | None = None
     shapes_b = jax.eval_shape(fn, p_abs, tokens(b), tokens(b))
     shapes_2b = jax.eval_shape(fn, p_abs, tokens(2 * b), tokens(2 * b))
     assert len(shapes_b) == len(shapes_2b), "residual structure changed with the batch size"
-    per_layer = _stacked_leaves(cfg, layout, p_abs, b, s)
+    per_layer = _stacked_leaves(cfg, layout, shapes_b, b, s)
 
     residuals, total_dev, total_host, all_bytes = [], 0, 0, 0
     for i, (sb, s2b, sharding) in enumerate(zip(shapes_b, shapes_2b, compiled.output_shardings, strict=True)):
-        itemsize = 8 if jax.dtypes.issubdtype(sb.dtype, jax.dtypes.prng_key) else np.dtype(sb.dtype).itemsize
-        nbytes = math.prod(sharding.shard_shape(sb.shape)) * itemsize
+        nbytes = device_bytes(sb, sharding)
         all_bytes += nbytes
         if math.prod(s2b.shape) != 2 * math.prod(sb.shape):
             continue  # does not scale with the batch: a parameter or a constant
@@ -102,17 +103,22 @@ def measure_activations(cfg: RunConfig, layout: Layout, batch: int | None = None
     analysis = compiled.memory_analysis()
     out_bytes = int(getattr(analysis, "output_size_in_bytes", all_bytes)) if analysis is not None else all_bytes
     residuals.sort(key=lambda r: -(r.device_bytes + r.host_bytes))
-    return Measurement(total_dev, total_host, residuals, out_bytes)
+    return Measurement(total_dev, total_host, residuals, all_bytes, out_bytes)
 
 
-def _stacked_leaves(cfg: RunConfig, layout: Layout, p_abs, b: int, s: int) -> set[int]:
+def device_bytes(abstract, sharding) -> int:
+    """Bytes one device holds of an array with this global shape/dtype and sharding."""
+    is_key = jax.dtypes.issubdtype(abstract.dtype, jax.dtypes.prng_key)
+    itemsize = 8 if is_key else np.dtype(abstract.dtype).itemsize  # a threefry key is 2 x uint32
+    return math.prod(sharding.shard_shape(abstract.shape)) * itemsize
+
+
+def _stacked_leaves(cfg: RunConfig, layout: Layout, shapes, b: int, s: int) -> set[int]:
     """Indices of residuals stacked over layers: their leading dim grows with n_layers."""
     deeper = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers + 1))
-    specs = param_specs(deeper.model)
     tokens = jax.ShapeDtypeStruct((b, s), jnp.int32)
-    one = jax.eval_shape(_residual_fn(cfg, layout), p_abs, tokens, tokens)
-    two = jax.eval_shape(_residual_fn(deeper, layout), abstract_params(specs), tokens, tokens)
-    return {i for i, (x, y) in enumerate(zip(one, two, strict=True)) if x.shape != y.shape}
+    two = jax.eval_shape(_residual_fn(deeper, layout), abstract_params(param_specs(deeper.model)), tokens, tokens)
+    return {i for i, (x, y) in enumerate(zip(shapes, two, strict=True)) if x.shape != y.shape}
 
 
 @dataclass

@@ -9,26 +9,21 @@ rematerialisation, so only `meshlm memory` checks activations.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
-import numpy as np
 
 from meshlm import accounting
 from meshlm.config import RunConfig
+from meshlm.memory import device_bytes
 from meshlm.parallel.rules import Layout
 from meshlm.train_state import TrainState
 
 
-def _device_bytes(abstract, sharding) -> int:
-    return math.prod(sharding.shard_shape(abstract.shape)) * np.dtype(abstract.dtype).itemsize
-
-
-def _tree_device_bytes(abstract_tree, sharding_tree) -> int:
+def _treedevice_bytes(abstract_tree, sharding_tree) -> int:
     leaves = jax.tree.leaves(abstract_tree)
     shardings = jax.tree.leaves(sharding_tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    return sum(_device_bytes(a, s) for a, s in zip(leaves, shardings, strict=True))
+    return sum(device_bytes(a, s) for a, s in zip(leaves, shardings, strict=True))
 
 
 def startup_report(
@@ -40,14 +35,14 @@ def startup_report(
             "name": "/".join(str(k.key) for k in path),
             "shape": list(a.shape),
             "spec": str(s.spec),
-            "device_bytes": _device_bytes(a, s),
+            "device_bytes": device_bytes(a, s),
         }
         for (path, a), s in zip(
             jax.tree_util.tree_leaves_with_path(abstract.params), jax.tree.leaves(shardings.params), strict=True
         )
     ]
     param_bytes = sum(p["device_bytes"] for p in params)
-    opt_bytes = _tree_device_bytes(abstract.opt_state, shardings.opt_state)
+    opt_bytes = _treedevice_bytes(abstract.opt_state, shardings.opt_state)
     act = accounting.activation_memory(cfg)
     predicted = {
         "parameters (fp32)": param_bytes,

@@ -115,7 +115,7 @@ def utilisation(flops_per_step: float, step_time_s: float, peak_flops_per_s: flo
 MASK_BYTES = 1  # a bool keep-mask per element (P2: 1 byte)
 
 
-def _dtype_bytes(dtype: str) -> int:
+def dtype_bytes(dtype: str) -> int:
     return {"bfloat16": 2, "float32": 4}[dtype]
 
 
@@ -129,7 +129,7 @@ def layer_activation_terms(
 ) -> dict[str, float]:
     """Bytes per device of one layer's stored activations, by tensor. `micro_batch` is per device
     (P2's b); `tensor` is t; the LayerNorm/dropout/residual regions are split by t only under SP."""
-    e, s, b, t = _dtype_bytes(m.dtype), seq_len, micro_batch, tensor
+    e, s, b, t = dtype_bytes(m.dtype), seq_len, micro_batch, tensor
     d, n, k, hd, f = m.d_model, m.n_heads, m.kv_heads, m.dim_head, m.ffn
     r = t if sequence_parallel else 1  # split of the sequence-parallel regions
     dropout = m.dropout > 0
@@ -175,7 +175,7 @@ def _dot_output_terms(m: ModelConfig, s: int, b: int, t: int, r: int) -> dict[st
     attention-out projection (to rebuild the MLP's input) and the MLP's first matmul(s). The MLP-out
     projection's output is needed by nothing and is not kept. Under SP the attention-out product is
     kept as the partial sums before the reduce-scatter, full-sequence (r = 1 for that term)."""
-    e, d, n, k, hd, f = _dtype_bytes(m.dtype), m.d_model, m.n_heads, m.kv_heads, m.dim_head, m.ffn
+    e, d, n, k, hd, f = dtype_bytes(m.dtype), m.d_model, m.n_heads, m.kv_heads, m.dim_head, m.ffn
     terms = {"q": e * s * b * n * hd / t, "k": e * s * b * k * hd / t, "v": e * s * b * k * hd / t}
     terms["attn_out"] = e * s * b * d
     if m.family == "gpt":
@@ -191,7 +191,7 @@ def outside_activation_terms(
     """P2 section 4.3: embedding dropout (x p microbatches in flight on the first pipeline stage),
     and - only when p = 1 - final norm input, output-layer input and fp32 logits. Token ids and
     targets (int32) are listed too: P2 ignores them as small; we keep every byte we store."""
-    e, s, b, t, d, v = _dtype_bytes(m.dtype), seq_len, micro_batch, tensor, m.d_model, m.vocab_size
+    e, s, b, t, d, v = dtype_bytes(m.dtype), seq_len, micro_batch, tensor, m.d_model, m.vocab_size
     r = t if sequence_parallel else 1
     terms: dict[str, float] = {"token_ids": 4 * s * b * pipeline}
     if m.dropout > 0:

@@ -108,6 +108,7 @@ def estimate(
     plan = Plan(cfg, pipeline)
     limit = device.memory if memory_limit is None else memory_limit
     m, par, t = cfg.model, cfg.parallel, cfg.train
+    e = accounting.dtype_bytes(m.dtype)
     act = accounting.activation_memory(cfg, pipeline=pipeline, interleave=interleave)
     params = sharded_params(cfg) / pipeline
     plan.memory["parameters, gradients, optimizer"] = bytes_per_param * params
@@ -116,11 +117,10 @@ def estimate(
         layer = accounting.param_count(dataclasses.replace(m, n_layers=1)) - accounting.param_count(
             dataclasses.replace(m, n_layers=0)
         )
-        plan.memory["FSDP gathered weights"] = 2 * layer / par.tensor * (2 if m.dtype == "bfloat16" else 4)
+        plan.memory["FSDP gathered weights"] = 2 * layer / par.tensor * e
 
     n = par.n_devices * pipeline
     plan.time["compute"] = accounting.hardware_flops_per_step(cfg) / (n * device.peak)
-    e = 2 if m.dtype == "bfloat16" else 4
     b = t.global_batch // t.microbatches // par.batch_shards
     group_bw = device.intra_bw if par.tensor <= device.per_node else device.inter_bw
     if par.tensor > 1:

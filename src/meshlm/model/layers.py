@@ -16,7 +16,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 
 @partial(jax.checkpoint, static_argnums=(3,))
@@ -145,7 +144,6 @@ def causal_attention(
     k = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh) * jnp.asarray(1 / math.sqrt(h), q_btnh.dtype)
-    scores = checkpoint_name(scores, "attn_scores")
     keep = None
     if key is not None and dropout_rate > 0:
         keep = jax.random.bernoulli(key, 1.0 - dropout_rate, scores.shape)

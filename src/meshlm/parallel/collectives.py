@@ -7,11 +7,13 @@ Megatron's conjugate operators (P2 section 4.2):
 | block entry               | identity (bwd: all-reduce)    | all-gather along s (bwd: reduce-scatter) |
 | block exit (row-parallel) | all-reduce (bwd: identity)    | reduce-scatter along s (bwd: all-gather) |
 
-Without SP, GSPMD inserts f / f-bar by itself from the sharding constraints. With SP the boundaries
-are written as `shard_map` collectives: left to itself, XLA's CPU pipeline lowers the reduce-scatter
-as all-reduce + dynamic-slice (only the GPU and TPU pipelines fuse that pair back), which would hide
-exactly what P2 is about. JAX differentiates `all_gather` into `psum_scatter` and back, giving the
-conjugates for free.
+Only f-bar (the TP-only block exit) is left to GSPMD, which all-reduces the row-parallel partial
+sums from the sharding constraint alone. The rest is written as `shard_map` collectives: block
+entries (f and g, `column_parallel`) so the backward pass reduces the input gradient of all the
+block's matmuls once - GSPMD all-reduces the Q, K and V partials separately - and the SP exit
+(g-bar), because XLA's CPU pipeline lowers a reduce-scatter as all-reduce + dynamic-slice (only the
+GPU and TPU pipelines fuse that pair back), which would hide exactly what P2 is about. JAX
+differentiates `all_gather` into `psum_scatter` and back, giving the conjugates for free.
 
 The shard_maps are manual over every mesh axis. Activations enter with their full logical spec;
 weights with their `tensor` spec only, so an FSDP-sharded weight is gathered by GSPMD on entry, as

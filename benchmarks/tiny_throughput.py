@@ -32,7 +32,7 @@ def run_layout(mesh: str, steps: int, extra: list[str]) -> dict:
         subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
         records = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
         info = json.loads((Path(tmp) / "run.json").read_text())
-    steady = [r for r in records if "loss" in r][1:]
+    steady = [r for r in records if "tokens_per_s" in r]
     return {
         "mesh": mesh,
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),

@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", help="output directory (default: runs/<recipe>-<time>)")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument(
+        "--init-from", metavar="PATH", help="start from another run's weights (run dir, checkpoints dir or step dir)"
+    )
+    train.add_argument(
+        "--stop-after", type=int, metavar="STEP", help="checkpoint and exit after this step (resume later)"
+    )
+    train.add_argument(
         "--dry-run", action="store_true", help="build the mesh, compile the step, print the startup report, exit"
     )
     memory = sub.add_parser(
@@ -129,7 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from meshlm.trainer import train
 
     run_dir = Path(args.run_dir or f"runs/{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
-    train(cfg, run_dir, dry_run=args.dry_run)
+    train(cfg, run_dir, dry_run=args.dry_run, init_from=args.init_from, stop_after=args.stop_after)
     return 0
 
 
@@ -279,9 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         print("meshlm: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        from meshlm.trainer import TrainingError
+        from meshlm.checkpoint import CheckpointError
+        from meshlm.trainer import Preempted, TrainingError
 
-        if isinstance(e, TrainingError):
+        if isinstance(e, Preempted):
+            print(f"meshlm: {e}", file=sys.stderr)
+            return 128 + e.signum
+        if isinstance(e, (TrainingError, CheckpointError)):
             print(f"meshlm: training stopped: {e}", file=sys.stderr)
             return EXIT_TRAINING
         raise

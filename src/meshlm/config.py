@@ -134,6 +134,23 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints of the whole train state in `<run_dir>/checkpoints` (or `dir`).
+
+    Saved every `every` steps (0: only at the end and on SIGTERM/SIGINT), asynchronously unless
+    `async_save` is off. Retention: the latest `keep`, plus every step divisible by `keep_every`
+    (0: none). `resume` picks up the latest good checkpoint of the run directory.
+    """
+
+    every: int = 100
+    keep: int = 2
+    keep_every: int = 0
+    async_save: bool = True
+    resume: bool = True
+    dir: str = ""  # empty = <run_dir>/checkpoints
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -141,6 +158,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -307,6 +325,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     )
     _need(t.log_every >= 1 and t.eval_every >= 0, "train.log_every must be >= 1, eval_every >= 0")
     _need(0.0 < cfg.data.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
+    c = cfg.checkpoint
+    _need(c.every >= 0 and c.keep_every >= 0, "checkpoint.every and checkpoint.keep_every must be >= 0")
+    _need(c.keep >= 1, "checkpoint.keep must be >= 1 (the latest checkpoint is always kept)")
     o = cfg.optim
     _need(o.lr > 0 and 0 <= o.min_lr_ratio <= 1 and o.warmup_steps >= 0, "optim: lr>0, 0<=min_lr_ratio<=1, warmup>=0")
 

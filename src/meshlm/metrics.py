@@ -22,19 +22,26 @@ def _fmt_eta(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Writes one JSON object per logged step and keeps a progress line on the terminal
-    (a live bar when stdout is a terminal, plain lines otherwise, e.g. in CI logs)."""
+    """Writes one JSON object per logged step (`write`) and keeps a progress line on the terminal
+    (`show`: a live bar when stdout is a terminal, plain lines otherwise, e.g. in CI logs). In a
+    multi-process run only process 0 writes or shows anything."""
 
     def __init__(
-        self, run_dir: Path, total_steps: int, start_step: int = 0, enabled: bool = True, peak_label: str = ""
+        self,
+        run_dir: Path,
+        total_steps: int,
+        start_step: int = 0,
+        write: bool = True,
+        show: bool = True,
+        peak_label: str = "",
     ):
-        self.enabled = enabled
+        self.enabled, self.show = write, show and write
         self.peak_label = peak_label  # where the peak for MFU/HFU comes from, e.g. "CPU probe"
         self.console = Console(highlight=False, soft_wrap=True)
         self.path = run_dir / "metrics.jsonl"
-        self.file = open(self.path, "a") if enabled else None  # noqa: SIM115 (closed in close())
+        self.file = open(self.path, "a") if write else None  # noqa: SIM115 (closed in close())
         self.total = total_steps
-        self.live = enabled and sys.stdout.isatty()
+        self.live = self.show and sys.stdout.isatty()
         self.progress = None
         if self.live:
             self.progress = Progress(
@@ -49,8 +56,17 @@ class MetricsLogger:
             self.progress.start()
         self.t0 = time.time()
 
-    def print(self, msg: str) -> None:
+    def resume_at(self, step: int) -> None:
+        """A resumed run: the bar starts at `step`, and metrics.jsonl records where it resumed
+        (records after it from the interrupted attempt are superseded by the ones that follow)."""
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
         if self.enabled:
+            self.file.write(json.dumps({"event": "resume", "step": step}) + "\n")
+            self.file.flush()
+
+    def print(self, msg: str) -> None:
+        if self.show:
             self.console.print(msg, markup=False)
 
     def log(self, record: dict, eta_s: float | None = None) -> None:
@@ -58,15 +74,15 @@ class MetricsLogger:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if "loss" not in record:
+        if "loss" not in record or not self.show:
             return
-        parts = [
-            f"step {record['step']}/{self.total}",
-            f"loss {record['loss']:.4f}",
-            f"{_fmt_rate(record['tokens_per_s'])} tok/s",
-            f"MFU {100 * record['mfu']:.1f}% HFU {100 * record['hfu']:.1f}%"
-            + (f" [{self.peak_label}]" if self.peak_label else ""),
-        ]
+        parts = [f"step {record['step']}/{self.total}", f"loss {record['loss']:.4f}"]
+        if "tokens_per_s" in record:
+            parts += [
+                f"{_fmt_rate(record['tokens_per_s'])} tok/s",
+                f"MFU {100 * record['mfu']:.1f}% HFU {100 * record['hfu']:.1f}%"
+                + (f" [{self.peak_label}]" if self.peak_label else ""),
+            ]
         if eta_s is not None:
             parts.append(f"ETA {_fmt_eta(eta_s)}")
         line = " | ".join(parts)

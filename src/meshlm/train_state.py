@@ -55,6 +55,16 @@ def init_state(specs: dict, layout: Layout, tx: optax.GradientTransformation, se
     return jax.jit(_init, out_shardings=shardings)(jax.random.key(seed))
 
 
+def abstract_state(specs: dict, layout: Layout, tx: optax.GradientTransformation) -> TrainState:
+    """Shapes, dtypes and shardings of the state, without allocating it (AOT compile, restore)."""
+    shapes = jax.eval_shape(lambda: init_state(specs, layout, tx, 0))
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        shapes,
+        state_shardings(specs, layout, tx),
+    )
+
+
 def setup(cfg: RunConfig, layout: Layout) -> tuple[dict, optax.GradientTransformation, TrainState]:
     """(parameter specs, optimizer, state shardings): what every caller builds a step from."""
     specs = param_specs(cfg.model)

@@ -1,4 +1,5 @@
-"""The training loop: prepare data, build the mesh and sharded state, step, log, evaluate.
+"""The training loop: prepare data, build the mesh, restore or init the sharded state, step, log,
+evaluate, checkpoint, stop.
 
 Everything numeric lives elsewhere (model, step, accounting); this file only wires it together.
 """
@@ -6,7 +7,9 @@ Everything numeric lives elsewhere (model, step, accounting); this file only wir
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,18 +19,51 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm import __version__, accounting, hardware
-from meshlm.config import RunConfig, validate
+from meshlm.checkpoint import Checkpointer, resolve_checkpoint
+from meshlm.config import ConfigError, RunConfig, validate
 from meshlm.data.loader import WindowLoader, unigram_entropy
 from meshlm.data.prepare import prepare
 from meshlm.metrics import MetricsLogger
 from meshlm.parallel.mesh import make_layout
 from meshlm.report import format_report, startup_report
 from meshlm.step import batch_sharding, make_eval_step, make_train_step
-from meshlm.train_state import init_state, setup
+from meshlm.train_state import TrainState, abstract_state, init_state, setup
 
 
 class TrainingError(RuntimeError):
     """Training cannot continue (e.g. a non-finite loss); the message says where and why."""
+
+
+class Preempted(RuntimeError):
+    """SIGTERM/SIGINT arrived; the state was checkpointed at `step` before stopping."""
+
+    def __init__(self, signum: int, step: int, directory: Path):
+        self.signum, self.step, self.directory = signum, step, directory
+        name = signal.Signals(signum).name
+        super().__init__(f"{name}: saved a checkpoint at step {step} in {directory}; rerun the same command to resume")
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT while training (a second SIGINT interrupts at once)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> StopFlag:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 @dataclass
@@ -69,19 +105,88 @@ def evaluate(eval_fn, params, loader: WindowLoader, n_batches: int, sharding) ->
     return total / count
 
 
-def train(cfg: RunConfig, run_dir: Path, *, quiet: bool = False, dry_run: bool = False) -> RunResult | None:
-    """Train `cfg`, writing into `run_dir`. With `dry_run`, stop after the startup report (the
-    layout is built and the step compiled, but no data is prepared and no parameter allocated)."""
+def train(
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    quiet: bool = False,
+    dry_run: bool = False,
+    init_from: str | None = None,
+    stop_after: int | None = None,
+) -> RunResult | None:
+    """Train `cfg`, writing into `run_dir`, resuming from its latest good checkpoint if any.
+
+    `init_from`: start a new run from the parameters of another run (a run directory, its
+    checkpoints directory or one step directory). `stop_after`: checkpoint and return after this
+    step (a run split into time slots). With `dry_run`, stop after the startup report (the layout is
+    built and the step compiled, but no data is prepared and no parameter allocated).
+    SIGTERM/SIGINT: checkpoint, then raise `Preempted`.
+    """
     validate(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    log = MetricsLogger(run_dir, cfg.train.steps, enabled=not quiet)
+    log = MetricsLogger(run_dir, cfg.train.steps, show=not quiet)
     try:
-        return _train(cfg, run_dir, log, dry_run)
+        with StopFlag() as stop:
+            return _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop)
     finally:
         log.close()
 
 
-def _train(cfg: RunConfig, run_dir: Path, log: MetricsLogger, dry_run: bool) -> RunResult | None:
+def checkpoint_dir(cfg: RunConfig, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else run_dir / "checkpoints"
+
+
+def _config_changes(saved: dict, cfg: RunConfig) -> list[str]:
+    now = json.loads(cfg.to_json())
+    return [
+        f"{section}.{k}: {saved.get(section, {}).get(k)!r} -> {v!r}"
+        for section, values in now.items()
+        for k, v in values.items()
+        if saved.get(section, {}).get(k, v) != v
+    ]
+
+
+def _check_tokenizer(meta: dict, identity: dict, where: str) -> None:
+    saved, now = meta.get("tokenizer_fingerprint"), identity["tokenizer_fingerprint"]
+    if saved and saved != now:
+        raise ConfigError(
+            f"{where} was trained with tokenizer {saved}, but this run's data uses tokenizer {now}: token ids "
+            "would mean different things. Use the same tokenizer (data.tokenizer) or a new run"
+        )
+
+
+def _restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from, log) -> TrainState:
+    """Resume from the run's own latest good checkpoint, else `init_from`'s weights, else fresh."""
+    if cfg.checkpoint.resume:
+        had = ckpt.steps()
+        restored = ckpt.restore_latest(abstract)
+        if restored is not None:
+            _check_tokenizer(restored.meta, identity, f"checkpoint {ckpt.directory}/{restored.meta['step']}")
+            meta = restored.meta
+            log.print(f"resumed from {ckpt.directory}/{meta['step']} (saved by meshlm {meta['code_version']})")
+            changes = _config_changes(restored.meta.get("config", {}), cfg)
+            if changes:
+                log.print("  config differs from the checkpoint's: " + "; ".join(changes))
+            if restored.meta.get("data_fingerprint") != identity["data_fingerprint"]:
+                log.print("  warning: the training data differs from the checkpoint's; batches will not repeat")
+            return restored.state
+        if had:
+            raise TrainingError(
+                f"no readable checkpoint left in {ckpt.directory} (steps {had} were moved to "
+                f"{ckpt.directory}.corrupt); to start over, use a new run dir or --set checkpoint.resume=false"
+            )
+    state = init_state(specs, layout, tx, cfg.train.seed)
+    if init_from:
+        directory, step = resolve_checkpoint(init_from)
+        source = Checkpointer(directory, cfg.checkpoint, log=log.print, read_only=True)
+        params, meta = source.restore_params(abstract.params, step)
+        _check_tokenizer(meta, identity, f"--init-from {directory}/{meta['step']}")
+        state = state._replace(params=params)
+        log.print(f"initialised parameters from {directory}/{meta['step']} (optimizer state and step are fresh)")
+    return state
+
+
+def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult | None:
     tc = cfg.train
     layout = make_layout(cfg.parallel)
     specs, tx, shardings = setup(cfg, layout)
@@ -90,16 +195,16 @@ def _train(cfg: RunConfig, run_dir: Path, log: MetricsLogger, dry_run: bool) -> 
     # Compile ahead of time from abstract shapes: the startup report reads the compiled program,
     # and the loop runs this same executable.
     t0 = time.time()
-    abstract_state = jax.eval_shape(lambda: init_state(specs, layout, tx, tc.seed))
+    abstract = abstract_state(specs, layout, tx)
     abstract_batch = {
         k: jax.ShapeDtypeStruct((tc.global_batch, tc.seq_len), jnp.int32, sharding=bsharding)
         for k in ("inputs", "targets")
     }
-    step_fn = make_train_step(cfg, layout, tx, shardings).lower(abstract_state, abstract_batch).compile()
+    step_fn = make_train_step(cfg, layout, tx, shardings).lower(abstract, abstract_batch).compile()
     compile_s = time.time() - t0
     peak, peak_source = hardware.peak_flops(cfg.model.dtype)
     log.peak_label = "CPU probe" if peak_source.startswith("CPU") else peak_source.split(" ")[0]
-    report = startup_report(cfg, layout, abstract_state, shardings, step_fn, peak)
+    report = startup_report(cfg, layout, abstract, shardings, step_fn, peak)
     log.print(
         f"meshlm {code_version()} | {cfg.model.family} | {tc.global_batch}x{tc.seq_len} tokens/step | "
         f"peak: {peak_source} | train step compiled in {compile_s:.1f}s"
@@ -119,8 +224,8 @@ def _train(cfg: RunConfig, run_dir: Path, log: MetricsLogger, dry_run: bool) -> 
         "startup_report": report,
     }
     (run_dir / "config.json").write_text(cfg.to_json())
-    (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
     if dry_run:
+        (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
         return None
 
     data = prepare(cfg.data, cfg.model.vocab_size, log=log.print)
@@ -131,65 +236,97 @@ def _train(cfg: RunConfig, run_dir: Path, log: MetricsLogger, dry_run: bool) -> 
     run_info |= {"data": data.meta, "unigram_entropy": entropy}
     (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
     log.print(f"data: {data.meta['train_tokens']:,} training tokens, unigram entropy {entropy:.3f} nats")
-    state = init_state(specs, layout, tx, tc.seed)
-    eval_fn = make_eval_step(cfg, layout, shardings.params)
-    model_flops, hw_flops = report["model_flops_per_step"], report["hardware_flops_per_step"]
 
-    t_last, step_last = None, 0
-    tokens_per_s = mfu = 0.0
-    loss = float("nan")
-    val_loss = None
-    for step in range(tc.steps):
-        batch = global_batch(train_loader.batch(step), bsharding)
-        state, metrics = step_fn(state, batch)
-        last = step + 1 == tc.steps
-        if step == 0:  # warm-up: throughput is measured from the end of the first step
-            jax.block_until_ready(metrics)
-            t_last, step_last = time.time(), 1
-        if (step + 1) % tc.log_every == 0 or last:
-            m = jax.device_get(metrics)
-            loss = float(m["loss"])
-            if not m["finite"] or int(state.step) != step + 1:
-                raise TrainingError(
-                    f"non-finite loss or gradient at step {step + 1} (loss={loss}, grad_norm={float(m['grad_norm'])}); "
-                    "the bad update was not applied. Lower optim.lr or optim.clip_norm, or use model.dtype=float32"
-                )
-            now = time.time()
-            n = step + 1 - step_last
-            if n > 0:
-                dt = (now - t_last) / n
-                tokens_per_s = tc.global_batch * tc.seq_len / dt
-                mfu = accounting.utilisation(model_flops, dt, peak)
-                record = {
-                    "step": step + 1,
-                    "loss": loss,
-                    "lr": float(m["lr"]),
-                    "grad_norm": float(m["grad_norm"]),
-                    "tokens_per_s": tokens_per_s,
-                    "step_time_s": dt,
-                    "mfu": mfu,
-                    "hfu": accounting.utilisation(hw_flops, dt, peak),
-                }
-                log.log(record, eta_s=dt * (tc.steps - step - 1))
-                t_last, step_last = now, step + 1
-        if tc.eval_every and ((step + 1) % tc.eval_every == 0 or last):
-            val_loss = evaluate(eval_fn, state.params, val_loader, tc.eval_batches, bsharding)
-            log.log({"step": step + 1, "val_loss": val_loss})
-            log.print(f"step {step + 1}: validation loss {val_loss:.4f}")
-            t_last = time.time()  # do not charge evaluation to training throughput
-    result = RunResult(
-        final_step=int(state.step),
-        train_loss=loss,
-        val_loss=val_loss,
-        unigram_entropy=entropy,
-        tokens_per_s=tokens_per_s,
-        mfu=mfu,
-        compile_s=compile_s,
-        run_dir=run_dir,
-    )
+    identity = {
+        "code_version": code_version(),
+        "config": cfg.to_dict(),
+        "tokenizer_fingerprint": data.meta["tokenizer_fingerprint"],
+        "data_fingerprint": data.meta["source_fingerprint"],
+        "data_position": "batch n = f(train.seed, n): the step is the position",
+    }
+    ckpt = Checkpointer(checkpoint_dir(cfg, run_dir), cfg.checkpoint, log=log.print)
+    try:
+        state = _restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from, log)
+        start = int(state.step)
+        if start:
+            log.resume_at(start)
+        loop = _Loop(cfg, log, step_fn, make_eval_step(cfg, layout, shardings.params), bsharding, report, peak)
+        state, result = loop.run(state, start, train_loader, val_loader, ckpt, identity, stop_after, stop)
+        ckpt.save(state, identity)  # the final state (a no-op if this step was just saved)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    if stop.signum is not None:
+        raise Preempted(stop.signum, int(state.step), ckpt.directory)
+    result = RunResult(**result, unigram_entropy=entropy, compile_s=compile_s, run_dir=run_dir)
+    finished = result.final_step >= tc.steps
     log.print(
-        f"done: {result.final_step} steps, train loss {loss:.4f}, val loss "
-        f"{'-' if val_loss is None else f'{val_loss:.4f}'} (unigram entropy {entropy:.3f}), "
-        f"{tokens_per_s:.0f} tok/s, MFU {100 * mfu:.1f}%, compile {compile_s:.1f}s -> {run_dir}"
+        ("done: " if finished else f"stopped (checkpointed; rerun to resume to {tc.steps}): ")
+        + f"{result.final_step} steps, train loss {result.train_loss:.4f}, val loss "
+        f"{'-' if result.val_loss is None else f'{result.val_loss:.4f}'} (unigram entropy {entropy:.3f}), "
+        f"{result.tokens_per_s:.0f} tok/s, MFU {100 * result.mfu:.1f}%, compile {compile_s:.1f}s -> {run_dir}"
     )
     return result
+
+
+class _Loop:
+    """The step loop with its logging, evaluation and checkpoint cadence."""
+
+    def __init__(self, cfg, log, step_fn, eval_fn, bsharding, report, peak):
+        self.cfg, self.log, self.step_fn, self.eval_fn, self.bsharding = cfg, log, step_fn, eval_fn, bsharding
+        self.model_flops, self.hw_flops = report["model_flops_per_step"], report["hardware_flops_per_step"]
+        self.peak = peak
+
+    def run(self, state, start, train_loader, val_loader, ckpt, identity, stop_after, stop):
+        tc, every = self.cfg.train, self.cfg.checkpoint.every
+        end = tc.steps if stop_after is None else min(tc.steps, stop_after)
+        t_last, step_last = None, start
+        tokens_per_s = mfu = 0.0
+        loss = float("nan")
+        val_loss = None
+        for step in range(start, end):
+            batch = global_batch(train_loader.batch(step), self.bsharding)
+            state, metrics = self.step_fn(state, batch)
+            last = step + 1 == tc.steps
+            if step == start:  # warm-up: throughput is measured from the end of the first step
+                jax.block_until_ready(metrics)
+                t_last, step_last = time.time(), step + 1
+            if (step + 1) % tc.log_every == 0 or last:
+                m = jax.device_get(metrics)
+                loss = float(m["loss"])
+                if not m["finite"] or int(state.step) != step + 1:
+                    raise TrainingError(
+                        f"non-finite loss or gradient at step {step + 1} (loss={loss}, "
+                        f"grad_norm={float(m['grad_norm'])}); the bad update was not applied. "
+                        "Lower optim.lr or optim.clip_norm, or use model.dtype=float32"
+                    )
+                record = {"step": step + 1, "loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"])}
+                now = time.time()
+                n = step + 1 - step_last
+                if n > 0:  # the first step of an attempt compiles and warms up: no rate for it
+                    dt = (now - t_last) / n
+                    tokens_per_s = tc.global_batch * tc.seq_len / dt
+                    mfu = accounting.utilisation(self.model_flops, dt, self.peak)
+                    hfu = accounting.utilisation(self.hw_flops, dt, self.peak)
+                    record |= {"tokens_per_s": tokens_per_s, "step_time_s": dt, "mfu": mfu, "hfu": hfu}
+                    t_last, step_last = now, step + 1
+                self.log.log(record, eta_s=dt * (tc.steps - step - 1) if n > 0 else None)
+            if tc.eval_every and ((step + 1) % tc.eval_every == 0 or last):
+                val_loss = evaluate(self.eval_fn, state.params, val_loader, tc.eval_batches, self.bsharding)
+                self.log.log({"step": step + 1, "val_loss": val_loss})
+                self.log.print(f"step {step + 1}: validation loss {val_loss:.4f}")
+                t_last = time.time()  # do not charge evaluation to training throughput
+            if every and (step + 1) % every == 0 and not last:
+                ckpt.save(state, identity)  # returns once the arrays are off the devices
+                t_last = time.time()
+            if stop.signum is not None:
+                self.log.print(f"{signal.Signals(stop.signum).name} at step {step + 1}: saving a checkpoint")
+                break
+        result = {
+            "final_step": int(state.step),
+            "train_loss": loss,
+            "val_loss": val_loss,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+        }
+        return state, result

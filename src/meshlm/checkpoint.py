@@ -1,0 +1,235 @@
+"""Orbax checkpoints of the train state: layout-independent, asynchronous, verified on restore.
+
+A checkpoint directory holds one sub-directory per saved step. Orbax writes each into a temporary
+name and renames it when every process has finished (the atomic commit), so a half-written step
+is never listed. Each step holds three items:
+
+    params     fp32 master weights: global arrays stored shard by shard (tensorstore/OCDBT), so they
+               restore onto any mesh and device count, each process reading only its own shards
+    opt_state  the optimizer state, the same way
+    meta       JSON: step (= the data position: batch n is a pure function of (seed, n)), the
+               resolved config, code version, tokenizer and data identity, and for every tensor
+               its shape, dtype and a checksum of its bits
+
+The checksum (two wrapping uint32 sums over the raw bits, one position-weighted) is computed on
+device from the global arrays, so it does not depend on the layout: restoring onto another mesh
+must reproduce it exactly. A step whose files cannot be read or whose checksums disagree is moved
+aside (`<dir>.corrupt/`, never deleted) and the previous good step is used instead.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from meshlm.config import CheckpointConfig, ConfigError
+from meshlm.train_state import TrainState
+
+ITEMS = ("params", "opt_state", "meta")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was asked for (e.g. `--init-from` a path with none)."""
+
+
+def flatten(tree: Any) -> dict[str, Any]:
+    """{'layers/wq': leaf, ...}: stable, human-readable tensor names for messages and metadata."""
+
+    def name(path) -> str:
+        parts = []
+        for k in path:
+            parts.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
+        return "/".join(parts)
+
+    return {name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    bits_dtype = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, bits_dtype).astype(jnp.uint32)
+    weight = (jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) % 65521 + 1).astype(jnp.uint32)
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32)])
+
+
+@jax.jit
+def _checksums(tree: Any) -> Any:
+    return jax.tree.map(_leaf_checksum, tree)
+
+
+def describe(tree: Any) -> dict[str, dict]:
+    """Shape, dtype and bit checksum of every tensor of a pytree of (global) arrays."""
+    sums = flatten(jax.device_get(_checksums(tree)))
+    return {
+        name: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": [int(v) for v in sums[name]]}
+        for name, x in flatten(tree).items()
+    }
+
+
+def shape_mismatches(saved: dict[str, dict], abstract: Any) -> list[str]:
+    """Human-readable differences between saved tensor metadata and the shapes a config expects."""
+    want = {n: (list(x.shape), str(x.dtype)) for n, x in flatten(abstract).items()}
+    have = {n: (d["shape"], d["dtype"]) for n, d in saved.items()}
+    out = []
+    for n, (shape, dtype) in want.items():
+        if n not in have:
+            out.append(f"{n}: in the config, not in the checkpoint")
+        elif have[n] != (shape, dtype):
+            out.append(f"{n}: checkpoint {have[n][0]} {have[n][1]}, config {shape} {dtype}")
+    return out + [f"{n}: in the checkpoint, not in the config" for n in have if n not in want]
+
+
+@dataclass(frozen=True)
+class Restored:
+    state: TrainState
+    meta: dict
+
+
+def _is_step_dir(p: Path) -> bool:
+    return p.is_dir() and p.name.isdigit()
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, int | None]:
+    """A run directory, a checkpoints directory or one step directory -> (checkpoints dir, step or None)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"--init-from path not found: {p}")
+    if _is_step_dir(p) and (p / "meta").exists():
+        return p.parent, int(p.name)
+    if (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
+    if not any(_is_step_dir(c) for c in p.iterdir()):
+        raise CheckpointError(f"no checkpoint under {p} (expected step directories such as {p}/100)")
+    return p, None
+
+
+class Checkpointer:
+    """Save / restore-latest over one checkpoint directory (an `ocp.CheckpointManager`)."""
+
+    def __init__(self, directory: str | Path, cfg: CheckpointConfig, log=print, read_only: bool = False):
+        self.directory = Path(directory).expanduser().absolute()
+        self.cfg, self.log = cfg, log
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep,
+            keep_period=cfg.keep_every or None,
+            enable_async_checkpointing=cfg.async_save,
+            create=not read_only,
+            read_only=read_only,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+        self.last_saved: int | None = None
+
+    # ------------------------------------------------------------------------------- save
+
+    def save(self, state: TrainState, meta: dict) -> int:
+        """Start saving `state` at its step; returns as soon as the arrays are copied off the
+        devices (the write continues in the background, so the caller may donate `state`)."""
+        step = int(jax.device_get(state.step))
+        if step == self.last_saved or step in self.manager.all_steps():
+            return step
+        tensors = {f"params/{k}": v for k, v in describe(state.params).items()}
+        tensors |= {f"opt_state/{k}": v for k, v in describe(state.opt_state).items()}
+        meta = meta | {"step": step, "saved_at": time.time(), "tensors": tensors}
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(state.params),
+                opt_state=ocp.args.StandardSave(state.opt_state),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
+        self.last_saved = step
+        return step
+
+    def wait(self) -> None:
+        """Block until every started save is committed."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # ---------------------------------------------------------------------------- restore
+
+    def steps(self) -> list[int]:
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def read_meta(self, step: int) -> dict:
+        return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
+    def _quarantine(self, step: int, reason: str) -> None:
+        src = self.directory / str(step)
+        dst = self.directory.with_name(self.directory.name + ".corrupt") / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.log(f"checkpoint {src} is unusable ({reason}); moved to {dst}, falling back to the previous one")
+        if jax.process_index() == 0 and src.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(src), str(dst))
+        self.manager.reload()
+
+    def _check_shapes(self, step: int, meta: dict, abstract: dict[str, Any]) -> None:
+        saved = {k: v for k, v in meta["tensors"].items() if k.split("/", 1)[0] in abstract}
+        problems = []
+        for item, tree in abstract.items():
+            sub = {k.split("/", 1)[1]: v for k, v in saved.items() if k.startswith(item + "/")}
+            problems += [f"{item}/{p}" for p in shape_mismatches(sub, tree)]
+        if problems:
+            raise ConfigError(
+                f"checkpoint {self.directory / str(step)} does not match the model config; mismatched tensors:\n  "
+                + "\n  ".join(problems[:20])
+                + ("\n  ..." if len(problems) > 20 else "")
+                + "\nuse the config the checkpoint was saved with (its config is in its meta item), or a new run dir"
+            )
+
+    def _restore_step(self, step: int, abstract: dict[str, Any]) -> tuple[dict, dict]:
+        """(restored items, meta) for one step; ConfigError on a shape mismatch, other exceptions
+        when the files are unreadable or the checksums disagree."""
+        meta = self.read_meta(step)
+        self._check_shapes(step, meta, abstract)
+        args = {k: ocp.args.StandardRestore(v) for k, v in abstract.items()}
+        restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+        for item in abstract:
+            got = describe(restored[item])
+            for name, d in got.items():
+                if d["checksum"] != meta["tensors"][f"{item}/{name}"]["checksum"]:
+                    raise ValueError(f"checksum mismatch in {item}/{name}")
+        return {k: restored[k] for k in abstract}, meta
+
+    def restore_latest(self, abstract_state: TrainState, step: int | None = None) -> Restored | None:
+        """The newest good checkpoint (or exactly `step`), restored into `abstract_state`'s
+        shardings; None when there is none. Unreadable steps are moved aside, never overwritten."""
+        candidates = [step] if step is not None else list(reversed(self.steps()))
+        abstract = {"params": abstract_state.params, "opt_state": abstract_state.opt_state}
+        for s in candidates:
+            try:
+                items, meta = self._restore_step(s, abstract)
+            except ConfigError:
+                raise
+            except Exception as e:  # unreadable files, bad JSON, checksum mismatch
+                self._quarantine(s, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+                continue
+            step_arr = jax.device_put(np.int32(meta["step"]), abstract_state.step.sharding)
+            return Restored(TrainState(step_arr, items["params"], items["opt_state"]), meta)
+        return None
+
+    def restore_params(self, abstract_params: dict, step: int | None = None) -> tuple[dict, dict]:
+        """Only the parameters of the newest good (or the given) step: `--init-from`."""
+        candidates = [step] if step is not None else list(reversed(self.steps()))
+        errors = []
+        for s in candidates:
+            try:
+                items, meta = self._restore_step(s, {"params": abstract_params})
+                return items["params"], meta
+            except ConfigError:
+                raise
+            except Exception as e:
+                errors.append(f"step {s}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        raise CheckpointError(f"no readable checkpoint in {self.directory}: " + "; ".join(errors or ["none saved"]))

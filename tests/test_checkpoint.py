@@ -1,0 +1,273 @@
+"""Orbax checkpoints: round trip, restore onto another mesh and device count, exact resume,
+retention, corrupt/half-written fallback, shape mismatch, init-from and preemption."""
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import build, random_batches, tiny_config
+from meshlm.checkpoint import Checkpointer
+from meshlm.config import CheckpointConfig, ConfigError, DataConfig, validate
+from meshlm.parallel.mesh import make_layout
+from meshlm.step import make_train_step
+from meshlm.train_state import abstract_state, setup
+from meshlm.trainer import TrainingError, train
+
+
+def _np(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def _equal(a, b) -> bool:
+    return all(jax.tree.leaves(jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b)))
+
+
+def _abstract(cfg, devices=None):
+    layout = make_layout(cfg.parallel, devices)
+    specs, tx, _ = setup(cfg, layout)
+    return abstract_state(specs, layout, tx)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Two steps on data=8 (gpt with dropout), saved asynchronously after each, with the state
+    donated to the next step right after the save started."""
+    cfg = tiny_config(mesh=dict(data=8), steps=4)
+    layout, _, tx, shardings, state = build(cfg)
+    step = make_train_step(cfg, layout, tx, shardings)
+    directory = tmp_path_factory.mktemp("ckpt") / "checkpoints"
+    ck = Checkpointer(directory, CheckpointConfig(keep=5))
+    snapshots = {}
+    batches = random_batches(cfg, 3)
+    for b in batches[:2]:
+        state, _ = step(state, b)
+        snapshots[int(state.step)] = _np(state)
+        ck.save(state, {"tokenizer_fingerprint": "t"})
+    state, metrics = step(state, batches[2])  # donates the buffers the last save read from
+    ck.close()
+    return cfg, directory, snapshots, batches, float(metrics["loss"])
+
+
+def test_round_trip_same_mesh(saved):
+    cfg, directory, snapshots, _, _ = saved
+    ck = Checkpointer(directory, CheckpointConfig())
+    assert ck.steps() == [1, 2]
+    r = ck.restore_latest(_abstract(cfg))
+    assert int(r.state.step) == 2 and r.meta["step"] == 2 and r.meta["tokenizer_fingerprint"] == "t"
+    assert _equal(r.state, snapshots[2])
+    r1 = ck.restore_latest(_abstract(cfg), step=1)
+    assert _equal(r1.state, snapshots[1])
+
+
+@pytest.mark.parametrize(
+    "mesh,n_devices", [(dict(fsdp=2, tensor=4), 8), (dict(data=2, tensor=2), 4), (dict(data=1), 1)]
+)
+def test_restore_onto_another_mesh_and_device_count(saved, devices, mesh, n_devices):
+    cfg, directory, snapshots, batches, loss3 = saved
+    cfg2 = validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **({"data": 1} | mesh))))
+    layout = make_layout(cfg2.parallel, devices[:n_devices])
+    specs, tx, shardings = setup(cfg2, layout)
+    r = Checkpointer(directory, CheckpointConfig()).restore_latest(abstract_state(specs, layout, tx))
+    assert _equal(r.state, snapshots[2])
+    for got, want in zip(jax.tree.leaves(r.state), jax.tree.leaves(shardings), strict=True):
+        assert got.sharding == want and len(got.sharding.device_set) == n_devices
+    _, metrics = make_train_step(cfg2, layout, tx, shardings)(r.state, batches[2])
+    np.testing.assert_allclose(float(metrics["loss"]), loss3, rtol=1e-5)  # the same third step
+
+
+def test_retention_keeps_latest_k_plus_every_mth(tmp_path):
+    cfg = tiny_config(mesh=dict(data=2))
+    _, _, _, _, state = build(cfg)
+    ck = Checkpointer(tmp_path / "c", CheckpointConfig(keep=2, keep_every=4, async_save=False))
+    for s in range(1, 11):
+        ck.save(state._replace(step=jax.numpy.int32(s)), {})
+    ck.close()
+    assert Checkpointer(tmp_path / "c", CheckpointConfig()).steps() == [4, 8, 9, 10]
+
+
+def _copy(directory, tmp_path):
+    dst = tmp_path / "checkpoints"
+    shutil.copytree(directory, dst)
+    return dst
+
+
+def _largest_file(step_dir):
+    return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "meta", "delete"])
+def test_corrupt_checkpoint_falls_back_and_is_kept(saved, tmp_path, damage):
+    cfg, directory, snapshots, _, _ = saved
+    d = _copy(directory, tmp_path)
+    step2 = d / "2"
+    if damage == "meta":
+        (step2 / "meta" / "metadata").write_text("{not json")
+    elif damage == "delete":
+        shutil.rmtree(step2 / "opt_state")
+    else:
+        f = _largest_file(step2 / "params")
+        data = bytearray(f.read_bytes())
+        if damage == "truncate":
+            f.write_bytes(data[: len(data) // 2])
+        else:  # a bit flip somewhere in the middle of the array data
+            data[len(data) // 2] ^= 0x10
+            f.write_bytes(bytes(data))
+    messages = []
+    ck = Checkpointer(d, CheckpointConfig(), log=messages.append)
+    r = ck.restore_latest(_abstract(cfg))
+    assert int(r.state.step) == 1 and _equal(r.state, snapshots[1])
+    assert len(messages) == 1 and "2" in messages[0] and "unusable" in messages[0]
+    kept = list((tmp_path / "checkpoints.corrupt").iterdir())
+    assert len(kept) == 1 and kept[0].name.startswith("2-")  # moved aside, not deleted
+    assert ck.steps() == [1]
+
+
+def test_half_written_checkpoint_is_ignored(saved, tmp_path):
+    cfg, directory, snapshots, _, _ = saved
+    d = _copy(directory, tmp_path)
+    # What a save killed mid-write leaves: Orbax's temporary directory, never renamed into place.
+    shutil.copytree(d / "2", d / "3.orbax-checkpoint-tmp-1234")
+    shutil.rmtree(d / "2")
+    r = Checkpointer(d, CheckpointConfig()).restore_latest(_abstract(cfg))
+    assert int(r.state.step) == 1 and _equal(r.state, snapshots[1])
+
+
+def test_shape_mismatch_names_the_tensors(saved):
+    cfg, directory, _, _, _ = saved
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=32, vocab_size=128))
+    with pytest.raises(ConfigError) as e:
+        Checkpointer(directory, CheckpointConfig()).restore_latest(_abstract(validate(other)))
+    msg = str(e.value)
+    assert "params/wte: checkpoint [256, 64] float32, config [128, 32] float32" in msg
+    assert "params/layers/wq" in msg
+    assert (directory / "2").exists()  # a config error moves nothing aside
+
+
+# ----------------------------------------------------------------------------- via the trainer
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    rng = np.random.default_rng(3)
+    words = ["alpha", "beta", "gamma", "delta", "mesh", "shard", "token", "layer", "device", "batch"]
+    for i in range(24):
+        (root / f"{i}.txt").write_text("\n".join(" ".join(rng.choice(words, 9)) for _ in range(50)))
+    return root
+
+
+def _run_cfg(corpus_dir, cache, mesh, steps=10, **ck):
+    cfg = tiny_config(mesh=mesh, steps=steps, log_every=1, eval_every=0, seq_len=32)
+    return validate(
+        dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, vocab_size=320),
+            data=DataConfig(paths=(str(corpus_dir),), cache_dir=str(cache)),
+            checkpoint=CheckpointConfig(**({"every": 3} | ck)),
+        )
+    )
+
+
+def _losses(run_dir) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def _final_params(cfg, run_dir):
+    ck = Checkpointer(run_dir / "checkpoints", CheckpointConfig())
+    r = ck.restore_latest(_abstract(cfg))
+    return int(r.state.step), _np(r.state)
+
+
+@pytest.mark.slow
+def test_exact_resume_at_a_random_step(corpus_dir, tmp_path):
+    """gpt with dropout on data=2 x tensor=4 with SP: interrupted at a random step, resumed, and
+    bit-identical to the uninterrupted run in every loss and every final tensor."""
+    mesh = dict(data=2, tensor=4, sequence_parallel=True)
+    cfg = _run_cfg(corpus_dir, tmp_path / "cache", mesh)
+    stop = random.randint(1, cfg.train.steps - 1)
+    train(cfg, tmp_path / "a", quiet=True)
+    first = train(cfg, tmp_path / "b", quiet=True, stop_after=stop)
+    assert first.final_step == stop
+    train(cfg, tmp_path / "b", quiet=True)
+    assert _losses(tmp_path / "a") == _losses(tmp_path / "b"), f"stopped at {stop}"
+    step_a, state_a = _final_params(cfg, tmp_path / "a")
+    step_b, state_b = _final_params(cfg, tmp_path / "b")
+    assert step_a == step_b == cfg.train.steps and _equal(state_a, state_b), f"stopped at {stop}"
+
+
+@pytest.mark.slow
+def test_resume_on_another_mesh_and_init_from(corpus_dir, tmp_path):
+    cfg = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=8), steps=6)
+    train(cfg, tmp_path / "a", quiet=True, stop_after=4)
+    other = _run_cfg(corpus_dir, tmp_path / "cache", dict(fsdp=2, tensor=4), steps=6)
+    result = train(other, tmp_path / "a", quiet=True)
+    assert result.final_step == 6 and sorted(_losses(tmp_path / "a")) == [1, 2, 3, 4, 5, 6]
+    # --init-from: the weights of run a at its last step, a fresh optimizer and step 0
+    fresh = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=2), steps=0)
+    train(fresh, tmp_path / "b", quiet=True, init_from=str(tmp_path / "a"))
+    step, state = _final_params(fresh, tmp_path / "b")
+    _, source = _final_params(cfg, tmp_path / "a")
+    assert step == 0 and _equal(state.params, source.params)
+    assert all(not np.any(x) for x in jax.tree.leaves(state.opt_state[1][0].mu))
+    # a model that does not match the source
+    wrong = dataclasses.replace(fresh, model=dataclasses.replace(fresh.model, n_layers=3))
+    with pytest.raises(ConfigError, match="params/layers/wq: checkpoint \\[2, 64, 4, 16\\]"):
+        train(wrong, tmp_path / "c", quiet=True, init_from=str(tmp_path / "a"))
+
+
+@pytest.mark.slow
+def test_trainer_falls_back_past_a_corrupt_checkpoint(corpus_dir, tmp_path):
+    cfg = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=2), steps=8)
+    train(cfg, tmp_path / "ref", quiet=True)
+    train(cfg, tmp_path / "a", quiet=True, stop_after=6)  # checkpoints 3 and 6
+    f = _largest_file(tmp_path / "a" / "checkpoints" / "6" / "params")
+    f.write_bytes(f.read_bytes()[:10])
+    result = train(cfg, tmp_path / "a", quiet=True)  # resumes from 3, redoes 4..8
+    assert result.final_step == 8
+    assert _losses(tmp_path / "a") == _losses(tmp_path / "ref")
+    assert len(list((tmp_path / "a" / "checkpoints.corrupt").iterdir())) == 1
+    # every checkpoint unreadable: a clear error, nothing started from scratch behind the user's back
+    for s in (tmp_path / "a" / "checkpoints").iterdir():
+        if s.name.isdigit():
+            shutil.rmtree(s / "meta")
+    with pytest.raises(TrainingError, match="no readable checkpoint left"):
+        train(cfg, tmp_path / "a", quiet=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_final_checkpoint_and_resume_finishes(corpus_dir, tmp_path, sig):
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "meshlm", "train", "--mesh", "data=2", "--steps", "400", "--run-dir", str(run)]
+    for kv in ("model.n_layers=1", "model.d_model=32", "train.seq_len=32", "train.log_every=1", "train.eval_every=0"):
+        args += ["--set", kv]
+    args += ["--set", f"data.paths={corpus_dir}", "--set", "model.vocab_size=320", "--set", "checkpoint.every=1000"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(_losses(run) if (run / "metrics.jsonl").exists() else {}) < 3:
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    saved_step = int(err.split("saved a checkpoint at step ")[1].split()[0])
+    assert 3 <= saved_step < 400 and (run / "checkpoints" / str(saved_step)).is_dir()
+    assert max(_losses(run)) == saved_step  # stopped right after the step it was on
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {run / 'checkpoints'}/{saved_step}" in r.stdout and "done: 400 steps" in r.stdout

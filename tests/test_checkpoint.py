@@ -166,13 +166,13 @@ def corpus_dir(tmp_path_factory):
     return root
 
 
-def _run_cfg(corpus_dir, cache, mesh, steps=10, **ck):
+def _run_cfg(corpus_dir, cache, mesh, steps=10, document_mask=False, **ck):
     cfg = tiny_config(mesh=mesh, steps=steps, log_every=1, eval_every=0, seq_len=32)
     return validate(
         dataclasses.replace(
             cfg,
             model=dataclasses.replace(cfg.model, vocab_size=320),
-            data=DataConfig(paths=(str(corpus_dir),), cache_dir=str(cache)),
+            data=DataConfig(paths=(str(corpus_dir),), cache_dir=str(cache), document_mask=document_mask),
             checkpoint=CheckpointConfig(**({"every": 3} | ck)),
         )
     )
@@ -232,7 +232,7 @@ def test_resume_on_another_mesh_and_init_from(corpus_dir, tmp_path):
 
 @pytest.mark.slow
 def test_trainer_falls_back_past_a_corrupt_checkpoint(corpus_dir, tmp_path):
-    cfg = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=2), steps=8)
+    cfg = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=2), steps=8, document_mask=True)
     train(cfg, tmp_path / "ref", quiet=True)
     train(cfg, tmp_path / "a", quiet=True, stop_after=6)  # checkpoints 3 and 6
     f = _largest_file(tmp_path / "a" / "checkpoints" / "6" / "params")

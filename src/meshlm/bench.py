@@ -24,7 +24,6 @@ from meshlm.memory import measure_activations
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import batch_sharding, make_train_step
 from meshlm.train_state import init_state, setup
-from meshlm.trainer import global_batch
 
 
 @dataclass
@@ -74,7 +73,7 @@ def run_bench(
             specs, tx, shardings = setup(cfg, lay)
             step = make_train_step(cfg, lay, tx, shardings)
             state = init_state(specs, lay, tx, t.seed)
-            batches = [global_batch({"inputs": x[:, :-1], "targets": x[:, 1:]}, batch_sharding(lay)) for x in tokens]
+            batches = [jax.device_put({"inputs": x[:, :-1], "targets": x[:, 1:]}, batch_sharding(lay)) for x in tokens]
             state, _ = step(state, batches[-1])  # compile + warm up
             act = measure_activations(cfg, lay).activation_bytes
             variants[(layout, policy)] = [cfg, step, state, batches, act, []]

@@ -1,4 +1,4 @@
-"""`meshlm` command line: train | memory | plan | bench | recipes.
+"""`meshlm` command line: train | launch | data | memory | plan | bench | recipes.
 
 Only this entry point touches process-wide state (XLA_FLAGS, JAX_PLATFORMS), and it does so
 before jax is imported: jax reads the device count once, at import.
@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--stop-after", type=int, metavar="STEP", help="checkpoint and exit after this step (resume later)"
     )
+    dist = train.add_argument_group("multi-process (JAX distributed runtime; see docs/multihost.md)")
+    dist.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (or MESHLM_COORDINATOR)")
+    dist.add_argument("--num-processes", type=int, help="processes in the run (or MESHLM_NUM_PROCESSES)")
+    dist.add_argument("--process-id", type=int, help="this process's index (or MESHLM_PROCESS_ID)")
+    dist.add_argument(
+        "--distributed", action="store_true", help="auto-detect the process group (SLURM, Cloud TPU, GKE)"
+    )
+    dist.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for the group to form")
     train.add_argument(
         "--dry-run", action="store_true", help="build the mesh, compile the step, print the startup report, exit"
     )
@@ -91,6 +99,32 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     bench.add_argument("--run-dir", help="output directory (default: runs/bench-<time>)")
     sub.add_parser("recipes", help="list the named recipes")
+    launch = sub.add_parser(
+        "launch",
+        help="run N processes of one train command, supervise and restart them (meshlm launch ... -- train ...)",
+    )
+    launch.add_argument("--processes", type=int, default=2, help="processes to start")
+    launch.add_argument("--devices-per-process", type=int, default=1, help="simulated CPU devices per process")
+    launch.add_argument("--max-restarts", type=int, default=3, help="restarts of the whole group before giving up")
+    launch.add_argument("--hang-timeout", type=float, default=600, help="seconds without progress = hung")
+    launch.add_argument("--startup-timeout", type=float, default=900, help="seconds allowed before the first step")
+    launch.add_argument("--ray", metavar="ADDRESS", help="place one process per node of this Ray cluster")
+    data = sub.add_parser("data", help="prepare a tokenized dataset (token shards + index) or inspect one")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser("prepare", help="text files, directories, JSONL, Parquet -> token shards")
+    prep.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories")
+    prep.add_argument("--out", required=True, help="output directory")
+    tok = prep.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--tokenizer", help="an existing tokenizer.json (Hugging Face tokenizers)")
+    tok.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this many tokens")
+    prep.add_argument("--field", default="text", help="JSONL field / Parquet column holding a document")
+    prep.add_argument("--val-fraction", type=float, default=0.05, help="every round(1/f)-th document is held out")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file")
+    prep.add_argument("--workers", type=int, default=0, help="tokenizer threads (default: all cores)")
+    prep.add_argument("--max-mb", type=float, default=0, help="stop after this much text (0: all)")
+    info = data_sub.add_parser("info", help="summarise and verify a prepared dataset")
+    info.add_argument("path")
+    info.add_argument("--vocab-size", type=int, help="also check every id fits this model vocabulary")
     return parser
 
 
@@ -132,6 +166,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
+    from meshlm.parallel.mesh import init_distributed, process_group
+
+    group = process_group(args.coordinator, args.num_processes, args.process_id, args.distributed, args.init_timeout)
+    if group.enabled and not args.run_dir:
+        raise ConfigError("a multi-process run needs --run-dir (one directory that every process can reach)")
+    init_distributed(group)
     from meshlm.trainer import train
 
     run_dir = Path(args.run_dir or f"runs/{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -271,12 +311,83 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    if args.data_command == "info":
+        from meshlm.data.prepare import load
+
+        data = load(args.path)
+        data.verify(args.vocab_size or data.meta["tokenizer_vocab_size"])
+        m = data.meta
+        print(
+            f"{data.root}: format {m['format']}, {m['dtype']}, vocabulary {m['tokenizer_vocab_size']}, "
+            f"end-of-text id {m['eot_id']}"
+        )
+        for split in ("train", "val"):
+            shards = m["splits"][split]
+            print(
+                f"  {split}: {m[split + '_tokens']:,} tokens, {m['documents'][split]:,} documents, {len(shards)} shards"
+            )
+        print("  verified: sizes, BLAKE2b digests, ids < vocabulary")
+        return 0
+    if args.vocab_size is not None and args.vocab_size < 258:
+        raise ConfigError("--vocab-size must be >= 258 (256 byte tokens + <|endoftext|> + at least one merge)")
+    if args.shard_tokens < 1 or args.max_mb < 0:
+        raise ConfigError("--shard-tokens must be >= 1 and --max-mb >= 0")
+    if args.workers:
+        os.environ["RAYON_NUM_THREADS"] = str(args.workers)  # read by tokenizers when it starts its pool
+    from meshlm.data import corpus
+    from meshlm.data.prepare import fingerprint_files, write_dataset
+
+    files = corpus.resolve_files(args.input)
+    key, total = fingerprint_files(files, [args.field, args.max_mb])
+    max_bytes = int(args.max_mb * 1e6)
+    print(f"preparing {len(files)} files, {total / 1e6:.1f} MB -> {args.out}", file=sys.stderr)
+    write_dataset(
+        lambda: corpus.iter_documents(files, args.field, max_bytes),
+        Path(args.out),
+        vocab_size=args.vocab_size,
+        tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        source_fingerprint=key,
+        total_bytes=min(total, max_bytes) if max_bytes else total,
+        progress=sys.stderr.isatty(),
+        log=lambda m: print(m, file=sys.stderr),
+    )
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from meshlm.launch import Supervisor, plan_launch
+
+    train_args, run_dir = plan_launch(args.train_args, args.processes, args.devices_per_process)
+    if args.max_restarts < 0 or args.hang_timeout <= 0:
+        raise ConfigError("--max-restarts must be >= 0 and --hang-timeout > 0")
+    options = dict(max_restarts=args.max_restarts, hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout)
+    if args.ray:
+        from meshlm.launch_ray import RaySupervisor
+
+        sup = RaySupervisor(train_args, args.processes, args.devices_per_process, run_dir, address=args.ray, **options)
+    else:
+        sup = Supervisor(train_args, args.processes, args.devices_per_process, run_dir, **options)
+    return sup.run()
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_args = []
+    if argv[:1] == ["launch"]:  # everything after `--` is the train command, passed through untouched
+        if "--" not in argv:
+            print("meshlm: error: usage: meshlm launch [options] -- train [train options]", file=sys.stderr)
+            return EXIT_CONFIG
+        cut = argv.index("--")
+        argv, train_args = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.train_args = train_args
+    args.argv = argv
     try:
         commands = {"train": cmd_train, "memory": cmd_memory, "plan": cmd_plan, "bench": cmd_bench}
-        commands["recipes"] = cmd_recipes
+        commands |= {"recipes": cmd_recipes, "data": cmd_data, "launch": cmd_launch}
         return commands[args.command](args)
     except ConfigError as e:
         print(f"meshlm: error: {e}", file=sys.stderr)

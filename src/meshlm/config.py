@@ -112,13 +112,20 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where the training text comes from. Empty `paths` means the built-in corpus (stdlib source)."""
+    """Where the training text comes from: one dataset made by `meshlm data prepare`, or raw
+    inputs (text files, directories, JSONL, Parquet) prepared into a cache on first use. Empty
+    `paths` means the built-in corpus (the Python standard library's source)."""
 
     paths: tuple[str, ...] = ()
     tokenizer: str = ""  # path to an existing tokenizer.json; empty = train a byte-level BPE
+    field: str = "text"  # the JSONL field / Parquet column holding a document
     val_fraction: float = 0.05
-    max_corpus_mb: float = 16.0  # cap on text read (the built-in corpus is ~30 MB)
+    max_corpus_mb: float = 16.0  # cap on raw text read (the built-in corpus is ~30 MB)
     cache_dir: str = ""  # empty = $MESHLM_CACHE or ~/.cache/meshlm
+    verify: bool = True  # check every shard's digest and ids at startup (reads the data once)
+    # no attention across the end-of-text boundaries inside a packed sequence; positions restart
+    # at every document (learned positions; RoPE is relative, so its scores need no restart)
+    document_mask: bool = False
 
 
 @dataclass(frozen=True)

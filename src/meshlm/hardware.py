@@ -42,7 +42,7 @@ def _cpu_name() -> str:
 
 
 def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 7) -> float:
-    x = jnp.ones((n, n), jnp.dtype(dtype), device=jax.devices()[0])
+    x = jnp.ones((n, n), jnp.dtype(dtype), device=jax.local_devices()[0])
     f = jax.jit(lambda a: a @ a)
     f(x).block_until_ready()
     best = float("inf")
@@ -55,7 +55,7 @@ def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 7) -> float:
 
 def peak_flops(dtype: str) -> tuple[float, str]:
     """(peak FLOP/s of all devices in this process, a short description of where it came from)."""
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]
     kind = dev.device_kind.lower()
     if dev.platform != "cpu":
         for name, table in PEAK_FLOPS.items():
@@ -71,5 +71,7 @@ def peak_flops(dtype: str) -> tuple[float, str]:
     if key not in cache:
         cache[key] = probe_matmul_flops(dtype)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cache, indent=2))
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=2))
+        os.replace(tmp, path)  # atomic: concurrent processes never read half a file
     return cache[key], f"CPU matmul probe {cache[key] / 1e9:.0f} GFLOP/s ({dtype}, host)"

@@ -25,15 +25,41 @@ from meshlm.optim import lr_schedule
 from meshlm.parallel.rules import Layout
 from meshlm.train_state import TrainState
 
-Batch = dict[str, jax.Array]  # {"inputs": int32 [B, S], "targets": int32 [B, S]}
+# {"inputs": int32 [B, S], "targets": int32 [B, S]}, and with document masking also
+# "segment_ids" and "positions" (int32 [B, S]); every entry is sharded like the inputs.
+Batch = dict[str, jax.Array]
 
 
 def batch_sharding(layout: Layout):
     return layout.sharding((ax.BATCH, None))
 
 
+BATCH_KEYS = ("inputs", "targets")
+DOCUMENT_KEYS = ("segment_ids", "positions")
+
+
+def abstract_batch(cfg: RunConfig, layout: Layout) -> Batch:
+    """Shapes and shardings of one global batch (for ahead-of-time compilation)."""
+    keys = BATCH_KEYS + (DOCUMENT_KEYS if cfg.data.document_mask else ())
+    shape = (cfg.train.global_batch, cfg.train.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(layout)) for k in keys}
+
+
+def _forward(params, batch: Batch, cfg: RunConfig, layout: Layout, key=None, remat_policy: str = "none"):
+    return forward(
+        params,
+        batch["inputs"],
+        cfg.model,
+        layout,
+        key=key,
+        remat_policy=remat_policy,
+        segment_ids=batch.get("segment_ids"),
+        positions=batch.get("positions"),
+    )
+
+
 def _loss_sum(params, batch: Batch, cfg: RunConfig, layout: Layout, key):
-    logits = forward(params, batch["inputs"], cfg.model, layout, key=key, remat_policy=cfg.remat.policy)
+    logits = _forward(params, batch, cfg, layout, key, cfg.remat.policy)
     return cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
 
 
@@ -116,7 +142,7 @@ def make_eval_step(cfg: RunConfig, layout: Layout, param_shardings: dict) -> Cal
     """`eval(params, batch) -> (loss_sum, token_count)`, deterministic (no dropout)."""
 
     def evaluate(params, batch: Batch):
-        logits = forward(params, batch["inputs"], cfg.model, layout)
+        logits = _forward(params, batch, cfg, layout)
         return cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
 
     return jax.jit(

@@ -7,6 +7,7 @@ Everything numeric lives elsewhere (model, step, accounting); this file only wir
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -15,18 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from meshlm import __version__, accounting, hardware
 from meshlm.checkpoint import Checkpointer, resolve_checkpoint
 from meshlm.config import ConfigError, RunConfig, validate
-from meshlm.data.loader import WindowLoader, unigram_entropy
+from meshlm.data.loader import WindowLoader, process_batch, unigram_entropy
 from meshlm.data.prepare import prepare
 from meshlm.metrics import MetricsLogger
 from meshlm.parallel.mesh import make_layout
 from meshlm.report import format_report, startup_report
-from meshlm.step import batch_sharding, make_eval_step, make_train_step
+from meshlm.step import abstract_batch, batch_sharding, make_eval_step, make_train_step
 from meshlm.train_state import TrainState, abstract_state, init_state, setup
 
 
@@ -41,6 +41,38 @@ class Preempted(RuntimeError):
         self.signum, self.step, self.directory = signum, step, directory
         name = signal.Signals(signum).name
         super().__init__(f"{name}: saved a checkpoint at step {step} in {directory}; rerun the same command to resume")
+
+
+class Heartbeat:
+    """Tells a supervisor (`meshlm launch`) that this process makes progress: the file named by
+    $MESHLM_HEARTBEAT gets "step time pid", at most once a second."""
+
+    def __init__(self, path: str | None):
+        self.path, self.last = path, 0.0
+
+    def beat(self, step: int, force: bool = False) -> None:
+        now = time.time()
+        if self.path and (force or now - self.last >= 1.0):
+            Path(self.path).write_text(f"{step} {now:.3f} {os.getpid()}\n")
+            self.last = now
+
+
+def _any_process(flag: int | None) -> int | None:
+    """The largest signal number any process received (all processes must stop at the same step,
+    or the next collective would hang)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    got = multihost_utils.process_allgather(np.int32(flag or 0))
+    return int(np.max(got)) or None
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 class StopFlag:
@@ -92,15 +124,10 @@ def code_version() -> str:
     return f"{__version__}+{sha}" if sha else __version__
 
 
-def global_batch(rows: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
-    """Assemble global arrays from host rows; each device takes only its own slice."""
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in rows.items()}
-
-
 def evaluate(eval_fn, params, loader: WindowLoader, n_batches: int, sharding) -> float:
     total, count = 0.0, 0.0
     for i in range(min(n_batches, max(1, loader.n_windows // loader.global_batch))):
-        loss_sum, c = eval_fn(params, global_batch(loader.batch(i), sharding))
+        loss_sum, c = eval_fn(params, process_batch(loader, i, sharding))
         total, count = total + float(loss_sum), count + float(c)
     return total / count
 
@@ -124,7 +151,8 @@ def train(
     """
     validate(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    log = MetricsLogger(run_dir, cfg.train.steps, show=not quiet)
+    # Only process 0 writes metrics and prints; every process writes its own checkpoint shards.
+    log = MetricsLogger(run_dir, cfg.train.steps, write=jax.process_index() == 0, show=not quiet)
     try:
         with StopFlag() as stop:
             return _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop)
@@ -196,13 +224,11 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     # and the loop runs this same executable.
     t0 = time.time()
     abstract = abstract_state(specs, layout, tx)
-    abstract_batch = {
-        k: jax.ShapeDtypeStruct((tc.global_batch, tc.seq_len), jnp.int32, sharding=bsharding)
-        for k in ("inputs", "targets")
-    }
-    step_fn = make_train_step(cfg, layout, tx, shardings).lower(abstract, abstract_batch).compile()
+    step_fn = make_train_step(cfg, layout, tx, shardings).lower(abstract, abstract_batch(cfg, layout)).compile()
     compile_s = time.time() - t0
     peak, peak_source = hardware.peak_flops(cfg.model.dtype)
+    if jax.process_count() > 1 and not peak_source.startswith("CPU"):
+        peak, peak_source = peak * jax.process_count(), f"{peak_source} x{jax.process_count()} processes"
     log.peak_label = "CPU probe" if peak_source.startswith("CPU") else peak_source.split(" ")[0]
     report = startup_report(cfg, layout, abstract, shardings, step_fn, peak)
     log.print(
@@ -223,18 +249,29 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         "peak_source": peak_source,
         "startup_report": report,
     }
-    (run_dir / "config.json").write_text(cfg.to_json())
+    first = jax.process_index() == 0
+    run_info["processes"] = jax.process_count()
+    if first:
+        (run_dir / "config.json").write_text(cfg.to_json())
     if dry_run:
-        (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
+        if first:
+            (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
         return None
 
+    heartbeat = Heartbeat(os.environ.get("MESHLM_HEARTBEAT"))  # first beat after the first step
+    # Process 0 prepares (or finds) the data first; the others then find it in the shared cache.
+    if not first:
+        _barrier("meshlm-data")
     data = prepare(cfg.data, cfg.model.vocab_size, log=log.print)
-    train_tokens = data.tokens("train")
-    train_loader = WindowLoader(train_tokens, tc.seq_len, tc.global_batch, tc.seed, "train")
-    val_loader = WindowLoader(data.tokens("val"), tc.seq_len, tc.global_batch, tc.seed + 1, "validation")
-    entropy = unigram_entropy(train_tokens, cfg.model.vocab_size)
-    run_info |= {"data": data.meta, "unigram_entropy": entropy}
-    (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
+    if first:
+        _barrier("meshlm-data")
+    eot = data.meta["eot_id"] if cfg.data.document_mask else None
+    train_loader = WindowLoader(data.shards("train"), tc.seq_len, tc.global_batch, tc.seed, "train", eot)
+    val_loader = WindowLoader(data.shards("val"), tc.seq_len, tc.global_batch, tc.seed + 1, "validation", eot)
+    entropy = unigram_entropy(data.shards("train"), cfg.model.vocab_size)
+    run_info |= {"data": {k: v for k, v in data.meta.items() if k != "splits"}, "unigram_entropy": entropy}
+    if first:
+        (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
     log.print(f"data: {data.meta['train_tokens']:,} training tokens, unigram entropy {entropy:.3f} nats")
 
     identity = {
@@ -251,13 +288,14 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         if start:
             log.resume_at(start)
         loop = _Loop(cfg, log, step_fn, make_eval_step(cfg, layout, shardings.params), bsharding, report, peak)
+        loop.heartbeat = heartbeat
         state, result = loop.run(state, start, train_loader, val_loader, ckpt, identity, stop_after, stop)
         ckpt.save(state, identity)  # the final state (a no-op if this step was just saved)
         ckpt.wait()
     finally:
         ckpt.close()
-    if stop.signum is not None:
-        raise Preempted(stop.signum, int(state.step), ckpt.directory)
+    if loop.stopped_by is not None:
+        raise Preempted(loop.stopped_by, int(state.step), ckpt.directory)
     result = RunResult(**result, unigram_entropy=entropy, compile_s=compile_s, run_dir=run_dir)
     finished = result.final_step >= tc.steps
     log.print(
@@ -276,6 +314,8 @@ class _Loop:
         self.cfg, self.log, self.step_fn, self.eval_fn, self.bsharding = cfg, log, step_fn, eval_fn, bsharding
         self.model_flops, self.hw_flops = report["model_flops_per_step"], report["hardware_flops_per_step"]
         self.peak = peak
+        self.heartbeat = Heartbeat(None)
+        self.stopped_by: int | None = None
 
     def run(self, state, start, train_loader, val_loader, ckpt, identity, stop_after, stop):
         tc, every = self.cfg.train, self.cfg.checkpoint.every
@@ -285,7 +325,7 @@ class _Loop:
         loss = float("nan")
         val_loss = None
         for step in range(start, end):
-            batch = global_batch(train_loader.batch(step), self.bsharding)
+            batch = process_batch(train_loader, step, self.bsharding)
             state, metrics = self.step_fn(state, batch)
             last = step + 1 == tc.steps
             if step == start:  # warm-up: throughput is measured from the end of the first step
@@ -319,8 +359,10 @@ class _Loop:
             if every and (step + 1) % every == 0 and not last:
                 ckpt.save(state, identity)  # returns once the arrays are off the devices
                 t_last = time.time()
-            if stop.signum is not None:
-                self.log.print(f"{signal.Signals(stop.signum).name} at step {step + 1}: saving a checkpoint")
+            self.heartbeat.beat(step + 1, force=step == start)
+            self.stopped_by = _any_process(stop.signum)
+            if self.stopped_by is not None:
+                self.log.print(f"{signal.Signals(self.stopped_by).name} at step {step + 1}: saving a checkpoint")
                 break
         result = {
             "final_step": int(state.step),

@@ -1,26 +1,42 @@
 """Deterministic batches: batch n of a run is a pure function of (seed, n).
 
-The token stream is cut into non-overlapping windows of seq_len + 1 tokens. Each epoch visits the
-windows in a fresh permutation drawn from (seed, epoch). Global sample g = n * B + j of step n is
-window perm_{g // N}[g % N]. Nothing but the step is needed to resume, and the global batch does not
-depend on how many processes or devices read it: each reader takes the rows it holds.
+Each shard's tokens are cut into non-overlapping windows of seq_len + 1 tokens; the windows of all
+shards are numbered globally. Each epoch visits them in a fresh permutation drawn from
+(seed, epoch). Global sample g = n * B + j of step n is window perm_{g // N}[g % N]. Nothing but the
+step is needed to resume, and the global batch does not depend on how many processes or devices
+read it: each process reads only the rows its devices hold (`process_batch`).
+
+With `eot_id` set (document masking), a batch also carries `segment_ids` (which document of the
+row each position belongs to) and `positions` (the position within that document).
 """
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from meshlm.config import ConfigError
 
 
 class WindowLoader:
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, name: str = "train"):
-        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
-        self.n_windows = (len(tokens) - 1) // seq_len
+    def __init__(
+        self,
+        shards: np.ndarray | list[np.ndarray],
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        name: str = "train",
+        eot_id: int | None = None,
+    ):
+        self.shards = [shards] if isinstance(shards, np.ndarray) else list(shards)
+        self.seq_len, self.global_batch, self.seed, self.eot_id = seq_len, global_batch, seed, eot_id
+        per_shard = np.array([max(0, (len(s) - 1) // seq_len) for s in self.shards], dtype=np.int64)
+        self.first_window = np.concatenate([[0], np.cumsum(per_shard)])  # window id where each shard starts
+        self.n_windows = int(self.first_window[-1])
         if self.n_windows < 1:
             raise ConfigError(
-                f"{name} split has {len(tokens)} tokens, fewer than one window of seq_len+1={seq_len + 1}; "
-                "use more data or a shorter train.seq_len"
+                f"{name} split has {sum(len(s) for s in self.shards)} tokens, fewer than one window of "
+                f"seq_len+1={seq_len + 1}; use more data or a shorter train.seq_len"
             )
         self._perm_epoch, self._perm = -1, None
 
@@ -38,16 +54,67 @@ class WindowLoader:
             out[sel] = self._permutation(int(epoch))[g[sel] % self.n_windows]
         return out
 
+    def _window(self, wid: int) -> np.ndarray:
+        shard = int(np.searchsorted(self.first_window, wid, side="right")) - 1
+        start = (wid - int(self.first_window[shard])) * self.seq_len
+        return self.shards[shard][start : start + self.seq_len + 1]
+
     def batch(self, step: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
-        """Rows `rows` of global batch `step`: inputs and next-token targets, int32 [rows, seq_len]."""
-        starts = self.window_ids(step, rows) * self.seq_len
-        idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
-        w = np.asarray(self.tokens[idx], dtype=np.int32)
-        return {"inputs": w[:, :-1], "targets": w[:, 1:]}
+        """Rows `rows` of global batch `step`: inputs and next-token targets, int32 [rows, seq_len]
+        (plus segment_ids and positions with document masking)."""
+        w = np.stack([np.asarray(self._window(int(i)), dtype=np.int32) for i in self.window_ids(step, rows)])
+        out = {"inputs": w[:, :-1], "targets": w[:, 1:]}
+        if self.eot_id is not None:
+            out |= document_segments(out["inputs"], self.eot_id)
+        return out
 
 
-def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+def document_segments(inputs: np.ndarray, eot_id: int) -> dict[str, np.ndarray]:
+    """segment_ids [b, t]: the number of end-of-text tokens before t in the row (an end-of-text
+    token belongs to the document it ends); positions [b, t]: t minus its document's start."""
+    is_eot = (inputs == eot_id).astype(np.int32)
+    segment_ids = np.cumsum(is_eot, axis=1) - is_eot
+    t = np.arange(inputs.shape[1], dtype=np.int32)[None, :]
+    starts = np.zeros_like(inputs, dtype=bool)
+    starts[:, 0] = True
+    starts[:, 1:] = is_eot[:, :-1] == 1
+    positions = t - np.maximum.accumulate(np.where(starts, t, 0), axis=1)
+    return {"segment_ids": segment_ids.astype(np.int32), "positions": positions.astype(np.int32)}
+
+
+def local_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...], devices=None) -> slice:
+    """The smallest row range of a global [B, ...] batch that `devices` (default: this process's
+    devices) hold under `sharding`."""
+    index_map = sharding.devices_indices_map(shape)
+    devices = sharding.addressable_devices if devices is None else set(devices)
+    starts, stops = [], []
+    for d in devices:
+        rows = index_map[d][0]
+        starts.append(rows.start or 0)
+        stops.append(shape[0] if rows.stop is None else rows.stop)
+    return slice(min(starts), max(stops))
+
+
+def process_batch(loader: WindowLoader, step: int, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
+    """Global batch `step` as global arrays, this process reading only the rows its devices hold."""
+    shape = (loader.global_batch, loader.seq_len)
+    rows = local_rows(sharding, shape)
+    local = loader.batch(step, rows)
+
+    def piece(v, idx):
+        r = idx[0]
+        lo = (r.start or 0) - rows.start
+        hi = (shape[0] if r.stop is None else r.stop) - rows.start
+        return v[lo:hi][:, idx[1]]
+
+    return {k: jax.make_array_from_callback(shape, sharding, lambda idx, v=v: piece(v, idx)) for k, v in local.items()}
+
+
+def unigram_entropy(tokens: np.ndarray | list[np.ndarray], vocab_size: int) -> float:
     """Entropy (nats) of the token unigram distribution: the loss of the best context-free model."""
-    counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size).astype(np.float64)
+    counts = np.zeros(vocab_size, dtype=np.float64)
+    for shard in [tokens] if isinstance(tokens, np.ndarray) else tokens:
+        for i in range(0, len(shard), 1 << 24):
+            counts += np.bincount(np.asarray(shard[i : i + (1 << 24)], dtype=np.int64), minlength=vocab_size)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())

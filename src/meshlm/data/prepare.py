@@ -1,15 +1,19 @@
-"""Text -> tokenizer -> token arrays on disk, cached.
+"""Documents -> tokenizer -> token shards on disk, with an index; deterministic and atomic.
 
 A prepared dataset is a directory:
-    tokenizer.json   the tokenizer used
-    train.bin        tokens of the training documents, each followed by <|endoftext|>
-    val.bin          the same for the held-out documents (every k-th document, k = 1/val_fraction)
-    meta.json        dtype, token counts, vocab size, tokenizer fingerprint, source fingerprint
+    tokenizer.json        the tokenizer used (trained here, or the one given)
+    train-00000.bin ...   token ids (uint16 when the vocabulary fits, else uint32), documents
+    val-00000.bin ...     each followed by <|endoftext|>; memory-mapped by the loader
+    index.json            format, dtype, vocabulary, end-of-text id, tokenizer fingerprint, and per
+                          shard its token count and BLAKE2b digest; document counts; source hash
 
-The directory name is a hash of everything that determines its bytes (file contents, vocabulary
-size, tokenizer, split), so a second run with the same inputs starts immediately, and a change of
-input can never silently reuse stale tokens. It is written to a temporary directory and renamed
-into place, so a killed preparation never leaves a half-written cache behind.
+Every k-th document (k = round(1 / val_fraction)) goes to the validation split. The same inputs
+and options give the same bytes. The directory is written under a temporary name and renamed into
+place, so a killed preparation never leaves a half-written dataset behind.
+
+`meshlm data prepare` writes one to a chosen directory; `meshlm train` on raw text prepares one
+into a cache directory named by a hash of everything that determines its bytes, so a second run
+starts immediately and a change of input can never silently reuse stale tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +33,19 @@ from meshlm.config import ConfigError, DataConfig
 from meshlm.data import corpus
 from meshlm.data import tokenizer as toks
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+INDEX = "index.json"
+SPLITS = ("train", "val")
+
+
+class DataError(ConfigError):
+    """A prepared dataset is unusable (corrupt or truncated shard, vocabulary mismatch, ...)."""
 
 
 @dataclass(frozen=True)
 class PreparedData:
+    """A prepared dataset directory and its index."""
+
     root: Path
     meta: dict
 
@@ -40,20 +53,258 @@ class PreparedData:
     def dtype(self) -> np.dtype:
         return np.dtype(self.meta["dtype"])
 
-    def tokens(self, split: str) -> np.ndarray:
-        path = self.root / f"{split}.bin"
-        expected = self.meta[f"{split}_tokens"]
-        size = path.stat().st_size if path.exists() else -1
-        if size != expected * self.dtype.itemsize:
-            raise ConfigError(
-                f"data shard {path} is corrupt or truncated: {size} bytes, expected "
-                f"{expected * self.dtype.itemsize}; delete {self.root} to rebuild it"
-            )
-        return np.memmap(path, dtype=self.dtype, mode="r", shape=(expected,))
-
     @property
     def tokenizer_path(self) -> Path:
         return self.root / "tokenizer.json"
+
+    def shards(self, split: str) -> list[np.ndarray]:
+        """Memory-mapped token arrays of `split`, one per shard, each checked for its size."""
+        out = []
+        for shard in self.meta["splits"][split]:
+            path = self.root / shard["file"]
+            expected = shard["tokens"] * self.dtype.itemsize
+            size = path.stat().st_size if path.exists() else -1
+            if size != expected:
+                raise DataError(
+                    f"data shard {path} is {'missing' if size < 0 else f'truncated or corrupt: {size} bytes'}, "
+                    f"expected {expected}; re-run `meshlm data prepare` (or delete {self.root} if it is a cache)"
+                )
+            if shard["tokens"]:
+                out.append(np.memmap(path, dtype=self.dtype, mode="r", shape=(shard["tokens"],)))
+        return out
+
+    def tokens(self, split: str) -> np.ndarray:
+        """All tokens of `split` as one array (concatenated in memory when there are several shards)."""
+        parts = self.shards(split)
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.zeros((0,), self.dtype)
+
+    def verify(self, vocab_size: int, digests: bool = True) -> None:
+        """Check the vocabulary against the model's, every shard's size, and (`digests`) every
+        shard's digest and largest id, reading all tokens once; raise DataError if anything is off."""
+        if self.meta["tokenizer_vocab_size"] > vocab_size:
+            raise DataError(
+                f"dataset {self.root} uses a tokenizer of {self.meta['tokenizer_vocab_size']} tokens but "
+                f"model.vocab_size={vocab_size}; raise model.vocab_size or prepare the data with a smaller tokenizer"
+            )
+        for split in SPLITS:
+            self.shards(split)  # sizes
+        for split in SPLITS if digests else ():
+            for shard, arr in zip(
+                [s for s in self.meta["splits"][split] if s["tokens"]], self.shards(split), strict=True
+            ):
+                h = hashlib.blake2b(digest_size=16)
+                top = 0
+                for i in range(0, len(arr), 1 << 24):
+                    chunk = np.asarray(arr[i : i + (1 << 24)])
+                    h.update(chunk.tobytes())
+                    top = max(top, int(chunk.max()))
+                if h.hexdigest() != shard["blake2b"]:
+                    raise DataError(
+                        f"data shard {self.root / shard['file']} is corrupt (its BLAKE2b digest does not match "
+                        f"{INDEX}); re-run `meshlm data prepare` (or delete {self.root} if it is a cache)"
+                    )
+                if top >= vocab_size:
+                    raise DataError(f"data shard {self.root / shard['file']} has token id {top} >= {vocab_size}")
+
+
+def load(root: str | Path) -> PreparedData:
+    root = Path(root).expanduser()
+    try:
+        meta = json.loads((root / INDEX).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"{root / INDEX} is missing or unreadable ({e}); re-run `meshlm data prepare`") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise DataError(f"{root} has dataset format {meta.get('format')}, expected {FORMAT_VERSION}; prepare it again")
+    return PreparedData(root, meta)
+
+
+def is_prepared(path: str | Path) -> bool:
+    return (Path(path).expanduser() / INDEX).is_file()
+
+
+class _ShardWriter:
+    """Appends token arrays to `<split>-NNNNN.bin` files of at most `shard_tokens` tokens each."""
+
+    def __init__(self, root: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.root, self.split, self.dtype, self.limit = root, split, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self.file = None
+        self.documents = 0
+
+    def _open(self) -> None:
+        name = f"{self.split}-{len(self.shards):05d}.bin"
+        self.file = open(self.root / name, "wb")  # noqa: SIM115 (closed in _close / close)
+        self.shards.append({"file": name, "tokens": 0})
+        self.hash = hashlib.blake2b(digest_size=16)
+
+    def _close(self) -> None:
+        self.file.close()
+        self.shards[-1]["blake2b"] = self.hash.hexdigest()
+        self.file = None
+
+    def write(self, ids: np.ndarray) -> None:
+        self.documents += 1
+        while len(ids):
+            if self.file is None:
+                self._open()
+            room = self.limit - self.shards[-1]["tokens"]
+            part, ids = ids[:room], ids[room:]
+            self.file.write(part.tobytes())
+            self.hash.update(part.tobytes())
+            self.shards[-1]["tokens"] += len(part)
+            if self.shards[-1]["tokens"] == self.limit:
+                self._close()
+
+    def close(self) -> list[dict]:
+        if self.file is None and not self.shards:
+            self._open()  # an empty split still gets one (empty) shard
+        if self.file is not None:
+            self._close()
+        return self.shards
+
+
+def _split(docs: Iterable[str], period: int) -> Iterator[tuple[str, str]]:
+    """(split, text): every `period`-th document to validation. With fewer than `period`
+    documents, the tail of the last one is held out instead, so both splits exist."""
+    last = None
+    n = 0
+    for doc in docs:
+        if last is not None:
+            yield last
+        n += 1
+        last = ("val" if n % period == 0 else "train", doc)
+    if last is None:
+        return
+    if n < period:
+        text = last[1]
+        cut = int(len(text) * (1 - 1 / period))
+        yield ("train", text[:cut])
+        yield ("val", text[cut:])
+    else:
+        yield last
+
+
+def _batches(items: Iterator[tuple[str, str]], max_chars: int = 4_000_000) -> Iterator[list[tuple[str, str]]]:
+    batch, size = [], 0
+    for item in items:
+        batch.append(item)
+        size += len(item[1])
+        if size >= max_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def write_dataset(
+    docs: Callable[[], Iterator[str]],
+    out: Path,
+    *,
+    vocab_size: int | None = None,
+    tokenizer: str | None = None,
+    val_fraction: float = 0.05,
+    shard_tokens: int = 1 << 28,
+    source_fingerprint: str = "",
+    total_bytes: int = 0,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+) -> PreparedData:
+    """Tokenize the documents `docs()` yields (called twice when a tokenizer is trained: once to
+    train it on the training split, once to encode) into a prepared dataset at `out`."""
+    if not 0.0 < val_fraction < 0.5:
+        raise ConfigError("val_fraction must be in (0, 0.5)")
+    period = max(2, round(1 / val_fraction))
+    if tokenizer:
+        tok = toks.load(tokenizer)
+    else:
+        if not vocab_size:
+            raise ConfigError("give a tokenizer (--tokenizer tokenizer.json) or a vocabulary size to train one")
+        train_texts = (text for split, text in _split(docs(), period) if split == "train")
+        tok = toks.train_bpe(train_texts, vocab_size)
+    eot = toks.eot_id(tok)
+    n_vocab = tok.get_vocab_size()
+    dtype = np.dtype(np.uint16 if n_vocab <= 2**16 else np.uint32)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
+        with _progress(progress, total_bytes) as advance:
+            for batch in _batches(_split(docs(), period)):
+                encoded = tok.encode_batch([text for _, text in batch], add_special_tokens=False)
+                for (split, _), e in zip(batch, encoded, strict=True):
+                    writers[split].write(np.asarray([*e.ids, eot], dtype=dtype))
+                advance(sum(len(text.encode("utf-8")) for _, text in batch))
+        splits = {s: w.close() for s, w in writers.items()}
+        if not sum(sh["tokens"] for sh in splits["train"]):
+            raise ConfigError("the corpus is empty: no non-blank documents in the inputs")
+        tok.save(str(tmp / "tokenizer.json"))
+        meta = {
+            "format": FORMAT_VERSION,
+            "dtype": dtype.name,
+            "tokenizer_vocab_size": n_vocab,
+            "tokenizer_fingerprint": toks.fingerprint(tok),
+            "eot_id": eot,
+            "val_fraction": val_fraction,
+            "documents": {s: writers[s].documents for s in SPLITS},
+            "train_tokens": sum(sh["tokens"] for sh in splits["train"]),
+            "val_tokens": sum(sh["tokens"] for sh in splits["val"]),
+            "source_fingerprint": source_fingerprint,
+            "splits": splits,
+        }
+        (tmp / INDEX).write_text(json.dumps(meta, indent=2))
+        if out.exists():
+            if not is_prepared(out) and any(out.iterdir()):
+                raise ConfigError(f"{out} exists and is not a meshlm dataset; choose another --out")
+            shutil.rmtree(out)  # replacing an older preparation (or an empty directory)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process prepared the same cache entry first; use theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"prepared {out}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens")
+    return load(out)
+
+
+class _progress:
+    """A rich progress bar over input bytes (or nothing)."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda n: None
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(
+            TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn(), transient=False
+        )
+        task = self.bar.add_task("tokenizing", total=self.total or None)
+        self.bar.start()
+        return lambda n: self.bar.advance(task, n)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.stop()
+
+
+def fingerprint_files(files: list[Path], options: object) -> tuple[str, int]:
+    """(hash of the options and of every file's bytes, total bytes)."""
+    h = hashlib.blake2b(digest_size=10)
+    h.update(json.dumps([FORMAT_VERSION, options], sort_keys=True).encode())
+    total = 0
+    for f in files:
+        h.update(str(f.name).encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+                total += len(chunk)
+    return h.hexdigest(), total
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -62,75 +313,33 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshlm")) / "data"
 
 
-def _fingerprint(docs: list[str], cfg: DataConfig, vocab_size: int) -> str:
-    h = hashlib.sha256()
-    h.update(json.dumps([FORMAT_VERSION, vocab_size, cfg.val_fraction]).encode())
-    if cfg.tokenizer:
-        h.update(Path(cfg.tokenizer).expanduser().read_bytes())
-    for d in docs:
-        h.update(hashlib.sha256(d.encode()).digest())
-    return h.hexdigest()[:20]
-
-
-def _encode(tok, docs: list[str], eot: int, dtype: np.dtype) -> np.ndarray:
-    ids = tok.encode_batch(docs, add_special_tokens=False)
-    parts = [np.asarray([*e.ids, eot], dtype=dtype) for e in ids]
-    return np.concatenate(parts) if parts else np.zeros((0,), dtype)
-
-
 def prepare(cfg: DataConfig, vocab_size: int, log=print) -> PreparedData:
-    """Return the prepared dataset for `cfg`, building and caching it if needed."""
-    files = corpus.resolve_files(cfg.paths)
-    docs = corpus.read_documents(files, int(cfg.max_corpus_mb * 1e6))
-    key = _fingerprint(docs, cfg, vocab_size)
-    root = cache_root(cfg) / key
-    if (root / "meta.json").exists():
-        return PreparedData(root, json.loads((root / "meta.json").read_text()))
-
-    period = max(2, round(1 / cfg.val_fraction))
-    val_docs = docs[period - 1 :: period]
-    train_docs = [d for i, d in enumerate(docs) if i % period != period - 1]
-    if not val_docs:  # a single document: hold out its tail
-        cut = int(len(docs[0]) * (1 - cfg.val_fraction))
-        train_docs, val_docs = [docs[0][:cut]], [docs[0][cut:]]
-    log(f"preparing data: {len(docs)} documents, {sum(map(len, docs)) / 1e6:.1f} M chars -> {root}")
-    if cfg.tokenizer:
-        tok = toks.load(cfg.tokenizer)
+    """The dataset a run trains on: `data.paths` naming one prepared dataset is used as is; raw
+    inputs (or none: the built-in corpus) are prepared into the cache, or found there."""
+    if len(cfg.paths) == 1 and is_prepared(cfg.paths[0]):
+        data = load(cfg.paths[0])
     else:
-        tok = toks.train_bpe(train_docs, vocab_size)
-    if tok.get_vocab_size() > vocab_size:
-        raise ConfigError(
-            f"tokenizer has {tok.get_vocab_size()} tokens but model.vocab_size={vocab_size}; "
-            "raise model.vocab_size or use a smaller tokenizer"
-        )
-    eot = toks.eot_id(tok)
-    dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
-    train, val = _encode(tok, train_docs, eot, dtype), _encode(tok, val_docs, eot, dtype)
-
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root.parent))
-    try:
-        train.tofile(tmp / "train.bin")
-        val.tofile(tmp / "val.bin")
-        tok.save(str(tmp / "tokenizer.json"))
-        meta = {
-            "format": FORMAT_VERSION,
-            "dtype": dtype.name,
-            "train_tokens": int(train.size),
-            "val_tokens": int(val.size),
-            "documents": len(docs),
-            "vocab_size": vocab_size,
-            "tokenizer_vocab_size": tok.get_vocab_size(),
-            "tokenizer_fingerprint": toks.fingerprint(tok),
-            "eot_id": eot,
-            "source_fingerprint": key,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        try:
-            tmp.rename(root)
-        except OSError:  # another process prepared the same data first; use theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return PreparedData(root, json.loads((root / "meta.json").read_text()))
+        if any(is_prepared(p) for p in cfg.paths):
+            raise ConfigError("data.paths names a prepared dataset among other inputs; give it alone")
+        files = corpus.resolve_files(cfg.paths)
+        max_bytes = int(cfg.max_corpus_mb * 1e6)
+        tok_hash = hashlib.sha256(Path(cfg.tokenizer).expanduser().read_bytes()).hexdigest() if cfg.tokenizer else ""
+        options = [vocab_size, cfg.val_fraction, cfg.field, max_bytes, tok_hash]
+        key, total = fingerprint_files(files, options)
+        root = cache_root(cfg) / key
+        if is_prepared(root):
+            data = load(root)
+        else:
+            log(f"preparing data: {len(files)} files, {total / 1e6:.1f} MB (cap {cfg.max_corpus_mb:g} MB) -> {root}")
+            data = write_dataset(
+                lambda: corpus.iter_documents(files, cfg.field, max_bytes),
+                root,
+                vocab_size=vocab_size,
+                tokenizer=cfg.tokenizer or None,
+                val_fraction=cfg.val_fraction,
+                source_fingerprint=key,
+                total_bytes=min(total, max_bytes),
+                log=log,
+            )
+    data.verify(vocab_size, digests=cfg.verify)
+    return data

@@ -89,26 +89,37 @@ def rope(x_btnh: jax.Array, positions_t: jax.Array, theta: float) -> jax.Array:
     return (x * cos + rotated * sin).astype(x_btnh.dtype)
 
 
-def _causal_softmax(scores: jax.Array) -> jax.Array:
-    """Softmax over the last axis with a causal mask, in fp32, returned in the scores' dtype."""
+def _causal_softmax(scores: jax.Array, same_doc: jax.Array | None = None) -> jax.Array:
+    """Softmax over the last axis with a causal mask (and, if given, a same-document mask
+    broadcastable to the scores), in fp32, returned in the scores' dtype."""
     t, s = scores.shape[-2:]
-    causal = jnp.tril(jnp.ones((t, s), dtype=bool), k=s - t)
-    return jax.nn.softmax(jnp.where(causal, scores.astype(jnp.float32), -jnp.inf), axis=-1).astype(scores.dtype)
+    allowed = jnp.tril(jnp.ones((t, s), dtype=bool), k=s - t)
+    if same_doc is not None:
+        allowed = allowed & same_doc
+    return jax.nn.softmax(jnp.where(allowed, scores.astype(jnp.float32), -jnp.inf), axis=-1).astype(scores.dtype)
+
+
+def same_document(segment_ids_bt: jax.Array) -> jax.Array:
+    """[b, 1, 1, t, s] bool: query t and key s lie in the same document of a packed row."""
+    return segment_ids_bt[:, None, None, :, None] == segment_ids_bt[:, None, None, None, :]
 
 
 _AV = "bkgts,bskh->btkgh"  # attention over V
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _softmax_dropout_av(scores: jax.Array, v_bskh: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _softmax_dropout_av(
+    scores: jax.Array, v_bskh: jax.Array, keep: jax.Array | None, same_doc: jax.Array | None, rate: float
+) -> jax.Array:
     """softmax -> dropout -> @V as one VJP that keeps exactly P2's tensors: the softmax output
     (2as^2b), the dropout mask (as^2b) and its output (2as^2b), and V; without dropout the softmax
-    output once. (Separate VJPs for softmax and @V would each keep their own copy of it.)"""
-    return _softmax_dropout_av_fwd(scores, v_bskh, keep, rate)[0]
+    output once. (Separate VJPs for softmax and @V would each keep their own copy of it.) The
+    document mask needs no residual: masked probabilities are zero, so backward ignores them."""
+    return _softmax_dropout_av_fwd(scores, v_bskh, keep, same_doc, rate)[0]
 
 
-def _softmax_dropout_av_fwd(scores, v, keep, rate):
-    probs = _causal_softmax(scores)
+def _softmax_dropout_av_fwd(scores, v, keep, same_doc, rate):
+    probs = _causal_softmax(scores, same_doc)
     dropped = probs if keep is None else _apply_keep_mask(probs, keep, rate)
     return jnp.einsum(_AV, dropped, v), (probs, keep, None if keep is None else dropped, v)
 
@@ -121,7 +132,7 @@ def _softmax_dropout_av_bwd(rate, res, g):
     d_probs = d_dropped if keep is None else _mask_bwd(rate, keep, d_dropped)[0]
     p, gp = probs.astype(jnp.float32), d_probs.astype(jnp.float32)
     d_scores = (p * (gp - jnp.sum(gp * p, axis=-1, keepdims=True))).astype(probs.dtype)
-    return d_scores, dv, None
+    return d_scores, dv, None, None
 
 
 _softmax_dropout_av.defvjp(_softmax_dropout_av_fwd, _softmax_dropout_av_bwd)
@@ -131,10 +142,12 @@ def causal_attention(
     q_btnh: jax.Array,
     k_bskh: jax.Array,
     v_bskh: jax.Array,
+    segment_ids_bt: jax.Array | None = None,
     dropout_rate: float = 0.0,
     key: jax.Array | None = None,
 ) -> jax.Array:
-    """Explicit softmax attention with grouped KV heads (n = k*g; MHA is g = 1).
+    """Explicit softmax attention with grouped KV heads (n = k*g; MHA is g = 1); with
+    `segment_ids_bt`, no attention across documents of a packed row.
 
     The score matrix is materialised on purpose: P2's memory model and selective recomputation
     are about exactly these tensors (QK^T, softmax, softmax dropout, attention over V). The dropout
@@ -147,11 +160,15 @@ def causal_attention(
     keep = None
     if key is not None and dropout_rate > 0:
         keep = jax.random.bernoulli(key, 1.0 - dropout_rate, scores.shape)
-    out_btkgh = _softmax_dropout_av(scores, v_bskh, keep, dropout_rate)
+    same_doc = None if segment_ids_bt is None else same_document(segment_ids_bt)
+    out_btkgh = _softmax_dropout_av(scores, v_bskh, keep, same_doc, dropout_rate)
     return out_btkgh.reshape(b, t, n, h)
 
 
-def fused_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array) -> jax.Array:
+def fused_attention(
+    q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bt: jax.Array | None = None
+) -> jax.Array:
     """`jax.nn.dot_product_attention`: cuDNN flash attention on GPUs (no stored score matrix),
     XLA's own lowering elsewhere."""
-    return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True)
+    mask = None if segment_ids_bt is None else same_document(segment_ids_bt)[:, :, 0]  # [b, 1, t, s]
+    return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask, is_causal=True)

@@ -57,7 +57,7 @@ def _qkv(h_btd, wq, wk, wv, *biases, cfg: ModelConfig):
     return layers.rope(q, positions, cfg.rope_theta), layers.rope(k, positions, cfg.rope_theta), v
 
 
-def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str):
+def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None):
     """f / g -> QKV -> attention core -> row-parallel output projection -> f-bar / g-bar."""
     names = ["wq", "wk", "wv"] + (["bq", "bk", "bv"] if cfg.family == "gpt" else [])
     q, k, v = column_parallel(
@@ -70,20 +70,20 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
         RESIDUAL,
     )
     if cfg.attention == "fused":
-        a = layers.fused_attention(q, k, v)
+        a = layers.fused_attention(q, k, v, segments)
     else:
         core = remat.wrap_attention_core(partial(layers.causal_attention, dropout_rate=cfg.dropout), remat_policy)
-        a = core(q, k, v, key=_site_key(key, _ATTN_PROBS))
+        a = core(q, k, v, segments, key=_site_key(key, _ATTN_PROBS))
     a = constrain(layout, a, HEADS_ACT)
     w_axes = (ax.HEADS, ax.HEAD_DIM, ax.EMBED)
     return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, w_axes, RESIDUAL)  # f-bar / g-bar
 
 
-def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str):
+def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None):
     """Pre-LN GPT layer (P2 Fig. 2): LN -> attention -> dropout -> +x; LN -> GeLU MLP -> dropout -> +x."""
     rate = cfg.dropout
     h = layers.layer_norm(x_btd, p["ln1_scale"], p["ln1_bias"], cfg.norm_eps)
-    o = _attention(h, p, key, cfg, layout, remat_policy) + p["bo"]
+    o = _attention(h, p, key, cfg, layout, remat_policy, segments) + p["bo"]
     x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _ATTN_OUT)), RESIDUAL)
 
     h = layers.layer_norm(x_btd, p["ln2_scale"], p["ln2_bias"], cfg.norm_eps)
@@ -95,10 +95,10 @@ def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_poli
     return constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _MLP_OUT)), RESIDUAL)
 
 
-def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str):
+def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None):
     """Llama layer: RMSNorm -> GQA attention with RoPE -> +x; RMSNorm -> SwiGLU -> +x."""
     h = layers.rms_norm(x_btd, p["attn_norm"], cfg.norm_eps)
-    x_btd = constrain(layout, x_btd + _attention(h, p, key, cfg, layout, remat_policy), RESIDUAL)
+    x_btd = constrain(layout, x_btd + _attention(h, p, key, cfg, layout, remat_policy, segments), RESIDUAL)
 
     h = layers.rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps)
     gate, up = column_parallel(
@@ -125,18 +125,23 @@ def forward(
     *,
     key: jax.Array | None = None,
     remat_policy: str = "none",
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
     """Logits [b, t, v] in fp32 for int tokens [b, t].
 
     `params` are fp32 masters; each layer casts its slice to `cfg.dtype` just before use. `key`
-    enables dropout (gpt family); None is the deterministic eval path.
+    enables dropout (gpt family); None is the deterministic eval path. Packed rows: `segment_ids`
+    [b, t] keeps attention inside each document; `positions` [b, t] index the learned position
+    table (gpt; RoPE depends on relative positions only, which a restart does not change).
     """
     dtype = jnp.dtype(cfg.dtype)
     cast = partial(jax.tree.map, lambda w: w.astype(dtype))
     t = tokens_bt.shape[1]
     x = vocab_parallel_embed(layout, params["wte"].astype(dtype), tokens_bt, RESIDUAL)
     if cfg.family == "gpt":
-        x = x + params["wpe"][:t][None].astype(dtype)
+        wpe = params["wpe"].astype(dtype)
+        x = x + (wpe[:t][None] if positions is None else jnp.take(wpe, positions, axis=0))
     x = constrain(layout, x, RESIDUAL)
     # Layers use fold_in(key, 0..L-1); the embedding dropout takes the next index.
     x = layers.dropout(x, cfg.dropout, None if key is None else jax.random.fold_in(key, cfg.n_layers))
@@ -146,7 +151,7 @@ def forward(
     def body(x_btd, layer):
         p, i = layer
         layer_key = None if key is None else jax.random.fold_in(key, i)
-        return block(x_btd, cast(p), layer_key), None
+        return block(x_btd, cast(p), layer_key, segments=segment_ids), None
 
     body = remat.wrap_layer(body, remat_policy)
     x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(cfg.n_layers)))

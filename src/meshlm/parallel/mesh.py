@@ -1,11 +1,23 @@
-"""Build the device mesh from `ParallelConfig`. Axes are always (data, fsdp, tensor); an axis of
-size 1 shards nothing, so every strategy is a choice of sizes, never a different code path.
+"""Build the device mesh from `ParallelConfig`, and join a multi-process group.
 
-Axis types are `Auto`: shardings are declared with `NamedSharding`/`with_sharding_constraint` and
-GSPMD propagates the rest (the FAX model: declared partitioning, compiler-inserted collectives).
+Axes are always (data, fsdp, tensor); an axis of size 1 shards nothing, so every strategy is a
+choice of sizes, never a different code path. Axis types are `Auto`: shardings are declared with
+`NamedSharding`/`with_sharding_constraint` and GSPMD propagates the rest (the FAX model: declared
+partitioning, compiler-inserted collectives).
+
+Multi-process runs use JAX's own distributed runtime (`jax.distributed`): one process per host
+(or per group of local devices), XLA collectives between them (gloo on CPU, NCCL on GPU, ICI/DCN on
+TPU). The mesh then spans every process's devices.
 """
 
 from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -15,6 +27,171 @@ from meshlm.config import ConfigError, ParallelConfig
 from meshlm.parallel.rules import Layout, rules_for
 
 MESH_AXES = ("data", "fsdp", "tensor")
+ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "MESHLM_COORDINATOR", "MESHLM_NUM_PROCESSES", "MESHLM_PROCESS_ID"
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """How this process joins a run: explicit (coordinator host:port, N, i) or `auto` (let
+    `jax.distributed.initialize()` read SLURM, Cloud TPU or GKE's environment)."""
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    auto: bool = False
+    timeout_s: int = 60
+
+    @property
+    def enabled(self) -> bool:
+        return self.auto or self.coordinator is not None
+
+
+def process_group(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    auto: bool = False,
+    timeout_s: int = 60,
+    env: dict | None = None,
+) -> ProcessGroup:
+    """Arguments first, then MESHLM_COORDINATOR / MESHLM_NUM_PROCESSES / MESHLM_PROCESS_ID."""
+    env = os.environ if env is None else env
+    coordinator = coordinator or env.get(ENV_COORDINATOR) or None
+    try:
+        n = num_processes if num_processes is not None else int(env.get(ENV_NUM_PROCESSES, 0)) or None
+        i = process_id if process_id is not None else (int(env[ENV_PROCESS_ID]) if ENV_PROCESS_ID in env else None)
+    except ValueError:
+        raise ConfigError(f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} must be integers") from None
+    group = ProcessGroup(coordinator, n, i, auto, timeout_s)
+    if coordinator is not None:
+        if auto:
+            raise ConfigError("give either --distributed (auto-detect) or --coordinator/--num-processes/--process-id")
+        if n is None or i is None:
+            raise ConfigError("--coordinator needs --num-processes and --process-id (or the MESHLM_* variables)")
+        if n < 1 or not 0 <= i < n:
+            raise ConfigError(f"--process-id must be in [0, {n}) and --num-processes >= 1 (got {i} of {n})")
+        if ":" not in coordinator:
+            raise ConfigError(f"--coordinator must be host:port, got {coordinator!r}")
+    elif n is not None or i is not None:
+        raise ConfigError("--num-processes/--process-id need --coordinator host:port (or MESHLM_COORDINATOR)")
+    return group
+
+
+def _recv_line(conn: socket.socket, deadline: float) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        conn.settimeout(max(0.05, deadline - time.time()))
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode().strip()
+
+
+def _host_port(coordinator: str) -> tuple[str, int]:
+    host, _, port = coordinator.rpartition(":")
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        raise ConfigError(f"--coordinator must be host:port, got {coordinator!r}") from None
+
+
+def _serve_rendezvous(group: ProcessGroup, port: int, deadline: float) -> None:
+    """Process 0: wait for the N-1 others on the coordinator port, check they agree, answer."""
+    try:
+        server = socket.create_server(("", port), reuse_port=hasattr(socket, "SO_REUSEPORT"))
+    except OSError as e:
+        raise ConfigError(f"process 0 cannot listen on coordinator port {port}: {e}") from None
+    peers: dict[int, socket.socket] = {}
+    error = None
+    with server:
+        while len(peers) < group.num_processes - 1 and error is None:
+            server.settimeout(max(0.05, deadline - time.time()))
+            try:
+                conn, _ = server.accept()
+                hello = json.loads(_recv_line(conn, deadline) or "{}")
+            except (TimeoutError, OSError, ValueError):
+                if time.time() >= deadline:
+                    break
+                continue
+            n, i = hello.get("n"), hello.get("i")
+            if n != group.num_processes:
+                error = f"process {i} was started with --num-processes {n}, process 0 with {group.num_processes}"
+            elif not isinstance(i, int) or not 0 < i < group.num_processes or i in peers:
+                error = f"a second process claims --process-id {i}"
+            peers[i if i not in peers else -len(peers) - 1] = conn
+        missing = sorted(set(range(1, group.num_processes)) - set(peers))
+        if error is None and missing:
+            error = (
+                f"only {len(peers) + 1} of {group.num_processes} processes joined within {group.timeout_s}s "
+                f"(missing process ids: {', '.join(map(str, missing[:10]))})"
+            )
+        for conn in peers.values():
+            with conn, contextlib.suppress(OSError):
+                conn.sendall(("OK" if error is None else f"ERR {error}").encode() + b"\n")
+    if error is not None:
+        raise ConfigError(f"the process group did not form: {error}")
+
+
+def _join_rendezvous(group: ProcessGroup, host: str, port: int, deadline: float) -> None:
+    """Process i > 0: reach process 0 (retrying until the deadline) and wait for its answer."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, deadline - time.time())) as conn:
+                conn.sendall(json.dumps({"n": group.num_processes, "i": group.process_id}).encode() + b"\n")
+                answer = _recv_line(conn, deadline)
+            break
+        except OSError:
+            if time.time() >= deadline:
+                raise ConfigError(
+                    f"could not reach the coordinator {group.coordinator} (process 0) within {group.timeout_s}s; "
+                    "check that process 0 is running and that the address is reachable from this host"
+                ) from None
+            time.sleep(0.2)
+    if answer != "OK":
+        reason = answer[4:] if answer.startswith("ERR ") else "no answer from process 0"
+        raise ConfigError(f"the process group did not form: {reason}")
+
+
+def rendezvous(group: ProcessGroup) -> None:
+    """A pre-flight check before `jax.distributed.initialize`, on the coordinator's own port:
+    every process reaches process 0 and they agree on the process count. JAX's runtime
+    terminates the process (no Python exception) when a peer is missing; this turns an unreachable
+    coordinator or a wrong process count into a clear error within `timeout_s`."""
+    host, port = _host_port(group.coordinator)
+    deadline = time.time() + group.timeout_s
+    if group.process_id == 0:
+        _serve_rendezvous(group, port, deadline)
+    else:
+        _join_rendezvous(group, host, port, deadline)
+
+
+def init_distributed(group: ProcessGroup) -> None:
+    """Join the process group (before any device is touched). On CPU, cross-process collectives
+    use gloo. Fails with a ConfigError after `timeout_s` if the group cannot form."""
+    if not group.enabled:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if not group.auto and group.num_processes > 1:
+        rendezvous(group)
+    where = "auto-detected cluster" if group.auto else f"{group.coordinator}"
+    try:
+        if group.auto:
+            jax.distributed.initialize(initialization_timeout=group.timeout_s)
+        else:
+            jax.distributed.initialize(
+                group.coordinator,
+                group.num_processes,
+                group.process_id,
+                initialization_timeout=group.timeout_s,
+            )
+    except Exception as e:  # jax raises RuntimeError / XlaRuntimeError / ValueError here
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"could not join the process group at {where} as process {group.process_id} of {group.num_processes} "
+            f"within {group.timeout_s}s: {first}. Check that the coordinator (process 0) is running and reachable, "
+            "and that every process was given the same --num-processes"
+        ) from None
 
 
 def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
@@ -32,10 +209,13 @@ def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
             devices = devices[: int(np.prod(shape))]
     devices = list(devices)
     if int(np.prod(shape)) != len(devices):
-        raise ConfigError(
-            f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} needs {int(np.prod(shape))} "
-            f"devices but {len(devices)} are available (use --devices N on CPU, or change --mesh)"
+        where = (
+            f"{jax.process_count()} processes x {jax.local_device_count()} devices = {len(devices)} devices"
+            if jax.process_count() > 1
+            else f"{len(devices)} are available (use --devices N on CPU, or change --mesh)"
         )
+        mesh = f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]}"
+        raise ConfigError(f"{mesh} needs {int(np.prod(shape))} devices but {where}")
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 

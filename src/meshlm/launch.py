@@ -1,0 +1,283 @@
+"""`meshlm launch`: start the processes of one run, merge their logs, supervise, restart.
+
+    meshlm launch --processes 2 --devices-per-process 4 -- train --mesh data=2,tensor=4 ...
+
+starts N `meshlm train` processes that join one JAX distributed runtime (process 0 hosts the
+coordinator on a free port), prefixes and merges their output (also kept in <run_dir>/launch.log),
+and watches them. When one process dies, or stops making progress for `--hang-timeout` seconds
+(each process touches a heartbeat file every step), the launcher kills the whole group and starts it
+again; `meshlm train` resumes from the run's latest good checkpoint. Until a process has finished its
+first step (compilation, data, restore) `--startup-timeout` applies instead. After `--max-restarts` restarts
+it gives up and exits non-zero with a summary of every attempt.
+
+Processes run on this machine (simulated CPU devices, the same code path as a cluster), or with
+`--ray ADDRESS` one per node of an existing Ray cluster (`pip install 'meshlm[ray]'`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshlm.config import ConfigError
+
+EXIT_CONFIG = 2
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_command(train_args: list[str], devices: int, coordinator: str, n: int, i: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "meshlm",
+        *train_args,
+        "--devices",
+        str(devices),
+        "--coordinator",
+        coordinator,
+        "--num-processes",
+        str(n),
+        "--process-id",
+        str(i),
+    ]
+
+
+def worker_env(heartbeat: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # --devices sets the device count
+    return env | {"MESHLM_HEARTBEAT": str(heartbeat), "PYTHONUNBUFFERED": "1"}
+
+
+class LocalWorker:
+    """One `meshlm train` process on this machine, in its own session (so a kill reaches it all)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], on_line):
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
+        self.reader = threading.Thread(target=self._read, args=(on_line,), daemon=True)
+        self.reader.start()
+
+    def _read(self, on_line) -> None:
+        for line in self.proc.stdout:
+            on_line(line.rstrip("\n"))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self.reader.join(timeout=5)
+        return rc
+
+
+def describe_exit(rc: int) -> str:
+    if rc < 0:
+        return f"killed by {signal.Signals(-rc).name}"
+    if rc > 128 and rc - 128 in signal.Signals._value2member_map_:
+        return f"stopped by {signal.Signals(rc - 128).name} (exit {rc})"
+    return f"exited with code {rc}"
+
+
+@dataclass
+class Attempt:
+    number: int
+    outcome: str = "running"
+    seconds: float = 0.0
+
+
+@dataclass
+class Supervisor:
+    """Runs attempts of a group of workers until one succeeds or restarts run out."""
+
+    train_args: list[str]
+    processes: int
+    devices_per_process: int
+    run_dir: Path
+    max_restarts: int = 3
+    hang_timeout: float = 600.0
+    startup_timeout: float = 900.0
+    spawn: object = None  # (cmd, env, on_line, index) -> worker; default: LocalWorker
+    coordinator_host: str = "127.0.0.1"
+    attempts: list[Attempt] = field(default_factory=list)
+    stop_signal: int | None = None
+
+    def __post_init__(self):
+        self.lock = threading.Lock()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_file = open(self.run_dir / "launch.log", "a")  # noqa: SIM115 (closed in run())
+
+    def say(self, line: str) -> None:
+        with self.lock:
+            print(line, flush=True)
+            self.log_file.write(line + "\n")
+            self.log_file.flush()
+
+    def _heartbeats(self) -> list[Path]:
+        d = self.run_dir / ".heartbeat"
+        d.mkdir(exist_ok=True)
+        return [d / f"process-{i}" for i in range(self.processes)]
+
+    def _start(self, attempt: Attempt) -> list:
+        port = self._port()
+        coordinator = f"{self.coordinator_host}:{port}"
+        beats = self._heartbeats()
+        for b in beats:
+            b.unlink(missing_ok=True)
+        self.say(
+            f"[launch] attempt {attempt.number}: {self.processes} processes x {self.devices_per_process} devices, "
+            f"coordinator {coordinator}"
+        )
+        workers = []
+        for i in range(self.processes):
+            cmd = worker_command(self.train_args, self.devices_per_process, coordinator, self.processes, i)
+            on_line = lambda line, i=i: self.say(f"[{i}] {line}")
+            spawn = self.spawn or (lambda c, e, f, _i: LocalWorker(c, e, f))
+            workers.append(spawn(cmd, worker_env(beats[i]), on_line, i))
+        return workers
+
+    def _port(self) -> int:
+        return free_port()
+
+    def _check(self, workers: list, started: float) -> str | None:
+        """None while the group is healthy and running; else why it ended ('ok' on success)."""
+        codes = [w.poll() for w in workers]
+        failed = [(i, rc) for i, rc in enumerate(codes) if rc not in (None, 0)]
+        if failed:
+            i, rc = failed[0]
+            return f"process {i} {describe_exit(rc)}"
+        if all(rc == 0 for rc in codes):
+            return "ok"
+        now = time.time()
+        stale, late = [], []
+        for i, beat in enumerate(self._heartbeats()):
+            if codes[i] is not None:
+                continue
+            if beat.exists():
+                if now - beat.stat().st_mtime > self.hang_timeout:
+                    stale.append(i)
+            elif now - started > self.startup_timeout:
+                late.append(i)
+        if stale:  # a stuck process stalls its peers in the next collective: report them all
+            who = ", ".join(map(str, stale))
+            return f"process{'es' if len(stale) > 1 else ''} {who} hung (no progress for > {self.hang_timeout:g}s)"
+        if late:
+            who = ", ".join(map(str, late))
+            return f"process {who} did not finish a first step within --startup-timeout {self.startup_timeout:g}s"
+        return None
+
+    def _stop_all(self, workers: list, sig: int = signal.SIGKILL, grace: float = 10.0) -> None:
+        for w in workers:
+            if w.poll() is None:
+                w.signal(sig)
+        deadline = time.time() + grace
+        for w in workers:
+            if w.wait(max(0.1, deadline - time.time())) is None:
+                w.signal(signal.SIGKILL)
+                w.wait(10)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_signal = signum
+
+    def run(self) -> int:
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            self.log_file.close()
+
+    def _run(self) -> int:
+        while True:
+            attempt = Attempt(len(self.attempts) + 1)
+            self.attempts.append(attempt)
+            started = time.time()
+            workers = self._start(attempt)
+            outcome = None
+            while outcome is None:
+                time.sleep(0.2)
+                if self.stop_signal is not None:  # forward: every process checkpoints and exits
+                    name = signal.Signals(self.stop_signal).name
+                    self.say(f"[launch] {name}: asking every process to checkpoint and stop")
+                    self._stop_all(workers, signal.SIGTERM, grace=300)
+                    attempt.outcome, attempt.seconds = f"stopped by {name}", time.time() - started
+                    self._summary()
+                    return 128 + self.stop_signal
+                outcome = self._check(workers, started)
+            attempt.outcome, attempt.seconds = outcome, time.time() - started
+            if outcome == "ok":
+                self._summary()
+                return 0
+            self.say(f"[launch] attempt {attempt.number} failed: {outcome}; stopping the other processes")
+            self._stop_all(workers)
+            codes = [w.poll() for w in workers]
+            if EXIT_CONFIG in codes:
+                self.say("[launch] a configuration error is not retried")
+                self._summary()
+                return EXIT_CONFIG
+            if len(self.attempts) > self.max_restarts:
+                self._summary()
+                return 1
+            self.say("[launch] restarting the group from the latest good checkpoint")
+
+    def _summary(self) -> None:
+        self.say(f"[launch] summary ({len(self.attempts)} attempts, --max-restarts {self.max_restarts}):")
+        for a in self.attempts:
+            self.say(f"[launch]   attempt {a.number}: {a.outcome} after {a.seconds:.0f}s")
+
+
+def plan_launch(train_args: list[str], processes: int, devices_per_process: int) -> tuple[list[str], Path]:
+    """Check the train command against the group size before starting anything; fix one run dir
+    for every attempt. Returns (train args with --run-dir, run dir)."""
+    from meshlm.cli import build_parser, resolve_config
+
+    if not train_args or train_args[0] != "train":
+        raise ConfigError("meshlm launch runs a train command: meshlm launch --processes N -- train [options]")
+    if processes < 1 or devices_per_process < 1:
+        raise ConfigError("--processes and --devices-per-process must be >= 1")
+    for flag in ("--coordinator", "--num-processes", "--process-id", "--devices", "--distributed"):
+        if flag in train_args:
+            raise ConfigError(f"meshlm launch sets {flag} itself; remove it from the train command")
+    args = build_parser().parse_args(train_args)
+    cfg = resolve_config(args)
+    total = processes * devices_per_process
+    if cfg.parallel.n_devices != total:
+        p = cfg.parallel
+        raise ConfigError(
+            f"mesh data={p.data} x fsdp={p.fsdp} x tensor={p.tensor} = {p.n_devices} devices, but --processes "
+            f"{processes} x --devices-per-process {devices_per_process} = {total}; make them equal"
+        )
+    if args.run_dir:
+        return train_args, Path(args.run_dir)
+    run_dir = Path(f"runs/{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return [*train_args, "--run-dir", str(run_dir)], run_dir

@@ -1,0 +1,278 @@
+"""Multi-process runs on JAX's distributed runtime (gloo on CPU), launched and supervised by
+`meshlm launch`: equal to one process, restart after SIGKILL and after a hang, clear errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from meshlm.checkpoint import Checkpointer
+from meshlm.config import CheckpointConfig, from_dict
+from meshlm.data.prepare import write_dataset
+from meshlm.launch import free_port
+from meshlm.parallel.mesh import make_layout
+from meshlm.train_state import abstract_state, setup
+
+pytestmark = pytest.mark.slow
+STEPS = 12
+MESH = "data=2,tensor=4"
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mp")
+    rng = np.random.default_rng(4)
+    words = ["alpha", "beta", "gamma", "delta", "mesh", "shard", "token", "layer", "device", "batch"]
+    texts = ["\n".join(" ".join(rng.choice(words, 9)) for _ in range(40)) for _ in range(30)]
+    write_dataset(lambda: iter(texts), root / "ds", vocab_size=320, log=lambda _: None)
+    return root / "ds"
+
+
+def _train_args(dataset, run_dir, steps=STEPS, mesh=MESH):
+    args = ["train", "--mesh", mesh, "--steps", str(steps), "--run-dir", str(run_dir)]
+    for kv in (
+        f"data.paths={dataset}",
+        "model.vocab_size=320",
+        "model.n_layers=2",
+        "model.d_model=64",
+        "model.dropout=0.1",
+        "train.seq_len=32",
+        "train.global_batch=8",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "checkpoint.every=3",
+    ):
+        args += ["--set", kv]
+    return args
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def _launch_cmd(train_args, *options):
+    return [
+        sys.executable,
+        "-m",
+        "meshlm",
+        "launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "4",
+        *options,
+        "--",
+        *train_args,
+    ]
+
+
+def _losses(run_dir) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def _final_state(run_dir):
+    cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
+    layout = make_layout(cfg.parallel)
+    specs, tx, _ = setup(cfg, layout)
+    r = Checkpointer(run_dir / "checkpoints", CheckpointConfig()).restore_latest(abstract_state(specs, layout, tx))
+    return int(r.state.step), {k: np.asarray(v) for k, v in _flat(r.state.params).items()}
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}/")
+        else:
+            out[prefix + k] = v
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(dataset, tmp_path_factory):
+    """An uninterrupted 2 x 4 launch."""
+    run = tmp_path_factory.mktemp("ref") / "run"
+    r = subprocess.run(_launch_cmd(_train_args(dataset, run)), capture_output=True, text=True, env=_env(), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:]
+    return run, r.stdout
+
+
+def test_two_processes_equal_one_process(reference, dataset, tmp_path):
+    run, out = reference
+    assert "attempt 1: ok" in out and "[1] " in out  # merged, prefixed logs of both processes
+    assert (run / "launch.log").read_text().count("[launch]") >= 2
+    single = tmp_path / "single"
+    r = subprocess.run(
+        [sys.executable, "-m", "meshlm", *_train_args(dataset, single), "--devices", "8"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    two, one = _losses(run), _losses(single)
+    assert sorted(two) == list(range(1, STEPS + 1)) == sorted(one)
+    # the same program on the same mesh; only the order of gloo's floating-point sums differs
+    np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5)
+    step2, params2 = _final_state(run)
+    step1, params1 = _final_state(single)
+    assert step2 == step1 == STEPS
+    for k in params1:
+        np.testing.assert_allclose(params2[k], params1[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    info = json.loads((run / "run.json").read_text())
+    assert info["processes"] == 2 and len(info["devices"]) == 8
+
+
+def _wait_for_step(run, process: int, step: int, proc, timeout=300) -> int:
+    """Wait until `process` has reported `step` in its heartbeat; return its pid."""
+    beat = run / ".heartbeat" / f"process-{process}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        if beat.exists():
+            parts = beat.read_text().split()
+            if len(parts) == 3 and int(parts[0]) >= step:
+                return int(parts[2])
+        time.sleep(0.1)
+    raise AssertionError(f"process {process} never reached step {step}")
+
+
+@pytest.mark.parametrize("failure", ["sigkill", "hang"])
+def test_failed_worker_is_restarted_and_the_run_matches(reference, dataset, tmp_path, failure):
+    ref_run, _ = reference
+    run = tmp_path / "run"
+    options = ["--max-restarts", "2", "--hang-timeout", "10"]
+    proc = subprocess.Popen(
+        _launch_cmd(_train_args(dataset, run), *options),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+    )
+    pid = _wait_for_step(run, 1, 5, proc)
+    os.kill(pid, signal.SIGKILL if failure == "sigkill" else signal.SIGSTOP)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    expected = "process 1 killed by SIGKILL" if failure == "sigkill" else "hung (no progress for > 10s)"
+    assert expected in out and "attempt 2: ok" in out
+    assert "resumed from" in out
+    # losses of every step (the resumed attempt's, where steps ran twice) and final parameters
+    assert _losses(run) == _losses(ref_run)
+    step, params = _final_state(run)
+    ref_step, ref_params = _final_state(ref_run)
+    assert step == ref_step == STEPS
+    for k in ref_params:
+        np.testing.assert_array_equal(params[k], ref_params[k], err_msg=k)
+
+
+def test_restarts_run_out_with_a_summary(dataset, tmp_path):
+    run = tmp_path / "run"
+    # a learning rate that blows up: every attempt stops with a non-finite loss
+    args = [*_train_args(dataset, run), "--set", "optim.lr=1e9", "--set", "optim.clip_norm=1e9"]
+    r = subprocess.run(
+        _launch_cmd(args, "--max-restarts", "1"), capture_output=True, text=True, env=_env(), timeout=600
+    )
+    assert r.returncode == 1
+    assert "attempt 1: process" in r.stdout and "attempt 2: process" in r.stdout
+    assert "summary (2 attempts, --max-restarts 1)" in r.stdout
+
+
+def test_coordinator_unreachable_is_a_clear_error(dataset, tmp_path):
+    args = _train_args(dataset, tmp_path / "run")
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshlm",
+        *args,
+        "--devices",
+        "4",
+        "--coordinator",
+        f"127.0.0.1:{free_port()}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "1",
+        "--init-timeout",
+        "5",
+    ]
+    t = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "could not reach the coordinator 127.0.0.1:" in r.stderr and "within 5s" in r.stderr
+    assert time.time() - t < 60
+
+
+def _start(args, devices, port, n, i, timeout=5):
+    cmd = [sys.executable, "-m", "meshlm", *args, "--devices", str(devices), "--coordinator", f"127.0.0.1:{port}"]
+    cmd += ["--num-processes", str(n), "--process-id", str(i), "--init-timeout", str(timeout)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def test_missing_or_disagreeing_processes_are_a_clear_error(dataset, tmp_path):
+    args = _train_args(dataset, tmp_path / "run")
+    t = time.time()
+    alone = _start(args, 4, free_port(), 2, 0)  # process 1 never comes
+    _, err = alone.communicate(timeout=120)
+    assert alone.returncode == 2 and "only 1 of 2 processes joined within 5s (missing process ids: 1)" in err
+    port = free_port()
+    p0, p1 = _start(args, 4, port, 2, 0), _start(args, 4, port, 3, 1)  # they disagree on the count
+    errs = [p.communicate(timeout=120)[1] for p in (p0, p1)]
+    assert p0.returncode == p1.returncode == 2
+    assert all("process 1 was started with --num-processes 3, process 0 with 2" in e for e in errs), errs
+    assert time.time() - t < 90
+
+
+def test_process_count_that_does_not_match_the_mesh(dataset, tmp_path):
+    # caught by the launcher before anything starts
+    args = _train_args(dataset, tmp_path / "run", mesh="data=8")
+    r = subprocess.run(
+        [sys.executable, "-m", "meshlm", "launch", "--processes", "2", "--devices-per-process", "2", "--", *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--processes 2 x --devices-per-process 2 = 4" in r.stderr
+    # and by every process when started by hand: both exit within seconds, no hang
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "meshlm",
+                *args,
+                "--devices",
+                "2",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--init-timeout",
+                "30",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        for i in range(2)
+    ]
+    t = time.time()
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2, err[-2000:]
+        assert "needs 8 devices but 2 processes x 2 devices = 4 devices" in err
+    assert time.time() - t < 60

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -276,3 +277,27 @@ def test_process_count_that_does_not_match_the_mesh(dataset, tmp_path):
         assert p.returncode == 2, err[-2000:]
         assert "needs 8 devices but 2 processes x 2 devices = 4 devices" in err
     assert time.time() - t < 60
+
+
+def test_ray_backend_places_processes_on_a_local_cluster(reference, dataset, tmp_path):
+    """`meshlm launch --ray`: a local Ray cluster started here (the optional `ray` extra)."""
+    pytest.importorskip("ray")
+    ray_bin = Path(sys.executable).parent / "ray"
+    port = free_port()
+    env = _env() | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}  # a private test cluster
+    head = [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"]
+    subprocess.run(head, check=True, capture_output=True, env=env, timeout=180)
+    try:
+        run = tmp_path / "run"
+        r = subprocess.run(
+            [*_launch_cmd(_train_args(dataset, run), "--ray", f"127.0.0.1:{port}")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        assert "processes on Ray" in r.stdout and "attempt 1: ok" in r.stdout
+        assert _losses(run) == _losses(reference[0])
+    finally:
+        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, env=env, timeout=120)

@@ -1,0 +1,170 @@
+"""`meshlm launch --ray ADDRESS`: the same supervision as `meshlm launch`, with the processes placed
+one per node of an existing Ray cluster (`pip install 'meshlm[ray]'`).
+
+Ray only places and watches processes: each node runs a small actor that starts `meshlm train` as
+a child process and hands back its output and exit status. The training processes still form one
+JAX distributed runtime among themselves (process 0's node hosts the coordinator), exactly as with
+the local launcher. The run directory (checkpoints, heartbeats) must be on a file system every node
+sees, as on any multi-host run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from meshlm.config import ConfigError
+from meshlm.launch import Supervisor, worker_command, worker_env
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("meshlm launch --ray needs Ray: pip install 'meshlm[ray]'") from None
+    return ray
+
+
+class _ProcessHost:
+    """Runs inside a Ray actor on one node: one child process, its output buffered for the driver."""
+
+    def __init__(self):
+        self.proc = None
+        self.lines: list[str] = []
+        self.lock = threading.Lock()
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        from meshlm.launch import free_port
+
+        return free_port()
+
+    def start(self, args: list[str], extra_env: dict[str, str], cwd: str) -> int:
+        cmd = [sys.executable, *args]  # this node's interpreter and environment
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | extra_env
+        self.proc = subprocess.Popen(
+            cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        return self.proc.pid
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self.lock:
+                self.lines.append(line.rstrip("\n"))
+
+    def poll(self) -> tuple[int | None, list[str]]:
+        rc = self.proc.poll()
+        with self.lock:
+            lines, self.lines = self.lines, []
+        return rc, lines
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+
+@dataclass
+class RayWorker:
+    """The driver's handle on one remote process (the interface of `launch.LocalWorker`)."""
+
+    actor: object
+    on_line: object
+    rc: int | None = None
+
+    def poll(self) -> int | None:
+        if self.rc is None:
+            ray = _ray()
+            try:
+                self.rc, lines = ray.get(self.actor.poll.remote(), timeout=60)
+            except Exception as e:  # the node or the actor died
+                self.on_line(f"[launch] lost the process's Ray actor: {type(e).__name__}")
+                self.rc = -int(signal.SIGKILL)
+                return self.rc
+            for line in lines:
+                self.on_line(line)
+        return self.rc
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(Exception):
+            _ray().get(self.actor.signal.remote(sig), timeout=30)
+
+    def wait(self, timeout: float) -> int | None:
+        deadline = time.time() + timeout
+        while self.poll() is None:
+            if time.time() >= deadline:
+                return None
+            time.sleep(0.2)
+        return self.rc
+
+
+class RaySupervisor(Supervisor):
+    def __init__(self, *args, address: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.address = address
+        self.actors: list = []
+
+    def run(self) -> int:
+        ray = _ray()
+        try:
+            ray.init(address=self.address, log_to_driver=False)
+        except Exception as e:
+            raise ConfigError(f"cannot connect to the Ray cluster at {self.address}: {e}") from None
+        try:
+            return super().run()
+        finally:
+            self._release()
+            ray.shutdown()
+
+    def _release(self) -> None:
+        ray = _ray()
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+        self.actors = []
+        if getattr(self, "group", None) is not None:
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(self.group)
+            self.group = None
+
+    def _start(self, attempt) -> list:
+        ray = _ray()
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._release()
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        strategy = "STRICT_SPREAD" if len(nodes) >= self.processes else "SPREAD"
+        self.group = ray.util.placement_group([{"CPU": 1}] * self.processes, strategy=strategy)
+        if not self.group.wait(timeout_seconds=self.startup_timeout):
+            raise ConfigError(f"the Ray cluster at {self.address} cannot place {self.processes} processes")
+        host_cls = ray.remote(num_cpus=1, max_concurrency=4)(_ProcessHost)
+        self.actors = [
+            host_cls.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i)
+            ).remote()
+            for i in range(self.processes)
+        ]
+        ips = ray.get([a.node_ip.remote() for a in self.actors])
+        coordinator = f"{ips[0]}:{ray.get(self.actors[0].free_port.remote())}"
+        beats = self._heartbeats()
+        for b in beats:
+            b.unlink(missing_ok=True)
+        where = f"{self.processes} processes on Ray ({len(set(ips))} nodes, {strategy})"
+        self.say(f"[launch] attempt {attempt.number}: {where}, coordinator {coordinator}")
+        workers = []
+        for i, actor in enumerate(self.actors):
+            cmd = worker_command(self.train_args, self.devices_per_process, coordinator, self.processes, i)
+            extra = {k: v for k, v in worker_env(beats[i]).items() if k.startswith("MESHLM_") or k.startswith("PYTHON")}
+            ray.get(actor.start.remote(cmd[1:], extra, os.getcwd()))
+            workers.append(RayWorker(actor, lambda line, i=i: self.say(f"[{i}] {line}")))
+        return workers

@@ -301,3 +301,24 @@ def test_ray_backend_places_processes_on_a_local_cluster(reference, dataset, tmp
         assert _losses(run) == _losses(reference[0])
     finally:
         subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+
+def test_preempted_group_checkpoints_and_resumes_exactly(reference, dataset, tmp_path):
+    """SIGTERM to the launcher: every process stops after the same step and saves; a new launch
+    resumes from there and ends exactly where the uninterrupted run did."""
+    run = tmp_path / "run"
+    cmd = _launch_cmd(_train_args(dataset, run))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    _wait_for_step(run, 0, 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
+    saved = int(out.split("saved a checkpoint at step ")[1].split()[0])
+    assert saved < STEPS and (run / "checkpoints" / str(saved)).is_dir()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    assert r.returncode == 0 and f"resumed from {run / 'checkpoints'}/{saved}" in r.stdout, r.stdout[-3000:]
+    assert _losses(run) == _losses(reference[0])
+    (step, got), (_, want) = _final_state(run), _final_state(reference[0])
+    assert step == STEPS and got.keys() == want.keys()
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)

@@ -15,7 +15,8 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from _markdown import write_section
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -109,15 +110,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.write:
-        path = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
-        text = path.read_text()
-        tag = f"layer_recompute_dropout{args.dropout:g}"
-        start, end = f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
-        if start not in text:
-            text += f"\n{start}\n{end}\n"
-        head, _, rest = text.partition(start)
-        _, _, tail = rest.partition(end)
-        path.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+        write_section(f"layer_recompute_dropout{args.dropout:g}", table)
 
 
 if __name__ == "__main__":

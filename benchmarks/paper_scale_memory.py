@@ -11,7 +11,8 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
+
+from _markdown import write_section
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -62,18 +63,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.write:
-        path = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
-        text = path.read_text()
-        start, end = "<!-- paper_scale_memory:start -->", "<!-- paper_scale_memory:end -->"
-        if start not in text:
-            text = text.rstrip() + (
-                "\n\n## Activation memory at paper scale (22B, tensor=8), measured on CPU\n\n"
-                "The totals include the terms outside the layers (logits etc.), which Figure 7 leaves out.\n\n"
-                f"{start}\n{end}\n"
-            )
-        head, _, rest = text.partition(start)
-        _, _, tail = rest.partition(end)
-        path.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+        write_section("paper_scale_memory", table)
 
 
 if __name__ == "__main__":

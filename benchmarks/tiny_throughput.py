@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _markdown import write_section
+
 LAYOUTS = ["data=1", "data=2", "fsdp=2", "tensor=2", "data=2,tensor=2", "data=8", "data=2,fsdp=2,tensor=2"]
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,12 +72,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.write:
-        path = ROOT / "BENCHMARKS.md"
-        text = path.read_text()
-        start, end = "<!-- tiny_throughput:start -->", "<!-- tiny_throughput:end -->"
-        head, _, rest = text.partition(start)
-        _, _, tail = rest.partition(end)
-        path.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+        write_section("tiny_throughput", table)
 
 
 if __name__ == "__main__":

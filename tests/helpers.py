@@ -61,3 +61,16 @@ def run_steps(cfg: RunConfig, batches) -> tuple[list[float], dict, object]:
         state, metrics = step(state, b)
         losses.append(float(metrics["loss"]))
     return losses, jax.tree.map(np.asarray, state.params), state
+
+
+def logged_losses(run_dir) -> dict[int, float]:
+    """{step: loss} from a run's metrics.jsonl; a step logged twice (a resumed run redoing it)
+    keeps its last value."""
+    import json
+
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            out[r["step"]] = r["loss"]
+    return out

@@ -2,7 +2,6 @@
 retention, corrupt/half-written fallback, shape mismatch, init-from and preemption."""
 
 import dataclasses
-import json
 import os
 import random
 import shutil
@@ -15,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import build, random_batches, tiny_config
+from helpers import build, logged_losses, random_batches, tiny_config
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, ConfigError, DataConfig, validate
 from meshlm.parallel.mesh import make_layout
@@ -178,15 +177,6 @@ def _run_cfg(corpus_dir, cache, mesh, steps=10, document_mask=False, **ck):
     )
 
 
-def _losses(run_dir) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "loss" in r:
-            out[r["step"]] = r["loss"]
-    return out
-
-
 def _final_params(cfg, run_dir):
     ck = Checkpointer(run_dir / "checkpoints", CheckpointConfig())
     r = ck.restore_latest(_abstract(cfg))
@@ -204,7 +194,7 @@ def test_exact_resume_at_a_random_step(corpus_dir, tmp_path):
     first = train(cfg, tmp_path / "b", quiet=True, stop_after=stop)
     assert first.final_step == stop
     train(cfg, tmp_path / "b", quiet=True)
-    assert _losses(tmp_path / "a") == _losses(tmp_path / "b"), f"stopped at {stop}"
+    assert logged_losses(tmp_path / "a") == logged_losses(tmp_path / "b"), f"stopped at {stop}"
     step_a, state_a = _final_params(cfg, tmp_path / "a")
     step_b, state_b = _final_params(cfg, tmp_path / "b")
     assert step_a == step_b == cfg.train.steps and _equal(state_a, state_b), f"stopped at {stop}"
@@ -216,7 +206,7 @@ def test_resume_on_another_mesh_and_init_from(corpus_dir, tmp_path):
     train(cfg, tmp_path / "a", quiet=True, stop_after=4)
     other = _run_cfg(corpus_dir, tmp_path / "cache", dict(fsdp=2, tensor=4), steps=6)
     result = train(other, tmp_path / "a", quiet=True)
-    assert result.final_step == 6 and sorted(_losses(tmp_path / "a")) == [1, 2, 3, 4, 5, 6]
+    assert result.final_step == 6 and sorted(logged_losses(tmp_path / "a")) == [1, 2, 3, 4, 5, 6]
     # --init-from: the weights of run a at its last step, a fresh optimizer and step 0
     fresh = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=2), steps=0)
     train(fresh, tmp_path / "b", quiet=True, init_from=str(tmp_path / "a"))
@@ -239,7 +229,7 @@ def test_trainer_falls_back_past_a_corrupt_checkpoint(corpus_dir, tmp_path):
     f.write_bytes(f.read_bytes()[:10])
     result = train(cfg, tmp_path / "a", quiet=True)  # resumes from 3, redoes 4..8
     assert result.final_step == 8
-    assert _losses(tmp_path / "a") == _losses(tmp_path / "ref")
+    assert logged_losses(tmp_path / "a") == logged_losses(tmp_path / "ref")
     assert len(list((tmp_path / "a" / "checkpoints.corrupt").iterdir())) == 1
     # every checkpoint unreadable: a clear error, nothing started from scratch behind the user's back
     for s in (tmp_path / "a" / "checkpoints").iterdir():
@@ -260,14 +250,14 @@ def test_signal_saves_a_final_checkpoint_and_resume_finishes(corpus_dir, tmp_pat
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 120
-    while time.time() < deadline and len(_losses(run) if (run / "metrics.jsonl").exists() else {}) < 3:
+    while time.time() < deadline and len(logged_losses(run) if (run / "metrics.jsonl").exists() else {}) < 3:
         time.sleep(0.2)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err
     saved_step = int(err.split("saved a checkpoint at step ")[1].split()[0])
     assert 3 <= saved_step < 400 and (run / "checkpoints" / str(saved_step)).is_dir()
-    assert max(_losses(run)) == saved_step  # stopped right after the step it was on
+    assert max(logged_losses(run)) == saved_step  # stopped right after the step it was on
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert f"resumed from {run / 'checkpoints'}/{saved_step}" in r.stdout and "done: 400 steps" in r.stdout

@@ -194,7 +194,7 @@ def _prepare_cli(inputs, out, *extra):
 
 
 def test_data_prepare_mixed_inputs_is_deterministic(mixed_inputs, tmp_path, capsys):
-    args = ("--vocab-size", "300", "--shard-tokens", "20000", "--val-fraction", "0.1")
+    args = ("--vocab-size", "300", "--shard-tokens", "20000", "--val-fraction", "0.1", "--workers", "2")
     assert _prepare_cli(mixed_inputs, tmp_path / "a", *args) == 0
     assert _prepare_cli(mixed_inputs, tmp_path / "b", *args) == 0
     files = sorted(p.name for p in (tmp_path / "a").iterdir())
@@ -326,3 +326,13 @@ def test_document_segments():
     out = document_segments(inputs, eot)
     np.testing.assert_array_equal(out["segment_ids"], [[0, 0, 0, 1, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1, 1, 1]])
     np.testing.assert_array_equal(out["positions"], [[0, 1, 2, 0, 1, 2, 3, 0, 0], [0, 0, 1, 2, 3, 4, 5, 6, 7]])
+
+
+def test_progress_bar_and_single_document(tmp_path, capsys):
+    from meshlm.data.prepare import write_dataset
+
+    text = " ".join(WORDS * 40)
+    data = write_dataset(lambda: iter([text]), tmp_path / "one", vocab_size=300, progress=True, total_bytes=len(text))
+    assert "tokenizing" in capsys.readouterr().out
+    # one document: its tail is held out, so both splits exist
+    assert data.meta["documents"] == {"train": 1, "val": 1} and data.meta["val_tokens"] > 0

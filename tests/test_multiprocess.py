@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import logged_losses
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, from_dict
 from meshlm.data.prepare import write_dataset
@@ -72,15 +73,6 @@ def _launch_cmd(train_args, *options):
     ]
 
 
-def _losses(run_dir) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "loss" in r:
-            out[r["step"]] = r["loss"]
-    return out
-
-
 def _final_state(run_dir):
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
     layout = make_layout(cfg.parallel)
@@ -121,7 +113,7 @@ def test_two_processes_equal_one_process(reference, dataset, tmp_path):
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    two, one = _losses(run), _losses(single)
+    two, one = logged_losses(run), logged_losses(single)
     assert sorted(two) == list(range(1, STEPS + 1)) == sorted(one)
     # the same program on the same mesh; only the order of gloo's floating-point sums differs
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5)
@@ -132,6 +124,14 @@ def test_two_processes_equal_one_process(reference, dataset, tmp_path):
         np.testing.assert_allclose(params2[k], params1[k], rtol=1e-4, atol=1e-6, err_msg=k)
     info = json.loads((run / "run.json").read_text())
     assert info["processes"] == 2 and len(info["devices"]) == 8
+    # only process 0 writes metrics (one record per step); each process writes its own shards
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in records if "loss" in r]) == STEPS
+    for item in ("params", "opt_state"):
+        assert sorted(p.name for p in (run / "checkpoints" / str(STEPS) / item).glob("ocdbt.process_*")) == [
+            "ocdbt.process_0",
+            "ocdbt.process_1",
+        ]
 
 
 def _wait_for_step(run, process: int, step: int, proc, timeout=300) -> int:
@@ -168,7 +168,7 @@ def test_failed_worker_is_restarted_and_the_run_matches(reference, dataset, tmp_
     assert expected in out and "attempt 2: ok" in out
     assert "resumed from" in out
     # losses of every step (the resumed attempt's, where steps ran twice) and final parameters
-    assert _losses(run) == _losses(ref_run)
+    assert logged_losses(run) == logged_losses(ref_run)
     step, params = _final_state(run)
     ref_step, ref_params = _final_state(ref_run)
     assert step == ref_step == STEPS
@@ -298,7 +298,7 @@ def test_ray_backend_places_processes_on_a_local_cluster(reference, dataset, tmp
         )
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
         assert "processes on Ray" in r.stdout and "attempt 1: ok" in r.stdout
-        assert _losses(run) == _losses(reference[0])
+        assert logged_losses(run) == logged_losses(reference[0])
     finally:
         subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, env=env, timeout=120)
 
@@ -317,7 +317,7 @@ def test_preempted_group_checkpoints_and_resumes_exactly(reference, dataset, tmp
     assert saved < STEPS and (run / "checkpoints" / str(saved)).is_dir()
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert r.returncode == 0 and f"resumed from {run / 'checkpoints'}/{saved}" in r.stdout, r.stdout[-3000:]
-    assert _losses(run) == _losses(reference[0])
+    assert logged_losses(run) == logged_losses(reference[0])
     (step, got), (_, want) = _final_state(run), _final_state(reference[0])
     assert step == STEPS and got.keys() == want.keys()
     for k, v in want.items():

@@ -104,7 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run N processes of one train command, supervise and restart them (meshlm launch ... -- train ...)",
     )
     launch.add_argument("--processes", type=int, default=2, help="processes to start")
-    launch.add_argument("--devices-per-process", type=int, default=1, help="simulated CPU devices per process")
+    launch.add_argument(
+        "--devices-per-process",
+        type=int,
+        help="simulated CPU devices per process (omit to use each process's own accelerators)",
+    )
     launch.add_argument("--max-restarts", type=int, default=3, help="restarts of the whole group before giving up")
     launch.add_argument("--hang-timeout", type=float, default=600, help="seconds without progress = hung")
     launch.add_argument("--startup-timeout", type=float, default=900, help="seconds allowed before the first step")

@@ -38,14 +38,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_command(train_args: list[str], devices: int, coordinator: str, n: int, i: int) -> list[str]:
+def worker_command(train_args: list[str], devices: int | None, coordinator: str, n: int, i: int) -> list[str]:
+    """`meshlm train` for process i; `devices` simulated CPU devices (None: the real ones)."""
+    simulated = ["--devices", str(devices)] if devices else []
     return [
         sys.executable,
         "-m",
         "meshlm",
         *train_args,
-        "--devices",
-        str(devices),
+        *simulated,
         "--coordinator",
         coordinator,
         "--num-processes",
@@ -121,13 +122,11 @@ class Supervisor:
 
     train_args: list[str]
     processes: int
-    devices_per_process: int
+    devices_per_process: int | None
     run_dir: Path
     max_restarts: int = 3
     hang_timeout: float = 600.0
     startup_timeout: float = 900.0
-    spawn: object = None  # (cmd, env, on_line, index) -> worker; default: LocalWorker
-    coordinator_host: str = "127.0.0.1"
     attempts: list[Attempt] = field(default_factory=list)
     stop_signal: int | None = None
 
@@ -148,25 +147,18 @@ class Supervisor:
         return [d / f"process-{i}" for i in range(self.processes)]
 
     def _start(self, attempt: Attempt) -> list:
-        port = self._port()
-        coordinator = f"{self.coordinator_host}:{port}"
+        coordinator = f"127.0.0.1:{free_port()}"
         beats = self._heartbeats()
         for b in beats:
             b.unlink(missing_ok=True)
-        self.say(
-            f"[launch] attempt {attempt.number}: {self.processes} processes x {self.devices_per_process} devices, "
-            f"coordinator {coordinator}"
-        )
+        per = f" x {self.devices_per_process} devices" if self.devices_per_process else ""
+        self.say(f"[launch] attempt {attempt.number}: {self.processes} processes{per}, coordinator {coordinator}")
         workers = []
         for i in range(self.processes):
             cmd = worker_command(self.train_args, self.devices_per_process, coordinator, self.processes, i)
             on_line = lambda line, i=i: self.say(f"[{i}] {line}")
-            spawn = self.spawn or (lambda c, e, f, _i: LocalWorker(c, e, f))
-            workers.append(spawn(cmd, worker_env(beats[i]), on_line, i))
+            workers.append(LocalWorker(cmd, worker_env(beats[i]), on_line))
         return workers
-
-    def _port(self) -> int:
-        return free_port()
 
     def _check(self, workers: list, started: float) -> str | None:
         """None while the group is healthy and running; else why it ended ('ok' on success)."""
@@ -256,22 +248,22 @@ class Supervisor:
             self.say(f"[launch]   attempt {a.number}: {a.outcome} after {a.seconds:.0f}s")
 
 
-def plan_launch(train_args: list[str], processes: int, devices_per_process: int) -> tuple[list[str], Path]:
+def plan_launch(train_args: list[str], processes: int, devices_per_process: int | None) -> tuple[list[str], Path]:
     """Check the train command against the group size before starting anything; fix one run dir
     for every attempt. Returns (train args with --run-dir, run dir)."""
     from meshlm.cli import build_parser, resolve_config
 
     if not train_args or train_args[0] != "train":
         raise ConfigError("meshlm launch runs a train command: meshlm launch --processes N -- train [options]")
-    if processes < 1 or devices_per_process < 1:
+    if processes < 1 or (devices_per_process is not None and devices_per_process < 1):
         raise ConfigError("--processes and --devices-per-process must be >= 1")
     for flag in ("--coordinator", "--num-processes", "--process-id", "--devices", "--distributed"):
         if flag in train_args:
             raise ConfigError(f"meshlm launch sets {flag} itself; remove it from the train command")
     args = build_parser().parse_args(train_args)
     cfg = resolve_config(args)
-    total = processes * devices_per_process
-    if cfg.parallel.n_devices != total:
+    total = processes * (devices_per_process or 0)
+    if devices_per_process and cfg.parallel.n_devices != total:  # else each process's accelerators decide
         p = cfg.parallel
         raise ConfigError(
             f"mesh data={p.data} x fsdp={p.fsdp} x tensor={p.tensor} = {p.n_devices} devices, but --processes "

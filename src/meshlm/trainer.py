@@ -189,13 +189,13 @@ def _restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from
         had = ckpt.steps()
         restored = ckpt.restore_latest(abstract)
         if restored is not None:
-            _check_tokenizer(restored.meta, identity, f"checkpoint {ckpt.directory}/{restored.meta['step']}")
             meta = restored.meta
+            _check_tokenizer(meta, identity, f"checkpoint {ckpt.directory}/{meta['step']}")
             log.print(f"resumed from {ckpt.directory}/{meta['step']} (saved by meshlm {meta['code_version']})")
-            changes = _config_changes(restored.meta.get("config", {}), cfg)
+            changes = _config_changes(meta.get("config", {}), cfg)
             if changes:
                 log.print("  config differs from the checkpoint's: " + "; ".join(changes))
-            if restored.meta.get("data_fingerprint") != identity["data_fingerprint"]:
+            if meta.get("data_fingerprint") != identity["data_fingerprint"]:
                 log.print("  warning: the training data differs from the checkpoint's; batches will not repeat")
             return restored.state
         if had:

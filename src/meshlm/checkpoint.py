@@ -134,8 +134,7 @@ class Checkpointer:
         step = int(jax.device_get(state.step))
         if step == self.last_saved or step in self.manager.all_steps():
             return step
-        tensors = {f"params/{k}": v for k, v in describe(state.params).items()}
-        tensors |= {f"opt_state/{k}": v for k, v in describe(state.opt_state).items()}
+        tensors = describe({"params": state.params, "opt_state": state.opt_state})  # one pass, one compile
         meta = meta | {"step": step, "saved_at": time.time(), "tensors": tensors}
         self.manager.save(
             step,
@@ -196,12 +195,11 @@ class Checkpointer:
         self._check_shapes(step, meta, abstract)
         args = {k: ocp.args.StandardRestore(v) for k, v in abstract.items()}
         restored = self.manager.restore(step, args=ocp.args.Composite(**args))
-        for item in abstract:
-            got = describe(restored[item])
-            for name, d in got.items():
-                if d["checksum"] != meta["tensors"][f"{item}/{name}"]["checksum"]:
-                    raise ValueError(f"checksum mismatch in {item}/{name}")
-        return {k: restored[k] for k in abstract}, meta
+        items = {k: restored[k] for k in abstract}
+        for name, d in describe(items).items():
+            if d["checksum"] != meta["tensors"][name]["checksum"]:
+                raise ValueError(f"checksum mismatch in {name}")
+        return items, meta
 
     def restore_latest(self, abstract_state: TrainState, step: int | None = None) -> Restored | None:
         """The newest good checkpoint (or exactly `step`), restored into `abstract_state`'s

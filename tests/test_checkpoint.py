@@ -265,3 +265,12 @@ def test_signal_saves_a_final_checkpoint_and_resume_finishes(corpus_dir, tmp_pat
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert f"resumed from {run / 'checkpoints'}/{saved_step}" in r.stdout and "done: 400 steps" in r.stdout
+
+
+def test_starting_over_in_a_directory_with_checkpoints_is_refused(saved, corpus_dir, tmp_path):
+    _, directory, _, _, _ = saved
+    run = tmp_path / "run"
+    shutil.copytree(directory, run / "checkpoints")
+    fresh = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=2), resume=False)
+    with pytest.raises(ConfigError, match=r"resume=false but .* holds checkpoints \[1, 2\]"):
+        train(fresh, run, quiet=True)

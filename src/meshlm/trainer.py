@@ -203,6 +203,11 @@ def _restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from
                 f"no readable checkpoint left in {ckpt.directory} (steps {had} were moved to "
                 f"{ckpt.directory}.corrupt); to start over, use a new run dir or --set checkpoint.resume=false"
             )
+    elif ckpt.steps():  # starting over must not mix with (or silently skip saving over) another run's steps
+        raise ConfigError(
+            f"checkpoint.resume=false but {ckpt.directory} holds checkpoints {ckpt.steps()} of an earlier run; "
+            "use a new run dir or --set checkpoint.dir=..."
+        )
     state = init_state(specs, layout, tx, cfg.train.seed)
     if init_from:
         directory, step = resolve_checkpoint(init_from)

@@ -322,3 +322,27 @@ def test_preempted_group_checkpoints_and_resumes_exactly(reference, dataset, tmp
     assert step == STEPS and got.keys() == want.keys()
     for k, v in want.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def test_resume_with_another_process_count(reference, dataset, tmp_path):
+    """Stopped after step 6 as 2 processes x 4 devices, resumed as 1 process x 8: the same global
+    batches (each process read only its rows before; one reads all of them now), so the losses
+    follow the uninterrupted 2-process run."""
+    run = tmp_path / "run"
+    args = _train_args(dataset, run)
+    r = subprocess.run(
+        _launch_cmd([*args, "--stop-after", "6"]), capture_output=True, text=True, env=_env(), timeout=600
+    )
+    assert r.returncode == 0 and "stopped (checkpointed" in r.stdout, r.stdout[-3000:]
+    r = subprocess.run(
+        [sys.executable, "-m", "meshlm", *args, "--devices", "8"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr[-3000:]
+    got, want = logged_losses(run), logged_losses(reference[0])
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]  # the same processes: exact
+    np.testing.assert_allclose([got[s] for s in range(7, STEPS + 1)], [want[s] for s in range(7, STEPS + 1)], rtol=1e-5)

@@ -231,7 +231,7 @@ def write_dataset(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
-        with _progress(progress, total_bytes) as advance:
+        with _Progress(progress, total_bytes) as advance:
             for batch in _batches(_split(docs(), period)):
                 encoded = tok.encode_batch([text for _, text in batch], add_special_tokens=False)
                 for (split, _), e in zip(batch, encoded, strict=True):
@@ -270,7 +270,7 @@ def write_dataset(
     return load(out)
 
 
-class _progress:
+class _Progress:
     """A rich progress bar over input bytes (or nothing)."""
 
     def __init__(self, enabled: bool, total: int):

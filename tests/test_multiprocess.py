@@ -346,3 +346,26 @@ def test_resume_with_another_process_count(reference, dataset, tmp_path):
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]  # the same processes: exact
     np.testing.assert_allclose([got[s] for s in range(7, STEPS + 1)], [want[s] for s in range(7, STEPS + 1)], rtol=1e-5)
+
+
+def test_corrupt_shard_of_one_process_falls_back_after_restart(reference, dataset, tmp_path):
+    """Step 6 damaged in the files process 1 wrote: the processes that cannot read it move it aside
+    and exit, the launcher restarts the group, and the run resumes from step 3 and ends exactly
+    where the uninterrupted run did; the damaged step is kept aside."""
+    run = tmp_path / "run"
+    args = _train_args(dataset, run)
+    r = subprocess.run(
+        _launch_cmd([*args, "--stop-after", "6"]), capture_output=True, text=True, env=_env(), timeout=600
+    )
+    assert r.returncode == 0, r.stdout[-3000:]
+    files = [p for p in (run / "checkpoints" / "6" / "params" / "ocdbt.process_1").rglob("*") if p.is_file()]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    r = subprocess.run(
+        _launch_cmd(args, "--max-restarts", "2"), capture_output=True, text=True, env=_env(), timeout=600
+    )
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "is unusable" in r.stdout and "attempt 2: ok" in r.stdout
+    assert f"resumed from {run / 'checkpoints'}/3" in r.stdout
+    assert [p.name.split("-")[0] for p in (run / "checkpoints.corrupt").iterdir()] == ["6"]
+    assert logged_losses(run) == logged_losses(reference[0])

@@ -19,7 +19,7 @@ aside (`<dir>.corrupt/`, never deleted) and the previous good step is used inste
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +37,12 @@ ITEMS = ("params", "opt_state", "meta")
 
 
 class CheckpointError(RuntimeError):
-    """No usable checkpoint where one was asked for (e.g. `--init-from` a path with none)."""
+    """No usable checkpoint where one was asked for (e.g. `--init-from` a path with none), or, in
+    a multi-process run, a step this process alone could not read (moved aside; restart the group)."""
+
+
+class ChecksumMismatch(ValueError):
+    """Restored bits differ from the saved checksums (seen alike by every process)."""
 
 
 def flatten(tree: Any) -> dict[str, Any]:
@@ -169,9 +174,10 @@ class Checkpointer:
         src = self.directory / str(step)
         dst = self.directory.with_name(self.directory.name + ".corrupt") / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.log(f"checkpoint {src} is unusable ({reason}); moved to {dst}, falling back to the previous one")
-        if jax.process_index() == 0 and src.exists():
+        if src.exists():
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(src), str(dst))
+            with contextlib.suppress(FileNotFoundError):  # another process moved it first
+                src.rename(dst)
         self.manager.reload()
 
     def _check_shapes(self, step: int, meta: dict, abstract: dict[str, Any]) -> None:
@@ -198,7 +204,7 @@ class Checkpointer:
         items = {k: restored[k] for k in abstract}
         for name, d in describe(items).items():
             if d["checksum"] != meta["tensors"][name]["checksum"]:
-                raise ValueError(f"checksum mismatch in {name}")
+                raise ChecksumMismatch(f"checksum mismatch in {name}")
         return items, meta
 
     def restore_latest(self, abstract_state: TrainState, step: int | None = None) -> Restored | None:
@@ -213,6 +219,14 @@ class Checkpointer:
                 raise
             except Exception as e:  # unreadable files, bad JSON, checksum mismatch
                 self._quarantine(s, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+                if jax.process_count() > 1 and not isinstance(e, ChecksumMismatch):
+                    # Files only some processes may fail to read: the others are already past this
+                    # step, so falling back here alone would desynchronise the group. Stop; a restart
+                    # (meshlm launch does it) finds the step gone and every process takes the previous one.
+                    raise CheckpointError(
+                        f"checkpoint step {s} is unreadable on process {jax.process_index()}; "
+                        "moved aside, restart the run to resume from the previous step"
+                    ) from e
                 continue
             step_arr = jax.device_put(np.int32(meta["step"]), abstract_state.step.sharding)
             return Restored(TrainState(step_arr, items["params"], items["opt_state"]), meta)

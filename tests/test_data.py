@@ -9,9 +9,9 @@ import pytest
 
 from meshlm.config import ConfigError, DataConfig
 from meshlm.data import corpus
-from meshlm.data.loader import WindowLoader, document_segments, local_rows, process_batch, unigram_entropy
+from meshlm.data.loader import WindowLoader, document_segments, local_rows, process_batch
 from meshlm.data.prepare import load as load_prepared
-from meshlm.data.prepare import prepare
+from meshlm.data.prepare import prepare, unigram_entropy
 from meshlm.data.tokenizer import EOT, load
 
 WORDS = [
@@ -158,9 +158,13 @@ def test_loader_rejects_too_little_data():
         WindowLoader(np.arange(5, dtype=np.uint16), 8, 2, seed=0, name="validation")
 
 
-def test_unigram_entropy():
-    assert unigram_entropy(np.array([0, 1, 2, 3] * 10), 8) == pytest.approx(math.log(4))
-    assert unigram_entropy(np.zeros(7, dtype=np.int64), 8) == pytest.approx(0.0)
+def test_unigram_entropy(text_dir, tmp_path):
+    assert unigram_entropy(np.bincount([0, 1, 2, 3] * 10, minlength=8)) == pytest.approx(math.log(4))
+    assert unigram_entropy(np.array([7, 0, 0])) == pytest.approx(0.0)
+    # the index's value is the entropy of the training tokens as written
+    data = prepare(_cfg(text_dir, tmp_path), 300, log=lambda _: None)
+    counts = np.bincount(np.asarray(data.tokens("train"), dtype=np.int64), minlength=300)
+    assert data.meta["train_unigram_entropy"] == pytest.approx(unigram_entropy(counts), rel=1e-12)
 
 
 def test_index_is_json(text_dir, tmp_path):

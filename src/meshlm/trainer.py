@@ -21,7 +21,7 @@ import numpy as np
 from meshlm import __version__, accounting, hardware
 from meshlm.checkpoint import Checkpointer, resolve_checkpoint
 from meshlm.config import ConfigError, RunConfig, validate
-from meshlm.data.loader import WindowLoader, process_batch, unigram_entropy
+from meshlm.data.loader import WindowLoader, process_batch
 from meshlm.data.prepare import prepare
 from meshlm.metrics import MetricsLogger
 from meshlm.parallel.mesh import make_layout
@@ -58,8 +58,9 @@ class Heartbeat:
 
 
 def _any_process(flag: int | None) -> int | None:
-    """The largest signal number any process received (all processes must stop at the same step,
-    or the next collective would hang)."""
+    """The largest signal number any process received. All processes must stop after the same
+    step (the next collective would hang otherwise); a host all-gather waits for the step in
+    flight, so multi-process runs only agree at logging steps, where the loop syncs anyway."""
     if jax.process_count() == 1:
         return flag
     from jax.experimental import multihost_utils
@@ -263,7 +264,6 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
             (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
         return None
 
-    heartbeat = Heartbeat(os.environ.get("MESHLM_HEARTBEAT"))  # first beat after the first step
     # Process 0 prepares (or finds) the data first; the others then find it in the shared cache.
     if not first:
         _barrier("meshlm-data")
@@ -273,7 +273,7 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     eot = data.meta["eot_id"] if cfg.data.document_mask else None
     train_loader = WindowLoader(data.shards("train"), tc.seq_len, tc.global_batch, tc.seed, "train", eot)
     val_loader = WindowLoader(data.shards("val"), tc.seq_len, tc.global_batch, tc.seed + 1, "validation", eot)
-    entropy = unigram_entropy(data.shards("train"), cfg.model.vocab_size)
+    entropy = data.meta["train_unigram_entropy"]  # counted once, when the data was prepared
     run_info |= {"data": {k: v for k, v in data.meta.items() if k != "splits"}, "unigram_entropy": entropy}
     if first:
         (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
@@ -293,7 +293,6 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         if start:
             log.resume_at(start)
         loop = _Loop(cfg, log, step_fn, make_eval_step(cfg, layout, shardings.params), bsharding, report, peak)
-        loop.heartbeat = heartbeat
         state, result = loop.run(state, start, train_loader, val_loader, ckpt, identity, stop_after, stop)
         ckpt.save(state, identity)  # the final state (a no-op if this step was just saved)
         ckpt.wait()
@@ -319,7 +318,7 @@ class _Loop:
         self.cfg, self.log, self.step_fn, self.eval_fn, self.bsharding = cfg, log, step_fn, eval_fn, bsharding
         self.model_flops, self.hw_flops = report["model_flops_per_step"], report["hardware_flops_per_step"]
         self.peak = peak
-        self.heartbeat = Heartbeat(None)
+        self.heartbeat = Heartbeat(os.environ.get("MESHLM_HEARTBEAT"))  # first beat after the first step
         self.stopped_by: int | None = None
 
     def run(self, state, start, train_loader, val_loader, ckpt, identity, stop_after, stop):
@@ -336,7 +335,8 @@ class _Loop:
             if step == start:  # warm-up: throughput is measured from the end of the first step
                 jax.block_until_ready(metrics)
                 t_last, step_last = time.time(), step + 1
-            if (step + 1) % tc.log_every == 0 or last:
+            logged = (step + 1) % tc.log_every == 0 or last
+            if logged:
                 m = jax.device_get(metrics)
                 loss = float(m["loss"])
                 if not m["finite"] or int(state.step) != step + 1:
@@ -365,7 +365,8 @@ class _Loop:
                 ckpt.save(state, identity)  # returns once the arrays are off the devices
                 t_last = time.time()
             self.heartbeat.beat(step + 1, force=step == start)
-            self.stopped_by = _any_process(stop.signum)
+            if jax.process_count() == 1 or logged:
+                self.stopped_by = _any_process(stop.signum)
             if self.stopped_by is not None:
                 self.log.print(f"{signal.Signals(self.stopped_by).name} at step {step + 1}: saving a checkpoint")
                 break

@@ -108,13 +108,3 @@ def process_batch(loader: WindowLoader, step: int, sharding: jax.sharding.Shardi
         return v[lo:hi][:, idx[1]]
 
     return {k: jax.make_array_from_callback(shape, sharding, lambda idx, v=v: piece(v, idx)) for k, v in local.items()}
-
-
-def unigram_entropy(tokens: np.ndarray | list[np.ndarray], vocab_size: int) -> float:
-    """Entropy (nats) of the token unigram distribution: the loss of the best context-free model."""
-    counts = np.zeros(vocab_size, dtype=np.float64)
-    for shard in [tokens] if isinstance(tokens, np.ndarray) else tokens:
-        for i in range(0, len(shard), 1 << 24):
-            counts += np.bincount(np.asarray(shard[i : i + (1 << 24)], dtype=np.int64), minlength=vocab_size)
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())

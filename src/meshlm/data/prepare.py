@@ -109,6 +109,13 @@ class PreparedData:
                     raise DataError(f"data shard {self.root / shard['file']} has token id {top} >= {vocab_size}")
 
 
+def unigram_entropy(counts: np.ndarray) -> float:
+    """Entropy (nats) of a token unigram distribution given its counts: the loss of the best
+    context-free model, the yardstick a trained model's loss is compared with."""
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
 def load(root: str | Path) -> PreparedData:
     root = Path(root).expanduser()
     try:
@@ -231,11 +238,18 @@ def write_dataset(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
+        counts = np.zeros(n_vocab, dtype=np.int64)  # training-token unigram counts, for the entropy
         with _Progress(progress, total_bytes) as advance:
             for batch in _batches(_split(docs(), period)):
                 encoded = tok.encode_batch([text for _, text in batch], add_special_tokens=False)
+                train_ids = []
                 for (split, _), e in zip(batch, encoded, strict=True):
-                    writers[split].write(np.asarray([*e.ids, eot], dtype=dtype))
+                    ids = np.asarray([*e.ids, eot], dtype=dtype)
+                    writers[split].write(ids)
+                    if split == "train":
+                        train_ids.append(ids)
+                if train_ids:
+                    counts += np.bincount(np.concatenate(train_ids), minlength=n_vocab)
                 advance(sum(len(text.encode("utf-8")) for _, text in batch))
         splits = {s: w.close() for s, w in writers.items()}
         if not sum(sh["tokens"] for sh in splits["train"]):
@@ -251,6 +265,7 @@ def write_dataset(
             "documents": {s: writers[s].documents for s in SPLITS},
             "train_tokens": sum(sh["tokens"] for sh in splits["train"]),
             "val_tokens": sum(sh["tokens"] for sh in splits["val"]),
+            "train_unigram_entropy": unigram_entropy(counts),
             "source_fingerprint": source_fingerprint,
             "splits": splits,
         }

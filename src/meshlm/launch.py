@@ -27,9 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshlm.cli import EXIT_CONFIG
 from meshlm.config import ConfigError
-
-EXIT_CONFIG = 2
 
 
 def free_port() -> int:
@@ -56,9 +55,13 @@ def worker_command(train_args: list[str], devices: int | None, coordinator: str,
     ]
 
 
-def worker_env(heartbeat: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # --devices sets the device count
-    return env | {"MESHLM_HEARTBEAT": str(heartbeat), "PYTHONUNBUFFERED": "1"}
+def worker_vars(heartbeat: Path) -> dict[str, str]:
+    """What a worker's environment adds to its host's (minus XLA_FLAGS: --devices sets the count)."""
+    return {"MESHLM_HEARTBEAT": str(heartbeat), "PYTHONUNBUFFERED": "1"}
+
+
+def host_env(extra: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | extra
 
 
 class LocalWorker:
@@ -157,7 +160,7 @@ class Supervisor:
         for i in range(self.processes):
             cmd = worker_command(self.train_args, self.devices_per_process, coordinator, self.processes, i)
             on_line = lambda line, i=i: self.say(f"[{i}] {line}")
-            workers.append(LocalWorker(cmd, worker_env(beats[i]), on_line))
+            workers.append(LocalWorker(cmd, host_env(worker_vars(beats[i])), on_line))
         return workers
 
     def _check(self, workers: list, started: float) -> str | None:

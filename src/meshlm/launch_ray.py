@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from meshlm.config import ConfigError
-from meshlm.launch import Supervisor, worker_command, worker_env
+from meshlm.launch import Supervisor, host_env, worker_command, worker_vars
 
 
 def _ray():
@@ -51,9 +51,14 @@ class _ProcessHost:
 
     def start(self, args: list[str], extra_env: dict[str, str], cwd: str) -> int:
         cmd = [sys.executable, *args]  # this node's interpreter and environment
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | extra_env
         self.proc = subprocess.Popen(
-            cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            cmd,
+            env=host_env(extra_env),
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         threading.Thread(target=self._read, daemon=True).start()
         return self.proc.pid
@@ -113,6 +118,7 @@ class RaySupervisor(Supervisor):
         super().__init__(*args, **kwargs)
         self.address = address
         self.actors: list = []
+        self.group = None  # the Ray placement group of the current attempt
 
     def run(self) -> int:
         ray = _ray()
@@ -132,7 +138,7 @@ class RaySupervisor(Supervisor):
             with contextlib.suppress(Exception):
                 ray.kill(a)
         self.actors = []
-        if getattr(self, "group", None) is not None:
+        if self.group is not None:
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(self.group)
             self.group = None
@@ -164,7 +170,6 @@ class RaySupervisor(Supervisor):
         workers = []
         for i, actor in enumerate(self.actors):
             cmd = worker_command(self.train_args, self.devices_per_process, coordinator, self.processes, i)
-            extra = {k: v for k, v in worker_env(beats[i]).items() if k.startswith("MESHLM_") or k.startswith("PYTHON")}
-            ray.get(actor.start.remote(cmd[1:], extra, os.getcwd()))
+            ray.get(actor.start.remote(cmd[1:], worker_vars(beats[i]), os.getcwd()))
             workers.append(RayWorker(actor, lambda line, i=i: self.say(f"[{i}] {line}")))
         return workers

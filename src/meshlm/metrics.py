@@ -30,7 +30,6 @@ class MetricsLogger:
         self,
         run_dir: Path,
         total_steps: int,
-        start_step: int = 0,
         write: bool = True,
         show: bool = True,
         peak_label: str = "",
@@ -52,7 +51,7 @@ class MetricsLogger:
                 console=self.console,
                 transient=False,
             )
-            self.task = self.progress.add_task("starting", total=total_steps, completed=start_step)
+            self.task = self.progress.add_task("starting", total=total_steps)
             self.progress.start()
         self.t0 = time.time()
 

@@ -110,10 +110,12 @@ def iter_documents(files: list[Path], field: str = "text", max_bytes: int = 0) -
         else:
             docs = iter([f.read_bytes().decode("utf-8", errors="replace")])
         for text in docs:
-            if max_bytes:
-                text = text.encode("utf-8")[: max(0, max_bytes - total)].decode("utf-8", errors="ignore")
+            raw = text.encode("utf-8")
+            if max_bytes and len(raw) > max_bytes - total:  # cut at the cap, never inside a character
+                raw = raw[: max(0, max_bytes - total)]
+                text = raw.decode("utf-8", errors="ignore")
             if text.strip():
                 yield text
-                total += len(text.encode("utf-8"))
+                total += len(raw)
             if max_bytes and total >= max_bytes:
                 return

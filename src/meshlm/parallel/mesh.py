@@ -102,10 +102,11 @@ def _serve_rendezvous(group: ProcessGroup, port: int, deadline: float) -> None:
         server = socket.create_server(("", port), reuse_port=hasattr(socket, "SO_REUSEPORT"))
     except OSError as e:
         raise ConfigError(f"process 0 cannot listen on coordinator port {port}: {e}") from None
-    peers: dict[int, socket.socket] = {}
+    conns: list[socket.socket] = []  # every process that said hello gets the verdict
+    joined: set[int] = set()
     error = None
     with server:
-        while len(peers) < group.num_processes - 1 and error is None:
+        while len(joined) < group.num_processes - 1 and error is None:
             server.settimeout(max(0.05, deadline - time.time()))
             try:
                 conn, _ = server.accept()
@@ -114,19 +115,22 @@ def _serve_rendezvous(group: ProcessGroup, port: int, deadline: float) -> None:
                 if time.time() >= deadline:
                     break
                 continue
+            conns.append(conn)
             n, i = hello.get("n"), hello.get("i")
             if n != group.num_processes:
                 error = f"process {i} was started with --num-processes {n}, process 0 with {group.num_processes}"
-            elif not isinstance(i, int) or not 0 < i < group.num_processes or i in peers:
+            elif not isinstance(i, int) or not 0 < i < group.num_processes:
+                error = f"a process gave --process-id {i}, outside 1..{group.num_processes - 1}"
+            elif i in joined:
                 error = f"a second process claims --process-id {i}"
-            peers[i if i not in peers else -len(peers) - 1] = conn
-        missing = sorted(set(range(1, group.num_processes)) - set(peers))
+            joined.add(i)
+        missing = sorted(set(range(1, group.num_processes)) - joined)
         if error is None and missing:
             error = (
-                f"only {len(peers) + 1} of {group.num_processes} processes joined within {group.timeout_s}s "
+                f"only {len(joined) + 1} of {group.num_processes} processes joined within {group.timeout_s}s "
                 f"(missing process ids: {', '.join(map(str, missing[:10]))})"
             )
-        for conn in peers.values():
+        for conn in conns:
             with conn, contextlib.suppress(OSError):
                 conn.sendall(("OK" if error is None else f"ERR {error}").encode() + b"\n")
     if error is not None:

@@ -17,6 +17,7 @@ from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, from_dict
 from meshlm.data.prepare import write_dataset
 from meshlm.launch import free_port
+from meshlm.model.params import named_leaves
 from meshlm.parallel.mesh import make_layout
 from meshlm.train_state import abstract_state, setup
 
@@ -78,17 +79,7 @@ def _final_state(run_dir):
     layout = make_layout(cfg.parallel)
     specs, tx, _ = setup(cfg, layout)
     r = Checkpointer(run_dir / "checkpoints", CheckpointConfig()).restore_latest(abstract_state(specs, layout, tx))
-    return int(r.state.step), {k: np.asarray(v) for k, v in _flat(r.state.params).items()}
-
-
-def _flat(tree, prefix=""):
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out |= _flat(v, f"{prefix}{k}/")
-        else:
-            out[prefix + k] = v
-    return out
+    return int(r.state.step), {k: np.asarray(v) for k, v in named_leaves(r.state.params).items()}
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import MESHES, build, random_batches, run_steps, tiny_config
+from meshlm.model.params import named_leaves
 from meshlm.train_state import TrainState
 
 
@@ -89,16 +90,12 @@ GOLDEN = {
 }
 
 
-def _flat(tree) -> dict[str, object]:
-    return {"/".join(str(k.key) for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-
-
 @pytest.mark.parametrize("mesh", list(GOLDEN))
 def test_param_and_optimizer_shardings_match_golden(mesh, devices):
     cfg = tiny_config("gpt", MESHES[mesh])
     _, _, _, _, state = build(cfg)
     assert isinstance(state, TrainState)
-    params = _flat(state.params)
+    params = named_leaves(state.params)
     for name, arr in params.items():
         want = GOLDEN[mesh].get(name, P())
         assert arr.sharding.spec == want, f"{mesh}: {name} is {arr.sharding.spec}, want {want}"
@@ -108,7 +105,7 @@ def test_param_and_optimizer_shardings_match_golden(mesh, devices):
     # AdamW moments mirror the parameters leaf for leaf (ZeRO: sharded exactly like them).
     adam = state.opt_state[1][0]
     for moment in (adam.mu, adam.nu):
-        for name, arr in _flat(moment).items():
+        for name, arr in named_leaves(moment).items():
             assert arr.sharding.spec == params[name].sharding.spec, f"{mesh}: optimizer {name}"
             # and really split: each device holds 1/(product of the spec's mesh axes) of the leaf
             assert arr.addressable_shards[0].data.size * _split_factor(arr) == arr.size

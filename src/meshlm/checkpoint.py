@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from meshlm.config import CheckpointConfig, ConfigError
+from meshlm.model.params import named_leaves
 from meshlm.train_state import TrainState
 
 ITEMS = ("params", "opt_state", "meta")
@@ -43,18 +44,6 @@ class CheckpointError(RuntimeError):
 
 class ChecksumMismatch(ValueError):
     """Restored bits differ from the saved checksums (seen alike by every process)."""
-
-
-def flatten(tree: Any) -> dict[str, Any]:
-    """{'layers/wq': leaf, ...}: stable, human-readable tensor names for messages and metadata."""
-
-    def name(path) -> str:
-        parts = []
-        for k in path:
-            parts.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
-        return "/".join(parts)
-
-    return {name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
@@ -71,16 +60,16 @@ def _checksums(tree: Any) -> Any:
 
 def describe(tree: Any) -> dict[str, dict]:
     """Shape, dtype and bit checksum of every tensor of a pytree of (global) arrays."""
-    sums = flatten(jax.device_get(_checksums(tree)))
+    sums = named_leaves(jax.device_get(_checksums(tree)))
     return {
         name: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": [int(v) for v in sums[name]]}
-        for name, x in flatten(tree).items()
+        for name, x in named_leaves(tree).items()
     }
 
 
 def shape_mismatches(saved: dict[str, dict], abstract: Any) -> list[str]:
     """Human-readable differences between saved tensor metadata and the shapes a config expects."""
-    want = {n: (list(x.shape), str(x.dtype)) for n, x in flatten(abstract).items()}
+    want = {n: (list(x.shape), str(x.dtype)) for n, x in named_leaves(abstract).items()}
     have = {n: (d["shape"], d["dtype"]) for n, d in saved.items()}
     out = []
     for n, (shape, dtype) in want.items():

@@ -16,6 +16,7 @@ import jax
 from meshlm import accounting
 from meshlm.config import RunConfig
 from meshlm.memory import device_bytes
+from meshlm.model.params import named_leaves
 from meshlm.parallel.rules import Layout
 from meshlm.train_state import TrainState
 
@@ -31,15 +32,8 @@ def startup_report(
 ) -> dict[str, Any]:
     """A JSON-able summary; `format_report` turns it into lines."""
     params = [
-        {
-            "name": "/".join(str(k.key) for k in path),
-            "shape": list(a.shape),
-            "spec": str(s.spec),
-            "device_bytes": device_bytes(a, s),
-        }
-        for (path, a), s in zip(
-            jax.tree_util.tree_leaves_with_path(abstract.params), jax.tree.leaves(shardings.params), strict=True
-        )
+        {"name": name, "shape": list(a.shape), "spec": str(s.spec), "device_bytes": device_bytes(a, s)}
+        for (name, a), s in zip(named_leaves(abstract.params).items(), jax.tree.leaves(shardings.params), strict=True)
     ]
     param_bytes = sum(p["device_bytes"] for p in params)
     opt_bytes = _treedevice_bytes(abstract.opt_state, shardings.opt_state)

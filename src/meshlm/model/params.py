@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -135,3 +136,13 @@ def map_specs(fn: Callable[[ParamSpec], object], specs: dict) -> dict:
 
 def count_params(specs: dict) -> int:
     return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=_is_spec))
+
+
+def named_leaves(tree: Any) -> dict[str, Any]:
+    """{'layers/wq': leaf, ...} in leaf order: the one naming of tensors for reports, checkpoint
+    metadata and messages (dict keys, NamedTuple fields and tuple indices joined by '/')."""
+
+    def name(path) -> str:
+        return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+    return {name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}

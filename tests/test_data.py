@@ -340,3 +340,11 @@ def test_progress_bar_and_single_document(tmp_path, capsys):
     assert "tokenizing" in capsys.readouterr().out
     # one document: its tail is held out, so both splits exist
     assert data.meta["documents"] == {"train": 1, "val": 1} and data.meta["val_tokens"] > 0
+
+
+def test_a_dataset_of_another_format_is_a_clear_error(mixed_inputs, tmp_path):
+    assert _prepare_cli(mixed_inputs[1:2], tmp_path / "ds", "--vocab-size", "300") == 0
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    (tmp_path / "ds" / "index.json").write_text(json.dumps(index | {"format": 2}))
+    with pytest.raises(ConfigError, match=r"has dataset format 2, expected 3; prepare it again"):
+        prepare(DataConfig(paths=(str(tmp_path / "ds"),)), 320)

@@ -33,7 +33,7 @@ from meshlm.config import ConfigError, DataConfig
 from meshlm.data import corpus
 from meshlm.data import tokenizer as toks
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the index records the training tokens' unigram entropy
 INDEX = "index.json"
 SPLITS = ("train", "val")
 

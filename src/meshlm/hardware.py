@@ -53,14 +53,18 @@ def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 7) -> float:
     return 2 * n**3 / best
 
 
-def peak_flops(dtype: str) -> tuple[float, str]:
-    """(peak FLOP/s of all devices in this process, a short description of where it came from)."""
+def peak_flops(dtype: str, n_devices: int) -> tuple[float, str]:
+    """(peak FLOP/s of a run on `n_devices` devices, a short description of where it came from).
+
+    Accelerators: the datasheet figure per chip times the devices the run uses (across every
+    process). CPU: the measured matmul peak of this host, which all its simulated devices, and all
+    processes on it, share."""
     dev = jax.local_devices()[0]
     kind = dev.device_kind.lower()
     if dev.platform != "cpu":
         for name, table in PEAK_FLOPS.items():
             if name in kind:
-                return table[dtype] * jax.local_device_count(), f"{name} datasheet x{jax.local_device_count()}"
+                return table[dtype] * n_devices, f"{name} datasheet x{n_devices}"
         return 0.0, f"unknown device {dev.device_kind!r}: no peak, MFU not reported"
     key = f"{_cpu_name()}|{os.cpu_count()}|{dtype}"
     path = _cache_file()

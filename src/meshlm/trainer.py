@@ -232,9 +232,7 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     abstract = abstract_state(specs, layout, tx)
     step_fn = make_train_step(cfg, layout, tx, shardings).lower(abstract, abstract_batch(cfg, layout)).compile()
     compile_s = time.time() - t0
-    peak, peak_source = hardware.peak_flops(cfg.model.dtype)
-    if jax.process_count() > 1 and not peak_source.startswith("CPU"):
-        peak, peak_source = peak * jax.process_count(), f"{peak_source} x{jax.process_count()} processes"
+    peak, peak_source = hardware.peak_flops(cfg.model.dtype, cfg.parallel.n_devices)
     log.peak_label = "CPU probe" if peak_source.startswith("CPU") else peak_source.split(" ")[0]
     report = startup_report(cfg, layout, abstract, shardings, step_fn, peak)
     log.print(

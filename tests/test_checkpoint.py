@@ -22,10 +22,6 @@ from meshlm.step import make_train_step
 from meshlm.train_state import abstract_state, setup
 from meshlm.trainer import TrainingError, train
 
-# A restore that fails on purpose (corrupt files) leaves Orbax's read coroutines unawaited; their
-# "exception ignored" reports are expected here.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
 
 def _np(tree):
     return jax.tree.map(np.asarray, tree)

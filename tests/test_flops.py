@@ -106,3 +106,31 @@ def test_recompute_counts_what_runs():
     # and P2's printed Eq. 8 is 3x its own text's recompute: 12 B L s^2 h over Eq. 7
     eq7 = accounting.model_flops_per_step(cfg)
     assert accounting.p2_eq8_flops(B, L, s, h, 51200) - eq7 == pytest.approx(12 * B * L * s**2 * h, rel=1e-9)
+
+
+def test_peak_is_the_precision_that_runs_on_the_exact_device(monkeypatch):
+    """fp32 matmuls run as TF32 on NVIDIA GPUs and as one bf16 pass on TPUs unless JAX's default
+    precision asks for more; device kinds match exactly (an H100 PCIe is not an SXM)."""
+    from types import SimpleNamespace
+
+    from meshlm import hardware
+
+    def peak(kind, dtype, platform="gpu", precision=None):
+        fake = SimpleNamespace(platform=platform, device_kind=kind)
+        monkeypatch.setattr(jax, "local_devices", lambda: [fake])
+        with jax.default_matmul_precision(precision):
+            return hardware.peak_flops(dtype, 8)
+
+    T = 1e12
+    assert peak("NVIDIA H100 80GB HBM3", "bfloat16").flops == 8 * 989.5 * T
+    sxm = peak("NVIDIA H100 80GB HBM3", "float32")
+    assert sxm.flops == 8 * 494.5 * T and sxm.label == "h100 tf32"
+    assert peak("NVIDIA H100 80GB HBM3", "float32", precision="highest").flops == 8 * 67 * T
+    pcie = peak("NVIDIA H100 PCIe", "float32")
+    assert pcie.flops == 8 * 378 * T and pcie.label == "h100-pcie tf32"
+    assert peak("NVIDIA A100-SXM4-80GB", "float32").flops == 8 * 156 * T
+    assert peak("TPU v4", "float32", "tpu").flops == 8 * 275 * T  # one bf16 pass by default
+    assert peak("TPU v4", "float32", "tpu", precision="highest").flops == 8 * 275 * T / 6
+    unknown = peak("NVIDIA H100 SXM5 prototype", "bfloat16")
+    assert unknown.flops == 0 and "unknown device" in unknown.source
+    assert hardware.matmul_precision("float32", "cpu", "default") == "fp32"

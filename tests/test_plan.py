@@ -12,6 +12,7 @@ from meshlm import plan as planner
 from meshlm import recipes
 from meshlm.cli import main
 from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
+from meshlm.hardware import ACCELERATORS
 from meshlm.model.params import abstract_params, param_specs
 from meshlm.parallel.mesh import make_layout
 from meshlm.train_state import param_shardings
@@ -34,7 +35,7 @@ def test_paper_layouts_fit_only_with_sp_and_selective(name):
         d_model=h, n_heads=a, n_layers=L, vocab_size=51200, max_seq_len=2048, dropout=0.1, dtype="bfloat16"
     )
     base = RunConfig(model=model, parallel=ParallelConfig(tensor=t), train=TrainConfig(global_batch=b, seq_len=2048))
-    a100 = planner.DEVICES["a100"]
+    a100 = ACCELERATORS["a100"]
 
     def fits(sp: bool, policy: str) -> bool:
         cfg = dataclasses.replace(
@@ -62,14 +63,14 @@ def test_plans_are_ranked_and_rejections_explained():
     cfg = dataclasses.replace(
         recipes.get("llama-1b"), train=dataclasses.replace(recipes.get("llama-1b").train, global_batch=64)
     )
-    plans = planner.enumerate_plans(cfg, 64, planner.DEVICES["h100"])
+    plans = planner.enumerate_plans(cfg, 64, ACCELERATORS["h100"])
     feasible = [p for p in plans if not p.rejected]
     assert feasible and all(p.total_memory <= 80 * 2**30 for p in feasible)
     times = [p.step_time for p in feasible]
     assert times == sorted(times)
     reasons = {p.rejected for p in plans if p.rejected}
     assert "model.n_kv_heads=8 is not divisible by mesh axis 'tensor' (size 16)" in reasons
-    lines = planner.format_plans(plans, 5, planner.DEVICES["h100"], 80 * 2**30)
+    lines = planner.format_plans(plans, 5, ACCELERATORS["h100"], 80 * 2**30)
     assert any("n_kv_heads=8" in line for line in lines)
 
 
@@ -110,10 +111,9 @@ def test_bad_plan_requests():
     assert main(["plan", "--devices", "8", "--device-memory", "lots"]) == 2
 
 
-def test_cli_device_kinds_are_the_planners():
-    from meshlm.cli import DEVICE_KINDS
-
-    assert set(DEVICE_KINDS) == set(planner.DEVICES)
+def test_cli_and_planner_share_one_device_table(capsys):
+    assert main(["plan", "--recipe", "tiny", "--devices", "8", "--device", "h100-pcie", "--top", "1"]) == 0
+    assert "on h100-pcie (peak 756 TFLOP/s bf16" in capsys.readouterr().out
 
 
 def test_nothing_fits_in_json_too(capsys):

@@ -61,7 +61,8 @@ def _config(base: RunConfig, layout: str, policy: str) -> RunConfig:
 def run_bench(
     base: RunConfig, layouts: list[str], policies: list[str], steps: int, log=print
 ) -> tuple[list[BenchRow], float, str]:
-    peak, peak_source = hardware.peak_flops(base.model.dtype, jax.device_count())  # every layout uses all
+    run_peak = hardware.peak_flops(base.model.dtype, jax.device_count())  # every layout uses all
+    peak, peak_source = run_peak.flops, run_peak.source
     rng = np.random.default_rng(0)
     t = base.train
     tokens = rng.integers(0, base.model.vocab_size, (steps + 1, t.global_batch, t.seq_len + 1)).astype(np.int32)

@@ -1,8 +1,20 @@
-"""Peak FLOP/s of the devices a run uses: a table for accelerators, a measured probe for CPUs.
+"""The accelerators meshlm knows, in one table, and the peak FLOP/s a run is measured against.
+
+One `Accelerator` per chip model: the exact `device_kind` strings JAX reports for it, its memory,
+its dense peak per matmul precision, and its links (the planner's inputs). The CLI names
+(`meshlm plan --device h100`), the planner and MFU all read this table; a chip that is not in it
+gets no MFU rather than a guess (an H100 PCIe is not an H100 SXM).
+
+MFU must be quoted against the peak of the arithmetic that really runs, which is not always the
+parameter dtype: JAX computes float32 matmuls with TF32 tensor cores on NVIDIA GPUs and with one
+bfloat16 pass on TPUs unless `jax_default_matmul_precision` asks for more (`matmul_precision`).
 
 On CPU there is no datasheet number worth quoting, so the peak is a jitted square matmul timed on
 this machine (best of several runs), cached per (CPU, dtype). All simulated CPU devices share the
 same cores, so the probe measures the whole host and MFU is quoted against the host.
+
+JAX is imported inside the functions that need a device, so the CLI can read the table before
+it sets the simulated device count.
 """
 
 from __future__ import annotations
@@ -11,20 +23,98 @@ import json
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
+GiB = 2**30
 
-# Dense peak FLOP/s per chip, by dtype. Sources: vendor datasheets (bf16/fp16 dense, no sparsity).
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "a100": {"bfloat16": 312e12, "float32": 19.5e12},
-    "h100": {"bfloat16": 989e12, "float32": 67e12},
-    "h200": {"bfloat16": 989e12, "float32": 67e12},
-    "tpu v4": {"bfloat16": 275e12, "float32": 275e12 / 4},
-    "tpu v5p": {"bfloat16": 459e12, "float32": 459e12 / 4},
-    "tpu v5 lite": {"bfloat16": 197e12, "float32": 197e12 / 4},
+
+@dataclass(frozen=True)
+class Accelerator:
+    """Datasheet figures of one chip model. `peak` is dense (no sparsity) FLOP/s per chip by the
+    precision the matmul units run: "bf16", "tf32", "fp32" (TPUs: fp32 is emulated by 3 or 6
+    bf16 passes, see `peak_for`). Links: per-device bandwidth, one direction, inside a node
+    (NVLink / ICI) and across nodes (InfiniBand per GPU; TPU slices stay on ICI)."""
+
+    name: str  # the CLI's spelling: meshlm plan --device NAME
+    platform: str  # "gpu" or "tpu"
+    device_kinds: tuple[str, ...]  # jax.Device.device_kind, matched exactly
+    memory: float  # bytes per chip
+    peak: dict[str, float]
+    intra_bw: float
+    inter_bw: float
+    per_node: int
+    source: str
+
+
+def _nvidia(name, kinds, memory_gib, bf16_sparse, tf32_sparse, fp32, nvlink, source) -> Accelerator:
+    # NVIDIA's datasheets print tensor-core figures "with sparsity"; dense is half.
+    peak = {"bf16": bf16_sparse / 2, "tf32": tf32_sparse / 2, "fp32": fp32}
+    return Accelerator(name, "gpu", kinds, memory_gib * GiB, peak, nvlink, 50e9, 8, source)
+
+
+def _tpu(name, kinds, memory_gib, bf16, ici, source) -> Accelerator:
+    return Accelerator(name, "tpu", kinds, memory_gib * GiB, {"bf16": bf16}, ici, ici, 4096, source)
+
+
+T = 1e12
+ACCELERATORS: dict[str, Accelerator] = {
+    a.name: a
+    for a in (
+        _nvidia("a100", ("NVIDIA A100-SXM4-80GB",), 80, 624 * T, 312 * T, 19.5 * T, 300e9, "A100 datasheet (SXM4)"),
+        _nvidia("a100-40gb", ("NVIDIA A100-SXM4-40GB",), 40, 624 * T, 312 * T, 19.5 * T, 300e9, "A100 datasheet"),
+        _nvidia("h100", ("NVIDIA H100 80GB HBM3",), 80, 1979 * T, 989 * T, 67 * T, 450e9, "H100 SXM5 datasheet"),
+        _nvidia("h100-pcie", ("NVIDIA H100 PCIe",), 80, 1513 * T, 756 * T, 51 * T, 32e9, "H100 PCIe datasheet"),
+        _nvidia("h100-nvl", ("NVIDIA H100 NVL",), 94, 1671 * T, 835 * T, 60 * T, 300e9, "H100 NVL datasheet"),
+        _nvidia("h200", ("NVIDIA H200",), 141, 1979 * T, 989 * T, 67 * T, 450e9, "H200 SXM datasheet"),
+        _tpu("tpu-v4", ("TPU v4",), 32, 275 * T, 300e9, "Cloud TPU v4 docs"),
+        _tpu("tpu-v5e", ("TPU v5 lite", "TPU v5e"), 16, 197 * T, 200e9, "Cloud TPU v5e docs"),
+        _tpu("tpu-v5p", ("TPU v5p", "TPU v5"), 95, 459 * T, 600e9, "Cloud TPU v5p docs"),
+        _tpu("tpu-v6e", ("TPU v6 lite", "TPU v6e"), 32, 918 * T, 400e9, "Cloud TPU v6e docs"),
+    )
 }
+BY_DEVICE_KIND: dict[str, Accelerator] = {k: a for a in ACCELERATORS.values() for k in a.device_kinds}
+
+# jax_default_matmul_precision values -> the coarse level they select ("default" when unset).
+_LEVELS = {
+    None: "default",
+    "default": "default",
+    "fastest": "default",
+    "bfloat16": "default",
+    "high": "high",
+    "tensorfloat32": "high",
+    "bfloat16_3x": "high",
+    "highest": "highest",
+    "float32": "highest",
+}
+
+
+def matmul_precision(dtype: str, platform: str, level: str | None = None) -> str:
+    """The arithmetic a matmul of `dtype` operands runs on `platform` ("gpu", "tpu", "cpu").
+
+    bfloat16 operands run bf16 everywhere. float32 operands follow `jax_default_matmul_precision`
+    (`level`; read from JAX's config when None): on NVIDIA GPUs TF32 unless it is highest/float32;
+    on TPUs one bf16 pass by default, 3 (high) or 6 (highest) passes. CPUs compute in fp32.
+    """
+    if dtype == "bfloat16":
+        return "bf16"
+    if level is None:
+        import jax
+
+        level = jax.config.jax_default_matmul_precision
+    coarse = _LEVELS.get(str(level).lower() if level is not None else None, "default")
+    if platform == "gpu":
+        return "fp32" if coarse == "highest" else "tf32"
+    if platform == "tpu":
+        return {"default": "bf16", "high": "bf16x3", "highest": "bf16x6"}[coarse]
+    return "fp32"
+
+
+def peak_for(acc: Accelerator, precision: str) -> float:
+    """Dense peak FLOP/s per chip at `precision` (see `matmul_precision`)."""
+    if precision in ("bf16x3", "bf16x6"):
+        return acc.peak["bf16"] / int(precision[-1])
+    return acc.peak[precision]
 
 
 def _cache_file() -> Path:
@@ -42,6 +132,9 @@ def _cpu_name() -> str:
 
 
 def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 7) -> float:
+    import jax
+    import jax.numpy as jnp
+
     x = jnp.ones((n, n), jnp.dtype(dtype), device=jax.local_devices()[0])
     f = jax.jit(lambda a: a @ a)
     f(x).block_until_ready()
@@ -53,19 +146,29 @@ def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 7) -> float:
     return 2 * n**3 / best
 
 
-def peak_flops(dtype: str, n_devices: int) -> tuple[float, str]:
-    """(peak FLOP/s of a run on `n_devices` devices, a short description of where it came from).
+@dataclass(frozen=True)
+class Peak:
+    flops: float  # FLOP/s of the whole run (0: unknown, no MFU)
+    source: str  # where it comes from, for the startup line and run.json
+    label: str  # short tag for the progress line, e.g. "h100 tf32" or "CPU probe"
 
-    Accelerators: the datasheet figure per chip times the devices the run uses (across every
-    process). CPU: the measured matmul peak of this host, which all its simulated devices, and all
-    processes on it, share."""
+
+def peak_flops(dtype: str, n_devices: int) -> Peak:
+    """The peak FLOP/s of a run on `n_devices` devices, and where it came from.
+
+    Accelerators: the datasheet figure per chip at the precision the matmuls really run, times the
+    devices the run uses (across every process). CPU: the measured matmul peak of this host, which
+    all its simulated devices, and all processes on it, share."""
+    import jax
+
     dev = jax.local_devices()[0]
-    kind = dev.device_kind.lower()
     if dev.platform != "cpu":
-        for name, table in PEAK_FLOPS.items():
-            if name in kind:
-                return table[dtype] * n_devices, f"{name} datasheet x{n_devices}"
-        return 0.0, f"unknown device {dev.device_kind!r}: no peak, MFU not reported"
+        acc = BY_DEVICE_KIND.get(dev.device_kind)
+        if acc is None:
+            return Peak(0.0, f"unknown device {dev.device_kind!r}: no peak in meshlm.hardware, MFU not reported", "")
+        precision = matmul_precision(dtype, acc.platform)
+        source = f"{acc.source}, {precision} matmuls, x{n_devices} devices"
+        return Peak(peak_for(acc, precision) * n_devices, source, f"{acc.name} {precision}")
     key = f"{_cpu_name()}|{os.cpu_count()}|{dtype}"
     path = _cache_file()
     try:
@@ -78,4 +181,4 @@ def peak_flops(dtype: str, n_devices: int) -> tuple[float, str]:
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
         tmp.write_text(json.dumps(cache, indent=2))
         os.replace(tmp, path)  # atomic: concurrent processes never read half a file
-    return cache[key], f"CPU matmul probe {cache[key] / 1e9:.0f} GFLOP/s ({dtype}, host)"
+    return Peak(cache[key], f"CPU matmul probe {cache[key] / 1e9:.0f} GFLOP/s ({dtype}, host)", "CPU probe")

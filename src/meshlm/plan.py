@@ -20,34 +20,18 @@ import jax
 
 from meshlm import accounting
 from meshlm.config import ConfigError, ParallelConfig, RematConfig, RunConfig, validate
-from meshlm.hardware import PEAK_FLOPS
+from meshlm.hardware import Accelerator, matmul_precision, peak_for
 from meshlm.model.params import ParamSpec, param_specs
-from meshlm.parallel.rules import RULES
+from meshlm.parallel.mesh import abstract_layout
 
 GiB = 2**30
 
 
-@dataclass(frozen=True)
-class DeviceKind:
-    """Datasheet figures: dense bf16 peak, memory, and per-device link bandwidth (one direction)
-    inside a node (NVLink / ICI) and across nodes (InfiniBand per GPU; TPUs stay on ICI)."""
+def device_peak(device: Accelerator, cfg: RunConfig) -> float:
+    """Peak FLOP/s per device for this config's compute dtype (fp32 runs at TF32 / one bf16 pass
+    by default: `hardware.matmul_precision`)."""
+    return peak_for(device, matmul_precision(cfg.model.dtype, device.platform))
 
-    name: str
-    memory: float
-    peak: float
-    intra_bw: float
-    inter_bw: float
-    per_node: int
-
-
-_BF16 = {name: table["bfloat16"] for name, table in PEAK_FLOPS.items()}
-DEVICES = {
-    "a100": DeviceKind("a100", 80 * GiB, _BF16["a100"], 300e9, 25e9, 8),
-    "h100": DeviceKind("h100", 80 * GiB, _BF16["h100"], 450e9, 50e9, 8),
-    "h200": DeviceKind("h200", 141 * GiB, _BF16["h200"], 450e9, 50e9, 8),
-    "tpu-v4": DeviceKind("tpu-v4", 32 * GiB, _BF16["tpu v4"], 300e9, 300e9, 4096),
-    "tpu-v5p": DeviceKind("tpu-v5p", 95 * GiB, _BF16["tpu v5p"], 600e9, 600e9, 8960),
-}
 
 # meshlm keeps fp32 master weights, fp32 gradients and AdamW's two fp32 moments: 16 bytes per
 # parameter. (Megatron's mixed-precision Adam, P2's setting, is 18.)
@@ -79,23 +63,16 @@ class Plan:
 
 
 def sharded_params(cfg: RunConfig) -> float:
-    """Parameters one device holds, from the rules table and the mesh sizes (exact)."""
-    sizes = {"data": cfg.parallel.data, "fsdp": cfg.parallel.fsdp, "tensor": cfg.parallel.tensor}
-    total = 0.0
-    for spec in jax.tree.leaves(param_specs(cfg.model), is_leaf=lambda x: isinstance(x, ParamSpec)):
-        split, used = 1, set()
-        for logical in spec.axes:
-            target = RULES.get(logical) if logical else None
-            for name in (target,) if isinstance(target, str) else target or ():
-                if name not in used:
-                    split, used = split * sizes[name], used | {name}
-        total += math.prod(spec.shape) / split
-    return total
+    """Parameters one device holds, from the rules table and the mesh sizes (exact): the same
+    `Layout.sharding` the trainer uses, over an abstract mesh (no devices needed)."""
+    layout = abstract_layout(cfg.parallel)
+    specs = jax.tree.leaves(param_specs(cfg.model), is_leaf=lambda x: isinstance(x, ParamSpec))
+    return float(sum(math.prod(layout.sharding(s.axes).shard_shape(s.shape)) for s in specs))
 
 
 def estimate(
     cfg: RunConfig,
-    device: DeviceKind,
+    device: Accelerator,
     memory_limit: float | None = None,
     *,
     pipeline: int = 1,
@@ -120,7 +97,8 @@ def estimate(
         plan.memory["FSDP gathered weights"] = 2 * layer / par.tensor * e
 
     n = par.n_devices * pipeline
-    plan.time["compute"] = accounting.hardware_flops_per_step(cfg) / (n * device.peak)
+    peak = device_peak(device, cfg)
+    plan.time["compute"] = accounting.hardware_flops_per_step(cfg) / (n * peak)
     b = t.global_batch // t.microbatches // par.batch_shards
     group_bw = device.intra_bw if par.tensor <= device.per_node else device.inter_bw
     if par.tensor > 1:
@@ -140,7 +118,7 @@ def estimate(
         if par.fsdp > 1:  # FSDP re-gathers weights (compute dtype) forward and backward, per microbatch
             comm += 2 * t.microbatches * e * replica * (par.fsdp - 1) / par.fsdp
         plan.time["data/FSDP collectives"] = comm / bw
-    plan.mfu = accounting.model_flops_per_step(cfg) / (plan.step_time * n * device.peak)
+    plan.mfu = accounting.model_flops_per_step(cfg) / (plan.step_time * n * peak)
     if plan.total_memory > limit:
         states = plan.memory["parameters, gradients, optimizer"]
         plan.rejected = (
@@ -157,7 +135,7 @@ def _divisors(n: int) -> list[int]:
 def enumerate_plans(
     cfg: RunConfig,
     n_devices: int,
-    device: DeviceKind,
+    device: Accelerator,
     memory_limit: float | None = None,
     policies: tuple[str, ...] = ("none", "selective", "full"),
 ) -> list[Plan]:
@@ -190,7 +168,7 @@ def enumerate_plans(
     return plans
 
 
-def closest_miss(cfg: RunConfig, plans: list[Plan], n_devices: int, device: DeviceKind, limit: float) -> str:
+def closest_miss(cfg: RunConfig, plans: list[Plan], n_devices: int, device: Accelerator, limit: float) -> str:
     """For a request nothing satisfies: the plan needing least memory, and what would make it fit."""
     sized = [p for p in plans if p.memory]
     if not sized:
@@ -211,12 +189,12 @@ def closest_miss(cfg: RunConfig, plans: list[Plan], n_devices: int, device: Devi
     return f"nothing fits; closest: {best.describe()} needs " + ", ".join(hints)
 
 
-def format_plans(plans: list[Plan], top: int, device: DeviceKind, limit: float) -> list[str]:
+def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float) -> list[str]:
     feasible = [p for p in plans if not p.rejected]
     links = f"links {device.intra_bw / 1e9:.0f} / {device.inter_bw / 1e9:.0f} GB/s"
     lines = [
         f"{len(feasible)} of {len(plans)} layouts fit {limit / GiB:.0f} GiB on {device.name} "
-        f"(peak {device.peak / 1e12:.0f} TFLOP/s; {links}); MFU here is the roofline bound",
+        f"(peak {device.peak['bf16'] / 1e12:.0f} TFLOP/s bf16; {links}); MFU here is the roofline bound",
         f"{'#':>3}  {'layout':58s} {'memory GiB':>10s} {'step s':>9s} {'MFU':>6s}  time split",
     ]
     for i, p in enumerate(feasible[:top], 1):

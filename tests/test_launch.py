@@ -4,8 +4,9 @@ import signal
 
 import pytest
 
+from meshlm.cli import launch_plan
 from meshlm.config import ConfigError
-from meshlm.launch import describe_exit, plan_launch, worker_command
+from meshlm.launch import describe_exit, worker_command
 from meshlm.parallel.mesh import process_group
 
 
@@ -38,18 +39,18 @@ def test_bad_process_group_settings(kwargs, message):
 
 
 def test_plan_launch_checks_the_train_command(tmp_path):
-    args, run_dir = plan_launch(["train", "--mesh", "data=2,tensor=2", "--run-dir", str(tmp_path)], 2, 2)
+    args, run_dir = launch_plan(["train", "--mesh", "data=2,tensor=2", "--run-dir", str(tmp_path)], 2, 2)
     assert run_dir == tmp_path and args[0] == "train"
-    args, run_dir = plan_launch(["train", "--mesh", "data=4"], 4, 1)
+    args, run_dir = launch_plan(["train", "--mesh", "data=4"], 4, 1)
     assert args[-2] == "--run-dir" and str(run_dir).startswith("runs/tiny-")  # fixed once for every attempt
     with pytest.raises(ConfigError) as e:
-        plan_launch(["train", "--mesh", "data=4"], 2, 1)
+        launch_plan(["train", "--mesh", "data=4"], 2, 1)
     assert "= 4 devices, but --processes 2 x --devices-per-process 1 = 2" in str(e.value)
     with pytest.raises(ConfigError, match="runs a train command"):
-        plan_launch(["memory"], 2, 1)
+        launch_plan(["memory"], 2, 1)
     with pytest.raises(ConfigError, match="sets --coordinator itself"):
-        plan_launch(["train", "--coordinator", "h:1"], 2, 1)
-    plan_launch(["train", "--mesh", "data=4"], 2, None)  # real accelerators: the processes decide
+        launch_plan(["train", "--coordinator", "h:1"], 2, 1)
+    launch_plan(["train", "--mesh", "data=4"], 2, None)  # real accelerators: the processes decide
 
 
 def test_worker_command_and_exit_descriptions():
@@ -71,3 +72,23 @@ def test_worker_command_and_exit_descriptions():
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
     assert describe_exit(128 + signal.SIGTERM) == "stopped by SIGTERM (exit 143)"
     assert describe_exit(1) == "exited with code 1"
+
+
+def test_rendezvous_listens_on_the_coordinator_address_only(monkeypatch):
+    """Process 0 binds the pre-flight rendezvous to the coordinator's own address (loopback for
+    `meshlm launch`), not to every interface."""
+    from meshlm.parallel import mesh
+
+    with mesh.listen("127.0.0.1", 0) as s:
+        assert s.getsockname()[0] == "127.0.0.1"
+    with pytest.raises(ConfigError, match=r"cannot listen on the coordinator address 192\.0\.2\.1:"):
+        mesh.listen("192.0.2.1", 0)  # TEST-NET-1: never this host's address
+    bound = []
+    real = mesh.listen
+    monkeypatch.setattr(mesh, "listen", lambda host, port: bound.append(host) or real(host, port))
+    from meshlm.launch import free_port
+
+    group = process_group(f"127.0.0.1:{free_port()}", 2, 0, timeout_s=1, env={})
+    with pytest.raises(ConfigError, match="only 1 of 2 processes joined"):
+        mesh.rendezvous(group)
+    assert bound == ["127.0.0.1"]

@@ -27,8 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshlm.cli import EXIT_CONFIG
-from meshlm.config import ConfigError
+from meshlm.config import EXIT_CONFIG, ConfigError, RunConfig
 
 
 def free_port() -> int:
@@ -251,20 +250,21 @@ class Supervisor:
             self.say(f"[launch]   attempt {a.number}: {a.outcome} after {a.seconds:.0f}s")
 
 
-def plan_launch(train_args: list[str], processes: int, devices_per_process: int | None) -> tuple[list[str], Path]:
-    """Check the train command against the group size before starting anything; fix one run dir
-    for every attempt. Returns (train args with --run-dir, run dir)."""
-    from meshlm.cli import build_parser, resolve_config
-
-    if not train_args or train_args[0] != "train":
-        raise ConfigError("meshlm launch runs a train command: meshlm launch --processes N -- train [options]")
+def plan_launch(
+    train_args: list[str],
+    cfg: RunConfig,
+    run_dir: str | None,
+    recipe: str,
+    processes: int,
+    devices_per_process: int | None,
+) -> tuple[list[str], Path]:
+    """Check the train command (`train_args`, resolved to `cfg`) against the group size before
+    starting anything; fix one run dir for every attempt. Returns (train args with --run-dir, run dir)."""
     if processes < 1 or (devices_per_process is not None and devices_per_process < 1):
         raise ConfigError("--processes and --devices-per-process must be >= 1")
     for flag in ("--coordinator", "--num-processes", "--process-id", "--devices", "--distributed"):
         if flag in train_args:
             raise ConfigError(f"meshlm launch sets {flag} itself; remove it from the train command")
-    args = build_parser().parse_args(train_args)
-    cfg = resolve_config(args)
     total = processes * (devices_per_process or 0)
     if devices_per_process and cfg.parallel.n_devices != total:  # else each process's accelerators decide
         p = cfg.parallel
@@ -272,7 +272,7 @@ def plan_launch(train_args: list[str], processes: int, devices_per_process: int 
             f"mesh data={p.data} x fsdp={p.fsdp} x tensor={p.tensor} = {p.n_devices} devices, but --processes "
             f"{processes} x --devices-per-process {devices_per_process} = {total}; make them equal"
         )
-    if args.run_dir:
-        return train_args, Path(args.run_dir)
-    run_dir = Path(f"runs/{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return [*train_args, "--run-dir", str(run_dir)], run_dir
+    if run_dir:
+        return train_args, Path(run_dir)
+    path = Path(f"runs/{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return [*train_args, "--run-dir", str(path)], path

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from meshlm.config import ConfigError, ParallelConfig
 from meshlm.parallel.rules import Layout, rules_for
@@ -96,12 +96,21 @@ def _host_port(coordinator: str) -> tuple[str, int]:
         raise ConfigError(f"--coordinator must be host:port, got {coordinator!r}") from None
 
 
-def _serve_rendezvous(group: ProcessGroup, port: int, deadline: float) -> None:
-    """Process 0: wait for the N-1 others on the coordinator port, check they agree, answer."""
+def listen(host: str, port: int) -> socket.socket:
+    """Process 0's rendezvous socket, bound to the coordinator's own address only (loopback when
+    `meshlm launch` runs every process here), never to every interface."""
     try:
-        server = socket.create_server(("", port), reuse_port=hasattr(socket, "SO_REUSEPORT"))
+        return socket.create_server((host, port), reuse_port=hasattr(socket, "SO_REUSEPORT"))
     except OSError as e:
-        raise ConfigError(f"process 0 cannot listen on coordinator port {port}: {e}") from None
+        raise ConfigError(
+            f"process 0 cannot listen on the coordinator address {host}:{port}: {e.strerror or e} "
+            "(--coordinator must name this host, process 0's, and a free port)"
+        ) from None
+
+
+def _serve_rendezvous(group: ProcessGroup, host: str, port: int, deadline: float) -> None:
+    """Process 0: wait for the N-1 others on the coordinator port, check they agree, answer."""
+    server = listen(host, port)
     conns: list[socket.socket] = []  # every process that said hello gets the verdict
     joined: set[int] = set()
     error = None
@@ -165,7 +174,7 @@ def rendezvous(group: ProcessGroup) -> None:
     host, port = _host_port(group.coordinator)
     deadline = time.time() + group.timeout_s
     if group.process_id == 0:
-        _serve_rendezvous(group, port, deadline)
+        _serve_rendezvous(group, host, port, deadline)
     else:
         _join_rendezvous(group, host, port, deadline)
 
@@ -221,6 +230,14 @@ def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
         mesh = f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]}"
         raise ConfigError(f"{mesh} needs {int(np.prod(shape))} devices but {where}")
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def abstract_layout(parallel: ParallelConfig) -> Layout:
+    """The layout of a mesh of this shape without devices: shard shapes for planning any size."""
+    sizes = (parallel.data, parallel.fsdp, parallel.tensor)
+    return Layout(
+        AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3), rules_for(parallel.sequence_parallel)
+    )
 
 
 def make_layout(parallel: ParallelConfig, devices: list | None = None) -> Layout:

@@ -92,3 +92,37 @@ def test_every_recipe_validates_and_round_trips(name):
 def test_unknown_recipe():
     with pytest.raises(ConfigError, match="unknown recipe 'gpt-5'; available: tiny"):
         recipes.get("gpt-5")
+
+
+def test_remat_names_are_the_registrys():
+    import typing
+
+    from meshlm.config import RematPolicy
+    from meshlm.parallel.remat import POLICIES
+
+    assert list(typing.get_args(RematPolicy)) == list(POLICIES)
+
+
+def test_config_cli_and_device_table_import_no_jax():
+    """Validation and argument parsing stay JAX-free: the CLI sets the simulated device count
+    before JAX is imported, and config imports no registry."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import meshlm.config, meshlm.hardware, meshlm.cli, meshlm.launch, meshlm.recipes; "
+        "meshlm.config.validate(meshlm.recipes.get('llama-1b')); "
+        "assert 'jax' not in sys.modules, [m for m in sys.modules if m.startswith('jax')][:5]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_library_module_imports_the_cli():
+    from pathlib import Path
+
+    import meshlm
+
+    root = Path(meshlm.__file__).parent
+    for path in root.rglob("*.py"):
+        if path.name not in ("cli.py", "__main__.py"):
+            assert "meshlm.cli" not in path.read_text(), f"{path.relative_to(root)} imports the CLI"

@@ -59,11 +59,9 @@ def _gpt2_state_dict(p: dict, cfg: ModelConfig) -> dict:
 
 def _llama_state_dict(p: dict, cfg: ModelConfig) -> dict:
     d = cfg.d_model
-    sd = {
-        "model.embed_tokens.weight": p["wte"],
-        "model.norm.weight": p["final_norm"],
-        "lm_head.weight": p["lm_head"].T,  # torch Linear: y = x @ W.T
-    }
+    sd = {"model.embed_tokens.weight": p["wte"], "model.norm.weight": p["final_norm"]}
+    if not cfg.tied_embeddings:
+        sd["lm_head.weight"] = p["lm_head"].T  # torch Linear: y = x @ W.T
     lp = p["layers"]
     for i in range(cfg.n_layers):
         pre = f"model.layers.{i}."
@@ -83,9 +81,13 @@ def _llama_state_dict(p: dict, cfg: ModelConfig) -> dict:
 
 def _reference_logits(model, state_dict: dict, tokens: np.ndarray) -> np.ndarray:
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    # Only non-persistent buffers (e.g. causal-mask/rotary caches) may be absent from our dict.
+    # Only non-persistent buffers (e.g. causal-mask/rotary caches) and a tied output layer may be
+    # absent from our dict.
     assert not unexpected, unexpected
-    assert all("rotary" in k or "attn.bias" in k or "masked_bias" in k for k in missing), missing
+    tied = model.config.tie_word_embeddings
+    assert all(
+        "rotary" in k or "attn.bias" in k or "masked_bias" in k or (tied and k == "lm_head.weight") for k in missing
+    )
     model.eval()
     with torch.no_grad():
         return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
@@ -117,10 +119,17 @@ def test_gpt_matches_huggingface_gpt2():
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
 
 
-def test_llama_matches_huggingface_llama_gqa():
-    cfg = ModelConfig(family="llama", vocab_size=96, d_model=64, n_layers=3, n_heads=8, n_kv_heads=2, d_ff=96)
-    params, tokens = _params(cfg), _tokens(cfg)
-    hf_cfg = transformers.LlamaConfig(
+def _hf_llama_config(cfg: ModelConfig) -> "transformers.LlamaConfig":
+    scaling = None
+    if cfg.rope_scaling == "llama3":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_len,
+        }
+    return transformers.LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
         intermediate_size=cfg.ffn,
@@ -131,13 +140,51 @@ def test_llama_matches_huggingface_llama_gqa():
         rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        rope_scaling=scaling,
+        tie_word_embeddings=cfg.tied_embeddings,
         attention_bias=False,
         mlp_bias=False,
     )
-    want = _reference_logits(transformers.LlamaForCausalLM(hf_cfg), _llama_state_dict(params, cfg), tokens)
+
+
+LLAMA_SMALL = ModelConfig(family="llama", vocab_size=96, d_model=64, n_layers=3, n_heads=8, n_kv_heads=2, d_ff=96)
+# Llama 3 RoPE scaling and tied embeddings (Llama-3.2-1B's features) at test size: with head_dim 8
+# and original_len 32, the four frequencies fall in all three regimes (stretched, blended, kept).
+LLAMA3_SMALL = dataclasses.replace(
+    LLAMA_SMALL,
+    rope_theta=50.0,
+    rope_scaling="llama3",
+    rope_factor=4.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_len=32,
+    tie_embeddings=True,
+)
+
+
+@pytest.mark.parametrize("cfg", [LLAMA_SMALL, LLAMA3_SMALL], ids=["gqa", "gqa-llama3-rope-tied"])
+def test_llama_matches_huggingface_llama(cfg):
+    params, tokens = _params(cfg), _tokens(cfg)
+    want = _reference_logits(
+        transformers.LlamaForCausalLM(_hf_llama_config(cfg)), _llama_state_dict(params, cfg), tokens
+    )
     got = np.asarray(forward(jax.tree.map(jnp.asarray, params), jnp.asarray(tokens), cfg))
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+    if cfg.rope_scaling == "llama3":  # the scaling really changes the model at these positions
+        plain = forward(
+            jax.tree.map(jnp.asarray, params), jnp.asarray(tokens), dataclasses.replace(cfg, rope_scaling="none")
+        )
+        assert np.max(np.abs(np.asarray(plain) - want)) > 100 * 2e-4
+
+
+def test_llama3_frequencies_fall_in_every_regime():
+    from meshlm.model.layers import rope_inv_freq
+
+    c = LLAMA3_SMALL
+    plain = np.asarray(rope_inv_freq(c.dim_head, c.rope_theta))
+    scaled = np.asarray(rope_inv_freq(c.dim_head, c.rope_theta, (4.0, 1.0, 4.0, 32)))
+    ratio = scaled / plain
+    assert ratio[0] == 1.0 and ratio[-1] == pytest.approx(0.25) and 0.25 < ratio[1] < 1.0, ratio
 
 
 def test_bf16_compute_stays_close_to_fp32():
@@ -163,3 +210,5 @@ def test_paper_param_counts():
     # P2 Table 3 models: 22.1B and 174.6B parameters (notes 2.9, 12Lh^2(1 + 13/12h + (v+s)/12Lh)).
     assert round(accounting.param_count(recipes.get("gpt-22b").model) / 1e9, 1) == 22.1
     assert round(accounting.param_count(recipes.get("gpt-175b").model) / 1e9, 1) == 174.6
+    # Llama-3.2-1B as published (Hugging Face's parameter count of meta-llama/Llama-3.2-1B)
+    assert accounting.param_count(recipes.get("llama-1b").model) == 1_235_814_400

@@ -31,7 +31,7 @@ def param_count(cfg: ModelConfig) -> int:
         per_layer = attn + (n * h + 2 * k * h + d) + 2 * d * f + f + d + 4 * d  # + biases, 2 LNs
         return v * d + cfg.max_seq_len * d + L * per_layer + 2 * d
     per_layer = attn + 3 * d * f + 2 * d
-    return 2 * v * d + L * per_layer + d
+    return (1 if cfg.tied_embeddings else 2) * v * d + L * per_layer + d
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:

@@ -18,10 +18,18 @@ from typing import Any, Literal
 Family = Literal["gpt", "llama"]
 DType = Literal["float32", "bfloat16"]
 Attention = Literal["explicit", "fused"]
+RopeScaling = Literal["none", "llama3"]
+OnNonFinite = Literal["stop", "skip"]
+# Recomputation policies: the names are owned here, their meaning by meshlm.parallel.remat.POLICIES
+# (a test keeps the two equal), so validating a config imports no JAX.
+RematPolicy = Literal["none", "selective", "full", "dots", "offload"]
 
 
 class ConfigError(ValueError):
     """A configuration the user asked for cannot run; the message says why and what to change."""
+
+
+EXIT_CONFIG = 2  # the exit status of `meshlm` for a ConfigError (never retried by `meshlm launch`)
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,16 @@ class ModelConfig:
     attention: Attention = "explicit"
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama 3's RoPE frequency scaling ("llama3"): wavelengths longer than original_len /
+    # low_freq_factor are stretched by `rope_factor`, shorter than original_len / high_freq_factor
+    # kept, and those between interpolated (Hugging Face rope_type "llama3").
+    rope_scaling: RopeScaling = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_len: int = 8192
+    # llama: share the token embedding with the output layer (Llama 3.2 1B/3B); gpt always ties (GPT-2)
+    tie_embeddings: bool = False
     init_std: float = 0.02
 
     @property
@@ -64,7 +82,7 @@ class ModelConfig:
 
     @property
     def tied_embeddings(self) -> bool:
-        return self.family == "gpt"
+        return self.family == "gpt" or self.tie_embeddings
 
 
 @dataclass(frozen=True)
@@ -91,9 +109,9 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class RematConfig:
-    """Activation recomputation policy, a name from `meshlm.parallel.remat.POLICIES`."""
+    """Activation recomputation policy: what each name keeps is in `meshlm.parallel.remat.POLICIES`."""
 
-    policy: str = "none"
+    policy: RematPolicy = "none"
 
 
 @dataclass(frozen=True)
@@ -138,6 +156,12 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4
+    # A step whose loss or gradient is not finite is never applied. "stop": training stops at the
+    # next log/eval/checkpoint step, names the step and checkpoints the last good state. "skip": the
+    # batch is skipped (counted in metrics) and training goes on, unless more than
+    # max_consecutive_skips steps in a row are non-finite, which stops it as "stop" does.
+    on_nonfinite: OnNonFinite = "stop"
+    max_consecutive_skips: int = 10
 
 
 @dataclass(frozen=True)
@@ -310,6 +334,13 @@ def validate(cfg: RunConfig) -> RunConfig:
         f"model.d_model={m.d_model} is not divisible by n_heads={m.n_heads}; set model.head_dim",
     )
     _need(m.dim_head % 2 == 0 or m.family == "gpt", "llama needs an even head_dim for RoPE")
+    if m.rope_scaling == "llama3":
+        _need(m.family == "llama", "model.rope_scaling applies to the llama family (gpt has learned positions)")
+        _need(
+            m.rope_factor >= 1 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor and m.rope_original_len > 0,
+            "model.rope_scaling=llama3 needs rope_factor >= 1, 0 < rope_low_freq_factor < rope_high_freq_factor "
+            "and rope_original_len > 0",
+        )
     _need(0.0 <= m.dropout < 1.0, "model.dropout must be in [0, 1)")
     _need(m.family == "gpt" or m.dropout == 0.0, "model.dropout is only implemented for the gpt family")
     _need(
@@ -321,9 +352,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         _divides(t.seq_len, "train.seq_len", p.tensor, "tensor")
     if m.family == "gpt":
         _need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    from meshlm.parallel.remat import POLICIES  # imported late: the CLI sets XLA_FLAGS first
-
-    _need(cfg.remat.policy in POLICIES, f"remat.policy={cfg.remat.policy!r} unknown; choose from {', '.join(POLICIES)}")
+    policies = typing.get_args(RematPolicy)
+    _need(cfg.remat.policy in policies, f"remat.policy={cfg.remat.policy!r} unknown; choose from {', '.join(policies)}")
     _need(t.steps >= 0 and t.seq_len > 0 and t.global_batch > 0, "train.steps/seq_len/global_batch must be positive")
     _need(t.microbatches >= 1, "train.microbatches must be >= 1")
     _need(
@@ -331,6 +361,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}",
     )
     _need(t.log_every >= 1 and t.eval_every >= 0, "train.log_every must be >= 1, eval_every >= 0")
+    _need(t.max_consecutive_skips >= 0, "train.max_consecutive_skips must be >= 0")
     _need(0.0 < cfg.data.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
     c = cfg.checkpoint
     _need(c.every >= 0 and c.keep_every >= 0, "checkpoint.every and checkpoint.keep_every must be >= 0")

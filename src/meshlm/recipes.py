@@ -75,7 +75,10 @@ def gpt_175b() -> RunConfig:
 
 
 def llama_1b() -> RunConfig:
-    """Llama-3.2-1B shapes (16 layers, h=2048, 32 heads, 8 kv heads, d_ff=8192, 128256 vocab)."""
+    """Llama-3.2-1B exactly (its Hugging Face config.json): 16 layers, h=2048, 32 heads, 8 kv heads,
+    d_ff=8192, 128256 vocabulary, tied embeddings, RoPE theta 500000 with Llama 3 scaling (factor
+    32, low/high frequency factors 1/4, original context 8192), RMSNorm eps 1e-5: 1,235,814,400
+    parameters."""
     return RunConfig(
         model=ModelConfig(
             family="llama",
@@ -86,7 +89,14 @@ def llama_1b() -> RunConfig:
             n_kv_heads=8,
             d_ff=8192,
             dtype="bfloat16",
+            norm_eps=1e-5,
             rope_theta=500000.0,
+            rope_scaling="llama3",
+            rope_factor=32.0,
+            rope_low_freq_factor=1.0,
+            rope_high_freq_factor=4.0,
+            rope_original_len=8192,
+            tie_embeddings=True,
         ),
         parallel=ParallelConfig(data=2, tensor=4),
         optim=OptimConfig(lr=3e-4, warmup_steps=2000),

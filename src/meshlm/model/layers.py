@@ -75,11 +75,24 @@ def _mask_bwd(rate, keep, g):
 _apply_keep_mask.defvjp(_mask_fwd, _mask_bwd)
 
 
-def rope(x_btnh: jax.Array, positions_t: jax.Array, theta: float) -> jax.Array:
+def rope_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None) -> jax.Array:
+    """[head_dim/2] fp32 rotary frequencies theta^(-2i/h). With `llama3` = (factor, low_freq_factor,
+    high_freq_factor, original_len), Llama 3's scaling: wavelengths above original_len/low_freq_factor
+    are divided by `factor`, those below original_len/high_freq_factor kept, and those between
+    blended linearly in original_len/wavelength."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if llama3 is None:
+        return inv_freq
+    factor, low, high, original = llama3
+    wavelength = 2 * math.pi / inv_freq
+    blend = jnp.clip((original / wavelength - low) / (high - low), 0.0, 1.0)  # 0: long waves, 1: short
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
+
+
+def rope(x_btnh: jax.Array, positions_t: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding, "rotate half" convention (first half of head_dim pairs with the second),
     as in Hugging Face Llama. Angles in fp32."""
     h = x_btnh.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     angles_th = positions_t.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles_th = jnp.concatenate([angles_th, angles_th], axis=-1)
     cos, sin = jnp.cos(angles_th)[None, :, None, :], jnp.sin(angles_th)[None, :, None, :]

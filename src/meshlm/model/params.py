@@ -109,12 +109,14 @@ def param_specs(cfg: ModelConfig) -> dict:
         "w_up": ParamSpec((L, D, F), (ax.LAYERS, ax.EMBED, ax.MLP), w),
         "w_down": ParamSpec((L, F, D), (ax.LAYERS, ax.MLP, ax.EMBED), w_out),
     }
-    return {
+    tree = {
         "wte": ParamSpec((V, D), (ax.VOCAB, ax.EMBED), w),
         "layers": layer,
         "final_norm": ParamSpec((D,), (ax.EMBED,), ones, decay=False),
-        "lm_head": ParamSpec((D, V), (ax.EMBED, ax.VOCAB), w),
     }
+    if not cfg.tied_embeddings:  # tied: the output layer is wte, as in GPT-2
+        tree["lm_head"] = ParamSpec((D, V), (ax.EMBED, ax.VOCAB), w)
+    return tree
 
 
 def init_params(specs: dict, key: jax.Array) -> dict:

@@ -1,14 +1,18 @@
 """The decoder: embed -> scan(layer) -> final norm -> logits, for the `gpt` and `llama` families.
 
-The model is single-device code. Its contact with parallelism is `constrain(layout, x, axes)` with
-*logical* axis names, plus the two tensor-parallel region boundaries of `parallel.collectives`
-(`column_parallel` on entry, `row_parallel` on exit); with `layout=None` all of them are plain math.
+The model names *logical* axes and never a device or a mesh axis: `constrain(layout, x, axes)`
+with logical names, plus the tensor-parallel region boundaries of `parallel.collectives`
+(`column_parallel` on entry, `row_parallel` on exit, `vocab_parallel_embed`), which run the
+block's matmuls inside explicit `shard_map` regions with Megatron's collectives (P2's f/g and
+their conjugates). With `layout=None` all of them are plain single-device math. Weight axes are
+read from the ParamSpecs (`weight_axes`), where they are declared once.
 
 Shape legend: b batch, t sequence, d d_model, n heads, k kv heads, h head_dim, f d_ff, v vocab.
 """
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import jax
@@ -17,6 +21,7 @@ import jax.numpy as jnp
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
 from meshlm.model import layers
+from meshlm.model.params import param_specs
 from meshlm.parallel import remat
 from meshlm.parallel.collectives import column_parallel, row_parallel, vocab_parallel_embed
 from meshlm.parallel.rules import Layout, constrain
@@ -33,14 +38,15 @@ def _site_key(key: jax.Array | None, site: int) -> jax.Array | None:
     return None if key is None else jax.random.fold_in(key, site)
 
 
-QKV_AXES = {
-    "wq": (ax.EMBED, ax.HEADS, ax.HEAD_DIM),
-    "wk": (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
-    "wv": (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
-    "bq": (ax.HEADS, ax.HEAD_DIM),
-    "bk": (ax.KV_HEADS, ax.HEAD_DIM),
-    "bv": (ax.KV_HEADS, ax.HEAD_DIM),
-}
+@functools.cache
+def weight_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
+    """Logical axes of every weight as one layer (or the top level) sees it, read from the
+    ParamSpecs - the one place they are declared - without the stacked LAYERS axis."""
+    specs = param_specs(cfg)
+    out = {n: s.axes for n, s in specs.items() if n != "layers"}
+    return out | {n: s.axes[1:] for n, s in specs["layers"].items()}
+
+
 KV_ACT = (ax.BATCH, ax.SEQ, ax.ACT_KV_HEADS, None)
 
 
@@ -54,7 +60,11 @@ def _qkv(h_btd, wq, wk, wv, *biases, cfg: ModelConfig):
         bq, bk, bv = biases
         return q + bq, k + bk, v + bv
     positions = jnp.arange(h_btd.shape[1])
-    return layers.rope(q, positions, cfg.rope_theta), layers.rope(k, positions, cfg.rope_theta), v
+    scaling = None
+    if cfg.rope_scaling == "llama3":
+        scaling = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_len)
+    inv_freq = layers.rope_inv_freq(cfg.dim_head, cfg.rope_theta, scaling)
+    return layers.rope(q, positions, inv_freq), layers.rope(k, positions, inv_freq), v
 
 
 def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None):
@@ -65,7 +75,7 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
         partial(_qkv, cfg=cfg),
         h_btd,
         [p[n] for n in names],
-        [QKV_AXES[n] for n in names],
+        [weight_axes(cfg)[n] for n in names],
         (HEADS_ACT, KV_ACT, KV_ACT),
         RESIDUAL,
     )
@@ -75,8 +85,7 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
         core = remat.wrap_attention_core(partial(layers.causal_attention, dropout_rate=cfg.dropout), remat_policy)
         a = core(q, k, v, segments, key=_site_key(key, _ATTN_PROBS))
     a = constrain(layout, a, HEADS_ACT)
-    w_axes = (ax.HEADS, ax.HEAD_DIM, ax.EMBED)
-    return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, w_axes, RESIDUAL)  # f-bar / g-bar
+    return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, weight_axes(cfg)["wo"], RESIDUAL)
 
 
 def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None):
@@ -88,10 +97,10 @@ def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_poli
 
     h = layers.layer_norm(x_btd, p["ln2_scale"], p["ln2_bias"], cfg.norm_eps)
     fc1 = lambda h, w, b: (jnp.einsum("btd,df->btf", h, w) + b,)
-    w_axes = [(ax.EMBED, ax.MLP), (ax.MLP,)]
-    (f,) = column_parallel(layout, fc1, h, [p["w_fc"], p["b_fc"]], w_axes, (MLP_ACT,), RESIDUAL)
+    axes = weight_axes(cfg)
+    (f,) = column_parallel(layout, fc1, h, [p["w_fc"], p["b_fc"]], [axes["w_fc"], axes["b_fc"]], (MLP_ACT,), RESIDUAL)
     f = layers.gelu(f)
-    o = row_parallel(layout, "btf,fd->btd", f, p["w_proj"], MLP_ACT, (ax.MLP, ax.EMBED), RESIDUAL) + p["b_proj"]
+    o = row_parallel(layout, "btf,fd->btd", f, p["w_proj"], MLP_ACT, axes["w_proj"], RESIDUAL) + p["b_proj"]
     return constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _MLP_OUT)), RESIDUAL)
 
 
@@ -106,11 +115,12 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
         lambda h, wg, wu: (jnp.einsum("btd,df->btf", h, wg), jnp.einsum("btd,df->btf", h, wu)),
         h,
         [p["w_gate"], p["w_up"]],
-        [(ax.EMBED, ax.MLP)] * 2,
+        [weight_axes(cfg)["w_gate"], weight_axes(cfg)["w_up"]],
         (MLP_ACT, MLP_ACT),
         RESIDUAL,
     )
-    o = row_parallel(layout, "btf,fd->btd", layers.swiglu(gate, up), p["w_down"], MLP_ACT, (ax.MLP, ax.EMBED), RESIDUAL)
+    down_axes = weight_axes(cfg)["w_down"]
+    o = row_parallel(layout, "btf,fd->btd", layers.swiglu(gate, up), p["w_down"], MLP_ACT, down_axes, RESIDUAL)
     return constrain(layout, x_btd + o, RESIDUAL)
 
 
@@ -138,7 +148,7 @@ def forward(
     dtype = jnp.dtype(cfg.dtype)
     cast = partial(jax.tree.map, lambda w: w.astype(dtype))
     t = tokens_bt.shape[1]
-    x = vocab_parallel_embed(layout, params["wte"].astype(dtype), tokens_bt, RESIDUAL)
+    x = vocab_parallel_embed(layout, params["wte"].astype(dtype), weight_axes(cfg)["wte"], tokens_bt, RESIDUAL)
     if cfg.family == "gpt":
         wpe = params["wpe"].astype(dtype)
         x = x + (wpe[:t][None] if positions is None else jnp.take(wpe, positions, axis=0))
@@ -158,10 +168,10 @@ def forward(
 
     if cfg.family == "gpt":
         x = layers.layer_norm(x, params["ln_f_scale"], params["ln_f_bias"], cfg.norm_eps)
-        w_out, w_axes, equation = params["wte"], (ax.VOCAB, ax.EMBED), "btd,vd->btv"  # tied
     else:
         x = layers.rms_norm(x, params["final_norm"], cfg.norm_eps)
-        w_out, w_axes, equation = params["lm_head"], (ax.EMBED, ax.VOCAB), "btd,dv->btv"
+    out_name, equation = ("wte", "btd,vd->btv") if cfg.tied_embeddings else ("lm_head", "btd,dv->btv")
+    w_out, w_axes = params[out_name], weight_axes(cfg)[out_name]
 
     def unembed(x_btd, w):  # vocabulary-parallel output layer, fp32 logits
         return (jnp.einsum(equation, x_btd, w, preferred_element_type=jnp.float32),)

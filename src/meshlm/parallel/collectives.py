@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshlm import axes as ax
 from meshlm.parallel.rules import Layout, constrain
 
 
@@ -116,12 +115,16 @@ def row_parallel(
 
 
 def vocab_parallel_embed(
-    layout: Layout | None, table_vd: jax.Array, tokens_bt: jax.Array, out_axes: Sequence[str | None]
+    layout: Layout | None,
+    table_vd: jax.Array,
+    table_axes: Sequence[str | None],
+    tokens_bt: jax.Array,
+    out_axes: Sequence[str | None],
 ) -> jax.Array:
     """Embedding lookup in a vocabulary-sharded table. Under SP each tensor rank looks up the
     tokens of its vocabulary slice, and the partial embeddings are reduce-scattered along the
     sequence (Megatron's VocabParallelEmbedding + scatter to the SP region)."""
-    if layout is None or not layout.sequence_parallel or "tensor" not in layout.mesh_axes(ax.VOCAB):
+    if layout is None or not layout.sequence_parallel or "tensor" not in layout.mesh_axes(table_axes[0]):
         return constrain(layout, jnp.take(table_vd, tokens_bt, axis=0), out_axes)
 
     def local(table, tokens):
@@ -134,6 +137,7 @@ def vocab_parallel_embed(
         return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
 
     tokens_spec = layout.spec((out_axes[0], None))
-    return _manual(layout, local, in_specs=(P("tensor"), tokens_spec), out_specs=layout.spec(out_axes))(
+    table_spec = _tensor_spec(layout, table_axes)
+    return _manual(layout, local, in_specs=(table_spec, tokens_spec), out_specs=layout.spec(out_axes))(
         table_vd, tokens_bt
     )

@@ -8,8 +8,9 @@ is never listed. Each step holds three items:
                restore onto any mesh and device count, each process reading only its own shards
     opt_state  the optimizer state, the same way
     meta       JSON: step (= the data position: batch n is a pure function of (seed, n)), the
-               resolved config, code version, tokenizer and data identity, and for every tensor
-               its shape, dtype and a checksum of its bits
+               non-finite counters (skipped steps, current streak), the resolved config, code
+               version, tokenizer and data identity, and for every tensor its shape, dtype and a
+               checksum of its bits
 
 The checksum (two wrapping uint32 sums over the raw bits, one position-weighted) is computed on
 device from the global arrays, so it does not depend on the layout: restoring onto another mesh
@@ -91,16 +92,19 @@ def _is_step_dir(p: Path) -> bool:
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, int | None]:
-    """A run directory, a checkpoints directory or one step directory -> (checkpoints dir, step or None)."""
+    """A run directory, a checkpoints directory or one step directory -> (checkpoints dir, step or
+    None). A path that holds no checkpoint is bad input (ConfigError), caught before any work."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise CheckpointError(f"--init-from path not found: {p}")
+        raise ConfigError(f"--init-from path not found: {p}")
+    if not p.is_dir():
+        raise ConfigError(f"--init-from {p} is a file; give a run directory, its checkpoints directory or a step")
     if _is_step_dir(p) and (p / "meta").exists():
         return p.parent, int(p.name)
     if (p / "checkpoints").is_dir():
         p = p / "checkpoints"
     if not any(_is_step_dir(c) for c in p.iterdir()):
-        raise CheckpointError(f"no checkpoint under {p} (expected step directories such as {p}/100)")
+        raise ConfigError(f"--init-from: no checkpoint under {p} (expected step directories such as {p}/100)")
     return p, None
 
 
@@ -129,7 +133,8 @@ class Checkpointer:
         if step == self.last_saved or step in self.manager.all_steps():
             return step
         tensors = describe({"params": state.params, "opt_state": state.opt_state})  # one pass, one compile
-        meta = meta | {"step": step, "saved_at": time.time(), "tensors": tensors}
+        counters = {"skipped": int(jax.device_get(state.skipped)), "streak": int(jax.device_get(state.streak))}
+        meta = meta | counters | {"step": step, "saved_at": time.time(), "tensors": tensors}
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -217,8 +222,14 @@ class Checkpointer:
                         "moved aside, restart the run to resume from the previous step"
                     ) from e
                 continue
-            step_arr = jax.device_put(np.int32(meta["step"]), abstract_state.step.sharding)
-            return Restored(TrainState(step_arr, items["params"], items["opt_state"]), meta)
+            scalar = lambda v, dtype=np.int32: jax.device_put(dtype(v), abstract_state.step.sharding)
+            counters = [
+                scalar(meta.get(k, 0)) for k in ("skipped", "streak")
+            ]  # 0 in checkpoints older than the counters
+            state = TrainState(
+                scalar(meta["step"]), items["params"], items["opt_state"], *counters, scalar(0, np.bool_)
+            )
+            return Restored(state, meta)
         return None
 
     def restore_params(self, abstract_params: dict, step: int | None = None) -> tuple[dict, dict]:

@@ -7,6 +7,10 @@ step on the whole batch (losses are summed and divided once by the token count).
 
 RNG: the dropout key of step n is fold_in(key(seed), n) (and of microbatch i, fold_in of that
 with i), so a resumed run draws the same bits without saving any RNG state.
+
+`gradients` is the one place gradients are computed; `make_grad_step` exposes it (jitted with the
+step's shardings) so tests compare raw gradients across layouts, before Adam and clipping could
+hide a constant factor on a leaf.
 """
 
 from __future__ import annotations
@@ -76,57 +80,103 @@ def _split_microbatches(batch: Batch, k: int, layout: Layout) -> Batch:
     return jax.tree.map(split, batch)
 
 
+def dropout_key(cfg: RunConfig, step: jax.Array | int) -> jax.Array | None:
+    """The dropout key of step `step` (None without dropout): fold_in(key(seed), step)."""
+    return jax.random.fold_in(jax.random.key(cfg.train.seed), step) if cfg.model.dropout > 0 else None
+
+
+def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, param_shardings: dict):
+    """(raw gradients, mean token loss, token count) of one global batch, before any optimizer.
+
+    The gradient is of the mean loss over every counted token of the batch. With k microbatches it
+    is accumulated in a `lax.scan` (microbatch i uses dropout key fold_in(key, i)) and divided once
+    by the whole batch's token count, so k microbatches give the gradient of the whole batch.
+    This is the one gradient path: the train step applies the optimizer to what it returns, and
+    the equivalence tests compare what it returns across layouts.
+    """
+    k = cfg.train.microbatches
+    grad_fn = jax.value_and_grad(lambda p, b, key: _loss_sum(p, b, cfg, layout, key), has_aux=True)
+    if k == 1:
+        (loss_sum, count), grads = grad_fn(params, batch, key)
+    else:
+
+        def accumulate(carry, xs):
+            g_acc, l_acc, c_acc = carry
+            mb, i = xs
+            mkey = None if key is None else jax.random.fold_in(key, i)
+            (loss_i, count_i), g = grad_fn(params, mb, mkey)
+            g_acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, g_acc, g), param_shardings)
+            return (g_acc, l_acc + loss_i, c_acc + count_i), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        micro = _split_microbatches(batch, k, layout)
+        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
+    return jax.tree.map(lambda g: g / count, grads), loss_sum / count, count
+
+
+def make_grad_step(cfg: RunConfig, layout: Layout, param_shardings: dict) -> Callable:
+    """`grads(params, batch, step) -> {"grads", "loss", "grad_norm"}` jitted with the train step's
+    shardings: exactly the gradients the train step would hand to the optimizer at `step`."""
+
+    def fn(params, batch, step):
+        grads, loss, _ = gradients(params, batch, dropout_key(cfg, step), cfg, layout, param_shardings)
+        return {"grads": grads, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    out = {"grads": param_shardings, "loss": layout.replicated(), "grad_norm": layout.replicated()}
+    return jax.jit(fn, in_shardings=(param_shardings, batch_sharding(layout), None), out_shardings=out)
+
+
 def make_train_step(
     cfg: RunConfig,
     layout: Layout,
     tx: optax.GradientTransformation,
     shardings: TrainState,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    k = cfg.train.microbatches
+    """The jitted train step. Non-finite steps follow `train.on_nonfinite` without a host sync:
+
+    - the update of a step whose loss or gradient norm is not finite is never applied;
+    - `skip`: the batch counts as consumed (`step` + 1, `skipped` + 1, `streak` + 1) and training
+      goes on, until more than `train.max_consecutive_skips` steps in a row are non-finite;
+    - `stop` (and a streak too long for `skip`): the state freezes at the last good step and
+      `halted` is set; every later step is a no-op until the host, at its next sync point, sees
+      `halted`, checkpoints the last good state and stops, naming the step.
+
+    So `step` is always the data position (batch n = f(seed, n)), `step - skipped` the number of
+    optimizer updates (optax's own count and the learning-rate schedule follow it), and a
+    checkpoint taken at any time resumes exactly.
+    """
     schedule = lr_schedule(cfg.optim, cfg.train.steps)
-    grad_fn = jax.value_and_grad(lambda p, b, key: _loss_sum(p, b, cfg, layout, key), has_aux=True)
-    base_key = jax.random.key(cfg.train.seed)
-    dropout_on = cfg.model.dropout > 0
+    allowed = cfg.train.max_consecutive_skips if cfg.train.on_nonfinite == "skip" else 0
 
     def step(state: TrainState, batch: Batch):
-        key = jax.random.fold_in(base_key, state.step) if dropout_on else None
-        if k == 1:
-            (loss_sum, count), grads = grad_fn(state.params, batch, key)
-        else:
-            micro = _split_microbatches(batch, k, layout)
-
-            def accumulate(carry, xs):
-                g_acc, l_acc, c_acc = carry
-                mb, i = xs
-                mkey = None if key is None else jax.random.fold_in(key, i)
-                (loss_i, count_i), g = grad_fn(state.params, mb, mkey)
-                g_acc = jax.tree.map(jnp.add, g_acc, g)
-                g_acc = jax.lax.with_sharding_constraint(g_acc, shardings.params)
-                return (g_acc, l_acc + loss_i, c_acc + count_i), None
-
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-            (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
-        grads = jax.tree.map(lambda g: g / count, grads)
-        loss = loss_sum / count
+        grads, loss, count = gradients(state.params, batch, dropout_key(cfg, state.step), cfg, layout, shardings.params)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        # A non-finite loss or gradient leaves the state untouched (the trainer then stops with a
-        # clear error), so the last good parameters are never overwritten by NaNs.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        running = jnp.logical_not(state.halted)
+        apply = running & finite
+        halt = running & ~finite & (state.streak >= allowed)
+        skip = running & ~finite & ~halt
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
         new_state = TrainState(
-            step=state.step + finite.astype(jnp.int32),
+            step=state.step + (apply | skip).astype(jnp.int32),
             params=keep(params, state.params),
             opt_state=keep(opt_state, state.opt_state),
+            skipped=state.skipped + skip.astype(jnp.int32),
+            streak=jnp.where(apply, 0, state.streak + skip.astype(jnp.int32)),
+            halted=state.halted | halt,
         )
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
-            "lr": schedule(state.step),
+            "lr": schedule(state.step - state.skipped),  # the rate this step's update used
             "tokens": count,
             "finite": finite,
+            "applied": apply,
+            "skipped": new_state.skipped,
+            "halted": new_state.halted,
         }
         return new_state, metrics
 

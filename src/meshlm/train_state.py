@@ -21,9 +21,12 @@ from meshlm.parallel.rules import Layout
 
 
 class TrainState(NamedTuple):
-    step: jax.Array  # int32 scalar: optimizer steps taken
+    step: jax.Array  # int32 scalar: batches consumed (the data position); updates = step - skipped
     params: dict  # fp32 master weights
     opt_state: Any  # optax state, sharded like params
+    skipped: jax.Array  # int32 scalar: steps whose non-finite update was skipped (on_nonfinite=skip)
+    streak: jax.Array  # int32 scalar: consecutive skipped steps up to `step`
+    halted: jax.Array  # bool scalar: a non-finite step stopped the run; the state is its last good one
 
 
 def param_shardings(specs: dict, layout: Layout) -> dict:
@@ -41,7 +44,8 @@ def state_shardings(specs: dict, layout: Layout, tx: optax.GradientTransformatio
         transform_non_params=lambda _: layout.replicated(),
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    return TrainState(step=layout.replicated(), params=params, opt_state=opt)
+    scalar = layout.replicated()
+    return TrainState(step=scalar, params=params, opt_state=opt, skipped=scalar, streak=scalar, halted=scalar)
 
 
 def init_state(specs: dict, layout: Layout, tx: optax.GradientTransformation, seed: int) -> TrainState:
@@ -49,7 +53,8 @@ def init_state(specs: dict, layout: Layout, tx: optax.GradientTransformation, se
 
     def _init(key: jax.Array) -> TrainState:
         params = init_params(specs, key)
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(zero, params, tx.init(params), zero, zero, jnp.zeros((), bool))
 
     shardings = state_shardings(specs, layout, tx)
     return jax.jit(_init, out_shardings=shardings)(jax.random.key(seed))

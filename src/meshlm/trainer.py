@@ -6,6 +6,7 @@ Everything numeric lives elsewhere (model, step, accounting); this file only wir
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -111,7 +112,10 @@ class RunResult:
     run_dir: Path
 
 
+@functools.cache
 def code_version() -> str:
+    """meshlm's version plus the git commit of its source tree, if it is a checkout (one git call
+    per process)."""
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -232,8 +236,9 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     abstract = abstract_state(specs, layout, tx)
     step_fn = make_train_step(cfg, layout, tx, shardings).lower(abstract, abstract_batch(cfg, layout)).compile()
     compile_s = time.time() - t0
-    peak, peak_source = hardware.peak_flops(cfg.model.dtype, cfg.parallel.n_devices)
-    log.peak_label = "CPU probe" if peak_source.startswith("CPU") else peak_source.split(" ")[0]
+    run_peak = hardware.peak_flops(cfg.model.dtype, cfg.parallel.n_devices)
+    peak, peak_source = run_peak.flops, run_peak.source
+    log.peak_label = run_peak.label
     report = startup_report(cfg, layout, abstract, shardings, step_fn, peak)
     log.print(
         f"meshlm {code_version()} | {cfg.model.family} | {tc.global_batch}x{tc.seq_len} tokens/step | "
@@ -310,7 +315,13 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
 
 
 class _Loop:
-    """The step loop with its logging, evaluation and checkpoint cadence."""
+    """The step loop with its logging, evaluation and checkpoint cadence.
+
+    The host reads the device only at sync points (logging, evaluation, checkpoint, the end); in
+    between it keeps each step's small metrics on the device, so at a sync point it learns about
+    every step since the last one - which were skipped as non-finite, and whether one halted the
+    run (`step.make_train_step` explains the contract) - without a per-step sync.
+    """
 
     def __init__(self, cfg, log, step_fn, eval_fn, bsharding, report, peak):
         self.cfg, self.log, self.step_fn, self.eval_fn, self.bsharding = cfg, log, step_fn, eval_fn, bsharding
@@ -326,24 +337,26 @@ class _Loop:
         tokens_per_s = mfu = 0.0
         loss = float("nan")
         val_loss = None
+        pending: list[tuple[int, dict]] = []  # (step, metrics) the host has not read yet
         for step in range(start, end):
             batch = process_batch(train_loader, step, self.bsharding)
             state, metrics = self.step_fn(state, batch)
+            pending.append((step + 1, metrics))
             last = step + 1 == tc.steps
             if step == start:  # warm-up: throughput is measured from the end of the first step
                 jax.block_until_ready(metrics)
                 t_last, step_last = time.time(), step + 1
             logged = (step + 1) % tc.log_every == 0 or last
+            evaluated = tc.eval_every and ((step + 1) % tc.eval_every == 0 or last)
+            saving = every and (step + 1) % every == 0 and not last
+            if logged or evaluated or saving or step + 1 == end:  # sync points: read every pending step
+                m = self._settle(state, pending, ckpt, identity)
+                pending = []
             if logged:
-                m = jax.device_get(metrics)
                 loss = float(m["loss"])
-                if not m["finite"] or int(state.step) != step + 1:
-                    raise TrainingError(
-                        f"non-finite loss or gradient at step {step + 1} (loss={loss}, "
-                        f"grad_norm={float(m['grad_norm'])}); the bad update was not applied. "
-                        "Lower optim.lr or optim.clip_norm, or use model.dtype=float32"
-                    )
                 record = {"step": step + 1, "loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"])}
+                if m["skipped"]:
+                    record["skipped"] = int(m["skipped"])
                 now = time.time()
                 n = step + 1 - step_last
                 if n > 0:  # the first step of an attempt compiles and warms up: no rate for it
@@ -354,18 +367,19 @@ class _Loop:
                     record |= {"tokens_per_s": tokens_per_s, "step_time_s": dt, "mfu": mfu, "hfu": hfu}
                     t_last, step_last = now, step + 1
                 self.log.log(record, eta_s=dt * (tc.steps - step - 1) if n > 0 else None)
-            if tc.eval_every and ((step + 1) % tc.eval_every == 0 or last):
+            if evaluated:
                 val_loss = evaluate(self.eval_fn, state.params, val_loader, tc.eval_batches, self.bsharding)
                 self.log.log({"step": step + 1, "val_loss": val_loss})
                 self.log.print(f"step {step + 1}: validation loss {val_loss:.4f}")
                 t_last = time.time()  # do not charge evaluation to training throughput
-            if every and (step + 1) % every == 0 and not last:
+            if saving:
                 ckpt.save(state, identity)  # returns once the arrays are off the devices
                 t_last = time.time()
             self.heartbeat.beat(step + 1, force=step == start)
             if jax.process_count() == 1 or logged:
                 self.stopped_by = _any_process(stop.signum)
             if self.stopped_by is not None:
+                self._settle(state, pending, ckpt, identity)  # never checkpoint a halted run as preempted
                 self.log.print(f"{signal.Signals(self.stopped_by).name} at step {step + 1}: saving a checkpoint")
                 break
         result = {
@@ -376,3 +390,38 @@ class _Loop:
             "mfu": mfu,
         }
         return state, result
+
+    def _settle(self, state, pending, ckpt, identity) -> dict | None:
+        """Read the pending steps' metrics; report skipped steps; on a halted run, checkpoint its
+        last good state and raise TrainingError naming the step. Returns the newest metrics."""
+        if not pending:
+            return None
+        got = jax.device_get([m for _, m in pending])
+        for n, m in zip([n for n, _ in pending], got, strict=True):
+            if m["halted"]:
+                self._halt(state, n, m, ckpt, identity)
+            if not m["applied"]:
+                self.log.print(
+                    f"step {n}: non-finite loss ({float(m['loss'])}) or gradient norm ({float(m['grad_norm'])}); "
+                    f"update skipped ({int(m['skipped'])} skipped so far)"
+                )
+                nonfinite = {"loss": str(float(m["loss"])), "grad_norm": str(float(m["grad_norm"]))}
+                self.log.log({"event": "skipped", "step": n, "skipped": int(m["skipped"])} | nonfinite)
+        return got[-1]
+
+    def _halt(self, state, n: int, m: dict, ckpt, identity) -> None:
+        ckpt.save(state, identity)  # the frozen state: exactly the state after step n - 1
+        ckpt.wait()
+        tc = self.cfg.train
+        where = f"the update was not applied; the state of step {n - 1} is checkpointed in {ckpt.directory}"
+        values = f"loss={float(m['loss'])}, grad_norm={float(m['grad_norm'])}"
+        if tc.on_nonfinite == "skip":
+            k = tc.max_consecutive_skips
+            raise TrainingError(
+                f"{k + 1} consecutive non-finite steps ({n - k}..{n}; train.max_consecutive_skips={k}); at step {n}: "
+                f"{values}; {where}. Lower optim.lr or optim.clip_norm, or check the data at these steps"
+            )
+        raise TrainingError(
+            f"non-finite loss or gradient at step {n} ({values}); {where}. Lower optim.lr or "
+            "optim.clip_norm, or use model.dtype=float32, then rerun to resume; or set train.on_nonfinite=skip"
+        )

@@ -1,0 +1,188 @@
+"""The non-finite step contract (`train.on_nonfinite`): a NaN batch injected at a chosen step is
+never applied; `stop` halts at it, names it and checkpoints the last good state; `skip` skips it
+(counted), keeps the data position and the optimizer step consistent, and stops after too many in
+a row; checkpoints taken around it resume exactly."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import build, logged_losses, random_batches, tiny_config
+from meshlm import step as step_module
+from meshlm import trainer
+from meshlm.checkpoint import Checkpointer
+from meshlm.config import CheckpointConfig, DataConfig, validate
+from meshlm.trainer import TrainingError, train
+
+POISON = 7  # a token id; a batch whose row 0 starts with it has a NaN loss
+
+
+@pytest.fixture
+def poisonable(monkeypatch):
+    """The loss of a batch whose first token is POISON is NaN (data-driven, so a resumed run
+    meets it at the same step)."""
+    real = step_module._loss_sum
+
+    def loss_sum(params, batch, cfg, layout, key):
+        total, count = real(params, batch, cfg, layout, key)
+        return jnp.where(batch["inputs"][0, 0] == POISON, jnp.nan, total), count
+
+    monkeypatch.setattr(step_module, "_loss_sum", loss_sum)
+
+
+def _batches(cfg, n, poisoned):
+    out = random_batches(cfg, n, seed=2)
+    for b in out:
+        b["inputs"][0, 0] = (POISON + 1) % cfg.model.vocab_size
+    for i in poisoned:
+        out[i]["inputs"][0, 0] = POISON
+    return out
+
+
+def _run(cfg, batches):
+    layout, _, tx, shardings, state = build(cfg)
+    fn = step_module.make_train_step(cfg, layout, tx, shardings)
+    states, metrics = [], []
+    for b in batches:
+        state, m = fn(state, b)
+        states.append(jax.device_get(state))
+        metrics.append(jax.device_get(m))
+    return states, metrics
+
+
+def _same_params(a, b) -> bool:
+    return all(jax.tree.leaves(jax.tree.map(np.array_equal, a.params, b.params)))
+
+
+def test_stop_freezes_the_state_at_the_last_good_step(poisonable, devices):
+    cfg = tiny_config("gpt", dict(data=2, tensor=4, sequence_parallel=True))
+    states, metrics = _run(cfg, _batches(cfg, 4, poisoned=[1]))
+    assert [int(s.step) for s in states] == [1, 1, 1, 1]  # nothing after the bad step is consumed
+    assert [bool(s.halted) for s in states] == [False, True, True, True]
+    assert [bool(m["applied"]) for m in metrics] == [True, False, False, False]
+    assert all(_same_params(s, states[0]) for s in states[1:])
+    assert np.isnan(metrics[1]["loss"]) and np.isfinite(metrics[2]["loss"])  # later steps run, unapplied
+
+
+def test_skip_keeps_data_position_and_optimizer_step_consistent(poisonable, devices):
+    """skip with max_consecutive_skips=1: bad steps 2, 4 and 5 (1-based); 2 and 4 are skipped,
+    5 is the second in a row and halts. Adam's own step count is always step - skipped."""
+    cfg = tiny_config("llama", dict(fsdp=2, tensor=4), steps=6)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, on_nonfinite="skip", max_consecutive_skips=1))
+    states, metrics = _run(cfg, _batches(cfg, 6, poisoned=[1, 3, 4]))
+    assert [int(s.step) for s in states] == [1, 2, 3, 4, 4, 4]
+    assert [int(s.skipped) for s in states] == [0, 1, 1, 2, 2, 2]
+    assert [int(s.streak) for s in states] == [0, 1, 0, 1, 1, 1]
+    assert [bool(s.halted) for s in states] == [False, False, False, False, True, True]
+    assert _same_params(states[1], states[0]) and not _same_params(states[2], states[1])
+    assert _same_params(states[3], states[2]) and _same_params(states[4], states[3])
+    for s in states:
+        adam_count = int(s.opt_state[1][0].count)
+        assert adam_count == int(s.step) - int(s.skipped)
+    # the learning rate a step reports is the one its update used: the schedule follows updates
+    schedule = step_module.lr_schedule(cfg.optim, cfg.train.steps)
+    assert metrics[2]["lr"] == pytest.approx(float(schedule(1)))  # third batch, second update
+
+
+# ----------------------------------------------------------------------------- via the trainer
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    rng = np.random.default_rng(5)
+    words = ["alpha", "beta", "gamma", "delta", "mesh", "shard", "token", "layer", "device", "batch"]
+    for i in range(24):
+        (root / f"{i}.txt").write_text("\n".join(" ".join(rng.choice(words, 9)) for _ in range(50)))
+    return root
+
+
+def _cfg(corpus, cache, on_nonfinite="stop", **train_kw):
+    cfg = tiny_config("gpt", dict(data=2, tensor=2), steps=12, log_every=5, eval_every=0, seq_len=32)
+    return validate(
+        dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, vocab_size=320),
+            train=dataclasses.replace(cfg.train, on_nonfinite=on_nonfinite, **train_kw),
+            data=DataConfig(paths=(str(corpus),), cache_dir=str(cache)),
+            checkpoint=CheckpointConfig(every=4, keep=10),
+        )
+    )
+
+
+@pytest.fixture
+def poison_steps(monkeypatch, poisonable):
+    """Steps (0-based batch index) whose batch the trainer feeds with POISON first."""
+    steps: set[int] = set()
+    real = trainer.process_batch
+
+    def process_batch(loader, step, sharding):
+        b = real(loader, step, sharding)
+        first = POISON if step in steps else (POISON + 1)
+        return b | {"inputs": jax.device_put(b["inputs"].at[0, 0].set(first), sharding)}
+
+    monkeypatch.setattr(trainer, "process_batch", process_batch)
+    return steps
+
+
+def _state(cfg, run_dir):
+    from meshlm.parallel.mesh import make_layout
+    from meshlm.train_state import abstract_state, setup
+
+    layout = make_layout(cfg.parallel)
+    specs, tx, _ = setup(cfg, layout)
+    ck = Checkpointer(run_dir / "checkpoints", CheckpointConfig(), read_only=True)
+    return ck.steps(), ck.restore_latest(abstract_state(specs, layout, tx))
+
+
+@pytest.mark.slow
+def test_stop_names_the_step_checkpoints_the_last_good_state_and_resumes_exactly(corpus, tmp_path, poison_steps):
+    cfg = _cfg(corpus, tmp_path / "cache")
+    train(cfg, tmp_path / "ref", quiet=True)  # no poison: the reference run
+
+    poison_steps.add(6)  # the 7th step
+    with pytest.raises(TrainingError, match=r"non-finite loss or gradient at step 7 \(loss=nan") as e:
+        train(cfg, tmp_path / "a", quiet=True)
+    assert "the state of step 6 is checkpointed" in str(e.value)
+    saved, restored = _state(cfg, tmp_path / "a")
+    assert saved == [4, 6] and int(restored.state.step) == 6  # halted before the periodic save at 8
+
+    poison_steps.clear()  # the data is fixed: rerun the same command
+    train(cfg, tmp_path / "a", quiet=True)
+    assert logged_losses(tmp_path / "a") == logged_losses(tmp_path / "ref")
+    ref, got = _state(cfg, tmp_path / "ref")[1], _state(cfg, tmp_path / "a")[1]
+    assert int(got.state.step) == 12 and _same_params(got.state, ref.state)
+
+
+@pytest.mark.slow
+def test_skip_is_counted_checkpointed_and_resumes_exactly(corpus, tmp_path, poison_steps):
+    cfg = _cfg(corpus, tmp_path / "cache", on_nonfinite="skip")
+    poison_steps.add(6)
+    train(cfg, tmp_path / "ref", quiet=True)  # uninterrupted, with the skip
+    train(cfg, tmp_path / "a", quiet=True, stop_after=9)  # checkpoints 4, 8, 9
+    saved, restored = _state(cfg, tmp_path / "a")
+    assert saved == [4, 8, 9] and restored.meta["skipped"] == 1 and int(restored.state.skipped) == 1
+    train(cfg, tmp_path / "a", quiet=True)
+    assert logged_losses(tmp_path / "a") == logged_losses(tmp_path / "ref")
+    ref, got = _state(cfg, tmp_path / "ref")[1], _state(cfg, tmp_path / "a")[1]
+    assert int(got.state.step) == 12 and int(got.state.skipped) == 1 and _same_params(got.state, ref.state)
+    assert int(got.state.opt_state[1][0].count) == 11  # 12 batches, 11 updates
+    events = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r for r in events if r.get("event") == "skipped"]
+    assert [(r["step"], r["skipped"], r["loss"]) for r in skipped] == [(7, 1, "nan")]
+    assert {r["step"]: r.get("skipped", 0) for r in events if "loss" in r and "event" not in r}[10] == 1
+
+
+def test_too_many_consecutive_skips_stop(corpus, tmp_path, poison_steps):
+    cfg = _cfg(corpus, tmp_path / "cache", on_nonfinite="skip", max_consecutive_skips=2)
+    poison_steps.update({2, 3, 4})  # steps 3, 4, 5: the third in a row halts
+    with pytest.raises(
+        TrainingError, match=r"3 consecutive non-finite steps \(3\.\.5; train.max_consecutive_skips=2\)"
+    ):
+        train(cfg, tmp_path / "a", quiet=True)
+    _, restored = _state(cfg, tmp_path / "a")
+    assert int(restored.state.step) == 4 and int(restored.state.skipped) == 2  # 3 and 4 skipped, 5 not consumed

@@ -9,17 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import MESHES, random_batches, run_steps, tiny_config
+from helpers import tiny_config
 from meshlm import axes as ax
 from meshlm import hlo
 from meshlm.config import ConfigError, ModelConfig, ParallelConfig, validate
 from meshlm.model import layers
 from meshlm.model.loss import cross_entropy_sum
-from meshlm.model.params import abstract_params, init_params, param_specs
+from meshlm.model.params import abstract_params, param_specs
 from meshlm.model.transformer import RESIDUAL, forward, gpt_block, llama_block
 from meshlm.parallel import remat
 from meshlm.parallel.mesh import make_layout
-from meshlm.parallel.remat import POLICIES
 from meshlm.train_state import param_shardings
 
 
@@ -27,36 +26,7 @@ def _sp(cfg, on=True):
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=on))
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-@pytest.mark.parametrize("mesh", ["data2_tensor4", "fsdp2_tensor4"])
-def test_sp_training_equals_tp_training(family, mesh, devices):
-    cfg = tiny_config(family, MESHES[mesh])  # gpt: dropout 0.1 in every region, SP ones included
-    batches = random_batches(cfg, 3)
-    ref_losses, ref_params, _ = run_steps(cfg, batches)
-    losses, params, _ = run_steps(_sp(cfg), batches)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, ref_params)
-
-
-@pytest.mark.parametrize("policy", list(POLICIES))
-def test_every_policy_with_sp_gives_the_reference_gradients(policy, devices):
-    """Recomputation under SP replays the same dropout masks: gradients equal the TP/no-remat ones."""
-    cfg = tiny_config("gpt", MESHES["data2_tensor4"])
-    batch = {k: jnp.asarray(v) for k, v in random_batches(cfg, 1)[0].items()}
-    specs = param_specs(cfg.model)
-    params = jax.jit(lambda k: init_params(specs, k))(jax.random.key(0))
-
-    def grads(layout, pol):
-        def loss(p):
-            logits = forward(p, batch["inputs"], cfg.model, layout, key=jax.random.key(3), remat_policy=pol)
-            total, count = cross_entropy_sum(logits, batch["targets"])
-            return total / count
-
-        return jax.jit(jax.grad(loss))(params)
-
-    ref = grads(make_layout(cfg.parallel), "none")
-    got = grads(make_layout(_sp(cfg).parallel), policy)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), got, ref)
+# SP and every remat policy under SP give the one-device gradients: tests/test_gradients.py.
 
 
 @pytest.mark.parametrize("block", [gpt_block, llama_block])

@@ -28,6 +28,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         (["--set", "train.steps=many"], "TrainConfig.steps expects an integer, got 'many'"),
         (["--set", "data.paths=/definitely/missing", "--steps", "1"], "data path not found: /definitely/missing"),
         (["--mesh", "data=4", "--devices", "2"], "needs 4 devices but 2 are available"),
+        (["--init-from", "/definitely/missing/run", "--steps", "1"], "--init-from path not found"),
     ],
 )
 def test_bad_input_gives_one_clear_line(args, message, tmp_path):

@@ -237,6 +237,23 @@ def test_bad_jsonl_is_a_clear_error(tmp_path, capsys, content, message):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))  # nothing half-written
 
 
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("weights.bin", bytes(range(256)) * 64, "weights.bin: not a text file (contains NUL bytes)"),
+        ("notes.txt", np.random.default_rng(0).integers(128, 256, 4000, dtype=np.uint8).tobytes(), "not valid UTF-8"),
+    ],
+)
+def test_binary_input_is_refused_naming_the_file(tmp_path, capsys, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    (tmp_path / "real.txt").write_text("plain text, " * 100)
+    assert (
+        _prepare_cli([str(tmp_path / "real.txt"), str(tmp_path / name)], tmp_path / "out", "--vocab-size", "300") == 2
+    )
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_parquet_missing_column_and_empty_corpus(mixed_inputs, tmp_path, capsys):
     from meshlm.cli import main
 

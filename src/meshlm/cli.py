@@ -13,10 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from meshlm.config import ConfigError, RunConfig, apply_overrides, parse_mesh
+from meshlm.config import EXIT_CONFIG, ConfigError, RunConfig, apply_overrides, parse_mesh
+from meshlm.hardware import ACCELERATORS  # a jax-free table
 
-EXIT_CONFIG, EXIT_TRAINING = 2, 1
-DEVICE_KINDS = ("a100", "h100", "h200", "tpu-v4", "tpu-v5p")  # meshlm.plan.DEVICES (jax-free here)
+EXIT_TRAINING = 1
 
 
 def parse_bytes(text: str) -> float:
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--recipe", default="tiny")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     plan.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
-    plan.add_argument("--device", default="a100", help="device kind: " + ", ".join(DEVICE_KINDS))
+    plan.add_argument("--device", default="a100", help="device kind: " + ", ".join(ACCELERATORS))
     plan.add_argument("--device-memory", help="memory per device, e.g. 80GiB (default: the device kind's)")
     plan.add_argument("--top", type=int, default=10, help="feasible plans to show")
     plan.add_argument("--verify", action="store_true", help="compile the best plan (2 layers) on simulated devices")
@@ -170,6 +170,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
+    if args.init_from:  # a wrong path is bad input: say so now, not after preparing the data
+        from meshlm.checkpoint import resolve_checkpoint
+
+        resolve_checkpoint(args.init_from)
     from meshlm.parallel.mesh import init_distributed, process_group
 
     group = process_group(args.coordinator, args.num_processes, args.process_id, args.distributed, args.init_timeout)
@@ -243,8 +247,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    if args.device not in DEVICE_KINDS:
-        raise ConfigError(f"unknown device kind {args.device!r}; choose from {', '.join(DEVICE_KINDS)}")
+    if args.device not in ACCELERATORS:
+        raise ConfigError(f"unknown device kind {args.device!r}; choose from {', '.join(ACCELERATORS)}")
     if args.devices < 1:
         raise ConfigError("--devices must be >= 1")
     limit = parse_bytes(args.device_memory) if args.device_memory else None
@@ -254,7 +258,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _set_device_count(min(args.devices, 8) if args.verify else 1, explicit=True)
     from meshlm import plan as planner
 
-    device = planner.DEVICES[args.device]
+    device = ACCELERATORS[args.device]
     limit = device.memory if limit is None else limit
     plans = planner.enumerate_plans(cfg, args.devices, device, limit)
     feasible = [p for p in plans if not p.rejected]
@@ -361,10 +365,22 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_launch(args: argparse.Namespace) -> int:
-    from meshlm.launch import Supervisor, plan_launch
+def launch_plan(train_args: list[str], processes: int, devices_per_process: int | None) -> tuple[list[str], Path]:
+    """Parse the train command `meshlm launch` will run and check it against the group size."""
+    from meshlm.launch import plan_launch
 
-    train_args, run_dir = plan_launch(args.train_args, args.processes, args.devices_per_process)
+    if not train_args or train_args[0] != "train":
+        raise ConfigError("meshlm launch runs a train command: meshlm launch --processes N -- train [options]")
+    parsed = build_parser().parse_args(train_args)
+    return plan_launch(
+        train_args, resolve_config(parsed), parsed.run_dir, parsed.recipe, processes, devices_per_process
+    )
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from meshlm.launch import Supervisor
+
+    train_args, run_dir = launch_plan(args.train_args, args.processes, args.devices_per_process)
     if args.max_restarts < 0 or args.hang_timeout <= 0:
         raise ConfigError("--max-restarts must be >= 0 and --hang-timeout > 0")
     options = dict(max_restarts=args.max_restarts, hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout)

@@ -97,6 +97,20 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
                 yield str(value)
 
 
+def read_text(path: Path) -> str:
+    """One text file as a document. Binary input (a NUL byte, or more than 1 in 20 characters not
+    valid UTF-8) is refused, naming the file: tokenizing it would make a data set of noise."""
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    if b"\x00" in raw or bad > 0.05 * max(1, len(text)):
+        why = "contains NUL bytes" if b"\x00" in raw else f"{bad} of {len(text)} characters are not valid UTF-8"
+        raise ConfigError(
+            f"{path}: not a text file ({why}); give UTF-8 text, JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet) files"
+        )
+    return text
+
+
 def iter_documents(files: list[Path], field: str = "text", max_bytes: int = 0) -> Iterator[str]:
     """Non-blank documents of `files` in order, UTF-8 (undecodable bytes replaced); stops after
     `max_bytes` of text when it is > 0."""
@@ -108,7 +122,7 @@ def iter_documents(files: list[Path], field: str = "text", max_bytes: int = 0) -
         elif k == "parquet":
             docs = _parquet(f, field)
         else:
-            docs = iter([f.read_bytes().decode("utf-8", errors="replace")])
+            docs = iter([read_text(f)])
         for text in docs:
             raw = text.encode("utf-8")
             if max_bytes and len(raw) > max_bytes - total:  # cut at the cap, never inside a character

@@ -32,8 +32,8 @@ from meshlm.parallel.mesh import make_layout
 from meshlm.train_state import param_shardings
 
 VARIANTS = [  # (name, sequence parallel, remat policy)
-    ("baseline (TP, no recompute)", False, "none"),
-    ("sequence parallelism", True, "none"),
+    ("baseline (TP, no recompute)", False, "elementwise"),
+    ("sequence parallelism", True, "elementwise"),
     ("full recompute", False, "full"),
     ("selective recompute", False, "selective"),
     ("selective + sequence parallelism", True, "selective"),

@@ -28,8 +28,8 @@ from meshlm.parallel.mesh import make_layout
 
 GiB = 2**30
 ROWS = [  # (label, sequence parallel, policy, what P2's text says of this bar of Figure 7)
-    ("tensor parallel", False, "none", "100% (baseline)"),
-    ("tensor + sequence parallel", True, "none", "about half"),
+    ("tensor parallel", False, "elementwise", "100% (baseline)"),
+    ("tensor + sequence parallel", True, "elementwise", "about half"),
     ("tensor parallel + selective", False, "selective", "about half"),
     ("tensor + sequence parallel + selective", True, "selective", "under 20%"),
     ("full recompute", False, "full", "about 10%"),

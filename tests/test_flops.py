@@ -74,13 +74,13 @@ def _lowered_dot_flops(stablehlo: str) -> int:
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
-@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+@pytest.mark.parametrize("policy", ["elementwise", "selective", "full"])
 def test_gemm_flops_match_the_programs(family, policy):
     """One layer (a scan body appears once in program text), one microbatch, GQA for llama.
 
     Lowered (JAX's program): exactly hardware FLOPs + 4*B*s*v - the one-hot contraction that picks
     the target logit (forward and backward) is a dot there. Compiled (XLA's program): XLA turns that
-    contraction into a reduction, so none/full match hardware FLOPs exactly; for selective, XLA may
+    contraction into a reduction, so elementwise/full match hardware FLOPs exactly; for selective, XLA may
     merge the recomputed QK^T with the forward one in a one-layer program, so it lies between model
     and hardware FLOPs. XLA's own cost_analysis adds the non-GEMM work (a few percent)."""
     cfg, lowered, compiled = _step_programs(family, policy)

@@ -23,9 +23,9 @@ SBH = S * B * H
 
 # P2 Table 2, per layer, in units of sbh bytes.
 TABLE2 = {
-    "no parallelism": (1, False, "none", 34 + 5 * A * S / H),
-    "tensor parallel": (T, False, "none", 10 + 24 / T + 5 * A * S / (H * T)),
-    "tensor + sequence parallel": (T, True, "none", 34 / T + 5 * A * S / (H * T)),
+    "no parallelism": (1, False, "elementwise", 34 + 5 * A * S / H),
+    "tensor parallel": (T, False, "elementwise", 10 + 24 / T + 5 * A * S / (H * T)),
+    "tensor + sequence parallel": (T, True, "elementwise", 34 / T + 5 * A * S / (H * T)),
     "tensor parallel + selective": (T, False, "selective", 10 + 24 / T),
     "tensor + sequence + selective": (T, True, "selective", 34 / T),
     "full recompute": (T, False, "full", 2),
@@ -139,7 +139,7 @@ def test_outside_terms_match_p2_section_4_3():
 
 
 def test_fused_attention_drops_the_score_terms():
-    cfg = paper_config(1, T, False, "none")
+    cfg = paper_config(1, T, False, "elementwise")
     fused = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="fused", dropout=0.0))
     terms = accounting.activation_memory(fused)["per_layer"]
     assert "attn_probs" not in terms and terms["attn_logsumexp"] == 4 * S * B * A / T

@@ -43,7 +43,7 @@ def test_paper_layouts_fit_only_with_sp_and_selective(name):
         )
         return not planner.estimate(cfg, a100, pipeline=p, interleave=m, bytes_per_param=18).rejected
 
-    assert not fits(False, "none")
+    assert not fits(False, "elementwise")
     assert fits(True, "selective")
 
 

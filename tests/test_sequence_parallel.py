@@ -46,7 +46,7 @@ def test_layer_collectives_are_the_papers(block, devices):
 
         def loss(x, p, layout=layout):
             p = jax.tree.map(lambda w: w[0].astype(jnp.bfloat16), p)
-            return jnp.sum(block(x, p, None, model, layout, "none").astype(jnp.float32) ** 2)
+            return jnp.sum(block(x, p, None, model, layout, "elementwise").astype(jnp.float32) ** 2)
 
         in_sh = (layout.sharding(RESIDUAL), param_shardings(specs, layout)["layers"])
         fn = jax.jit(jax.grad(loss, argnums=(0, 1)), in_shardings=in_sh)
@@ -108,5 +108,5 @@ def test_sp_config_checks():
 
 def test_layer_wrapping_is_identity_for_policies_without_a_layer_rule():
     f = lambda x: x
-    assert remat.wrap_layer(f, "none") is f and remat.wrap_layer(f, "selective") is f
+    assert remat.wrap_layer(f, "elementwise") is f and remat.wrap_layer(f, "selective") is f
     assert remat.wrap_layer(f, "full") is not f

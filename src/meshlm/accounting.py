@@ -65,7 +65,7 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
       (4*B*s^2*h); attention-over-V's output is not needed by backward, so it is not recomputed.
     - full: the layer's forward GEMMs except the last MLP projection, whose output only feeds the
       residual add and is needed by nothing in backward.
-    - dots / offload: matmul outputs are kept, nothing is recomputed; none: nothing.
+    - dots / offload: matmul outputs are kept, no GEMM is recomputed; elementwise: none.
     """
     m, t = cfg.model, cfg.train
     terms = layer_forward_flops_per_token(m, t.seq_len)
@@ -106,7 +106,7 @@ def utilisation(flops_per_step: float, step_time_s: float, peak_flops_per_s: flo
 # P2 section 4: bytes of forward tensors kept for the backward pass, per device. Each term is named
 # after the tensor it is, so a report can say which part is large. With the `gpt` family in P2's
 # setting (bf16, dropout on, explicit softmax) the per-layer sum is exactly Table 2:
-#   none: sbh(34 + 5as/h)            TP: sbh(10 + 24/t + 5as/(ht))      TP+SP: sbh(34 + 5as/h)/t
+#   elementwise: sbh(34 + 5as/h)     TP: sbh(10 + 24/t + 5as/(ht))      TP+SP: sbh(34 + 5as/h)/t
 #   TP+selective: sbh(10 + 24/t)     TP+SP+selective: 34sbh/t           full: 2sbh (2sbh/t with SP)
 # and it extends term by term to GQA (smaller K and V), SwiGLU (gate, up and down-projection input
 # instead of GeLU input and FC2 input), no dropout (no masks, probabilities kept once) and fused
@@ -125,7 +125,7 @@ def layer_activation_terms(
     micro_batch: int,
     tensor: int = 1,
     sequence_parallel: bool = False,
-    policy: str = "none",
+    policy: str = "elementwise",
 ) -> dict[str, float]:
     """Bytes per device of one layer's stored activations, by tensor. `micro_batch` is per device
     (P2's b); `tensor` is t; the LayerNorm/dropout/residual regions are split by t only under SP."""

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     bench.add_argument("--devices", type=int, default=8, help="simulated CPU devices (each layout uses all)")
     bench.add_argument("--layouts", help="';'-separated meshes, '+sp' for sequence parallelism (default: a sweep)")
-    bench.add_argument("--policies", default="none,selective,full")
+    bench.add_argument("--policies", default="elementwise,selective,full")
     bench.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     bench.add_argument("--run-dir", help="output directory (default: runs/bench-<time>)")
     sub.add_parser("recipes", help="list the named recipes")

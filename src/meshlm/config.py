@@ -22,7 +22,7 @@ RopeScaling = Literal["none", "llama3"]
 OnNonFinite = Literal["stop", "skip"]
 # Recomputation policies: the names are owned here, their meaning by meshlm.parallel.remat.POLICIES
 # (a test keeps the two equal), so validating a config imports no JAX.
-RematPolicy = Literal["none", "selective", "full", "dots", "offload"]
+RematPolicy = Literal["elementwise", "selective", "full", "dots", "offload"]
 
 
 class ConfigError(ValueError):
@@ -48,7 +48,8 @@ class ModelConfig:
     dropout: float = 0.0  # gpt only: embedding, attention probabilities, attention out, MLP out
     dtype: DType = "float32"  # compute (activation) dtype; parameters are always fp32 masters
     # "explicit": softmax(QK^T)V with the score matrix materialised (the papers' assumption);
-    # "fused": jax.nn.dot_product_attention (cuDNN flash attention on GPUs, no stored scores there)
+    # "fused": jax.nn.dot_product_attention with no implementation chosen; on XLA's path (CPU; GPU
+    # without cuDNN) it keeps the fp32 score matrix, which the memory formula does not count yet
     attention: Attention = "explicit"
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -111,7 +112,7 @@ class ParallelConfig:
 class RematConfig:
     """Activation recomputation policy: what each name keeps is in `meshlm.parallel.remat.POLICIES`."""
 
-    policy: RematPolicy = "none"
+    policy: RematPolicy = "elementwise"
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,7 @@ def enumerate_plans(
     n_devices: int,
     device: Accelerator,
     memory_limit: float | None = None,
-    policies: tuple[str, ...] = ("none", "selective", "full"),
+    policies: tuple[str, ...] = ("elementwise", "selective", "full"),
 ) -> list[Plan]:
     """Every layout x SP x policy x microbatch count, feasible ones first (fastest first), then the
     rejected ones with their reason."""

@@ -49,7 +49,7 @@ def abstract_batch(cfg: RunConfig, layout: Layout) -> Batch:
     return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(layout)) for k in keys}
 
 
-def _forward(params, batch: Batch, cfg: RunConfig, layout: Layout, key=None, remat_policy: str = "none"):
+def _forward(params, batch: Batch, cfg: RunConfig, layout: Layout, key=None, remat_policy: str = "elementwise"):
     return forward(
         params,
         batch["inputs"],

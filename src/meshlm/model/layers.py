@@ -1,9 +1,10 @@
 """Pure math of a decoder layer: no parameters are created here and no mesh is known.
 
-What each function keeps for the backward pass is chosen to match P2's accounting (section 4.1):
-norms keep only their input, GeLU/SwiGLU only their input(s), softmax only its output, dropout a
-1-byte mask. Wrapping a function in `jax.checkpoint` is how "keep only the inputs, recompute the
-rest" is said in JAX; the recomputation is element-wise work, never a GEMM.
+What the attention core and dropout keep for the backward pass is chosen here to match P2's
+accounting (section 4.1): softmax keeps only its output, dropout a 1-byte mask (custom VJPs below).
+Norms and GeLU/SwiGLU keep only their input(s) when the model wraps them in `jax.checkpoint`, as
+every policy of `meshlm.parallel.remat` does (`RematPolicy.elementwise`): their backward pass then
+recomputes element-wise work from the input, never a GEMM - what Megatron's fused kernels do.
 
 Shape legend (einsum letters): b batch, t query positions, s key positions, d d_model,
 n query heads, k kv heads, g query heads per kv head (n = k*g), h head_dim, f d_ff.
@@ -18,9 +19,8 @@ import jax
 import jax.numpy as jnp
 
 
-@partial(jax.checkpoint, static_argnums=(3,))
 def layer_norm(x_btd: jax.Array, scale_d: jax.Array, bias_d: jax.Array, eps: float) -> jax.Array:
-    """LayerNorm with statistics in fp32; output in x's dtype. Keeps only x for backward."""
+    """LayerNorm with statistics in fp32; output in x's dtype."""
     x = x_btd.astype(jnp.float32)
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
@@ -28,22 +28,19 @@ def layer_norm(x_btd: jax.Array, scale_d: jax.Array, bias_d: jax.Array, eps: flo
     return (y * scale_d.astype(jnp.float32) + bias_d.astype(jnp.float32)).astype(x_btd.dtype)
 
 
-@partial(jax.checkpoint, static_argnums=(2,))
 def rms_norm(x_btd: jax.Array, scale_d: jax.Array, eps: float) -> jax.Array:
     x = x_btd.astype(jnp.float32)
     y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + eps)
     return (y * scale_d.astype(jnp.float32)).astype(x_btd.dtype)
 
 
-@jax.checkpoint
 def gelu(x: jax.Array) -> jax.Array:
-    """GPT-2's tanh-approximate GeLU ("gelu_new" in Hugging Face). Keeps only its input."""
+    """GPT-2's tanh-approximate GeLU ("gelu_new" in Hugging Face)."""
     return jax.nn.gelu(x, approximate=True)
 
 
-@jax.checkpoint
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) * up. Keeps only gate and up."""
+    """silu(gate) * up."""
     return jax.nn.silu(gate) * up
 
 
@@ -181,7 +178,8 @@ def causal_attention(
 def fused_attention(
     q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bt: jax.Array | None = None
 ) -> jax.Array:
-    """`jax.nn.dot_product_attention`: cuDNN flash attention on GPUs (no stored score matrix),
-    XLA's own lowering elsewhere."""
+    """`jax.nn.dot_product_attention` with no implementation chosen: XLA's own lowering, which
+    builds (and, for backward, keeps) the fp32 score matrix; cuDNN's flash kernel only where JAX
+    picks it. The memory formula's `fused` terms assume the flash kernel (docs/memory.md)."""
     mask = None if segment_ids_bt is None else same_document(segment_ids_bt)[:, :, 0]  # [b, 1, t, s]
     return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask, is_causal=True)

@@ -91,25 +91,27 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
 def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None):
     """Pre-LN GPT layer (P2 Fig. 2): LN -> attention -> dropout -> +x; LN -> GeLU MLP -> dropout -> +x."""
     rate = cfg.dropout
-    h = layers.layer_norm(x_btd, p["ln1_scale"], p["ln1_bias"], cfg.norm_eps)
+    norm = remat.wrap_elementwise(partial(layers.layer_norm, eps=cfg.norm_eps), remat_policy)
+    h = norm(x_btd, p["ln1_scale"], p["ln1_bias"])
     o = _attention(h, p, key, cfg, layout, remat_policy, segments) + p["bo"]
     x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _ATTN_OUT)), RESIDUAL)
 
-    h = layers.layer_norm(x_btd, p["ln2_scale"], p["ln2_bias"], cfg.norm_eps)
+    h = norm(x_btd, p["ln2_scale"], p["ln2_bias"])
     fc1 = lambda h, w, b: (jnp.einsum("btd,df->btf", h, w) + b,)
     axes = weight_axes(cfg)
     (f,) = column_parallel(layout, fc1, h, [p["w_fc"], p["b_fc"]], [axes["w_fc"], axes["b_fc"]], (MLP_ACT,), RESIDUAL)
-    f = layers.gelu(f)
+    f = remat.wrap_elementwise(layers.gelu, remat_policy)(f)
     o = row_parallel(layout, "btf,fd->btd", f, p["w_proj"], MLP_ACT, axes["w_proj"], RESIDUAL) + p["b_proj"]
     return constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _MLP_OUT)), RESIDUAL)
 
 
 def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None):
     """Llama layer: RMSNorm -> GQA attention with RoPE -> +x; RMSNorm -> SwiGLU -> +x."""
-    h = layers.rms_norm(x_btd, p["attn_norm"], cfg.norm_eps)
+    norm = remat.wrap_elementwise(partial(layers.rms_norm, eps=cfg.norm_eps), remat_policy)
+    h = norm(x_btd, p["attn_norm"])
     x_btd = constrain(layout, x_btd + _attention(h, p, key, cfg, layout, remat_policy, segments), RESIDUAL)
 
-    h = layers.rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps)
+    h = norm(x_btd, p["mlp_norm"])
     gate, up = column_parallel(
         layout,
         lambda h, wg, wu: (jnp.einsum("btd,df->btf", h, wg), jnp.einsum("btd,df->btf", h, wu)),
@@ -120,7 +122,8 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
         RESIDUAL,
     )
     down_axes = weight_axes(cfg)["w_down"]
-    o = row_parallel(layout, "btf,fd->btd", layers.swiglu(gate, up), p["w_down"], MLP_ACT, down_axes, RESIDUAL)
+    act = remat.wrap_elementwise(layers.swiglu, remat_policy)(gate, up)
+    o = row_parallel(layout, "btf,fd->btd", act, p["w_down"], MLP_ACT, down_axes, RESIDUAL)
     return constrain(layout, x_btd + o, RESIDUAL)
 
 
@@ -134,7 +137,7 @@ def forward(
     layout: Layout | None = None,
     *,
     key: jax.Array | None = None,
-    remat_policy: str = "none",
+    remat_policy: str = "elementwise",
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
 ) -> jax.Array:
@@ -167,9 +170,11 @@ def forward(
     x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(cfg.n_layers)))
 
     if cfg.family == "gpt":
-        x = layers.layer_norm(x, params["ln_f_scale"], params["ln_f_bias"], cfg.norm_eps)
+        final_norm = partial(layers.layer_norm, eps=cfg.norm_eps)
+        x = remat.wrap_elementwise(final_norm, remat_policy)(x, params["ln_f_scale"], params["ln_f_bias"])
     else:
-        x = layers.rms_norm(x, params["final_norm"], cfg.norm_eps)
+        final_norm = partial(layers.rms_norm, eps=cfg.norm_eps)
+        x = remat.wrap_elementwise(final_norm, remat_policy)(x, params["final_norm"])
     out_name, equation = ("wte", "btd,vd->btv") if cfg.tied_embeddings else ("lm_head", "btd,dv->btv")
     w_out, w_axes = params[out_name], weight_axes(cfg)[out_name]
 

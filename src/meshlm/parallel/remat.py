@@ -1,10 +1,25 @@
 """Activation recomputation policies, by name, in one registry.
 
-A policy says two things: which `jax.checkpoint` policy wraps a whole layer (None: no layer-level
-checkpoint), and whether the attention core (QK^T, softmax, softmax dropout, attention over V) is
-recomputed in the backward pass - P2's selective recomputation, done as Megatron does it, by
-checkpointing exactly that core. (Under sequence parallelism the all-gathered LayerNorm output is
-never kept, whatever the policy: `parallel.collectives.column_parallel` sees to that.)
+A policy says three things:
+
+- `elementwise`: norms and activation functions (LayerNorm/RMSNorm, GeLU/SwiGLU) are checkpointed,
+  so each keeps only its input(s) and its backward pass recomputes the element-wise rest from
+  them. This is the stored set of P2's Table 2 - Megatron's fused LayerNorm and bias-GeLU kernels
+  keep exactly these inputs - and every policy here uses it: storing what JAX's autodiff would
+  keep instead (normalised values and statistics in fp32, GeLU's intermediates) was measured
+  slower *and* larger on CPU (BENCHMARKS.md, "Element-wise recomputation"), so no policy offers it.
+  No GEMM is ever recomputed by it.
+- `attention_core`: the attention core (QK^T, softmax, softmax dropout, attention over V) is
+  recomputed in the backward pass - P2's selective recomputation, done as Megatron does it, by
+  checkpointing exactly that core.
+- `layer`: the `jax.checkpoint` policy that wraps a whole layer (None: no layer-level checkpoint).
+
+Under sequence parallelism the all-gathered LayerNorm output is never kept, whatever the policy:
+`parallel.collectives.column_parallel` sees to that. The cross-entropy always recomputes its
+softmax from the fp32 logits (`model.loss.token_nll`): a vocabulary-sized tensor is never stored
+twice.
+
+The names are owned by `meshlm.config.RematPolicy` (a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -22,12 +37,16 @@ class RematPolicy:
     description: str
     layer: Callable | None = None
     attention_core: bool = False
+    elementwise: bool = True
 
 
 POLICIES: dict[str, RematPolicy] = {
-    "none": RematPolicy("store every activation the backward pass needs"),
+    "elementwise": RematPolicy(
+        "recompute only element-wise work (norms, GeLU/SwiGLU) from their inputs: P2 Table 2's "
+        "'no recomputation' stored set, Megatron's fused kernels"
+    ),
     "selective": RematPolicy(
-        "P2's selective recomputation: recompute QK^T, softmax, softmax dropout and attention over V",
+        "P2's selective recomputation: also recompute QK^T, softmax, softmax dropout and attention over V",
         attention_core=True,
     ),
     "full": RematPolicy("store each layer's input only; recompute the whole layer", layer=cp.nothing_saveable),
@@ -52,3 +71,8 @@ def wrap_attention_core(fn: Callable, name: str) -> Callable:
     # prevent_cse stays on: without it XLA may merge the recomputed QK^T with the forward one
     # (seen with a single layer) and keep the score matrix alive after all.
     return jax.checkpoint(fn) if POLICIES[name].attention_core else fn
+
+
+def wrap_elementwise(fn: Callable, name: str) -> Callable:
+    """A norm or activation function that keeps only its array inputs (see `elementwise`)."""
+    return jax.checkpoint(fn) if POLICIES[name].elementwise else fn

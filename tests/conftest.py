@@ -22,3 +22,16 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, "tests expect 8 simulated CPU devices"
     return devs
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory):
+    """A small text corpus (24 files of short word lines) for runs through the trainer."""
+    import numpy as np
+
+    root = tmp_path_factory.mktemp("text")
+    rng = np.random.default_rng(3)
+    words = ["alpha", "beta", "gamma", "delta", "mesh", "shard", "token", "layer", "device", "batch"]
+    for i in range(24):
+        (root / f"{i}.txt").write_text("\n".join(" ".join(rng.choice(words, 9)) for _ in range(50)))
+    return root

@@ -155,16 +155,6 @@ def test_shape_mismatch_names_the_tensors(saved):
 # ----------------------------------------------------------------------------- via the trainer
 
 
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("text")
-    rng = np.random.default_rng(3)
-    words = ["alpha", "beta", "gamma", "delta", "mesh", "shard", "token", "layer", "device", "batch"]
-    for i in range(24):
-        (root / f"{i}.txt").write_text("\n".join(" ".join(rng.choice(words, 9)) for _ in range(50)))
-    return root
-
-
 def _run_cfg(corpus_dir, cache, mesh, steps=10, document_mask=False, **ck):
     cfg = tiny_config(mesh=mesh, steps=steps, log_every=1, eval_every=0, seq_len=32)
     return validate(

@@ -91,16 +91,6 @@ def test_skip_keeps_data_position_and_optimizer_step_consistent(poisonable, devi
 # ----------------------------------------------------------------------------- via the trainer
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("text")
-    rng = np.random.default_rng(5)
-    words = ["alpha", "beta", "gamma", "delta", "mesh", "shard", "token", "layer", "device", "batch"]
-    for i in range(24):
-        (root / f"{i}.txt").write_text("\n".join(" ".join(rng.choice(words, 9)) for _ in range(50)))
-    return root
-
-
 def _cfg(corpus, cache, on_nonfinite="stop", **train_kw):
     cfg = tiny_config("gpt", dict(data=2, tensor=2), steps=12, log_every=5, eval_every=0, seq_len=32)
     return validate(
@@ -140,8 +130,8 @@ def _state(cfg, run_dir):
 
 
 @pytest.mark.slow
-def test_stop_names_the_step_checkpoints_the_last_good_state_and_resumes_exactly(corpus, tmp_path, poison_steps):
-    cfg = _cfg(corpus, tmp_path / "cache")
+def test_stop_names_the_step_checkpoints_the_last_good_state_and_resumes_exactly(corpus_dir, tmp_path, poison_steps):
+    cfg = _cfg(corpus_dir, tmp_path / "cache")
     train(cfg, tmp_path / "ref", quiet=True)  # no poison: the reference run
 
     poison_steps.add(6)  # the 7th step
@@ -159,8 +149,8 @@ def test_stop_names_the_step_checkpoints_the_last_good_state_and_resumes_exactly
 
 
 @pytest.mark.slow
-def test_skip_is_counted_checkpointed_and_resumes_exactly(corpus, tmp_path, poison_steps):
-    cfg = _cfg(corpus, tmp_path / "cache", on_nonfinite="skip")
+def test_skip_is_counted_checkpointed_and_resumes_exactly(corpus_dir, tmp_path, poison_steps):
+    cfg = _cfg(corpus_dir, tmp_path / "cache", on_nonfinite="skip")
     poison_steps.add(6)
     train(cfg, tmp_path / "ref", quiet=True)  # uninterrupted, with the skip
     train(cfg, tmp_path / "a", quiet=True, stop_after=9)  # checkpoints 4, 8, 9
@@ -177,8 +167,8 @@ def test_skip_is_counted_checkpointed_and_resumes_exactly(corpus, tmp_path, pois
     assert {r["step"]: r.get("skipped", 0) for r in events if "loss" in r and "event" not in r}[10] == 1
 
 
-def test_too_many_consecutive_skips_stop(corpus, tmp_path, poison_steps):
-    cfg = _cfg(corpus, tmp_path / "cache", on_nonfinite="skip", max_consecutive_skips=2)
+def test_too_many_consecutive_skips_stop(corpus_dir, tmp_path, poison_steps):
+    cfg = _cfg(corpus_dir, tmp_path / "cache", on_nonfinite="skip", max_consecutive_skips=2)
     poison_steps.update({2, 3, 4})  # steps 3, 4, 5: the third in a row halts
     with pytest.raises(
         TrainingError, match=r"3 consecutive non-finite steps \(3\.\.5; train.max_consecutive_skips=2\)"

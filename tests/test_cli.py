@@ -36,6 +36,8 @@ def test_bad_input_gives_one_clear_line(args, message, tmp_path):
     assert r.returncode == 2, r.stderr
     assert message in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    if "--init-from" in args:  # caught with the other arguments, before the run starts
+        assert not (tmp_path / "run").exists()
 
 
 @pytest.fixture(scope="module")

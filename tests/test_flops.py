@@ -96,6 +96,17 @@ def test_gemm_flops_match_the_programs(family, policy):
     assert compiled_dots <= xla <= 1.15 * hardware
 
 
+def test_llama_1b_flops_are_six_n_plus_attention():
+    """Llama-3.2-1B's model FLOPs per token are 6 x its matmul parameters (the published 1,235,814,400
+    less the RMSNorm scales; the tied embedding counts once, as the output layer) plus causal
+    attention's QK^T and attention over V, not halved."""
+    cfg = recipes.get("llama-1b")
+    m, t = cfg.model, cfg.train
+    norms = (2 * m.n_layers + 1) * m.d_model
+    per_token = 2 * (1_235_814_400 - norms) + 2 * 2 * m.n_layers * t.seq_len * m.n_heads * m.dim_head
+    assert accounting.model_flops_per_step(cfg) == 3 * t.global_batch * t.seq_len * per_token
+
+
 def test_recompute_counts_what_runs():
     cfg = dataclasses.replace(recipes.get("gpt-22b"), remat=RematConfig("selective"))
     B, L, s, h = cfg.train.global_batch, cfg.model.n_layers, cfg.train.seq_len, cfg.model.d_model
@@ -134,3 +145,7 @@ def test_peak_is_the_precision_that_runs_on_the_exact_device(monkeypatch):
     unknown = peak("NVIDIA H100 SXM5 prototype", "bfloat16")
     assert unknown.flops == 0 and "unknown device" in unknown.source
     assert hardware.matmul_precision("float32", "cpu", "default") == "fp32"
+    # JAX's dot-algorithm preset names count too
+    assert peak("NVIDIA H100 80GB HBM3", "float32", precision="F32_F32_F32").label == "h100 fp32"
+    assert hardware.matmul_precision("float32", "tpu", "BF16_BF16_F32_X3") == "bf16x3"
+    assert hardware.matmul_precision("float32", "gpu", "TF32_TF32_F32") == "tf32"

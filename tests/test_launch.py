@@ -81,6 +81,12 @@ def test_rendezvous_listens_on_the_coordinator_address_only(monkeypatch):
 
     with mesh.listen("127.0.0.1", 0) as s:
         assert s.getsockname()[0] == "127.0.0.1"
+    with mesh.listen("localhost", 0) as s:
+        assert s.getsockname()[0] == "127.0.0.1"
+    resolver = {"10.1.2.3": "10.1.2.3", "node0": "127.0.1.1", "node1": "10.0.0.7"}.get
+    assert mesh.bind_address("10.1.2.3", resolver) == "10.1.2.3"
+    assert mesh.bind_address("node1", resolver) == "10.0.0.7"
+    assert mesh.bind_address("node0", resolver) == ""  # this machine's own name, as the cluster knows it
     with pytest.raises(ConfigError, match=r"cannot listen on the coordinator address 192\.0\.2\.1:"):
         mesh.listen("192.0.2.1", 0)  # TEST-NET-1: never this host's address
     bound = []
@@ -92,3 +98,21 @@ def test_rendezvous_listens_on_the_coordinator_address_only(monkeypatch):
     with pytest.raises(ConfigError, match="only 1 of 2 processes joined"):
         mesh.rendezvous(group)
     assert bound == ["127.0.0.1"]
+
+
+@pytest.mark.parametrize("code", [2, 3])
+def test_config_errors_and_non_finite_stops_are_not_retried(monkeypatch, tmp_path, code):
+    """Exit 2 (bad config) and 3 (a non-finite step stopped training) would recur on a restart:
+    the supervisor stops the group and passes the code on after one attempt."""
+    import sys
+
+    from meshlm import launch
+
+    def worker(train_args, devices, coordinator, n, i):  # process 1 fails at once, process 0 waits
+        return [sys.executable, "-c", f"import sys, time; time.sleep(0 if {i} else 60); sys.exit({code})"]
+
+    monkeypatch.setattr(launch, "worker_command", worker)
+    sup = launch.Supervisor(["train"], 2, 1, tmp_path, max_restarts=3)
+    assert sup.run() == code
+    assert len(sup.attempts) == 1
+    assert "is not retried" in (tmp_path / "launch.log").read_text()

@@ -1,5 +1,6 @@
-"""Activation memory to the byte: P2's Table 2 measured on a simulated mesh, Figure 7 reproduced by
-the analytic model, and formula = measurement for every policy, SP on/off, both families."""
+"""Activation memory: P2's Table 2 reproduced by the tensors a compiled program keeps for backward
+(vjp residuals, simulated mesh), Figure 7's conclusion from the analytic model, and formula =
+measurement for every policy, SP on/off, both families (docs/memory.md says what this proves)."""
 
 import dataclasses
 import json

@@ -16,22 +16,37 @@ from meshlm import step as step_module
 from meshlm import trainer
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, DataConfig, validate
-from meshlm.trainer import TrainingError, train
+from meshlm.trainer import NonFiniteStep, train
 
 POISON = 7  # a token id; a batch whose row 0 starts with it has a NaN loss
 
 
-@pytest.fixture
-def poisonable(monkeypatch):
-    """The loss of a batch whose first token is POISON is NaN (data-driven, so a resumed run
-    meets it at the same step)."""
+def _nan_gradient_if(x: jax.Array, poisoned: jax.Array) -> jax.Array:
+    """x, unchanged forward; its gradient is NaN where `poisoned`."""
+
+    @jax.custom_vjp
+    def f(x):
+        return x
+
+    f.defvjp(lambda x: (x, None), lambda _, g: (jnp.where(poisoned, jnp.nan, g),))
+    return f(x)
+
+
+@pytest.fixture(params=["loss", "gradient"])
+def poisonable(request, monkeypatch):
+    """A batch whose first token is POISON has a NaN loss, or (param "gradient") a finite loss and
+    a NaN gradient. Data-driven, so a resumed run meets it at the same step."""
     real = step_module._loss_sum
 
     def loss_sum(params, batch, cfg, layout, key):
         total, count = real(params, batch, cfg, layout, key)
-        return jnp.where(batch["inputs"][0, 0] == POISON, jnp.nan, total), count
+        poisoned = batch["inputs"][0, 0] == POISON
+        if request.param == "gradient":
+            return _nan_gradient_if(total, poisoned), count
+        return jnp.where(poisoned, jnp.nan, total), count
 
     monkeypatch.setattr(step_module, "_loss_sum", loss_sum)
+    return request.param
 
 
 def _batches(cfg, n, poisoned):
@@ -65,7 +80,10 @@ def test_stop_freezes_the_state_at_the_last_good_step(poisonable, devices):
     assert [bool(s.halted) for s in states] == [False, True, True, True]
     assert [bool(m["applied"]) for m in metrics] == [True, False, False, False]
     assert all(_same_params(s, states[0]) for s in states[1:])
-    assert np.isnan(metrics[1]["loss"]) and np.isfinite(metrics[2]["loss"])  # later steps run, unapplied
+    bad = metrics[1]["loss"] if poisonable == "loss" else metrics[1]["grad_norm"]
+    assert np.isnan(bad) and np.isfinite(metrics[2]["loss"])  # later steps run, unapplied
+    if poisonable == "gradient":
+        assert np.isfinite(metrics[1]["loss"])  # only the gradient was bad
 
 
 def test_skip_keeps_data_position_and_optimizer_step_consistent(poisonable, devices):
@@ -130,12 +148,17 @@ def _state(cfg, run_dir):
 
 
 @pytest.mark.slow
-def test_stop_names_the_step_checkpoints_the_last_good_state_and_resumes_exactly(corpus_dir, tmp_path, poison_steps):
+@pytest.mark.parametrize("poisonable", ["loss", "gradient"], indirect=True)
+def test_stop_names_the_step_checkpoints_the_last_good_state_and_resumes_exactly(
+    corpus_dir, tmp_path, poison_steps, poisonable
+):
     cfg = _cfg(corpus_dir, tmp_path / "cache")
     train(cfg, tmp_path / "ref", quiet=True)  # no poison: the reference run
 
     poison_steps.add(6)  # the 7th step
-    with pytest.raises(TrainingError, match=r"non-finite loss or gradient at step 7 \(loss=nan") as e:
+    # a NaN loss (the poison selects it with `where`) has a zero gradient; a NaN gradient a finite loss
+    values = r"loss=nan, grad_norm=0\.0" if poisonable == "loss" else r"loss=[0-9.]+, grad_norm=nan"
+    with pytest.raises(NonFiniteStep, match=rf"non-finite loss or gradient at step 7 \({values}\)") as e:
         train(cfg, tmp_path / "a", quiet=True)
     assert "the state of step 6 is checkpointed" in str(e.value)
     saved, restored = _state(cfg, tmp_path / "a")
@@ -149,10 +172,14 @@ def test_stop_names_the_step_checkpoints_the_last_good_state_and_resumes_exactly
 
 
 @pytest.mark.slow
-def test_skip_is_counted_checkpointed_and_resumes_exactly(corpus_dir, tmp_path, poison_steps):
+@pytest.mark.parametrize("poisonable", ["loss"], indirect=True)
+def test_skip_is_counted_checkpointed_and_resumes_exactly(corpus_dir, tmp_path, poison_steps, capsys):
     cfg = _cfg(corpus_dir, tmp_path / "cache", on_nonfinite="skip")
     poison_steps.add(6)
-    train(cfg, tmp_path / "ref", quiet=True)  # uninterrupted, with the skip
+    train(cfg, tmp_path / "ref")  # uninterrupted, with the skip; not quiet: the console says so
+    assert "step 7: non-finite loss (nan) or gradient norm (0.0); update skipped (1 skipped so far)" in (
+        capsys.readouterr().out
+    )
     train(cfg, tmp_path / "a", quiet=True, stop_after=9)  # checkpoints 4, 8, 9
     saved, restored = _state(cfg, tmp_path / "a")
     assert saved == [4, 8, 9] and restored.meta["skipped"] == 1 and int(restored.state.skipped) == 1
@@ -163,15 +190,16 @@ def test_skip_is_counted_checkpointed_and_resumes_exactly(corpus_dir, tmp_path, 
     assert int(got.state.opt_state[1][0].count) == 11  # 12 batches, 11 updates
     events = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
     skipped = [r for r in events if r.get("event") == "skipped"]
-    assert [(r["step"], r["skipped"], r["loss"]) for r in skipped] == [(7, 1, "nan")]
+    assert [(r["step"], r["skipped"], r["bad_loss"]) for r in skipped] == [(7, 1, "nan")]
     assert {r["step"]: r.get("skipped", 0) for r in events if "loss" in r and "event" not in r}[10] == 1
 
 
+@pytest.mark.parametrize("poisonable", ["gradient"], indirect=True)
 def test_too_many_consecutive_skips_stop(corpus_dir, tmp_path, poison_steps):
     cfg = _cfg(corpus_dir, tmp_path / "cache", on_nonfinite="skip", max_consecutive_skips=2)
     poison_steps.update({2, 3, 4})  # steps 3, 4, 5: the third in a row halts
     with pytest.raises(
-        TrainingError, match=r"3 consecutive non-finite steps \(3\.\.5; train.max_consecutive_skips=2\)"
+        NonFiniteStep, match=r"3 consecutive non-finite steps \(3\.\.5; train.max_consecutive_skips=2\)"
     ):
         train(cfg, tmp_path / "a", quiet=True)
     _, restored = _state(cfg, tmp_path / "a")

@@ -112,8 +112,14 @@ def test_bad_plan_requests():
 
 
 def test_cli_and_planner_share_one_device_table(capsys):
-    assert main(["plan", "--recipe", "tiny", "--devices", "8", "--device", "h100-pcie", "--top", "1"]) == 0
-    assert "on h100-pcie (peak 756 TFLOP/s bf16" in capsys.readouterr().out
+    """`--device` names come from meshlm.hardware; the header's peak is the one the plan's fp32
+    matmuls run at: TF32 with JAX's default precision, fp32 at highest (this test session's)."""
+    args = ["plan", "--recipe", "tiny", "--devices", "8", "--device", "h100-pcie", "--top", "1"]
+    with jax.default_matmul_precision("default"):
+        assert main(args) == 0
+    assert "on h100-pcie (peak 378.0 TFLOP/s, tf32 matmuls" in capsys.readouterr().out
+    assert main(args) == 0
+    assert "on h100-pcie (peak 51.0 TFLOP/s, fp32 matmuls" in capsys.readouterr().out
 
 
 def test_nothing_fits_in_json_too(capsys):

@@ -39,8 +39,9 @@ ITEMS = ("params", "opt_state", "meta")
 
 
 class CheckpointError(RuntimeError):
-    """No usable checkpoint where one was asked for (e.g. `--init-from` a path with none), or, in
-    a multi-process run, a step this process alone could not read (moved aside; restart the group)."""
+    """No readable checkpoint where one was asked for (`--init-from` a directory whose steps all
+    fail to restore), or, in a multi-process run, a step this process alone could not read (moved
+    aside; restart the group). A path with no checkpoint at all is a ConfigError."""
 
 
 class ChecksumMismatch(ValueError):

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshlm.config import EXIT_CONFIG, ConfigError, RunConfig, apply_overrides, parse_mesh
+from meshlm.config import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, RunConfig, apply_overrides, parse_mesh
 from meshlm.hardware import ACCELERATORS  # a jax-free table
 
 EXIT_TRAINING = 1
@@ -417,11 +417,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         from meshlm.checkpoint import CheckpointError
-        from meshlm.trainer import Preempted, TrainingError
+        from meshlm.trainer import NonFiniteStep, Preempted, TrainingError
 
         if isinstance(e, Preempted):
             print(f"meshlm: {e}", file=sys.stderr)
             return 128 + e.signum
+        if isinstance(e, NonFiniteStep):
+            print(f"meshlm: training stopped: {e}", file=sys.stderr)
+            return EXIT_NONFINITE
         if isinstance(e, (TrainingError, CheckpointError)):
             print(f"meshlm: training stopped: {e}", file=sys.stderr)
             return EXIT_TRAINING

@@ -29,7 +29,9 @@ class ConfigError(ValueError):
     """A configuration the user asked for cannot run; the message says why and what to change."""
 
 
-EXIT_CONFIG = 2  # the exit status of `meshlm` for a ConfigError (never retried by `meshlm launch`)
+# Exit statuses of `meshlm` that `meshlm launch` never retries (a restart would fail the same way):
+EXIT_CONFIG = 2  # a ConfigError: bad input
+EXIT_NONFINITE = 3  # a non-finite step stopped training (train.on_nonfinite); the last good state is saved
 
 
 @dataclass(frozen=True)

@@ -47,30 +47,36 @@ class Accelerator:
     source: str
 
 
-def _nvidia(name, kinds, memory_gib, bf16_sparse, tf32_sparse, fp32, nvlink, source) -> Accelerator:
-    # NVIDIA's datasheets print tensor-core figures "with sparsity"; dense is half.
-    peak = {"bf16": bf16_sparse / 2, "tf32": tf32_sparse / 2, "fp32": fp32}
-    return Accelerator(name, "gpu", kinds, memory_gib * GiB, peak, nvlink, 50e9, 8, source)
+def _nvidia(name, kinds, memory_gib, sparse, fp32, links, source) -> Accelerator:
+    """`sparse` = (bf16, tf32) tensor-core TFLOP/s as NVIDIA prints them, "with sparsity": dense is
+    half. `links` = (intra-node GB/s per direction, inter-node GB/s per GPU)."""
+    bf16, tf32 = sparse
+    peak = {"bf16": bf16 * T / 2, "tf32": tf32 * T / 2, "fp32": fp32 * T}
+    return Accelerator(name, "gpu", kinds, memory_gib * GiB, peak, links[0] * 1e9, links[1] * 1e9, 8, source)
 
 
-def _tpu(name, kinds, memory_gib, bf16, ici, source) -> Accelerator:
-    return Accelerator(name, "tpu", kinds, memory_gib * GiB, {"bf16": bf16}, ici, ici, 4096, source)
+def _tpu(name, kinds, memory_gib, bf16, ici, chips_per_slice, source) -> Accelerator:
+    """TPUs: `bf16` dense TFLOP/s; ICI GB/s per direction; the largest slice stays on ICI."""
+    peak = {"bf16": bf16 * T}
+    return Accelerator(name, "tpu", kinds, memory_gib * GiB, peak, ici * 1e9, ici * 1e9, chips_per_slice, source)
 
 
 T = 1e12
+# Inter-node bandwidth per GPU: A100 nodes with HDR InfiniBand (200 Gb/s = 25 GB/s per GPU), H100/H200
+# nodes with NDR (400 Gb/s = 50 GB/s). PCIe H100s talk over PCIe Gen5 x16 (64 GB/s) inside a node.
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
-        _nvidia("a100", ("NVIDIA A100-SXM4-80GB",), 80, 624 * T, 312 * T, 19.5 * T, 300e9, "A100 datasheet (SXM4)"),
-        _nvidia("a100-40gb", ("NVIDIA A100-SXM4-40GB",), 40, 624 * T, 312 * T, 19.5 * T, 300e9, "A100 datasheet"),
-        _nvidia("h100", ("NVIDIA H100 80GB HBM3",), 80, 1979 * T, 989 * T, 67 * T, 450e9, "H100 SXM5 datasheet"),
-        _nvidia("h100-pcie", ("NVIDIA H100 PCIe",), 80, 1513 * T, 756 * T, 51 * T, 32e9, "H100 PCIe datasheet"),
-        _nvidia("h100-nvl", ("NVIDIA H100 NVL",), 94, 1671 * T, 835 * T, 60 * T, 300e9, "H100 NVL datasheet"),
-        _nvidia("h200", ("NVIDIA H200",), 141, 1979 * T, 989 * T, 67 * T, 450e9, "H200 SXM datasheet"),
-        _tpu("tpu-v4", ("TPU v4",), 32, 275 * T, 300e9, "Cloud TPU v4 docs"),
-        _tpu("tpu-v5e", ("TPU v5 lite", "TPU v5e"), 16, 197 * T, 200e9, "Cloud TPU v5e docs"),
-        _tpu("tpu-v5p", ("TPU v5p", "TPU v5"), 95, 459 * T, 600e9, "Cloud TPU v5p docs"),
-        _tpu("tpu-v6e", ("TPU v6 lite", "TPU v6e"), 32, 918 * T, 400e9, "Cloud TPU v6e docs"),
+        _nvidia("a100", ("NVIDIA A100-SXM4-80GB",), 80, (624, 312), 19.5, (300, 25), "A100 SXM4 datasheet"),
+        _nvidia("a100-40gb", ("NVIDIA A100-SXM4-40GB",), 40, (624, 312), 19.5, (300, 25), "A100 SXM4 datasheet"),
+        _nvidia("h100", ("NVIDIA H100 80GB HBM3",), 80, (1979, 989), 67, (450, 50), "H100 SXM5 datasheet"),
+        _nvidia("h100-pcie", ("NVIDIA H100 PCIe",), 80, (1513, 756), 51, (64, 50), "H100 PCIe datasheet"),
+        _nvidia("h100-nvl", ("NVIDIA H100 NVL",), 94, (1671, 835), 60, (300, 50), "H100 NVL datasheet"),
+        _nvidia("h200", ("NVIDIA H200",), 141, (1979, 989), 67, (450, 50), "H200 SXM datasheet"),
+        _tpu("tpu-v4", ("TPU v4",), 32, 275, 300, 4096, "Cloud TPU v4 docs"),
+        _tpu("tpu-v5e", ("TPU v5 lite", "TPU v5e"), 16, 197, 200, 256, "Cloud TPU v5e docs"),
+        _tpu("tpu-v5p", ("TPU v5p", "TPU v5"), 95, 459, 600, 8960, "Cloud TPU v5p docs"),
+        _tpu("tpu-v6e", ("TPU v6 lite", "TPU v6e"), 32, 918, 400, 256, "Cloud TPU v6e docs"),
     )
 }
 BY_DEVICE_KIND: dict[str, Accelerator] = {k: a for a in ACCELERATORS.values() for k in a.device_kinds}
@@ -89,12 +95,28 @@ _LEVELS = {
 }
 
 
+def _level(value) -> str:
+    """A precision setting, or a `jax.lax.DotAlgorithmPreset` name (e.g. "F32_F32_F32",
+    "TF32_TF32_F32", "BF16_BF16_F32_X3"), as default / high / highest / tf32."""
+    text = None if value is None else str(value).lower().removeprefix("dotalgorithmpreset.")
+    if text in _LEVELS:
+        return _LEVELS[text]
+    if text.startswith("f32_f32_f32") or text.endswith(("_x6", "_x9")):
+        return "highest"
+    if text.startswith("tf32"):
+        return "tf32"
+    if text.endswith("_x3"):
+        return "high"
+    return "default"  # "any_...", "bf16_bf16_f32", fp16 and fp8 presets: the fast path
+
+
 def matmul_precision(dtype: str, platform: str, level: str | None = None) -> str:
     """The arithmetic a matmul of `dtype` operands runs on `platform` ("gpu", "tpu", "cpu").
 
     bfloat16 operands run bf16 everywhere. float32 operands follow `jax_default_matmul_precision`
-    (`level`; read from JAX's config when None): on NVIDIA GPUs TF32 unless it is highest/float32;
-    on TPUs one bf16 pass by default, 3 (high) or 6 (highest) passes. CPUs compute in fp32.
+    (`level`; read from JAX's config when None): on NVIDIA GPUs TF32 unless it is highest/float32
+    (or the F32_F32_F32 algorithm); on TPUs one bf16 pass by default, 3 (high) or 6 (highest)
+    passes. CPUs compute in fp32.
     """
     if dtype == "bfloat16":
         return "bf16"
@@ -102,11 +124,11 @@ def matmul_precision(dtype: str, platform: str, level: str | None = None) -> str
         import jax
 
         level = jax.config.jax_default_matmul_precision
-    coarse = _LEVELS.get(str(level).lower() if level is not None else None, "default")
+    coarse = _level(level)
     if platform == "gpu":
         return "fp32" if coarse == "highest" else "tf32"
     if platform == "tpu":
-        return {"default": "bf16", "high": "bf16x3", "highest": "bf16x6"}[coarse]
+        return {"default": "bf16", "tf32": "bf16x3", "high": "bf16x3", "highest": "bf16x6"}[coarse]
     return "fp32"
 
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshlm.config import EXIT_CONFIG, ConfigError, RunConfig
+from meshlm.config import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, RunConfig
 
 
 def free_port() -> int:
@@ -235,10 +235,12 @@ class Supervisor:
             self.say(f"[launch] attempt {attempt.number} failed: {outcome}; stopping the other processes")
             self._stop_all(workers)
             codes = [w.poll() for w in workers]
-            if EXIT_CONFIG in codes:
-                self.say("[launch] a configuration error is not retried")
+            final = [rc for rc in (EXIT_CONFIG, EXIT_NONFINITE) if rc in codes]
+            if final:
+                why = {EXIT_CONFIG: "a configuration error", EXIT_NONFINITE: "a non-finite step (it would recur)"}
+                self.say(f"[launch] {why[final[0]]} is not retried")
                 self._summary()
-                return EXIT_CONFIG
+                return final[0]
             if len(self.attempts) > self.max_restarts:
                 self._summary()
                 return 1

@@ -1,4 +1,6 @@
-"""Measure the activation bytes a configuration really stores for its backward pass, per device.
+"""Measure the activation bytes a configuration keeps for its backward pass, per device: the
+residuals of `jax.vjp` of the forward pass and loss, in a program compiled for the measurement
+(not the train step's peak memory; see docs/memory.md).
 
 P2's "activations" are the forward tensors the backward pass needs. In JAX those are exactly the
 residuals of `jax.vjp`: the leaves of the returned vjp function. We jit a function that returns

@@ -192,9 +192,11 @@ def closest_miss(cfg: RunConfig, plans: list[Plan], n_devices: int, device: Acce
 def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float) -> list[str]:
     feasible = [p for p in plans if not p.rejected]
     links = f"links {device.intra_bw / 1e9:.0f} / {device.inter_bw / 1e9:.0f} GB/s"
+    dtype = plans[0].cfg.model.dtype
+    peak = f"{device_peak(device, plans[0].cfg) / 1e12:.1f} TFLOP/s, {matmul_precision(dtype, device.platform)}"
     lines = [
         f"{len(feasible)} of {len(plans)} layouts fit {limit / GiB:.0f} GiB on {device.name} "
-        f"(peak {device.peak['bf16'] / 1e12:.0f} TFLOP/s bf16; {links}); MFU here is the roofline bound",
+        f"(peak {peak} matmuls; {links}); MFU here is the roofline bound",
         f"{'#':>3}  {'layout':58s} {'memory GiB':>10s} {'step s':>9s} {'MFU':>6s}  time split",
     ]
     for i, p in enumerate(feasible[:top], 1):

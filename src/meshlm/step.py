@@ -173,7 +173,6 @@ def make_train_step(
             "grad_norm": grad_norm,
             "lr": schedule(state.step - state.skipped),  # the rate this step's update used
             "tokens": count,
-            "finite": finite,
             "applied": apply,
             "skipped": new_state.skipped,
             "halted": new_state.halted,

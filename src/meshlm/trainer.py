@@ -35,6 +35,11 @@ class TrainingError(RuntimeError):
     """Training cannot continue (e.g. a non-finite loss); the message says where and why."""
 
 
+class NonFiniteStep(TrainingError):
+    """A non-finite loss or gradient stopped training (`train.on_nonfinite`); the last good state
+    was checkpointed. Deterministic: resuming unchanged would stop at the same step again."""
+
+
 class Preempted(RuntimeError):
     """SIGTERM/SIGINT arrived; the state was checkpointed at `step` before stopping."""
 
@@ -405,8 +410,9 @@ class _Loop:
                     f"step {n}: non-finite loss ({float(m['loss'])}) or gradient norm ({float(m['grad_norm'])}); "
                     f"update skipped ({int(m['skipped'])} skipped so far)"
                 )
-                nonfinite = {"loss": str(float(m["loss"])), "grad_norm": str(float(m["grad_norm"]))}
-                self.log.log({"event": "skipped", "step": n, "skipped": int(m["skipped"])} | nonfinite)
+                # str(): NaN and inf are not JSON; "loss" is left to the records of logged steps
+                bad = {"bad_loss": str(float(m["loss"])), "bad_grad_norm": str(float(m["grad_norm"]))}
+                self.log.log({"event": "skipped", "step": n, "skipped": int(m["skipped"])} | bad)
         return got[-1]
 
     def _halt(self, state, n: int, m: dict, ckpt, identity) -> None:
@@ -417,11 +423,11 @@ class _Loop:
         values = f"loss={float(m['loss'])}, grad_norm={float(m['grad_norm'])}"
         if tc.on_nonfinite == "skip":
             k = tc.max_consecutive_skips
-            raise TrainingError(
+            raise NonFiniteStep(
                 f"{k + 1} consecutive non-finite steps ({n - k}..{n}; train.max_consecutive_skips={k}); at step {n}: "
                 f"{values}; {where}. Lower optim.lr or optim.clip_norm, or check the data at these steps"
             )
-        raise TrainingError(
+        raise NonFiniteStep(
             f"non-finite loss or gradient at step {n} ({values}); {where}. Lower optim.lr or "
             "optim.clip_norm, or use model.dtype=float32, then rerun to resume; or set train.on_nonfinite=skip"
         )

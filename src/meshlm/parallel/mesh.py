@@ -13,6 +13,7 @@ TPU). The mesh then spans every process's devices.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import socket
@@ -96,11 +97,28 @@ def _host_port(coordinator: str) -> tuple[str, int]:
         raise ConfigError(f"--coordinator must be host:port, got {coordinator!r}") from None
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """Process 0's rendezvous socket, bound to the coordinator's own address only (loopback when
-    `meshlm launch` runs every process here), never to every interface."""
+def bind_address(host: str, resolve=socket.gethostbyname) -> str:
+    """Where process 0 listens for the rendezvous: the coordinator's own address, so that a run of
+    processes on one machine (`meshlm launch`: 127.0.0.1) is reachable from nowhere else.
+
+    One exception: a host *name* that resolves to a loopback address (Debian and Ubuntu map the
+    machine's own name to 127.0.1.1) is how the other hosts of a cluster name this machine too,
+    so binding to loopback would lock them out; then it listens on every interface, as JAX's own
+    coordination service does on the same port."""
     try:
-        return socket.create_server((host, port), reuse_port=hasattr(socket, "SO_REUSEPORT"))
+        address = resolve(host)
+    except OSError as e:
+        raise ConfigError(f"cannot resolve the coordinator host {host!r}: {e}") from None
+    if ipaddress.ip_address(address).is_loopback and host != address and host != "localhost":
+        return ""
+    return address
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Process 0's rendezvous socket (see `bind_address`)."""
+    address = bind_address(host)
+    try:
+        return socket.create_server((address, port), reuse_port=hasattr(socket, "SO_REUSEPORT"))
     except OSError as e:
         raise ConfigError(
             f"process 0 cannot listen on the coordinator address {host}:{port}: {e.strerror or e} "

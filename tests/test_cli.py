@@ -12,8 +12,8 @@ from meshlm.cli import main
 from meshlm.config import from_dict
 
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own
+def _cli(*args: str, timeout: float = 120, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | env_vars  # the CLI sets its own XLA_FLAGS
     return subprocess.run(
         [sys.executable, "-m", "meshlm", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -148,3 +148,19 @@ def test_bench_writes_table_and_chart(tmp_path, capsys, devices):
     assert acts[("data=8", "full")] < acts[("data=8", "elementwise")]  # recomputation stores less
     mfus = [float(r.split("|")[6].strip().rstrip("%")) for r in rows]
     assert all(0 < m < 100 for m in mfus)
+
+
+def test_compiled_step_is_reused_from_the_persistent_cache(tmp_path):
+    """A second process compiling the same step loads it from JAX's persistent cache under
+    $MESHLM_CACHE/xla (and says so); --no-compile-cache neither reads nor writes it."""
+    args = ["train", "--dry-run", "--mesh", "data=2", "--set", "model.n_layers=2"]
+    cache = str(tmp_path / "cache")
+    first = _cli(*args, "--run-dir", str(tmp_path / "a"), MESHLM_CACHE=cache)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "train step compiled in" in first.stdout and "cache hit" not in first.stdout
+    assert any((tmp_path / "cache" / "xla").iterdir())
+    second = _cli(*args, "--run-dir", str(tmp_path / "b"), MESHLM_CACHE=cache)
+    assert "(persistent compilation cache hit)" in second.stdout, second.stdout[:2000]
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["compile_cache_hit"] is True
+    off = _cli(*args, "--no-compile-cache", "--run-dir", str(tmp_path / "c"), MESHLM_CACHE=str(tmp_path / "none"))
+    assert off.returncode == 0 and "cache hit" not in off.stdout and not (tmp_path / "none" / "xla").exists()

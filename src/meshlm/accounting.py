@@ -189,8 +189,9 @@ def outside_activation_terms(
     m: ModelConfig, seq_len: int, micro_batch: int, tensor: int = 1, sequence_parallel: bool = False, pipeline: int = 1
 ) -> dict[str, float]:
     """P2 section 4.3: embedding dropout (x p microbatches in flight on the first pipeline stage),
-    and - only when p = 1 - final norm input, output-layer input and fp32 logits. Token ids and
-    targets (int32) are listed too: P2 ignores them as small; we keep every byte we store."""
+    and - only when p = 1 - final norm input, output-layer input and fp32 logits. Token ids,
+    targets (int32) and the cross-entropy's fp32 log-sum-exp per token are listed too: P2 ignores
+    them as small; we keep every byte we store."""
     e, s, b, t, d, v = dtype_bytes(m.dtype), seq_len, micro_batch, tensor, m.d_model, m.vocab_size
     r = t if sequence_parallel else 1
     terms: dict[str, float] = {"token_ids": 4 * s * b * pipeline}
@@ -201,6 +202,7 @@ def outside_activation_terms(
             "final_norm_input": e * s * b * d / r,
             "output_layer_input": e * s * b * d / r,
             "logits": 4 * s * b * v / t,
+            "logsumexp": 4 * s * b,
             "targets": 4 * s * b,
         }
     return terms

@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--dry-run", action="store_true", help="build the mesh, compile the step, print the startup report, exit"
     )
+    train.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not use JAX's persistent compilation cache (shorthand for --set train.compile_cache=false)",
+    )
     memory = sub.add_parser(
         "memory", help="activation memory per device: formula (P2 Table 2, extended) vs measured, every policy"
     )
@@ -141,6 +146,8 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         overrides += [f"parallel.{k}={v}" for k, v in parse_mesh(args.mesh).items()]
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
+    if getattr(args, "no_compile_cache", False):
+        overrides.append("train.compile_cache=false")
     return apply_overrides(cfg, overrides)
 
 
@@ -180,11 +187,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     if group.enabled and not args.run_dir:
         raise ConfigError("a multi-process run needs --run-dir (one directory that every process can reach)")
     init_distributed(group)
+    _compile_cache(cfg.train.compile_cache)
     from meshlm.trainer import train
 
     run_dir = Path(args.run_dir or f"runs/{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
     train(cfg, run_dir, dry_run=args.dry_run, init_from=args.init_from, stop_after=args.stop_after)
     return 0
+
+
+def _compile_cache(on: bool) -> None:
+    """JAX's persistent compilation cache in <cache_home>/xla, set before anything compiles (JAX
+    decides once per process whether to use it)."""
+    if not on:
+        return
+    import jax
+
+    from meshlm.config import cache_home
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_home() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the train step, not small helpers
 
 
 def _mib(x: float) -> str:

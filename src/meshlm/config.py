@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 Family = Literal["gpt", "llama"]
@@ -27,6 +29,12 @@ RematPolicy = Literal["elementwise", "selective", "full", "dots", "offload"]
 
 class ConfigError(ValueError):
     """A configuration the user asked for cannot run; the message says why and what to change."""
+
+
+def cache_home() -> Path:
+    """meshlm's cache directory: $MESHLM_CACHE, else ~/.cache/meshlm (prepared data, the CPU peak
+    probe, compiled programs)."""
+    return Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshlm"))
 
 
 # Exit statuses of `meshlm` that `meshlm launch` never retries (a restart would fail the same way):
@@ -65,6 +73,9 @@ class ModelConfig:
     rope_original_len: int = 8192
     # llama: share the token embedding with the output layer (Llama 3.2 1B/3B); gpt always ties (GPT-2)
     tie_embeddings: bool = False
+    # layers run in a lax.scan; unrolling k layers per iteration (n_layers: no loop at all) trades
+    # compile time, which grows with k, for speed on CPU (no stacked per-layer buffers to fill)
+    scan_unroll: int = 1
     init_std: float = 0.02
 
     @property
@@ -165,6 +176,9 @@ class TrainConfig:
     # max_consecutive_skips steps in a row are non-finite, which stops it as "stop" does.
     on_nonfinite: OnNonFinite = "stop"
     max_consecutive_skips: int = 10
+    # JAX's persistent compilation cache in <cache_home>/xla (`meshlm train`): a rerun of the same
+    # program, in any run directory, loads the compiled step instead of compiling it again
+    compile_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -327,7 +341,7 @@ def _divides(value: int, what: str, size: int, axis: str) -> None:
 def validate(cfg: RunConfig) -> RunConfig:
     """Check a config for internal consistency and divisibility by its mesh. Returns it unchanged."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "scan_unroll"):
         _need(getattr(m, name) > 0, f"model.{name} must be positive")
     for name in ("data", "fsdp", "tensor"):
         _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshlm.config import cache_home
+
 GiB = 2**30
 
 
@@ -140,7 +142,7 @@ def peak_for(acc: Accelerator, precision: str) -> float:
 
 
 def _cache_file() -> Path:
-    return Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshlm")) / "peak_flops.json"
+    return cache_home() / "peak_flops.json"
 
 
 def _cpu_name() -> str:

@@ -6,6 +6,7 @@ Everything numeric lives elsewhere (model, step, accounting); this file only wir
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -61,6 +62,22 @@ class Heartbeat:
         if self.path and (force or now - self.last >= 1.0):
             Path(self.path).write_text(f"{step} {now:.3f} {os.getpid()}\n")
             self.last = now
+
+
+@contextlib.contextmanager
+def _cache_hits():
+    """Collects JAX's persistent-compilation-cache hit events raised inside the block."""
+    hits: list[str] = []
+
+    def listen(event: str, **kwargs) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        yield hits
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
 
 
 def _any_process(flag: int | None) -> int | None:
@@ -239,15 +256,17 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     # and the loop runs this same executable.
     t0 = time.time()
     abstract = abstract_state(specs, layout, tx)
-    step_fn = make_train_step(cfg, layout, tx, shardings).lower(abstract, abstract_batch(cfg, layout)).compile()
+    with _cache_hits() as hits:
+        step_fn = make_train_step(cfg, layout, tx, shardings).lower(abstract, abstract_batch(cfg, layout)).compile()
     compile_s = time.time() - t0
+    compiled = f"train step compiled in {compile_s:.1f}s" + (" (persistent compilation cache hit)" if hits else "")
     run_peak = hardware.peak_flops(cfg.model.dtype, cfg.parallel.n_devices)
     peak, peak_source = run_peak.flops, run_peak.source
     log.peak_label = run_peak.label
     report = startup_report(cfg, layout, abstract, shardings, step_fn, peak)
     log.print(
         f"meshlm {code_version()} | {cfg.model.family} | {tc.global_batch}x{tc.seq_len} tokens/step | "
-        f"peak: {peak_source} | train step compiled in {compile_s:.1f}s"
+        f"peak: {peak_source} | {compiled}"
     )
     for line in format_report(report):
         log.print(line)
@@ -261,6 +280,8 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         "hardware_flops_per_step": report["hardware_flops_per_step"],
         "peak_flops_per_s": peak,
         "peak_source": peak_source,
+        "compile_s": compile_s,
+        "compile_cache_hit": bool(hits),
         "startup_report": report,
     }
     first = jax.process_index() == 0

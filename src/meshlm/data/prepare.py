@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.config import ConfigError, DataConfig
+from meshlm.config import ConfigError, DataConfig, cache_home
 from meshlm.data import corpus
 from meshlm.data import tokenizer as toks
 
@@ -325,7 +324,7 @@ def fingerprint_files(files: list[Path], options: object) -> tuple[str, int]:
 def cache_root(cfg: DataConfig) -> Path:
     if cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
-    return Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshlm")) / "data"
+    return cache_home() / "data"
 
 
 def prepare(cfg: DataConfig, vocab_size: int, log=print) -> PreparedData:

@@ -167,7 +167,8 @@ def forward(
         return block(x_btd, cast(p), layer_key, segments=segment_ids), None
 
     body = remat.wrap_layer(body, remat_policy)
-    x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(cfg.n_layers)))
+    unroll = min(cfg.scan_unroll, cfg.n_layers)
+    x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(cfg.n_layers)), unroll=unroll)
 
     if cfg.family == "gpt":
         final_norm = partial(layers.layer_norm, eps=cfg.norm_eps)

@@ -16,8 +16,8 @@ A policy says three things:
 
 Under sequence parallelism the all-gathered LayerNorm output is never kept, whatever the policy:
 `parallel.collectives.column_parallel` sees to that. The cross-entropy always recomputes its
-softmax from the fp32 logits (`model.loss.token_nll`): a vocabulary-sized tensor is never stored
-twice.
+softmax from the fp32 logits and their log-sum-exp (`model.loss`): a vocabulary-sized tensor is
+never stored twice.
 
 The names are owned by `meshlm.config.RematPolicy` (a test keeps the two equal).
 """

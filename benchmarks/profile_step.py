@@ -1,0 +1,135 @@
+"""Where meshlm's train step spends its time on this CPU: a `jax.profiler` trace of a few steps,
+each XLA operation's time joined with the compiled HLO (shape, the JAX operation it came from),
+summed per step, and how busy XLA's worker threads were.
+
+The trace (open it in Perfetto or TensorBoard) and the compiled HLO stay in --out. The model is
+issue 11's "small" shape (4 layers, d=256, vocab 8192, seq 256, batch 8, fp32, one device).
+
+    python benchmarks/profile_step.py [--family gpt] [--steps 3] [--top 12] [--write]
+
+Operation times are thread time: independent operations run concurrently on the two cores, so
+they add up to more than the step's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+os.environ["XLA_FLAGS"] += " --xla_cpu_enable_xprof_traceme=true"  # one trace event per XLA operation
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import numpy as np
+
+from _markdown import write_section
+from meshlm.data.loader import WindowLoader, process_batch
+from meshlm.parallel.mesh import make_layout
+from meshlm.step import abstract_batch, batch_sharding, make_train_step
+from meshlm.train_state import abstract_state, init_state, setup
+from vs_pytorch import meshlm_config
+
+
+def compiled_step(family: str):
+    cfg = meshlm_config(family, "small")
+    layout = make_layout(cfg.parallel, jax.devices()[:1])
+    specs, tx, shardings = setup(cfg, layout)
+    step = make_train_step(cfg, layout, tx, shardings)
+    compiled = step.lower(abstract_state(specs, layout, tx), abstract_batch(cfg, layout)).compile()
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, 100 * 8 * 257).astype(np.int32)
+    loader = WindowLoader(tokens, cfg.train.seq_len, cfg.train.global_batch, seed=0)
+    return compiled, init_state(specs, layout, tx, 0), loader, batch_sharding(layout)
+
+
+def hlo_ops(text: str) -> dict[str, tuple[str, str]]:
+    """{operation name: (result shape, the JAX op_name it came from)} for the entry and loop bodies."""
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"\s+%([\w.\-]+) = (\w+\[[\d,]*\])", line)
+        if m:
+            op = re.search(r'op_name="([^"]*)"', line)
+            out[m.group(1)] = (m.group(2), op.group(1).removeprefix("jit(step)/") if op else "")
+    return out
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -1.0
+    for s, t in sorted(intervals):
+        if t > end:
+            total += t - max(s, end)
+            end = t
+    return total / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--family", default="gpt")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "meshlm-profile"))
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    compiled, state, loader, sharding = compiled_step(args.family)
+    out = Path(args.out) / args.family
+    shutil.rmtree(out, ignore_errors=True)  # one trace per directory: the parser reads the only one
+    out.mkdir(parents=True)
+    (out / "step.hlo.txt").write_text(compiled.as_text())
+    ops = hlo_ops(compiled.as_text())
+    for i in range(3):  # warm up
+        state, m = compiled(state, process_batch(loader, i, sharding))
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    with jax.profiler.trace(str(out / "trace"), create_perfetto_trace=True):
+        for i in range(args.steps):
+            state, m = compiled(state, process_batch(loader, 3 + i, sharding))
+        jax.block_until_ready(m)
+    wall = (time.perf_counter() - t0) / args.steps * 1e3
+    trace = json.load(gzip.open(next((out / "trace").rglob("*.trace.json.gz"))))
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    per_op, per_kind, per_thread = collections.Counter(), collections.Counter(), collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or name not in ops:
+            continue
+        per_op[name] += e["dur"] / 1e3 / args.steps
+        kind = re.sub(r"\.\d+$", "", name)
+        per_kind["dots (and reductions): ynn_fusion" if kind == "ynn_fusion" else kind] += e["dur"] / 1e3 / args.steps
+        per_thread[threads.get((e["pid"], e["tid"]), "?")].append((e["ts"], e["ts"] + e["dur"]))
+    workers = {k: v for k, v in per_thread.items() if "Eigen" in k}
+    busy = [busy_ms(v) / args.steps for v in workers.values()]
+    command = " ".join(["python benchmarks/profile_step.py", *sys.argv[1:]])
+    lines = [
+        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; {args.family}, 4 layers, "
+        f"d=256, vocab 8192, seq 256, batch 8, fp32, 1 device; {args.steps} profiled steps)",
+        "",
+        f"Step wall time {wall:.0f} ms; XLA's {len(busy)} worker threads busy "
+        + ", ".join(f"{b:.0f} ms ({100 * b / wall:.0f}%)" for b in busy)
+        + f"; operations' thread time {sum(per_op.values()):.0f} ms per step.",
+        "",
+        "| operation kind | thread ms / step |",
+        "|---|---:|",
+        *[f"| {k} | {v:.1f} |" for k, v in per_kind.most_common(8)],
+        "",
+        "| operation | thread ms / step | result | from |",
+        "|---|---:|---|---|",
+        *[f"| {n} | {t:.1f} | `{ops[n][0]}` | `{ops[n][1][-70:]}` |" for n, t in per_op.most_common(args.top)],
+    ]
+    table = "\n".join(lines)
+    print(table)
+    print(f"trace and HLO in {out}")
+    if args.write:
+        write_section(f"profile_step_{args.family}", table)
+
+
+if __name__ == "__main__":
+    main()

@@ -33,15 +33,18 @@ import jax
 import numpy as np
 
 from _markdown import write_section
+from meshlm.config import ModelConfig, OptimConfig, RunConfig, TrainConfig
 from meshlm.data.loader import WindowLoader, process_batch
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import abstract_batch, batch_sharding, make_train_step
 from meshlm.train_state import abstract_state, init_state, setup
-from vs_pytorch import meshlm_config
 
 
 def compiled_step(family: str):
-    cfg = meshlm_config(family, "small")
+    """Issue 11's "small" config, as benchmarks/vs_pytorch.py trains it."""
+    model = ModelConfig(family=family, vocab_size=8192, d_model=256, n_layers=4, n_heads=8, max_seq_len=256)
+    train = TrainConfig(global_batch=8, seq_len=256, steps=10_000)
+    cfg = RunConfig(model=model, optim=OptimConfig(lr=3e-4, warmup_steps=0), train=train)
     layout = make_layout(cfg.parallel, jax.devices()[:1])
     specs, tx, shardings = setup(cfg, layout)
     step = make_train_step(cfg, layout, tx, shardings)

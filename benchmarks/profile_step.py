@@ -97,7 +97,8 @@ def main() -> None:
             state, m = compiled(state, process_batch(loader, 3 + i, sharding))
         jax.block_until_ready(m)
     wall = (time.perf_counter() - t0) / args.steps * 1e3
-    trace = json.load(gzip.open(next((out / "trace").rglob("*.trace.json.gz"))))
+    with gzip.open(next((out / "trace").rglob("*.trace.json.gz"))) as f:
+        trace = json.load(f)
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
     per_op, per_kind, per_thread = collections.Counter(), collections.Counter(), collections.defaultdict(list)
     for e in trace["traceEvents"]:

@@ -168,15 +168,29 @@ def test_failed_worker_is_restarted_and_the_run_matches(reference, dataset, tmp_
 
 
 def test_restarts_run_out_with_a_summary(dataset, tmp_path):
-    run = tmp_path / "run"
-    # a learning rate that blows up: every attempt stops with a non-finite loss
-    args = [*_train_args(dataset, run), "--set", "optim.lr=1e9", "--set", "optim.clip_norm=1e9"]
-    r = subprocess.run(
-        _launch_cmd(args, "--max-restarts", "1"), capture_output=True, text=True, env=_env(), timeout=600
-    )
-    assert r.returncode == 1
+    """Every attempt's workers crash (exit 1) at start-up: one restart, then exit 1 with a summary."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    # Python imports sitecustomize at start-up; only the workers have MESHLM_HEARTBEAT set.
+    (hook / "sitecustomize.py").write_text("import os, sys\nif os.environ.get('MESHLM_HEARTBEAT'):\n    sys.exit(1)\n")
+    env = _env() | {"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    args = _train_args(dataset, tmp_path / "run")
+    r = subprocess.run(_launch_cmd(args, "--max-restarts", "1"), capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 1, r.stdout[-2000:]
     assert "attempt 1: process" in r.stdout and "attempt 2: process" in r.stdout
     assert "summary (2 attempts, --max-restarts 1)" in r.stdout
+
+
+def test_a_non_finite_stop_is_not_retried(dataset, tmp_path):
+    """A learning rate that blows up stops training at the same step on every attempt: the
+    launcher passes exit 3 on after one attempt instead of restarting."""
+    args = [*_train_args(dataset, tmp_path / "run"), "--set", "optim.lr=1e9", "--set", "optim.clip_norm=1e9"]
+    r = subprocess.run(
+        _launch_cmd(args, "--max-restarts", "3"), capture_output=True, text=True, env=_env(), timeout=600
+    )
+    assert r.returncode == 3, r.stdout[-2000:]
+    assert "a non-finite step (it would recur) is not retried" in r.stdout
+    assert "summary (1 attempts, --max-restarts 3)" in r.stdout and "non-finite loss or gradient at step" in r.stdout
 
 
 def test_coordinator_unreachable_is_a_clear_error(dataset, tmp_path):

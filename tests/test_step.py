@@ -8,6 +8,7 @@ import numpy as np
 
 from helpers import MESHES, random_batches, run_steps, tiny_config
 from meshlm.config import OptimConfig
+from meshlm.step import make_train_step
 
 
 def test_dropout_key_depends_on_step_only(devices):
@@ -32,3 +33,25 @@ def test_bfloat16_training_learns(devices):
     losses, params, _ = run_steps(cfg, [batch] * 8)
     assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5  # memorises the batch
     assert all(p.dtype == np.float32 for p in jax.tree.leaves(params))  # fp32 master weights
+
+
+def test_program_size_is_flat_in_depth_unless_unrolled(devices):
+    """Compile time follows program size: with the layer scan, 2 or 8 layers lower to the same
+    program (up to the stacked shapes in it); model.scan_unroll=n_layers copies the layer n times."""
+    from meshlm.parallel.mesh import make_layout
+    from meshlm.step import abstract_batch
+    from meshlm.train_state import abstract_state, setup
+
+    def program_chars(n_layers: int, unroll: int) -> int:
+        cfg = tiny_config("llama")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers, scan_unroll=unroll))
+        layout = make_layout(cfg.parallel, jax.devices()[:1])
+        specs, tx, shardings = setup(cfg, layout)
+        lowered = make_train_step(cfg, layout, tx, shardings).lower(
+            abstract_state(specs, layout, tx), abstract_batch(cfg, layout)
+        )
+        return len(lowered.as_text(debug_info=False))
+
+    scanned2, scanned8 = program_chars(2, 1), program_chars(8, 1)
+    assert abs(scanned8 - scanned2) < 0.01 * scanned2
+    assert program_chars(8, 8) > 1.2 * scanned8  # 8 calls of the layer (lowering outlines its body)

@@ -174,24 +174,32 @@ def test_stop_names_the_step_checkpoints_the_last_good_state_and_resumes_exactly
 @pytest.mark.slow
 @pytest.mark.parametrize("poisonable", ["loss"], indirect=True)
 def test_skip_is_counted_checkpointed_and_resumes_exactly(corpus_dir, tmp_path, poison_steps, capsys):
+    """Steps 7 and 10 skipped (10 is a logged step): counted, said, logged as strict JSON; a run
+    interrupted in between and resumed equals the uninterrupted one bit for bit."""
     cfg = _cfg(corpus_dir, tmp_path / "cache", on_nonfinite="skip")
-    poison_steps.add(6)
-    train(cfg, tmp_path / "ref")  # uninterrupted, with the skip; not quiet: the console says so
-    assert "step 7: non-finite loss (nan) or gradient norm (0.0); update skipped (1 skipped so far)" in (
-        capsys.readouterr().out
-    )
+    poison_steps.update({6, 9})
+    train(cfg, tmp_path / "ref")  # uninterrupted, with the skips; not quiet: the console says so
+    out = capsys.readouterr().out
+    assert "step 7: non-finite loss (nan) or gradient norm (0.0); update skipped (1 skipped so far)" in out
+    assert "step 10/12 | loss skipped (non-finite)" in out
     train(cfg, tmp_path / "a", quiet=True, stop_after=9)  # checkpoints 4, 8, 9
     saved, restored = _state(cfg, tmp_path / "a")
     assert saved == [4, 8, 9] and restored.meta["skipped"] == 1 and int(restored.state.skipped) == 1
     train(cfg, tmp_path / "a", quiet=True)
     assert logged_losses(tmp_path / "a") == logged_losses(tmp_path / "ref")
     ref, got = _state(cfg, tmp_path / "ref")[1], _state(cfg, tmp_path / "a")[1]
-    assert int(got.state.step) == 12 and int(got.state.skipped) == 1 and _same_params(got.state, ref.state)
-    assert int(got.state.opt_state[1][0].count) == 11  # 12 batches, 11 updates
-    events = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    assert int(got.state.step) == 12 and int(got.state.skipped) == 2 and _same_params(got.state, ref.state)
+    assert int(got.state.opt_state[1][0].count) == 10  # 12 batches, 10 updates
+
+    def strict(constant):  # NaN / Infinity are not JSON
+        raise ValueError(f"metrics.jsonl holds {constant}")
+
+    lines = (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
+    events = [json.loads(line, parse_constant=strict) for line in lines]
     skipped = [r for r in events if r.get("event") == "skipped"]
-    assert [(r["step"], r["skipped"], r["bad_loss"]) for r in skipped] == [(7, 1, "nan")]
-    assert {r["step"]: r.get("skipped", 0) for r in events if "loss" in r and "event" not in r}[10] == 1
+    assert [(r["step"], r["skipped"], r["bad_loss"]) for r in skipped] == [(7, 1, "nan"), (10, 2, "nan")]
+    logged = {r["step"]: r for r in events if "loss" in r and "event" not in r}
+    assert logged[10]["loss"] is None and logged[10]["skipped"] == 2 and logged[12]["loss"] > 0
 
 
 @pytest.mark.parametrize("poisonable", ["gradient"], indirect=True)

@@ -75,7 +75,8 @@ class MetricsLogger:
         self.file.flush()
         if "loss" not in record or not self.show:
             return
-        parts = [f"step {record['step']}/{self.total}", f"loss {record['loss']:.4f}"]
+        loss = "skipped (non-finite)" if record["loss"] is None else f"{record['loss']:.4f}"
+        parts = [f"step {record['step']}/{self.total}", f"loss {loss}"]
         if "tokens_per_s" in record:
             parts += [
                 f"{_fmt_rate(record['tokens_per_s'])} tok/s",

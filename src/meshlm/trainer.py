@@ -381,6 +381,8 @@ class _Loop:
             if logged:
                 loss = float(m["loss"])
                 record = {"step": step + 1, "loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"])}
+                if not m["applied"]:  # a skipped step (on_nonfinite=skip): NaN and inf are not JSON
+                    record |= {"loss": None, "grad_norm": None}
                 if m["skipped"]:
                     record["skipped"] = int(m["skipped"])
                 now = time.time()

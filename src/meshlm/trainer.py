@@ -27,7 +27,7 @@ from meshlm.data.loader import WindowLoader, process_batch
 from meshlm.data.prepare import prepare
 from meshlm.metrics import MetricsLogger
 from meshlm.parallel.mesh import make_layout
-from meshlm.report import format_report, startup_report
+from meshlm.startup_report import format_report, startup_report
 from meshlm.step import abstract_batch, batch_sharding, make_eval_step, make_train_step
 from meshlm.train_state import TrainState, abstract_state, init_state, setup
 

@@ -374,3 +374,16 @@ def test_corrupt_shard_of_one_process_falls_back_after_restart(reference, datase
     assert f"resumed from {run / 'checkpoints'}/3" in r.stdout
     assert [p.name.split("-")[0] for p in (run / "checkpoints.corrupt").iterdir()] == ["6"]
     assert logged_losses(run) == logged_losses(reference[0])
+
+
+def test_report_on_a_two_process_run(reference, tmp_path):
+    """`meshlm report` reads a multi-process run's directory (process 0 wrote its files)."""
+    from meshlm.cli import main
+    from meshlm.run_report import figures, read_run
+
+    run, _ = reference
+    assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "2 process(es)" in text and f"| progress | step {STEPS} of {STEPS} logged |" in text
+    (train_line,) = figures(read_run(run))["loss"].axes[0].lines
+    assert list(train_line.get_xdata()) == list(range(1, STEPS + 1))

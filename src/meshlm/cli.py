@@ -1,4 +1,4 @@
-"""`meshlm` command line: train | launch | data | memory | plan | bench | recipes.
+"""`meshlm` command line: train | launch | data | memory | plan | bench | report | recipes.
 
 Only this entry point touches process-wide state (XLA_FLAGS, JAX_PLATFORMS), and it does so
 before jax is imported: jax reads the device count once, at import.
@@ -74,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--dry-run", action="store_true", help="build the mesh, compile the step, print the startup report, exit"
     )
+    train.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    train.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="json: one JSON object per logged step on stdout (every other message on stderr)",
+    )
+    train.add_argument(
+        "--profile-steps",
+        metavar="A:B",
+        help="jax.profiler trace of steps A..B-1 into <run_dir>/profile (shorthand for --set train.profile_steps=A:B)",
+    )
     train.add_argument(
         "--no-compile-cache",
         action="store_true",
@@ -104,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     bench.add_argument("--run-dir", help="output directory (default: runs/bench-<time>)")
     sub.add_parser("recipes", help="list the named recipes")
+    report = sub.add_parser("report", help="report.md + plots of a run (finished, running or interrupted)")
+    report.add_argument("run_dir", help="a run directory (holds config.json, metrics.jsonl, run.json)")
+    report.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="overlay these runs' curves")
+    report.add_argument("--out", help="output directory (default: <run_dir>/report)")
     launch = sub.add_parser(
         "launch",
         help="run N processes of one train command, supervise and restart them (meshlm launch ... -- train ...)",
@@ -148,6 +164,8 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         overrides.append(f"train.steps={args.steps}")
     if getattr(args, "no_compile_cache", False):
         overrides.append("train.compile_cache=false")
+    if getattr(args, "profile_steps", None):
+        overrides.append(f"train.profile_steps={args.profile_steps}")
     return apply_overrides(cfg, overrides)
 
 
@@ -191,7 +209,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     from meshlm.trainer import train
 
     run_dir = Path(args.run_dir or f"runs/{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
-    train(cfg, run_dir, dry_run=args.dry_run, init_from=args.init_from, stop_after=args.stop_after)
+    train(
+        cfg,
+        run_dir,
+        quiet=args.quiet,
+        log_format=args.log_format,
+        dry_run=args.dry_run,
+        init_from=args.init_from,
+        stop_after=args.stop_after,
+    )
     return 0
 
 
@@ -326,6 +352,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from meshlm.run_report import write_report
+
+    print(write_report(args.run_dir, args.compare, args.out))
+    return 0
+
+
 def cmd_recipes(args: argparse.Namespace) -> int:
     from meshlm import accounting, recipes
 
@@ -428,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         commands = {"train": cmd_train, "memory": cmd_memory, "plan": cmd_plan, "bench": cmd_bench}
-        commands |= {"recipes": cmd_recipes, "data": cmd_data, "launch": cmd_launch}
+        commands |= {"recipes": cmd_recipes, "data": cmd_data, "launch": cmd_launch, "report": cmd_report}
         return commands[args.command](args)
     except ConfigError as e:
         print(f"meshlm: error: {e}", file=sys.stderr)

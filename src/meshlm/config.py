@@ -179,6 +179,30 @@ class TrainConfig:
     # JAX's persistent compilation cache in <cache_home>/xla (`meshlm train`): a rerun of the same
     # program, in any run directory, loads the compiled step instead of compiling it again
     compile_cache: bool = True
+    # "A:B": a jax.profiler trace of steps A..B-1 (numbered from 1, as the progress line counts)
+    # into <run_dir>/profile; empty: none
+    profile_steps: str = ""
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """(first, end) step numbers to profile, end exclusive; None when off."""
+        if not self.profile_steps:
+            return None
+        first, _, end = self.profile_steps.partition(":")
+        try:
+            a, b = int(first), int(end)
+        except ValueError:
+            raise ConfigError(f"train.profile_steps={self.profile_steps!r}: expected A:B, e.g. 20:25") from None
+        if not 1 <= a < b:
+            raise ConfigError(f"train.profile_steps={self.profile_steps!r}: need 1 <= A < B (steps A..B-1)")
+        return a, b
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Where a run's metrics go besides `<run_dir>/metrics.jsonl` and the console (process 0 only)."""
+
+    tensorboard: bool = True  # event files in <run_dir>/tb (tensorboardX)
+    wandb: str = ""  # a Weights & Biases project name; empty: off (needs the `wandb` extra)
 
 
 @dataclass(frozen=True)
@@ -207,6 +231,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -379,6 +404,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     )
     _need(t.log_every >= 1 and t.eval_every >= 0, "train.log_every must be >= 1, eval_every >= 0")
     _need(t.max_consecutive_skips >= 0, "train.max_consecutive_skips must be >= 0")
+    t.profile_range()  # raises on a malformed A:B
     _need(0.0 < cfg.data.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
     c = cfg.checkpoint
     _need(c.every >= 0 and c.keep_every >= 0, "checkpoint.every and checkpoint.keep_every must be >= 0")

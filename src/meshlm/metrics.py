@@ -1,4 +1,9 @@
-"""Run outputs: a live progress line on the console and `metrics.jsonl` in the run directory."""
+"""Run outputs: a live progress line on the console, `metrics.jsonl` in the run directory, and the
+sinks of `meshlm.sinks` (TensorBoard, W&B), all fed the same records.
+
+Console modes: "text" (the progress line; messages on stdout), "json" (one JSON object per logged
+step on stdout, every other message on stderr: for scripts), and quiet (`show=False`: nothing but
+errors, which the CLI prints)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from meshlm.sinks import chart_values
 
 
 def _fmt_rate(x: float) -> str:
@@ -33,14 +40,18 @@ class MetricsLogger:
         write: bool = True,
         show: bool = True,
         peak_label: str = "",
+        log_format: str = "text",
     ):
         self.enabled, self.show = write, show and write
+        self.json = log_format == "json"
         self.peak_label = peak_label  # where the peak for MFU/HFU comes from, e.g. "CPU probe"
-        self.console = Console(highlight=False, soft_wrap=True)
+        # in json mode stdout carries only the records; every message goes to stderr
+        self.console = Console(highlight=False, soft_wrap=True, stderr=self.json)
         self.path = run_dir / "metrics.jsonl"
         self.file = open(self.path, "a") if write else None  # noqa: SIM115 (closed in close())
+        self.sinks: list = []
         self.total = total_steps
-        self.live = self.show and sys.stdout.isatty()
+        self.live = self.show and not self.json and sys.stdout.isatty()
         self.progress = None
         if self.live:
             self.progress = Progress(
@@ -68,12 +79,32 @@ class MetricsLogger:
         if self.show:
             self.console.print(msg, markup=False)
 
+    def attach(self, sinks: list) -> None:
+        """Also send every record to these sinks (`meshlm.sinks.open_sinks`)."""
+        self.sinks = sinks if self.enabled else []
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        for sink in self.sinks:
+            sink.text(step, tag, text)
+
+    def chart(self, step: int, values: dict[str, float]) -> None:
+        """Chart values that are not metrics.jsonl records (e.g. the startup report's memory)."""
+        for sink in self.sinks:
+            sink.scalars(step, values)
+
     def log(self, record: dict, eta_s: float | None = None) -> None:
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if "loss" not in record or not self.show:
+        values = chart_values(record)
+        if values and "step" in record:
+            for sink in self.sinks:
+                sink.scalars(record["step"], values)
+        if "loss" not in record or "event" in record or not self.show:
+            return
+        if self.json:
+            print(json.dumps(record), flush=True)
             return
         loss = "skipped (non-finite)" if record["loss"] is None else f"{record['loss']:.4f}"
         parts = [f"step {record['step']}/{self.total}", f"loss {loss}"]
@@ -96,3 +127,5 @@ class MetricsLogger:
             self.progress.stop()
         if self.file is not None:
             self.file.close()
+        for sink in self.sinks:
+            sink.close()

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -27,6 +28,7 @@ from meshlm.data.loader import WindowLoader, process_batch
 from meshlm.data.prepare import prepare
 from meshlm.metrics import MetricsLogger
 from meshlm.parallel.mesh import make_layout
+from meshlm.sinks import open_sinks
 from meshlm.startup_report import format_report, startup_report
 from meshlm.step import abstract_batch, batch_sharding, make_eval_step, make_train_step
 from meshlm.train_state import TrainState, abstract_state, init_state, setup
@@ -167,6 +169,7 @@ def train(
     dry_run: bool = False,
     init_from: str | None = None,
     stop_after: int | None = None,
+    log_format: str = "text",
 ) -> RunResult | None:
     """Train `cfg`, writing into `run_dir`, resuming from its latest good checkpoint if any.
 
@@ -174,17 +177,27 @@ def train(
     checkpoints directory or one step directory). `stop_after`: checkpoint and return after this
     step (a run split into time slots). With `dry_run`, stop after the startup report (the layout is
     built and the step compiled, but no data is prepared and no parameter allocated).
-    SIGTERM/SIGINT: checkpoint, then raise `Preempted`.
+    SIGTERM/SIGINT: checkpoint, then raise `Preempted`. `quiet`: print nothing; `log_format="json"`:
+    one JSON object per logged step on stdout, every other message on stderr.
     """
     validate(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     # Only process 0 writes metrics and prints; every process writes its own checkpoint shards.
-    log = MetricsLogger(run_dir, cfg.train.steps, write=jax.process_index() == 0, show=not quiet)
+    first = jax.process_index() == 0
+    log = MetricsLogger(run_dir, cfg.train.steps, write=first, show=not quiet, log_format=log_format)
     try:
         with StopFlag() as stop:
             return _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop)
     finally:
         log.close()
+
+
+def _attach_sinks(log: MetricsLogger, cfg: RunConfig, run_dir: Path, start: int, report: dict) -> None:
+    """TensorBoard / W&B from `start` on, with the startup report as text and its memory as charts."""
+    log.attach(open_sinks(cfg.metrics, run_dir, start, cfg.to_dict(), quiet=not log.show))
+    log.text(start, "startup_report", "```\n" + "\n".join(format_report(report)) + "\n```")
+    slug = lambda k: re.sub(r"[^a-z0-9]+", "_", k.lower()).strip("_")
+    log.chart(start, {f"memory/{slug(k)}_bytes": v for k, v in report["predicted_device_bytes"].items()})
 
 
 def checkpoint_dir(cfg: RunConfig, run_dir: Path) -> Path:
@@ -270,6 +283,9 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     )
     for line in format_report(report):
         log.print(line)
+    if tc.profile_range():
+        a, b = tc.profile_range()
+        log.print(f"profiling steps {a}..{b - 1} (jax.profiler) into {run_dir / 'profile'}")
     run_info = {
         "code_version": code_version(),
         "jax_version": jax.__version__,
@@ -321,8 +337,14 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         start = int(state.step)
         if start:
             log.resume_at(start)
+        if first:
+            _attach_sinks(log, cfg, run_dir, start, report)
         loop = _Loop(cfg, log, step_fn, make_eval_step(cfg, layout, shardings.params), bsharding, report, peak)
-        state, result = loop.run(state, start, train_loader, val_loader, ckpt, identity, stop_after, stop)
+        loop.profiler = Profiler(cfg.train.profile_range(), run_dir / "profile", log)
+        try:
+            state, result = loop.run(state, start, train_loader, val_loader, ckpt, identity, stop_after, stop)
+        finally:
+            loop.profiler.stop()
         ckpt.save(state, identity)  # the final state (a no-op if this step was just saved)
         ckpt.wait()
     finally:
@@ -340,6 +362,33 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     return result
 
 
+class Profiler:
+    """A `jax.profiler` trace of steps [first, end) into `directory` (TensorBoard's profile plugin
+    and Perfetto read it), each step marked with a StepTraceAnnotation so the trace reads per step."""
+
+    def __init__(self, steps: tuple[int, int] | None, directory: Path, log):
+        self.steps, self.directory, self.log, self.active = steps, directory, log, False
+
+    def step(self, n: int):
+        """Context for dispatching step n."""
+        if self.steps and n == self.steps[0] and not self.active:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+        return jax.profiler.StepTraceAnnotation("train", step_num=n) if self.active else contextlib.nullcontext()
+
+    def after(self, n: int, outputs) -> None:
+        """After dispatching step n: the last profiled step ends the trace once its work is done."""
+        if self.active and n == self.steps[1] - 1:
+            jax.block_until_ready(outputs)
+            self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+            self.log.print(f"profile of steps {self.steps[0]}..{self.steps[1] - 1} written to {self.directory}")
+
+
 class _Loop:
     """The step loop with its logging, evaluation and checkpoint cadence.
 
@@ -355,6 +404,7 @@ class _Loop:
         self.peak = peak
         self.heartbeat = Heartbeat(os.environ.get("MESHLM_HEARTBEAT"))  # first beat after the first step
         self.stopped_by: int | None = None
+        self.profiler = Profiler(None, Path(), log)
 
     def run(self, state, start, train_loader, val_loader, ckpt, identity, stop_after, stop):
         tc, every = self.cfg.train, self.cfg.checkpoint.every
@@ -366,7 +416,9 @@ class _Loop:
         pending: list[tuple[int, dict]] = []  # (step, metrics) the host has not read yet
         for step in range(start, end):
             batch = process_batch(train_loader, step, self.bsharding)
-            state, metrics = self.step_fn(state, batch)
+            with self.profiler.step(step + 1):
+                state, metrics = self.step_fn(state, batch)
+            self.profiler.after(step + 1, metrics)
             pending.append((step + 1, metrics))
             last = step + 1 == tc.steps
             if step == start:  # warm-up: throughput is measured from the end of the first step
@@ -401,8 +453,10 @@ class _Loop:
                 self.log.print(f"step {step + 1}: validation loss {val_loss:.4f}")
                 t_last = time.time()  # do not charge evaluation to training throughput
             if saving:
+                t_save = time.time()
                 ckpt.save(state, identity)  # returns once the arrays are off the devices
                 t_last = time.time()
+                self.log.log({"step": step + 1, "checkpoint_save_s": t_last - t_save})
             self.heartbeat.beat(step + 1, force=step == start)
             if jax.process_count() == 1 or logged:
                 self.stopped_by = _any_process(stop.signum)

@@ -1,0 +1,112 @@
+"""Where a run's metrics go besides metrics.jsonl: TensorBoard event files and Weights & Biases.
+
+Every sink takes the same records the trainer writes to metrics.jsonl (`MetricsLogger.log`), so
+there is one set of names: `TAGS` maps a record's key to its chart name. Sinks are created by
+`open_sinks` once the run knows the step it starts from, and only on process 0.
+
+- TensorBoard (`metrics.tensorboard`, default on): `tensorboardX` event files in <run_dir>/tb. A
+  resumed run starts its writer with `purge_step` = the first step it redoes, so TensorBoard drops
+  the interrupted attempt's points past the checkpoint: the curves continue without duplicates.
+- Weights & Biases (`metrics.wandb=PROJECT`, the `wandb` extra): imported only when asked; offline
+  (files under <run_dir>/wandb, `wandb sync` later) unless WANDB_MODE says otherwise or a login is
+  configured. The run id is derived from the run directory, so a resumed run continues its W&B run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Protocol
+
+from meshlm.config import ConfigError, MetricsConfig
+
+# record key -> chart name (a key missing here is not charted, e.g. "event")
+TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "skipped": "train/skipped_steps",
+    "val_loss": "val/loss",
+    "tokens_per_s": "perf/tokens_per_s",
+    "step_time_s": "perf/step_time_s",
+    "mfu": "perf/mfu",
+    "hfu": "perf/hfu",
+    "checkpoint_save_s": "checkpoint/save_s",
+}
+
+
+class Sink(Protocol):
+    def scalars(self, step: int, values: dict[str, float]) -> None: ...
+    def text(self, step: int, tag: str, text: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def chart_values(record: dict) -> dict[str, float]:
+    """The chartable numbers of a metrics record, under their chart names."""
+    return {TAGS[k]: float(v) for k, v in record.items() if k in TAGS and isinstance(v, int | float)}
+
+
+class TensorBoardSink:
+    def __init__(self, run_dir: Path, start_step: int):
+        from tensorboardX import SummaryWriter
+
+        # purge_step: points at or after it, left by an interrupted attempt, are dropped by TensorBoard
+        self.writer = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        self.writer.add_text(tag, text, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _wandb_logged_in() -> bool:
+    netrc = Path.home() / ".netrc"
+    return bool(os.environ.get("WANDB_API_KEY")) or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
+
+
+class WandbSink:
+    def __init__(self, project: str, run_dir: Path, config: dict, quiet: bool = False):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError(
+                f"metrics.wandb={project!r} needs Weights & Biases: pip install 'meshlm[wandb]'"
+            ) from None
+        mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_logged_in() else "offline")
+        run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+        self.run = wandb.init(
+            project=project,
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow",
+            mode=mode,
+            config=config,
+            name=run_dir.name,
+            settings=wandb.Settings(silent=quiet, console="off"),  # meshlm's own console stays meshlm's
+        )
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        self.run.summary[tag] = text
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def open_sinks(cfg: MetricsConfig, run_dir: Path, start_step: int, config: dict, quiet: bool = False) -> list[Sink]:
+    sinks: list[Sink] = []
+    if cfg.tensorboard:
+        sinks.append(TensorBoardSink(run_dir, start_step))
+    if cfg.wandb:
+        sinks.append(WandbSink(cfg.wandb, run_dir, config, quiet))
+    return sinks

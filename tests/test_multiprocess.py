@@ -387,3 +387,4 @@ def test_report_on_a_two_process_run(reference, tmp_path):
     assert "2 process(es)" in text and f"| progress | step {STEPS} of {STEPS} logged |" in text
     (train_line,) = figures(read_run(run))["loss"].axes[0].lines
     assert list(train_line.get_xdata()) == list(range(1, STEPS + 1))
+    assert len(list((run / "tb").glob("events.out.tfevents.*"))) == 1  # process 0 alone writes TensorBoard

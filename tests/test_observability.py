@@ -35,12 +35,17 @@ def _cfg(corpus_dir, cache, steps=10, **train_kw):
 @pytest.fixture(scope="module")
 def runs(corpus_dir, tmp_path_factory):
     """'resumed': 8 steps, its step-8 checkpoint lost (a crash after logging step 8), resumed from
-    4 to 10, so steps 5-8 were logged twice. 'interrupted': stopped at step 6 of 10."""
+    4 to 10 with another learning rate, so steps 5-8 were logged twice with different values.
+    'restarted': 3 steps that never checkpointed, then rerun from step 0 to 10.
+    'interrupted': stopped at step 6 of 10."""
     root = tmp_path_factory.mktemp("runs")
     cfg = _cfg(corpus_dir, root / "cache")
     train(cfg, root / "resumed", quiet=True, stop_after=8)
     shutil.rmtree(root / "resumed" / "checkpoints" / "8")
-    train(cfg, root / "resumed", quiet=True)
+    train(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1e-3)), root / "resumed", quiet=True)
+    train(cfg, root / "restarted", quiet=True, stop_after=3)
+    shutil.rmtree(root / "restarted" / "checkpoints")
+    train(cfg, root / "restarted", quiet=True)
     train(cfg, root / "interrupted", quiet=True, stop_after=6)
     return root
 
@@ -53,18 +58,44 @@ def _tensorboard(run_dir):
     return acc
 
 
-def test_tensorboard_equals_metrics_jsonl_without_duplicates(runs):
-    run = runs / "resumed"
+def _last_records(run_dir) -> tuple[dict[int, dict], dict[int, float]]:
+    """metrics.jsonl's logged-step records and validation losses as the run ended up: a `resume`
+    record drops what the interrupted attempt logged after the step it resumed from."""
+    steps, val = {}, {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r.get("event") == "resume":
+            steps = {k: v for k, v in steps.items() if k <= r["step"]}
+            val = {k: v for k, v in val.items() if k <= r["step"]}
+        elif "loss" in r and "event" not in r:
+            steps[r["step"]] = r
+        elif "val_loss" in r:
+            val[r["step"]] = r["val_loss"]
+    return steps, val
+
+
+@pytest.mark.parametrize("name", ["resumed", "restarted"])
+def test_tensorboard_equals_metrics_jsonl_without_duplicates(runs, name):
+    run = runs / name
     acc = _tensorboard(run)
-    loss = acc.Scalars("train/loss")
-    assert [e.step for e in loss] == list(range(1, 11))  # each step once, 5-8 from the resumed attempt
-    logged = logged_losses(run)  # the last record per step
-    np.testing.assert_allclose([e.value for e in loss], [logged[s] for s in range(1, 11)], rtol=1e-6)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
-    assert {e.step: pytest.approx(e.value, rel=1e-6) for e in acc.Scalars("val/loss")} == val
+    records, val_losses = _last_records(run)
+    if name == "resumed":  # the redone steps really differ, so "the later attempt's" is tested
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        first_attempt = lines[: next(i for i, r in enumerate(lines) if r.get("event") == "resume")]
+        (step7,) = [r for r in first_attempt if r.get("step") == 7 and "loss" in r]
+        assert step7["loss"] != records[7]["loss"]
+    for tag, key in [("train/loss", "loss"), ("train/lr", "lr"), ("perf/tokens_per_s", "tokens_per_s")]:
+        points = acc.Scalars(tag)
+        steps = [e.step for e in points]
+        assert steps == sorted(set(steps)), f"{tag}: a step charted twice"
+        want = {s: r[key] for s, r in records.items() if r.get(key) is not None}
+        assert steps == sorted(want), tag
+        np.testing.assert_allclose([e.value for e in points], [want[s] for s in steps], rtol=1e-6, err_msg=tag)
+    val = acc.Scalars("val/loss")
+    assert [e.step for e in val] == sorted(val_losses) == [5, 10]
+    np.testing.assert_allclose([e.value for e in val], [val_losses[5], val_losses[10]], rtol=1e-6)
     tags = set(acc.Tags()["scalars"])
-    assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "perf/hfu", "perf/step_time_s"} <= tags
+    assert {"train/grad_norm", "train/skipped_steps", "perf/mfu", "perf/hfu", "perf/step_time_s"} <= tags
     assert "checkpoint/save_s" in tags and "memory/optimizer_state_bytes" in tags
     assert any(t.startswith("startup_report") for t in acc.Tags()["tensors"])
 
@@ -76,12 +107,26 @@ def test_wandb_sink_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     sink = WandbSink("meshlm-test", tmp_path, {"model": {"d_model": 64}}, quiet=True)
     sink.scalars(3, {"train/loss": 1.5, "perf/mfu": 0.25})
-    sink.scalars(4, {"train/loss": 1.25})  # W&B commits a step when the next one starts
+    sink.scalars(2, {"train/loss": 1.25})  # a resumed attempt may log an earlier meshlm step: kept
     summary = dict(sink.run.summary)
-    assert (summary["train/loss"], summary["perf/mfu"], summary["_step"]) == (1.5, 0.25, 3)
+    assert (summary["train/loss"], summary["perf/mfu"], summary["step"], summary["_step"]) == (1.25, 0.25, 2, 1)
     assert sink.run.config["model"]["d_model"] == 64
     sink.close()
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_wandb_falls_back_to_offline_when_unreachable(tmp_path, monkeypatch):
+    """Logged in (a key is set) but no network (this machine has none): the run logs offline
+    instead of failing."""
+    from meshlm.sinks import WandbSink
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")
+    said = []
+    sink = WandbSink("meshlm-test", tmp_path, {}, quiet=True, log=said.append)
+    assert sink.run.offline and "logging offline" in said[0]
+    sink.close()
 
 
 def test_wandb_is_never_imported_unless_asked(monkeypatch, tmp_path):
@@ -92,28 +137,42 @@ def test_wandb_is_never_imported_unless_asked(monkeypatch, tmp_path):
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True)
     from meshlm.config import ConfigError, MetricsConfig
-    from meshlm.sinks import open_sinks
 
-    monkeypatch.setitem(sys.modules, "wandb", None)  # as if the extra were not installed
-    with pytest.raises(ConfigError, match=r"pip install 'meshlm\[wandb\]'"):
-        open_sinks(MetricsConfig(tensorboard=False, wandb="p"), tmp_path, 0, {})
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # as if the extra were not installed
+    cfg = dataclasses.replace(tiny_config(), metrics=MetricsConfig(wandb="p"))
+    with pytest.raises(ConfigError, match=r"pip install 'meshlm\[wandb\]'"):  # before any work, every process
+        validate(cfg)
+
+
+def _traced_steps(trace) -> list[int]:
+    with gzip.open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    return sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train" and "args" in e)
 
 
 def test_profile_steps_trace_exactly_those_steps(corpus_dir, tmp_path, capsys):
+    """3:5 traces steps 3 and 4; a run stopped after step 3 and resumed traces 3, then 4; a range
+    past the end is clipped to the run's last step."""
     cfg = _cfg(corpus_dir, tmp_path / "cache", steps=6, profile_steps="3:5", eval_every=0)
-    train(cfg, tmp_path / "run")
+    train(cfg, tmp_path / "whole")
     out = capsys.readouterr().out
     assert "profiling steps 3..4 (jax.profiler) into" in out and "profile of steps 3..4 written" in out
-    (trace,) = (tmp_path / "run" / "profile").rglob("*.trace.json.gz")
-    with gzip.open(trace) as f:
-        events = json.load(f)["traceEvents"]
-    steps = sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train" and "args" in e)
-    assert steps == [3, 4]
+    (trace,) = (tmp_path / "whole" / "profile").rglob("*.trace.json.gz")
+    assert _traced_steps(trace) == [3, 4]
+    train(cfg, tmp_path / "resumed", quiet=True, stop_after=3)
+    train(cfg, tmp_path / "resumed", quiet=True)
+    traces = sorted((tmp_path / "resumed" / "profile").rglob("*.trace.json.gz"))
+    assert [_traced_steps(t) for t in traces] == [[3], [4]]
+    clipped = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, profile_steps="5:100"))
+    train(clipped, tmp_path / "clipped", quiet=True)
+    (trace,) = (tmp_path / "clipped" / "profile").rglob("*.trace.json.gz")
+    assert _traced_steps(trace) == [5, 6]
 
 
 def test_report_figures_have_the_right_axes_and_series(runs, tmp_path):
     resumed, interrupted = read_run(runs / "resumed"), read_run(runs / "interrupted")
     assert sorted(interrupted.steps) == list(range(1, 7))  # an interrupted run reports what it has
+    assert resumed.steps == _last_records(runs / "resumed")[0]  # the resumed attempt's records
     figs = figures(resumed, [interrupted])
     by_step, by_tokens = figs["loss"].axes
     assert (by_step.get_xlabel(), by_tokens.get_xlabel()) == ("step", "tokens")
@@ -123,7 +182,11 @@ def test_report_figures_have_the_right_axes_and_series(runs, tmp_path):
     assert by_tokens.lines[0].get_xdata()[-1] == 10 * 8 * 32  # steps x batch x sequence
     rate, mfu = figs["throughput"].axes
     assert rate.get_ylabel() == "tokens / s" and mfu.get_ylabel() == "MFU (%)" and len(rate.lines) == 2
-    assert figs["lr"].axes[0].get_ylabel() == "learning rate"
+    assert figs["lr"].axes[0].get_ylabel() == "learning rate" and len(mfu.lines) == 2
+    grad = figs["grad_norm"].axes[0]
+    assert grad.get_xlabel() == "step" and list(grad.lines[0].get_ydata()) == [
+        resumed.steps[s]["grad_norm"] for s in range(1, 11)
+    ]
     memory = figs["memory"].axes[0]
     assert [t.get_text() for t in memory.get_xticklabels()] == ["predicted", "compiled (XLA)"]
     legend = [t.get_text() for t in memory.get_legend().get_texts()]
@@ -141,13 +204,23 @@ def _cli(*args, **env):
 
 def test_quiet_prints_nothing_and_json_lines_parse(corpus_dir, tmp_path):
     args = ["train", "--steps", "4", "--set", f"data.paths={corpus_dir}", "--set", "model.vocab_size=320"]
-    args += ["--set", "train.seq_len=32", "--set", "train.log_every=2", "--set", "metrics.tensorboard=false"]
-    quiet = _cli(*args, "--quiet", "--run-dir", str(tmp_path / "q"), MESHLM_CACHE=str(tmp_path / "cache"))
+    args += ["--set", "train.seq_len=32", "--set", "train.log_every=2"]
+    quiet = _cli(
+        *args,
+        "--quiet",
+        "--set",
+        "metrics.wandb=meshlm-test",
+        "--run-dir",
+        str(tmp_path / "q"),
+        MESHLM_CACHE=str(tmp_path / "cache"),
+        WANDB_MODE="offline",
+    )
     assert quiet.returncode == 0 and quiet.stdout == "" and quiet.stderr == "", quiet.stderr[-2000:]
-    assert len(logged_losses(tmp_path / "q")) == 2  # it did train
+    assert len(logged_losses(tmp_path / "q")) == 2  # it did train, and wrote TensorBoard and W&B files
+    assert list((tmp_path / "q" / "tb").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "q" / "wandb").glob("offline-run-*/run-*.wandb"))
     js = _cli(*args, "--log-format", "json", "--run-dir", str(tmp_path / "j"), MESHLM_CACHE=str(tmp_path / "cache"))
     assert js.returncode == 0, js.stderr[-2000:]
     records = [json.loads(line) for line in js.stdout.splitlines()]
     assert [r["step"] for r in records] == [2, 4] and all("loss" in r and "tokens_per_s" in r for r in records)
     assert "train step compiled in" in js.stderr  # every other message goes to stderr
-    assert not (tmp_path / "j" / "tb").exists()

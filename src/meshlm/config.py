@@ -404,7 +404,18 @@ def validate(cfg: RunConfig) -> RunConfig:
     )
     _need(t.log_every >= 1 and t.eval_every >= 0, "train.log_every must be >= 1, eval_every >= 0")
     _need(t.max_consecutive_skips >= 0, "train.max_consecutive_skips must be >= 0")
-    t.profile_range()  # raises on a malformed A:B
+    profile = t.profile_range()  # raises on a malformed A:B
+    _need(
+        profile is None or profile[0] <= t.steps,
+        f"train.profile_steps={t.profile_steps!r} starts after the last step ({t.steps})",
+    )
+    if cfg.metrics.wandb:  # checked on every process before any work (importlib only looks, imports nothing)
+        import importlib.util
+
+        _need(
+            importlib.util.find_spec("wandb") is not None,
+            f"metrics.wandb={cfg.metrics.wandb!r} needs Weights & Biases: pip install 'meshlm[wandb]'",
+        )
     _need(0.0 < cfg.data.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
     c = cfg.checkpoint
     _need(c.every >= 0 and c.keep_every >= 0, "checkpoint.every and checkpoint.keep_every must be >= 0")

@@ -48,6 +48,7 @@ class MetricsLogger:
         # in json mode stdout carries only the records; every message goes to stderr
         self.console = Console(highlight=False, soft_wrap=True, stderr=self.json)
         self.path = run_dir / "metrics.jsonl"
+        self.had_records = self.path.exists() and self.path.stat().st_size > 0  # an earlier attempt's
         self.file = open(self.path, "a") if write else None  # noqa: SIM115 (closed in close())
         self.sinks: list = []
         self.total = total_steps
@@ -67,8 +68,9 @@ class MetricsLogger:
         self.t0 = time.time()
 
     def resume_at(self, step: int) -> None:
-        """A resumed run: the bar starts at `step`, and metrics.jsonl records where it resumed
-        (records after it from the interrupted attempt are superseded by the ones that follow)."""
+        """A resumed run (or one restarted from step 0 after an attempt that never checkpointed):
+        the bar starts at `step`, and metrics.jsonl records where it resumed (readers drop the
+        interrupted attempt's records after it)."""
         if self.progress is not None:
             self.progress.update(self.task, completed=step)
         if self.enabled:
@@ -80,8 +82,8 @@ class MetricsLogger:
             self.console.print(msg, markup=False)
 
     def attach(self, sinks: list) -> None:
-        """Also send every record to these sinks (`meshlm.sinks.open_sinks`)."""
-        self.sinks = sinks if self.enabled else []
+        """Also send every record to these sinks (`meshlm.sinks.open_sinks`; process 0's)."""
+        self.sinks = sinks
 
     def text(self, step: int, tag: str, text: str) -> None:
         for sink in self.sinks:
@@ -97,7 +99,7 @@ class MetricsLogger:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        values = chart_values(record)
+        values = {} if "event" in record else chart_values(record)  # events repeat a logged step's values
         if values and "step" in record:
             for sink in self.sinks:
                 sink.scalars(record["step"], values)
@@ -122,10 +124,10 @@ class MetricsLogger:
         else:
             self.console.print(line, markup=False)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.progress is not None:
             self.progress.stop()
         if self.file is not None:
             self.file.close()
         for sink in self.sinks:
-            sink.close()
+            sink.close(failed)

@@ -1,7 +1,7 @@
 """`meshlm report RUN_DIR`: a one-page summary of a run with its curves, from what the run wrote.
 
-Reads `metrics.jsonl` (the last record per step wins: a resumed run redoes steps after its
-checkpoint), `config.json` and `run.json` (the startup report), so it works on a finished run, one
+Reads `metrics.jsonl` (a `resume` record drops what the interrupted attempt logged after the
+checkpoint it resumed from), `config.json` and `run.json` (the startup report), so it works on a finished run, one
 still running, one that was interrupted, and a multi-process run (process 0 wrote the files).
 Writes `<out>/report.md` and PNGs (default out: `<run_dir>/report`). `compare` overlays other runs'
 curves, labelled by their directory names.
@@ -22,7 +22,7 @@ from pathlib import Path
 from meshlm import accounting
 from meshlm.config import ConfigError, RunConfig, from_dict
 
-GiB, MiB = 2**30, 2**20
+MiB = 2**20
 
 
 @dataclass
@@ -59,7 +59,11 @@ def read_run(directory: str | Path) -> Run:
             r = json.loads(line)
         except ValueError:  # a line being written by a running process
             continue
-        if r.get("event") == "skipped":
+        if r.get("event") == "resume":  # a resumed attempt redoes the steps after r["step"]
+            run.steps = {k: v for k, v in run.steps.items() if k <= r["step"]}
+            run.val = {k: v for k, v in run.val.items() if k <= r["step"]}
+            run.skipped = [k for k in run.skipped if k <= r["step"]]
+        elif r.get("event") == "skipped":
             run.skipped.append(r["step"])
         elif "loss" in r and "event" not in r:
             run.steps[r["step"]] = r

@@ -9,7 +9,8 @@ there is one set of names: `TAGS` maps a record's key to its chart name. Sinks a
   the interrupted attempt's points past the checkpoint: the curves continue without duplicates.
 - Weights & Biases (`metrics.wandb=PROJECT`, the `wandb` extra): imported only when asked; offline
   (files under <run_dir>/wandb, `wandb sync` later) unless WANDB_MODE says otherwise or a login is
-  configured. The run id is derived from the run directory, so a resumed run continues its W&B run.
+  configured, and offline too when W&B cannot be reached. The run id is derived from the run
+  directory's path, so the attempts of one run log to one W&B run id.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from meshlm.config import ConfigError, MetricsConfig
+from meshlm.config import MetricsConfig
 
 # record key -> chart name (a key missing here is not charted, e.g. "event")
 TAGS = {
@@ -39,7 +40,7 @@ TAGS = {
 class Sink(Protocol):
     def scalars(self, step: int, values: dict[str, float]) -> None: ...
     def text(self, step: int, tag: str, text: str) -> None: ...
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None: ...
 
 
 def chart_values(record: dict) -> dict[str, float]:
@@ -51,8 +52,9 @@ class TensorBoardSink:
     def __init__(self, run_dir: Path, start_step: int):
         from tensorboardX import SummaryWriter
 
-        # purge_step: points at or after it, left by an interrupted attempt, are dropped by TensorBoard
-        self.writer = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+        # purge_step: points after the checkpoint this attempt starts from, left by an interrupted
+        # attempt (also one that never checkpointed: start 0), are dropped by TensorBoard
+        self.writer = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         for tag, value in values.items():
@@ -63,7 +65,7 @@ class TensorBoardSink:
         self.writer.add_text(tag, text, step)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -73,40 +75,46 @@ def _wandb_logged_in() -> bool:
 
 
 class WandbSink:
-    def __init__(self, project: str, run_dir: Path, config: dict, quiet: bool = False):
-        try:
-            import wandb
-        except ImportError:
-            raise ConfigError(
-                f"metrics.wandb={project!r} needs Weights & Biases: pip install 'meshlm[wandb]'"
-            ) from None
+    """A W&B run. Charts use meshlm's step as their x axis (`define_metric`), so a resumed attempt's
+    points are kept (W&B's own step must only grow and would drop them); W&B then shows the steps an
+    interrupted attempt redid twice, where TensorBoard shows them once."""
+
+    def __init__(self, project: str, run_dir: Path, config: dict, quiet: bool = False, log=print):
+        import wandb
+
+        self.wandb = wandb
+        settings = dict(silent=quiet, console="off", init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", 30)))
+        kwargs = dict(project=project, dir=str(run_dir), config=config, name=run_dir.name, resume="allow")
+        kwargs |= dict(id=hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16])
         mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_logged_in() else "offline")
-        run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
-        self.run = wandb.init(
-            project=project,
-            dir=str(run_dir),
-            id=run_id,
-            resume="allow",
-            mode=mode,
-            config=config,
-            name=run_dir.name,
-            settings=wandb.Settings(silent=quiet, console="off"),  # meshlm's own console stays meshlm's
-        )
+        try:
+            self.run = wandb.init(mode=mode, settings=wandb.Settings(**settings), **kwargs)
+        except Exception as e:  # no network: keep the run's metrics offline rather than fail the run
+            if mode != "online":
+                raise
+            log(f"W&B is unreachable ({type(e).__name__}); logging offline to {run_dir / 'wandb'} (wandb sync later)")
+            wandb.teardown()  # the failed attempt still holds the run id in W&B's service
+            self.run = wandb.init(mode="offline", settings=wandb.Settings(**settings), **kwargs)
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
+        self.run.log({"step": step, **values})
 
     def text(self, step: int, tag: str, text: str) -> None:
         self.run.summary[tag] = text
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
-def open_sinks(cfg: MetricsConfig, run_dir: Path, start_step: int, config: dict, quiet: bool = False) -> list[Sink]:
+def open_sinks(
+    cfg: MetricsConfig, run_dir: Path, start_step: int, config: dict, quiet: bool = False, log=print
+) -> list[Sink]:
+    """The sinks `cfg` asks for (`validate` has checked that their packages are installed)."""
     sinks: list[Sink] = []
     if cfg.tensorboard:
         sinks.append(TensorBoardSink(run_dir, start_step))
     if cfg.wandb:
-        sinks.append(WandbSink(cfg.wandb, run_dir, config, quiet))
+        sinks.append(WandbSink(cfg.wandb, run_dir, config, quiet, log))
     return sinks

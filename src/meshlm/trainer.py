@@ -183,18 +183,20 @@ def train(
     validate(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     # Only process 0 writes metrics and prints; every process writes its own checkpoint shards.
-    first = jax.process_index() == 0
-    log = MetricsLogger(run_dir, cfg.train.steps, write=first, show=not quiet, log_format=log_format)
+    log = MetricsLogger(run_dir, cfg.train.steps, write=jax.process_index() == 0, show=not quiet, log_format=log_format)
+    failed = True
     try:
         with StopFlag() as stop:
-            return _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop)
+            result = _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop)
+        failed = False
+        return result
     finally:
-        log.close()
+        log.close(failed)
 
 
 def _attach_sinks(log: MetricsLogger, cfg: RunConfig, run_dir: Path, start: int, report: dict) -> None:
     """TensorBoard / W&B from `start` on, with the startup report as text and its memory as charts."""
-    log.attach(open_sinks(cfg.metrics, run_dir, start, cfg.to_dict(), quiet=not log.show))
+    log.attach(open_sinks(cfg.metrics, run_dir, start, cfg.to_dict(), quiet=not log.show, log=log.print))
     log.text(start, "startup_report", "```\n" + "\n".join(format_report(report)) + "\n```")
     slug = lambda k: re.sub(r"[^a-z0-9]+", "_", k.lower()).strip("_")
     log.chart(start, {f"memory/{slug(k)}_bytes": v for k, v in report["predicted_device_bytes"].items()})
@@ -283,9 +285,9 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     )
     for line in format_report(report):
         log.print(line)
-    if tc.profile_range():
-        a, b = tc.profile_range()
-        log.print(f"profiling steps {a}..{b - 1} (jax.profiler) into {run_dir / 'profile'}")
+    profiler = Profiler(tc.profile_range(), tc.steps, run_dir / "profile", log)
+    if profiler.steps:
+        log.print(f"profiling steps {profiler.first}..{profiler.last} (jax.profiler) into {profiler.directory}")
     run_info = {
         "code_version": code_version(),
         "jax_version": jax.__version__,
@@ -300,7 +302,7 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         "compile_cache_hit": bool(hits),
         "startup_report": report,
     }
-    first = jax.process_index() == 0
+    first = jax.process_index() == 0  # writes the run's files; every process writes its checkpoint shards
     run_info["processes"] = jax.process_count()
     if first:
         (run_dir / "config.json").write_text(cfg.to_json())
@@ -335,12 +337,12 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     try:
         state = _restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from, log)
         start = int(state.step)
-        if start:
+        if start or log.had_records:
             log.resume_at(start)
         if first:
             _attach_sinks(log, cfg, run_dir, start, report)
         loop = _Loop(cfg, log, step_fn, make_eval_step(cfg, layout, shardings.params), bsharding, report, peak)
-        loop.profiler = Profiler(cfg.train.profile_range(), run_dir / "profile", log)
+        loop.profiler = profiler
         try:
             state, result = loop.run(state, start, train_loader, val_loader, ckpt, identity, stop_after, stop)
         finally:
@@ -363,22 +365,33 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
 
 
 class Profiler:
-    """A `jax.profiler` trace of steps [first, end) into `directory` (TensorBoard's profile plugin
-    and Perfetto read it), each step marked with a StepTraceAnnotation so the trace reads per step."""
+    """A `jax.profiler` trace of steps [first, end) (clipped to the run's steps) into `directory`
+    (per process in a multi-process run), readable in TensorBoard's profile plugin and Perfetto.
+    Each step is marked with a StepTraceAnnotation; the trace starts once the step before has
+    finished and stops once the last traced step has, so it holds exactly those steps. A run
+    resumed inside the range traces the rest of it."""
 
-    def __init__(self, steps: tuple[int, int] | None, directory: Path, log):
-        self.steps, self.directory, self.log, self.active = steps, directory, log, False
+    def __init__(self, steps: tuple[int, int] | None, total: int, directory: Path, log):
+        self.steps, self.log, self.active, self.traced = steps, log, False, []
+        if steps:
+            self.first, self.last = steps[0], min(steps[1] - 1, total)
+        self.directory = directory / f"process-{jax.process_index()}" if jax.process_count() > 1 else directory
 
-    def step(self, n: int):
-        """Context for dispatching step n."""
-        if self.steps and n == self.steps[0] and not self.active:
-            jax.profiler.start_trace(str(self.directory))
+    def before(self, n: int, state) -> None:
+        """Before dispatching step n (state: the previous step's output)."""
+        if self.steps and self.first <= n <= self.last and not self.active and not self.traced:
+            jax.block_until_ready(state)  # the previous step's work stays out of the trace
+            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
             self.active = True
-        return jax.profiler.StepTraceAnnotation("train", step_num=n) if self.active else contextlib.nullcontext()
+
+    def annotate(self, n: int):
+        if not self.active:
+            return contextlib.nullcontext()
+        self.traced.append(n)
+        return jax.profiler.StepTraceAnnotation("train", step_num=n)
 
     def after(self, n: int, outputs) -> None:
-        """After dispatching step n: the last profiled step ends the trace once its work is done."""
-        if self.active and n == self.steps[1] - 1:
+        if self.active and n == self.last:
             jax.block_until_ready(outputs)
             self.stop()
 
@@ -386,7 +399,8 @@ class Profiler:
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
-            self.log.print(f"profile of steps {self.steps[0]}..{self.steps[1] - 1} written to {self.directory}")
+            what = f"steps {self.traced[0]}..{self.traced[-1]}" if self.traced else "no step"
+            self.log.print(f"profile of {what} written to {self.directory}")
 
 
 class _Loop:
@@ -404,7 +418,7 @@ class _Loop:
         self.peak = peak
         self.heartbeat = Heartbeat(os.environ.get("MESHLM_HEARTBEAT"))  # first beat after the first step
         self.stopped_by: int | None = None
-        self.profiler = Profiler(None, Path(), log)
+        self.profiler = Profiler(None, cfg.train.steps, Path(), log)  # the trainer sets the run's
 
     def run(self, state, start, train_loader, val_loader, ckpt, identity, stop_after, stop):
         tc, every = self.cfg.train, self.cfg.checkpoint.every
@@ -416,7 +430,8 @@ class _Loop:
         pending: list[tuple[int, dict]] = []  # (step, metrics) the host has not read yet
         for step in range(start, end):
             batch = process_batch(train_loader, step, self.bsharding)
-            with self.profiler.step(step + 1):
+            self.profiler.before(step + 1, state)
+            with self.profiler.annotate(step + 1):
                 state, metrics = self.step_fn(state, batch)
             self.profiler.after(step + 1, metrics)
             pending.append((step + 1, metrics))
@@ -435,8 +450,7 @@ class _Loop:
                 record = {"step": step + 1, "loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"])}
                 if not m["applied"]:  # a skipped step (on_nonfinite=skip): NaN and inf are not JSON
                     record |= {"loss": None, "grad_norm": None}
-                if m["skipped"]:
-                    record["skipped"] = int(m["skipped"])
+                record["skipped"] = int(m["skipped"])  # non-finite steps skipped so far (on_nonfinite=skip)
                 now = time.time()
                 n = step + 1 - step_last
                 if n > 0:  # the first step of an attempt compiles and warms up: no rate for it

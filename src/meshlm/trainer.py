@@ -341,12 +341,12 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
             log.resume_at(start)
         if first:
             _attach_sinks(log, cfg, run_dir, start, report)
-        loop = _Loop(cfg, log, step_fn, make_eval_step(cfg, layout, shardings.params), bsharding, report, peak)
-        loop.profiler = profiler
+        eval_fn = make_eval_step(cfg, layout, shardings.params)
+        loop = _Loop(cfg, log, step_fn, eval_fn, bsharding, report, peak, profiler)
         try:
             state, result = loop.run(state, start, train_loader, val_loader, ckpt, identity, stop_after, stop)
         finally:
-            loop.profiler.stop()
+            profiler.stop()
         ckpt.save(state, identity)  # the final state (a no-op if this step was just saved)
         ckpt.wait()
     finally:
@@ -412,13 +412,13 @@ class _Loop:
     run (`step.make_train_step` explains the contract) - without a per-step sync.
     """
 
-    def __init__(self, cfg, log, step_fn, eval_fn, bsharding, report, peak):
+    def __init__(self, cfg, log, step_fn, eval_fn, bsharding, report, peak, profiler: Profiler):
         self.cfg, self.log, self.step_fn, self.eval_fn, self.bsharding = cfg, log, step_fn, eval_fn, bsharding
         self.model_flops, self.hw_flops = report["model_flops_per_step"], report["hardware_flops_per_step"]
         self.peak = peak
         self.heartbeat = Heartbeat(os.environ.get("MESHLM_HEARTBEAT"))  # first beat after the first step
         self.stopped_by: int | None = None
-        self.profiler = Profiler(None, cfg.train.steps, Path(), log)  # the trainer sets the run's
+        self.profiler = profiler
 
     def run(self, state, start, train_loader, val_loader, ckpt, identity, stop_after, stop):
         tc, every = self.cfg.train, self.cfg.checkpoint.every

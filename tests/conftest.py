@@ -35,3 +35,24 @@ def corpus_dir(tmp_path_factory):
     for i in range(24):
         (root / f"{i}.txt").write_text("\n".join(" ".join(rng.choice(words, 9)) for _ in range(50)))
     return root
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """The README's main job, run once as a user runs it (`meshlm train`, the default `tiny`
+    recipe on the built-in corpus, in a subprocess): its run directory, shared by the tests that
+    check what it learned and what is done with it afterwards (export, generate, eval)."""
+    import subprocess
+    import sys
+
+    run = tmp_path_factory.mktemp("default-job") / "tiny"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own XLA_FLAGS
+    r = subprocess.run(
+        [sys.executable, "-m", "meshlm", "train", "--run-dir", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run

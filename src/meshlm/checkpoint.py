@@ -148,6 +148,26 @@ class Checkpointer:
         self.last_saved = step
         return step
 
+    def save_params(self, params: dict, meta: dict, step: int = 0) -> int:
+        """A weights-only checkpoint (`meshlm convert --from-hf`): what `--init-from`, `generate`,
+        `eval` and `convert --to-hf` read; a run resumes only from full train states."""
+        meta = meta | {
+            "step": step,
+            "saved_at": time.time(),
+            "params_only": True,
+            "tensors": describe({"params": params}),
+        }
+        args = ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta))
+        self.manager.save(step, args=args, force=True)
+        self.last_saved = step
+        return step
+
+    def _params_only(self, step: int) -> bool:
+        try:
+            return bool(self.read_meta(step).get("params_only"))
+        except Exception:  # unreadable meta: the restore below reports and quarantines it
+            return False
+
     def wait(self) -> None:
         """Block until every started save is committed."""
         self.manager.wait_until_finished()
@@ -208,6 +228,11 @@ class Checkpointer:
         candidates = [step] if step is not None else list(reversed(self.steps()))
         abstract = {"params": abstract_state.params, "opt_state": abstract_state.opt_state}
         for s in candidates:
+            if self._params_only(s):
+                raise ConfigError(
+                    f"checkpoint {self.directory / str(s)} holds weights only (written by `meshlm convert`); "
+                    f"start a run from it with --init-from {self.directory.parent}, in a new run dir"
+                )
             try:
                 items, meta = self._restore_step(s, abstract)
             except ConfigError:

@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -21,9 +22,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from meshlm import __version__, accounting, hardware
+from meshlm import __version__, accounting, hardware, hf
 from meshlm.checkpoint import Checkpointer, resolve_checkpoint
 from meshlm.config import ConfigError, RunConfig, validate
+from meshlm.data import tokenizer as toks
 from meshlm.data.loader import WindowLoader, process_batch
 from meshlm.data.prepare import prepare
 from meshlm.metrics import MetricsLogger
@@ -251,7 +253,17 @@ def _restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from
             "use a new run dir or --set checkpoint.dir=..."
         )
     state = init_state(specs, layout, tx, cfg.train.seed)
-    if init_from:
+    if init_from and hf.is_hf_ref(init_from):
+        root = hf.hf_path(init_from)
+        shardings = jax.tree.map(lambda a: a.sharding, abstract.params)
+        state = state._replace(params=hf.load_params(root, cfg.model, shardings))
+        if (root / "tokenizer.json").is_file():
+            meta = {"tokenizer_fingerprint": toks.fingerprint(toks.load(root / "tokenizer.json"))}
+            _check_tokenizer(meta, identity, f"--init-from {init_from}")
+        else:
+            log.print(f"  warning: {root} has no tokenizer.json; make sure data.tokenizer is the model's tokenizer")
+        log.print(f"initialised parameters from Hugging Face {root} (optimizer state and step are fresh)")
+    elif init_from:
         directory, step = resolve_checkpoint(init_from)
         source = Checkpointer(directory, cfg.checkpoint, log=log.print, read_only=True)
         params, meta = source.restore_params(abstract.params, step)
@@ -322,8 +334,12 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     val_loader = WindowLoader(data.shards("val"), tc.seq_len, tc.global_batch, tc.seed + 1, "validation", eot)
     entropy = data.meta["train_unigram_entropy"]  # counted once, when the data was prepared
     run_info |= {"data": {k: v for k, v in data.meta.items() if k != "splits"}, "unigram_entropy": entropy}
+    run_info["data_root"] = str(data.root.absolute())
     if first:
         (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
+        # The run's tokenizer travels with it: generate, eval and convert --to-hf read it here.
+        if data.tokenizer_path.is_file() and data.tokenizer_path.absolute() != (run_dir / "tokenizer.json").absolute():
+            shutil.copyfile(data.tokenizer_path, run_dir / "tokenizer.json")
     log.print(f"data: {data.meta['train_tokens']:,} training tokens, unigram entropy {entropy:.3f} nats")
 
     identity = {

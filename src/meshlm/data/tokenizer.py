@@ -39,11 +39,22 @@ def load(path: str | Path) -> Tokenizer:
         raise ConfigError(f"cannot read tokenizer {path}: {e}") from None
 
 
+# End-of-text tokens of tokenizers meshlm may be given (GPT-2's and meshlm's own first, then Llama 3's,
+# SentencePiece-style ones): the first one a tokenizer has separates documents.
+EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
+
+
+def eot_token(tok: Tokenizer) -> str:
+    for name in EOT_NAMES:
+        if tok.token_to_id(name) is not None:
+            return name
+    raise ConfigError(
+        f"tokenizer has no end-of-text token (one of {', '.join(EOT_NAMES)}); add {EOT!r} as a special token"
+    )
+
+
 def eot_id(tok: Tokenizer) -> int:
-    i = tok.token_to_id(EOT)
-    if i is None:
-        raise ConfigError(f"tokenizer has no end-of-text token {EOT!r}; add it as a special token")
-    return i
+    return tok.token_to_id(eot_token(tok))
 
 
 def fingerprint(tok: Tokenizer) -> str:

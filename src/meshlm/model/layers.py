@@ -88,11 +88,12 @@ def rope_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float
 
 def rope(x_btnh: jax.Array, positions_t: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding, "rotate half" convention (first half of head_dim pairs with the second),
-    as in Hugging Face Llama. Angles in fp32."""
+    as in Hugging Face Llama. Angles in fp32. `positions_t` is [t] (every row) or [b, t]."""
     h = x_btnh.shape[-1]
-    angles_th = positions_t.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    angles_th = jnp.concatenate([angles_th, angles_th], axis=-1)
-    cos, sin = jnp.cos(angles_th)[None, :, None, :], jnp.sin(angles_th)[None, :, None, :]
+    angles = positions_t.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    angles_bth = angles if angles.ndim == 3 else angles[None]
+    cos, sin = jnp.cos(angles_bth)[:, :, None, :], jnp.sin(angles_bth)[:, :, None, :]
     x = x_btnh.astype(jnp.float32)
     x1, x2 = x[..., : h // 2], x[..., h // 2 :]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -183,3 +184,22 @@ def fused_attention(
     picks it. The memory formula's `fused` terms assume the flash kernel (docs/memory.md)."""
     mask = None if segment_ids_bt is None else same_document(segment_ids_bt)[:, :, 0]  # [b, 1, t, s]
     return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask, is_causal=True)
+
+
+def cached_attention(
+    q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, q_slots_t: jax.Array, start_b: jax.Array
+) -> jax.Array:
+    """Decoding attention over a preallocated KV cache of S slots: the query at slot q_slots[i]
+    attends to slots start[b] .. q_slots[i] (left padding before start[b], unwritten slots after).
+    Scores and softmax in fp32."""
+    b, t, n, h = q_btnh.shape
+    s, k = k_bskh.shape[1], k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32) / math.sqrt(h)
+    slot = jnp.arange(s)
+    q_slot = q_slots_t[None, :, None]
+    # A padding query (slot < start) sees itself only: finite values that no real query reads.
+    allowed = (slot <= q_slot) & ((slot >= start_b[:, None, None]) | (slot == q_slot))
+    probs = jax.nn.softmax(jnp.where(allowed[:, None, None], scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_bskh.dtype), v_bskh)
+    return out.reshape(b, t, n, h)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,25 +51,85 @@ def weight_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
 KV_ACT = (ax.BATCH, ax.SEQ, ax.ACT_KV_HEADS, None)
 
 
-def _qkv(h_btd, wq, wk, wv, *biases, cfg: ModelConfig):
-    """Column-parallel QKV projections, then biases (gpt) or RoPE (llama). Runs per tensor rank
-    on its heads (inside `column_parallel`), so it must not name mesh axes."""
+class KVCache(NamedTuple):
+    """A preallocated key/value cache for decoding, stacked over layers, and where to write next.
+
+    Rows are left-padded: row r's tokens occupy slots start[r] .. index-1, so every row writes its
+    next token at the same slot and its position is slot - start[r]."""
+
+    k: jax.Array  # [L, b, S, k, h] in the compute dtype
+    v: jax.Array
+    index: jax.Array  # int32 scalar: slot of the first token of this call
+    start: jax.Array  # int32 [b]: first valid slot of each row
+
+
+CACHE_AXES = (None, ax.BATCH, None, ax.ACT_KV_HEADS, None)  # k/v of one layer (all layers: LAYERS first)
+
+
+def _project(h_btd, wq, wk, wv, *biases):
+    """Column-parallel QKV projections (+ gpt's biases). Runs per tensor rank on its heads (inside
+    `column_parallel`), so it must not name mesh axes."""
     q = jnp.einsum("btd,dnh->btnh", h_btd, wq)
     k = jnp.einsum("btd,dkh->btkh", h_btd, wk)
     v = jnp.einsum("btd,dkh->btkh", h_btd, wv)
     if biases:
         bq, bk, bv = biases
         return q + bq, k + bk, v + bv
-    positions = jnp.arange(h_btd.shape[1])
+    return q, k, v
+
+
+def _rope_qk(q, k, positions, cfg: ModelConfig):
     scaling = None
     if cfg.rope_scaling == "llama3":
         scaling = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_len)
     inv_freq = layers.rope_inv_freq(cfg.dim_head, cfg.rope_theta, scaling)
-    return layers.rope(q, positions, inv_freq), layers.rope(k, positions, inv_freq), v
+    return layers.rope(q, positions, inv_freq), layers.rope(k, positions, inv_freq)
 
 
-def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None):
-    """f / g -> QKV -> attention core -> row-parallel output projection -> f-bar / g-bar."""
+def _qkv(h_btd, wq, wk, wv, *biases, cfg: ModelConfig):
+    """Projections, then RoPE (llama) at positions 0..t-1."""
+    q, k, v = _project(h_btd, wq, wk, wv, *biases)
+    if cfg.family == "gpt":
+        return q, k, v
+    return (*_rope_qk(q, k, jnp.arange(h_btd.shape[1]), cfg), v)
+
+
+def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cache: KVCache, positions_bt):
+    """Attention of t new tokens over the cache: their K/V are written at slots index..index+t-1
+    of layer `kv[2]` of the whole cache `kv[:2]`, then every query attends to the valid slots up
+    to its own. Returns (output, (whole k, whole v))."""
+    names = ["wq", "wk", "wv"] + (["bq", "bk", "bv"] if cfg.family == "gpt" else [])
+    q, k, v = column_parallel(
+        layout,
+        _project,
+        h_btd,
+        [p[n] for n in names],
+        [weight_axes(cfg)[n] for n in names],
+        (HEADS_ACT, KV_ACT, KV_ACT),
+        RESIDUAL,
+    )
+    if cfg.family == "llama":
+        q, k = _rope_qk(q, k, positions_bt, cfg)
+    # The whole cache is the scan's carry, updated in place at (layer, :, index): stacking each
+    # layer's cache as a scan output instead would copy all of it on every decode step.
+    k_all, v_all, layer = kv
+    at = (layer, 0, cache.index, 0, 0)
+    k_all = constrain(layout, jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at), CACHE_AXES)
+    v_all = constrain(layout, jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at), CACHE_AXES)
+    k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
+    v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
+    slots = cache.index + jnp.arange(h_btd.shape[1])
+    a = constrain(layout, layers.cached_attention(q, k_layer, v_layer, slots, cache.start), HEADS_ACT)
+    out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, weight_axes(cfg)["wo"], RESIDUAL)
+    return out, (k_all, v_all)
+
+
+def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None, dec=None):
+    """f / g -> QKV -> attention core -> row-parallel output projection -> f-bar / g-bar.
+    With `dec` = ((whole k, whole v, layer index), KVCache, positions): decoding; returns
+    (output, (whole k, whole v))."""
+    if dec is not None:
+        return _attention_cached(h_btd, p, cfg, layout, *dec)
     names = ["wq", "wk", "wv"] + (["bq", "bk", "bv"] if cfg.family == "gpt" else [])
     q, k, v = column_parallel(
         layout,
@@ -85,15 +146,17 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
         core = remat.wrap_attention_core(partial(layers.causal_attention, dropout_rate=cfg.dropout), remat_policy)
         a = core(q, k, v, segments, key=_site_key(key, _ATTN_PROBS))
     a = constrain(layout, a, HEADS_ACT)
-    return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, weight_axes(cfg)["wo"], RESIDUAL)
+    return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, weight_axes(cfg)["wo"], RESIDUAL), None
 
 
-def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None):
-    """Pre-LN GPT layer (P2 Fig. 2): LN -> attention -> dropout -> +x; LN -> GeLU MLP -> dropout -> +x."""
+def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None, dec=None):
+    """Pre-LN GPT layer (P2 Fig. 2): LN -> attention -> dropout -> +x; LN -> GeLU MLP -> dropout -> +x.
+    Returns the new residual stream, and with `dec` (decoding) also the layer's updated (k, v)."""
     rate = cfg.dropout
     norm = remat.wrap_elementwise(partial(layers.layer_norm, eps=cfg.norm_eps), remat_policy)
     h = norm(x_btd, p["ln1_scale"], p["ln1_bias"])
-    o = _attention(h, p, key, cfg, layout, remat_policy, segments) + p["bo"]
+    o, kv = _attention(h, p, key, cfg, layout, remat_policy, segments, dec)
+    o = o + p["bo"]
     x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _ATTN_OUT)), RESIDUAL)
 
     h = norm(x_btd, p["ln2_scale"], p["ln2_bias"])
@@ -102,14 +165,17 @@ def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_poli
     (f,) = column_parallel(layout, fc1, h, [p["w_fc"], p["b_fc"]], [axes["w_fc"], axes["b_fc"]], (MLP_ACT,), RESIDUAL)
     f = remat.wrap_elementwise(layers.gelu, remat_policy)(f)
     o = row_parallel(layout, "btf,fd->btd", f, p["w_proj"], MLP_ACT, axes["w_proj"], RESIDUAL) + p["b_proj"]
-    return constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _MLP_OUT)), RESIDUAL)
+    x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _MLP_OUT)), RESIDUAL)
+    return x_btd if dec is None else (x_btd, kv)
 
 
-def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None):
-    """Llama layer: RMSNorm -> GQA attention with RoPE -> +x; RMSNorm -> SwiGLU -> +x."""
+def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None, dec=None):
+    """Llama layer: RMSNorm -> GQA attention with RoPE -> +x; RMSNorm -> SwiGLU -> +x (and with
+    `dec`, the layer's updated (k, v), as gpt_block)."""
     norm = remat.wrap_elementwise(partial(layers.rms_norm, eps=cfg.norm_eps), remat_policy)
     h = norm(x_btd, p["attn_norm"])
-    x_btd = constrain(layout, x_btd + _attention(h, p, key, cfg, layout, remat_policy, segments), RESIDUAL)
+    o, kv = _attention(h, p, key, cfg, layout, remat_policy, segments, dec)
+    x_btd = constrain(layout, x_btd + o, RESIDUAL)
 
     h = norm(x_btd, p["mlp_norm"])
     gate, up = column_parallel(
@@ -124,7 +190,8 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
     down_axes = weight_axes(cfg)["w_down"]
     act = remat.wrap_elementwise(layers.swiglu, remat_policy)(gate, up)
     o = row_parallel(layout, "btf,fd->btd", act, p["w_down"], MLP_ACT, down_axes, RESIDUAL)
-    return constrain(layout, x_btd + o, RESIDUAL)
+    x_btd = constrain(layout, x_btd + o, RESIDUAL)
+    return x_btd if dec is None else (x_btd, kv)
 
 
 BLOCKS = {"gpt": gpt_block, "llama": llama_block}
@@ -140,7 +207,8 @@ def forward(
     remat_policy: str = "elementwise",
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
-) -> jax.Array:
+    cache: KVCache | None = None,
+) -> jax.Array | tuple[jax.Array, KVCache]:
     """Logits [b, t, v] in fp32 for int tokens [b, t].
 
     `params` are fp32 masters; each layer casts its slice to `cfg.dtype` just before use. `key`
@@ -151,6 +219,8 @@ def forward(
     dtype = jnp.dtype(cfg.dtype)
     cast = partial(jax.tree.map, lambda w: w.astype(dtype))
     t = tokens_bt.shape[1]
+    if cache is not None:
+        positions = jnp.maximum(cache.index + jnp.arange(t)[None, :] - cache.start[:, None], 0)
     x = vocab_parallel_embed(layout, params["wte"].astype(dtype), weight_axes(cfg)["wte"], tokens_bt, RESIDUAL)
     if cfg.family == "gpt":
         wpe = params["wpe"].astype(dtype)
@@ -166,9 +236,21 @@ def forward(
         layer_key = None if key is None else jax.random.fold_in(key, i)
         return block(x_btd, cast(p), layer_key, segments=segment_ids), None
 
-    body = remat.wrap_layer(body, remat_policy)
     unroll = min(cfg.scan_unroll, cfg.n_layers)
-    x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(cfg.n_layers)), unroll=unroll)
+    if cache is None:
+        body = remat.wrap_layer(body, remat_policy)
+        x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(cfg.n_layers)), unroll=unroll)
+    else:
+
+        def decode_body(carry, layer):
+            x_btd, k_all, v_all = carry
+            p, i = layer
+            x_btd, (k_all, v_all) = block(x_btd, cast(p), None, dec=((k_all, v_all, i), cache, positions))
+            return (x_btd, k_all, v_all), None
+
+        layers_in = (params["layers"], jnp.arange(cfg.n_layers))
+        (x, k_all, v_all), _ = jax.lax.scan(decode_body, (x, cache.k, cache.v), layers_in, unroll=unroll)
+        cache = KVCache(k_all, v_all, cache.index + t, cache.start)
 
     if cfg.family == "gpt":
         final_norm = partial(layers.layer_norm, eps=cfg.norm_eps)
@@ -184,4 +266,4 @@ def forward(
 
     logits_axes = (ax.BATCH, ax.SEQ, ax.ACT_VOCAB)
     (logits,) = column_parallel(layout, unembed, x, [w_out.astype(dtype)], [w_axes], (logits_axes,), RESIDUAL)
-    return logits
+    return logits if cache is None else (logits, cache)

@@ -1,0 +1,411 @@
+"""Using a trained model: load a run's weights onto a mesh, generate text with a KV cache, and
+evaluate loss / perplexity / bits per byte.
+
+Generation: prompts of different lengths are left-padded into one batch, so every row writes its
+next token to the same cache slot. A preallocated cache ([L, b, S, kv heads, head_dim] for K and
+for V, S = prompt + new tokens rounded up to 16) is filled by one jitted prefill over the prompts,
+then one jitted decode step per token reads it and writes one slot; both run on the run's mesh
+layout (tensor-parallel decode: the cache is sharded over kv heads like the activations). Sampling
+(greedy, temperature, top-k, top-p) runs inside the step; the key of step i is fold_in(seed, i),
+so a seed reproduces its tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshlm import axes as ax
+from meshlm.config import ConfigError, ParallelConfig, RunConfig, from_dict, validate
+from meshlm.data import tokenizer as toks
+from meshlm.model.params import abstract_params, param_specs
+from meshlm.model.transformer import CACHE_AXES, KVCache, forward
+from meshlm.parallel.mesh import make_layout
+from meshlm.parallel.rules import Layout
+from meshlm.train_state import param_shardings
+
+BUCKET = 16  # prompt and cache lengths are rounded up to this, so nearby lengths share a compile
+
+
+@dataclass
+class Model:
+    """A model ready to run: config, parameters on a layout, and its tokenizer (if known)."""
+
+    cfg: RunConfig
+    params: dict
+    layout: Layout
+    tokenizer: object | None = None  # tokenizers.Tokenizer
+    eos_id: int | None = None
+    source: str = ""
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.source} has no tokenizer.json; pass token ids instead of text")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+def _inference_config(cfg: RunConfig, parallel: ParallelConfig | None) -> RunConfig:
+    """The run's config on the inference mesh (default: one device), checked for divisibility."""
+    parallel = parallel or ParallelConfig()
+    train = dataclasses.replace(cfg.train, global_batch=parallel.batch_shards, microbatches=1)
+    parallel = dataclasses.replace(parallel, sequence_parallel=False)
+    return validate(dataclasses.replace(cfg, parallel=parallel, train=train))
+
+
+def run_tokenizer(run_dir: Path):
+    """A run's tokenizer: <run_dir>/tokenizer.json (written by `meshlm train` and `convert`), else
+    the one of the prepared data its run.json names; None when neither exists."""
+    if (run_dir / "tokenizer.json").is_file():
+        return toks.load(run_dir / "tokenizer.json")
+    info = run_dir / "run.json"
+    if info.is_file():
+        root = json.loads(info.read_text()).get("data_root")
+        if root and (Path(root) / "tokenizer.json").is_file():
+            return toks.load(Path(root) / "tokenizer.json")
+    return None
+
+
+def load_model(
+    run_dir: str | Path, step: int | None = None, parallel: ParallelConfig | None = None, dtype: str | None = None
+) -> Model:
+    """A meshlm run directory's weights (latest good checkpoint, or `step`) on a mesh, or a
+    Hugging Face directory's when `run_dir` is "hf:DIR"."""
+    from meshlm import hf
+
+    if hf.is_hf_ref(str(run_dir)):
+        root = hf.hf_path(str(run_dir))
+        cfg = _inference_config(RunConfig(model=hf.model_config(root)), parallel)
+        if dtype:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+        layout = make_layout(cfg.parallel)
+        params = hf.load_params(root, cfg.model, param_shardings(param_specs(cfg.model), layout))
+        tok = toks.load(root / "tokenizer.json") if (root / "tokenizer.json").is_file() else None
+        eos = hf.token_ids(root)["eos_token_id"]
+        return Model(cfg, params, layout, tok, eos, str(run_dir))
+    from meshlm.checkpoint import Checkpointer, resolve_checkpoint
+
+    root = Path(run_dir).expanduser()
+    if not (root / "config.json").is_file():
+        raise ConfigError(f"{root} is not a meshlm run directory (no config.json); for Hugging Face use hf:{root}")
+    cfg = _inference_config(from_dict(json.loads((root / "config.json").read_text())), parallel)
+    if dtype:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+    layout = make_layout(cfg.parallel)
+    specs = param_specs(cfg.model)
+    directory, _ = resolve_checkpoint(root)
+    shardings = param_shardings(specs, layout)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params(specs), shardings
+    )
+    ckpt = Checkpointer(directory, cfg.checkpoint, log=lambda m: None, read_only=True)
+    try:
+        params, meta = ckpt.restore_params(abstract, step)
+    finally:
+        ckpt.close()
+    tok = run_tokenizer(root)
+    if tok is not None and meta.get("tokenizer_fingerprint") not in (None, toks.fingerprint(tok)):
+        raise ConfigError(f"{root}'s tokenizer.json is not the tokenizer its checkpoint was trained with")
+    eos = _eos(tok)
+    return Model(cfg, params, layout, tok, eos, f"{directory}/{meta['step']}")
+
+
+def _eos(tok) -> int | None:
+    if tok is None:
+        return None
+    try:
+        return toks.eot_id(tok)
+    except ConfigError:
+        return None
+
+
+# ------------------------------------------------------------------------------------- sampling
+
+
+def sample(logits_bv: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """Next tokens [b] from fp32 logits: greedy when temperature == 0; else softmax(logits / T)
+    restricted to the top_k most likely tokens (0: all) and to the smallest set whose probability
+    reaches top_p (1: all)."""
+    if temperature == 0:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    x = logits_bv / temperature
+    if top_k:
+        kth = jax.lax.top_k(x, top_k)[0][:, -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if top_p < 1.0:
+        sorted_desc = -jnp.sort(-x, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+        keep = before < top_p  # the most likely token always stays
+        threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < threshold, -jnp.inf, x)
+    return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per prompt (ending with the end-of-text token if one was drawn)
+    logits: np.ndarray | None  # [b, steps, vocab] fp32: the logits each new token was drawn from
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+
+
+class Generator:
+    """Jitted prefill and decode for one model on its layout (compiled once per shape bucket)."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        m, layout = model.cfg.model, model.layout
+        self.batch_shards = model.cfg.parallel.batch_shards
+        self._cache_sharding = layout.sharding(CACHE_AXES)
+        tokens_sh = layout.sharding((ax.BATCH, None))
+        self._row_sh = layout.sharding((ax.BATCH,))
+        params_sh = param_shardings(param_specs(m), layout)
+        n_valid = m.vocab_size if model.tokenizer is None else min(m.vocab_size, model.tokenizer.get_vocab_size())
+        cache_sh = KVCache(self._cache_sharding, self._cache_sharding, layout.replicated(), self._row_sh)
+
+        def run(params, tokens_bt, cache, key, temperature, top_k, top_p):
+            logits, cache = forward(params, tokens_bt, m, layout, cache=cache)
+            last = logits[:, -1]
+            if n_valid < m.vocab_size:  # ids the tokenizer cannot decode are never drawn
+                last = jnp.where(jnp.arange(m.vocab_size) < n_valid, last, -jnp.inf)
+            return sample(last, key, temperature, top_k, top_p), last, cache
+
+        self._run, self._steps = run, {}
+        self._jit = partial(
+            jax.jit,
+            in_shardings=(params_sh, tokens_sh, cache_sh, None),
+            out_shardings=(self._row_sh, layout.sharding((ax.BATCH, ax.ACT_VOCAB)), cache_sh),
+            donate_argnums=(2,),
+        )
+
+    def _step(self, params, tokens, cache, key, **opts):
+        """The jitted prefill/decode step for these sampling options (one compile per shape)."""
+        name = tuple(sorted(opts.items()))
+        if name not in self._steps:
+            self._steps[name] = self._jit(partial(self._run, **opts))
+        return self._steps[name](params, tokens, cache, key)
+
+    def _empty_cache(self, b: int, s: int, start: np.ndarray) -> KVCache:
+        m = self.model.cfg.model
+        shape = (m.n_layers, b, s, m.kv_heads, m.dim_head)
+        zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(m.dtype)), out_shardings=self._cache_sharding)
+        start = jax.device_put(start.astype(np.int32), self._row_sh)
+        return KVCache(zeros(), zeros(), jnp.zeros((), jnp.int32), start)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_at_eos: bool = True,
+        return_logits: bool = False,
+        on_token: Callable[[list[list[int]]], None] | None = None,
+    ) -> Generation:
+        """New tokens for each prompt (token ids). `on_token(tokens so far)` after each step."""
+        import time
+
+        m = self.model.cfg.model
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ConfigError("every prompt needs at least one token")
+        if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+            raise ConfigError("need max_new_tokens >= 1, temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        longest = max(len(p) for p in prompts)
+        if m.family == "gpt" and longest + max_new_tokens > m.max_seq_len:
+            raise ConfigError(
+                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                f"{m.max_seq_len} positions"
+            )
+        bad = [t for p in prompts for t in p if not 0 <= t < m.vocab_size]
+        if bad:
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{m.vocab_size - 1})")
+        n = len(prompts)
+        b = -(-n // self.batch_shards) * self.batch_shards  # rows padded to the batch shards
+        p_len = -(-longest // BUCKET) * BUCKET
+        s_len = -(-(p_len + max_new_tokens) // BUCKET) * BUCKET
+        pad = 0 if self.model.eos_id is None else self.model.eos_id
+        rows = [list(p) for p in prompts] + [[pad]] * (b - n)
+        tokens = np.full((b, p_len), pad, np.int32)
+        start = np.zeros((b,), np.int32)
+        for r, p in enumerate(rows):
+            tokens[r, p_len - len(p) :] = p
+            start[r] = p_len - len(p)
+        cache = self._empty_cache(b, s_len, start)
+        key = jax.random.key(seed)
+        opts = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+        t0 = time.perf_counter()
+        tok, logits, cache = self._step(self.model.params, tokens, cache, jax.random.fold_in(key, 0), **opts)
+        out_tok, out_logits = [tok], [logits] if return_logits else []
+        jax.block_until_ready(tok)
+        prefill_s = time.perf_counter() - t0
+        done = np.zeros((b,), bool)
+        eos = self.model.eos_id if stop_at_eos else None
+        steps = 1
+        t0 = time.perf_counter()
+        for i in range(1, max_new_tokens):
+            if on_token is not None or i % 8 == 0:
+                host = np.asarray(tok)
+                if eos is not None:
+                    done |= host == eos
+                if on_token is not None:
+                    on_token(_trim(np.stack([np.asarray(t) for t in out_tok], 1)[:n], eos))
+                if done[:n].all():
+                    break
+            tok, logits, cache = self._step(self.model.params, tok[:, None], cache, jax.random.fold_in(key, i), **opts)
+            out_tok.append(tok)
+            if return_logits:
+                out_logits.append(logits)
+            steps += 1
+        all_tok = np.stack([np.asarray(t) for t in out_tok], 1)[:n]
+        decode_s = time.perf_counter() - t0
+        result = _trim(all_tok, eos)
+        if on_token is not None:
+            on_token(result)
+        lg = np.stack([np.asarray(x) for x in out_logits], 1)[:n] if return_logits else None
+        return Generation(result, lg, prefill_s, decode_s, steps - 1)
+
+
+def _trim(tokens_bt: np.ndarray, eos: int | None) -> list[list[int]]:
+    out = []
+    for row in tokens_bt.tolist():
+        if eos is not None and eos in row:
+            row = row[: row.index(eos) + 1]
+        out.append(row)
+    return out
+
+
+def generate(
+    run_dir: str | Path,
+    prompts: Sequence[str] | str,
+    max_new_tokens: int = 64,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    step: int | None = None,
+    parallel: ParallelConfig | None = None,
+) -> list[str] | str:
+    """Text continuations of `prompts` by the model of a run directory (or "hf:DIR")."""
+    model = load_model(run_dir, step, parallel)
+    single = isinstance(prompts, str)
+    texts = [prompts] if single else list(prompts)
+    out = Generator(model).generate(
+        [model.encode(t) for t in texts], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+    )
+    decoded = [model.decode(t) for t in out.tokens]
+    return decoded[0] if single else decoded
+
+
+# ------------------------------------------------------------------------------------ evaluation
+
+
+def _text_tokens(model: Model, paths: Sequence[str], field: str) -> np.ndarray:
+    from meshlm.data import corpus
+
+    eos = toks.eot_id(model.tokenizer)
+    ids: list[int] = []
+    for doc in corpus.iter_documents(corpus.resolve_files(list(paths)), field):
+        ids += [*model.tokenizer.encode(doc).ids, eos]
+    return np.asarray(ids, np.int32)
+
+
+def eval_tokens(
+    model: Model, data: Sequence[str] = (), split: str = "val", run_dir: Path | None = None, field: str = "text"
+) -> tuple[np.ndarray, str]:
+    """The token stream to evaluate and a description: a prepared dataset's split (default: the
+    run's own data), or raw text files tokenized with the model's tokenizer."""
+    from meshlm.data.prepare import is_prepared, load
+
+    if model.tokenizer is None:
+        raise ConfigError(f"{model.source} has no tokenizer; evaluation needs one to count bytes")
+    if not data and run_dir is not None and (run_dir / "run.json").is_file():
+        root = json.loads((run_dir / "run.json").read_text()).get("data_root")
+        data = [root] if root else []
+    if not data:
+        raise ConfigError("no data to evaluate: pass --data (a prepared dataset or text files)")
+    if len(data) == 1 and is_prepared(data[0]):
+        prepared = load(data[0])
+        if prepared.meta["tokenizer_fingerprint"] != toks.fingerprint(model.tokenizer):
+            raise ConfigError(
+                f"{data[0]} was prepared with another tokenizer than the model's; its ids mean other tokens"
+            )
+        if split not in prepared.meta["splits"]:
+            raise ConfigError(f"split {split!r} not in {data[0]} (splits: train, val)")
+        return np.asarray(prepared.tokens(split), np.int32), f"{prepared.root} ({split})"
+    return _text_tokens(model, data, field), ", ".join(data)
+
+
+def evaluate(
+    model: Model,
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int = 8,
+    max_tokens: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Loss (nats/token), perplexity and bits per byte over consecutive windows of `tokens`.
+
+    Every token but the first is predicted exactly once (windows of seq_len + 1 overlapping by
+    one). Bytes are those of the predicted tokens decoded in order (end-of-text tokens predicted
+    but contributing no text), so bits/byte = total nats / ln 2 / bytes."""
+    from meshlm.data.loader import document_segments
+    from meshlm.step import batch_sharding, make_eval_step
+
+    cfg = model.cfg
+    if cfg.model.family == "gpt" and seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"seq_len {seq_len} exceeds the model's {cfg.model.max_seq_len} positions")
+    if max_tokens:
+        tokens = tokens[: max_tokens + 1]
+    n_windows = math.ceil((len(tokens) - 1) / seq_len)
+    if n_windows < 1:
+        raise ConfigError("fewer than 2 tokens to evaluate")
+    b = -(-batch_size // cfg.parallel.batch_shards) * cfg.parallel.batch_shards
+    step = make_eval_step(cfg, model.layout, param_shardings(param_specs(cfg.model), model.layout))
+    sharding = batch_sharding(model.layout)
+    eot = toks.eot_id(model.tokenizer) if cfg.data.document_mask else None
+    total = count = 0.0
+    n_batches = math.ceil(n_windows / b)
+    for j in range(n_batches):
+        batch = {k: np.zeros((b, seq_len), np.int32) for k in ("inputs", "targets")}
+        mask = np.zeros((b, seq_len), np.float32)
+        for r in range(b):
+            w = j * b + r
+            if w >= n_windows:
+                break
+            piece = tokens[w * seq_len : w * seq_len + seq_len + 1]
+            k = len(piece) - 1
+            batch["inputs"][r, :k], batch["targets"][r, :k], mask[r, :k] = piece[:-1], piece[1:], 1.0
+        batch["mask"] = mask
+        if eot is not None:
+            batch |= document_segments(batch["inputs"], eot)
+        loss_sum, c = step(model.params, jax.device_put(batch, sharding))
+        total, count = total + float(loss_sum), count + float(c)
+        if progress is not None:
+            progress(j + 1, n_batches)
+    n_bytes = len(model.decode(tokens[1 : 1 + int(count)].tolist()).encode("utf-8"))
+    loss = total / count
+    return {
+        "tokens": int(count),
+        "bytes": n_bytes,
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),
+        "bits_per_byte": total / math.log(2) / n_bytes if n_bytes else None,
+        "bytes_per_token": n_bytes / count,
+    }

@@ -220,3 +220,25 @@ def test_step_and_grad_step_share_one_gradient(params):
     moved = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), params["gpt"], jax.device_get(new.params))
     for name, d in named_leaves(moved).items():
         np.testing.assert_allclose(d, named_leaves(g)[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+_BLOCKWISE_REF: dict = {}
+
+
+@pytest.mark.parametrize("layout", ["fsdp8", "data2_tensor4+sp"])
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_blockwise_attention_gradients_on_every_layout(family, layout, params, reference):
+    """`model.attention=blockwise` (block 8: several blocks, causal block skipping, document masks;
+    gpt's dropout masks drawn and replayed block by block) gives one device's gradients on sharded
+    layouts with and without SP; without dropout (llama) they are explicit attention's."""
+
+    def blockwise(lay):
+        cfg = config(family, lay, document_mask=True)
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise", attention_block=8))
+
+    if family not in _BLOCKWISE_REF:
+        _BLOCKWISE_REF[family] = grads(blockwise("single"), params[family])
+    ref = _BLOCKWISE_REF[family]
+    assert_same_grads(grads(blockwise(layout), params[family]), ref)
+    if family == "llama":
+        assert_same_grads(ref, reference(family, document_mask=True))

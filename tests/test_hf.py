@@ -4,6 +4,7 @@ thing: checkpoints written by `transformers` (random weights, sharded safetensor
 
 import json
 import math
+import os
 import pickle
 import struct
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from meshlm import hf, inference
+from meshlm import safetensors_io as st
 from meshlm.cli import main
 from meshlm.config import ParallelConfig, RunConfig
 from meshlm.model.params import param_specs
@@ -103,7 +105,7 @@ def _safetensors(d) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("name", NAMES)
 def test_export_writes_back_the_same_tensors(hf_dirs, name, tmp_path, devices):
     """Import then export gives back every tensor of the original bit for bit (read by the
     `safetensors` package), sharded with an index; bf16 export = torch's bf16 cast; and
@@ -154,8 +156,8 @@ def _model(hf_dirs, name, parallel):
     cfg = hf.model_config(d)
     layout = make_layout(parallel)
     params = hf.load_params(d, cfg, param_shardings(param_specs(cfg), layout))
-    eos = hf.token_ids(d)["eos_token_id"]
-    return inference.Model(RunConfig(model=cfg, parallel=parallel), params, layout, None, eos)
+    stops = hf.token_ids(d)["eos_token_id"]
+    return inference.Model(RunConfig(model=cfg, parallel=parallel), params, layout, None, stops[0], "", tuple(stops))
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20 + i for i in range(19)]]  # three lengths in one batch
@@ -200,11 +202,16 @@ def test_generation_stops_at_end_of_text_and_checks_its_input(hf_dirs, devices):
     model = _model(hf_dirs, "gpt2", ParallelConfig())
     g = inference.Generator(model)
     free = g.generate(PROMPTS, 12, stop_at_eos=False).tokens
-    model.eos_id = free[0][3]  # pretend the 4th token of row 0 ends a text
+    model.stop_ids = (free[0][3],)  # pretend the 4th token of row 0 ends a text
     stopped = g.generate(PROMPTS, 12).tokens
-    assert len(stopped[0]) <= 4 and stopped[0][-1] == model.eos_id
-    for row, full in zip(stopped, free, strict=True):  # each row ends at its first end-of-text token
-        assert row == (full[: full.index(model.eos_id) + 1] if model.eos_id in full else full)
+    assert len(stopped[0]) <= 4 and stopped[0][-1] == free[0][3]
+    for row, full in zip(stopped, free, strict=True):  # each row ends at its first stop token
+        assert row == (full[: full.index(free[0][3]) + 1] if free[0][3] in full else full)
+    # several stop ids (Llama 3 Instruct has two); when every row has stopped, decoding ends early
+    model.stop_ids = tuple({row[1] for row in free})
+    out = g.generate(PROMPTS, 40)
+    assert all(len(row) <= 2 for row in out.tokens) and out.decode_steps < 39
+    assert len(g.generate(PROMPTS, 3, temperature=1.0, top_k=10**6).tokens[0]) <= 3  # top_k past the vocabulary
     with pytest.raises(Exception, match="exceeds the model's 64 positions"):
         g.generate(PROMPTS, 60)
     with pytest.raises(Exception, match="outside the vocabulary"):
@@ -289,6 +296,37 @@ def test_bad_checkpoints_are_named_and_nothing_is_written(hf_dirs, tmp_path, cap
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".run.*"))
 
 
+def test_a_failure_while_writing_leaves_nothing(hf_dirs, tmp_path, monkeypatch, capsys, devices):
+    """Import and export fail half-way (after files were written): no destination, no temporary."""
+    from meshlm.checkpoint import Checkpointer
+
+    real_write, calls = st.write, []
+
+    def write_then_fail(*args, **kwargs):
+        calls.append(1)
+        real_write(*args, **kwargs)
+        if len(calls) == 2:
+            raise OSError("No space left on device")
+
+    d = hf_dirs["gpt2"][0]
+    cfg = hf.model_config(d)
+    params = hf.load_params(d, cfg, param_shardings(param_specs(cfg), make_layout(ParallelConfig())))
+    monkeypatch.setattr(st, "write", write_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        hf.save_pretrained(params, cfg, tmp_path / "out", max_shard_bytes=60_000, log=lambda m: None)
+    assert len(calls) == 2 and not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+    def save_then_fail(self, *args, **kwargs):
+        Checkpointer.save_params.__wrapped__(self, *args, **kwargs)
+        raise OSError("No space left on device")
+
+    save_then_fail.__wrapped__ = Checkpointer.save_params
+    monkeypatch.setattr(Checkpointer, "save_params", save_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        main(["convert", "--from-hf", str(d), "--to", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".run.*"))
+
+
 def test_llama_rope_types_meshlm_does_not_compute_are_refused(hf_dirs, tmp_path):
     d = _copy(hf_dirs["llama-gqa"][0], tmp_path / "hf")
     _edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0})
@@ -367,11 +405,23 @@ def test_default_job_exports_generates_and_evaluates_like_transformers(default_r
     total, count = _hf_window_loss(ref, np.asarray(ids), model.cfg.train.seq_len)
     assert raw["loss"] == pytest.approx(total / count, abs=1e-4)
 
+    assert main(["eval", "--run-dir", str(default_run), "--max-tokens", "2000", "--json", "--mesh", "data=2"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(result["loss"], abs=1e-5)
+
+    # an imported model's own tokenizer/generation settings travel through import and export
+    (out / "chat_template.jinja").write_text("{{ messages }}")
+    gen = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": [gen["eos_token_id"], 5]}))
     back = tmp_path / "reimported"
     assert main(["convert", "--from-hf", str(out), "--to", str(back)]) == 0
     capsys.readouterr()
     assert main(["eval", "--run-dir", str(back), "--data", data, "--max-tokens", "2000", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(result["loss"], abs=1e-6)
+    assert inference.load_model(back).stops == (gen["eos_token_id"], 5)
+    again = tmp_path / "again"
+    assert main(["convert", "--from", str(back), "--to-hf", str(again)]) == 0
+    assert (again / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert json.loads((again / "generation_config.json").read_text())["eos_token_id"] == [gen["eos_token_id"], 5]
     # a weights-only checkpoint is not a run to resume
     code = main(["train", "--run-dir", str(back), "--steps", "1"])
     assert code == 2 and "holds weights only" in capsys.readouterr().err
@@ -379,20 +429,37 @@ def test_default_job_exports_generates_and_evaluates_like_transformers(default_r
 
 @pytest.mark.slow
 def test_train_init_from_hf_uses_its_model_and_tokenizer(default_run, corpus_dir, tmp_path, capsys, devices):
-    """`--init-from hf:DIR` takes the directory's model config and tokenizer: its first loss is the
-    one the same weights give from the meshlm run they were exported from; a dataset prepared with
-    another tokenizer is refused."""
+    """`--init-from` takes the source's model config and tokenizer, whatever the recipe says: from
+    a Hugging Face directory, from the meshlm run it was exported from, and from the run directory
+    `convert --from-hf` makes of it, the first loss is the same (the recipe here is llama-tiny, the
+    source a gpt). A dataset prepared with another tokenizer is refused."""
     out = tmp_path / "hf"
     assert main(["convert", "--from", str(default_run), "--to-hf", str(out)]) == 0
-    common = ["--steps", "1", "--set", f"data.paths={corpus_dir}", "--set", "train.log_every=1"]
+    converted = tmp_path / "converted"
+    assert main(["convert", "--from-hf", str(out), "--to", str(converted)]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    for d in (out, converted):  # readable as the umask allows (not mkdtemp's private 0700)
+        assert d.stat().st_mode & 0o777 == 0o777 & ~umask
+    common = [
+        "--recipe",
+        "llama-tiny",
+        "--steps",
+        "1",
+        "--set",
+        f"data.paths={corpus_dir}",
+        "--set",
+        "train.log_every=1",
+    ]
     first = {}
-    for name, init in [("hf", [f"hf:{out}"]), ("meshlm", [str(default_run)])]:
-        extra = [] if name == "hf" else ["--set", f"data.tokenizer={default_run / 'tokenizer.json'}"]
-        assert main(["train", "--init-from", *init, "--run-dir", str(tmp_path / f"run-{name}"), *common, *extra]) == 0
+    for name, source in [("hf", f"hf:{out}"), ("meshlm", str(default_run)), ("converted", str(converted))]:
+        assert main(["train", "--init-from", source, "--run-dir", str(tmp_path / f"run-{name}"), *common]) == 0
         records = [json.loads(x) for x in (tmp_path / f"run-{name}" / "metrics.jsonl").read_text().splitlines()]
         first[name] = next(r["loss"] for r in records if "loss" in r)
+        assert (tmp_path / f"run-{name}" / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+        assert json.loads((tmp_path / f"run-{name}" / "config.json").read_text())["model"]["family"] == "gpt"
     assert first["hf"] == pytest.approx(first["meshlm"], abs=1e-5)
-    assert (tmp_path / "run-hf" / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+    assert first["converted"] == pytest.approx(first["meshlm"], abs=1e-5)
     prepared = tmp_path / "other"
     assert main(["data", "prepare", "--input", str(corpus_dir), "--out", str(prepared), "--vocab-size", "300"]) == 0
     capsys.readouterr()

@@ -146,8 +146,9 @@ def layer_activation_terms(
         "k": e * s * b * k * hd / t,
         "v": e * s * b * k * hd / t,
     }
-    if m.attention == "fused":
-        terms["attn_logsumexp"] = 4 * s * b * n / t
+    if m.attention != "explicit":  # flash/blockwise: Q, K, V, the output (below) and an fp32 lse per row
+        block = min(m.attention_block, s)  # (blockwise pads rows to a whole block)
+        terms["attn_logsumexp"] = 4 * (s if m.attention == "fused" else -(-s // block) * block) * b * n / t
     elif policy != "selective":  # selective recomputes these from Q, K, V
         terms["attn_probs"] = e * n * s * s * b / t
         if dropout:

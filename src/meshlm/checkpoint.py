@@ -92,20 +92,21 @@ def _is_step_dir(p: Path) -> bool:
     return p.is_dir() and p.name.isdigit()
 
 
-def resolve_checkpoint(path: str | Path) -> tuple[Path, int | None]:
+def resolve_checkpoint(path: str | Path, what: str = "--init-from") -> tuple[Path, int | None]:
     """A run directory, a checkpoints directory or one step directory -> (checkpoints dir, step or
-    None). A path that holds no checkpoint is bad input (ConfigError), caught before any work."""
+    None). A path that holds no checkpoint is bad input (ConfigError), caught before any work;
+    `what` names the argument in the message."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise ConfigError(f"--init-from path not found: {p}")
+        raise ConfigError(f"{what} path not found: {p}")
     if not p.is_dir():
-        raise ConfigError(f"--init-from {p} is a file; give a run directory, its checkpoints directory or a step")
+        raise ConfigError(f"{what} {p} is a file; give a run directory, its checkpoints directory or a step")
     if _is_step_dir(p) and (p / "meta").exists():
         return p.parent, int(p.name)
     if (p / "checkpoints").is_dir():
         p = p / "checkpoints"
     if not any(_is_step_dir(c) for c in p.iterdir()):
-        raise ConfigError(f"--init-from: no checkpoint under {p} (expected step directories such as {p}/100)")
+        raise ConfigError(f"{what}: no checkpoint under {p} (expected step directories such as {p}/100)")
     return p, None
 
 

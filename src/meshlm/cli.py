@@ -215,16 +215,8 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
 
     cfg = recipes.get(args.recipe)
     init_from = getattr(args, "init_from", None)
-    if init_from and init_from.startswith("hf:"):  # the model is the checkpoint's; --set still applies
-        from meshlm import hf
-
-        root = hf.hf_path(init_from)
-        cfg = hf.with_model(cfg, hf.model_config(root))
-        data = cfg.data
-        if not data.tokenizer and (root / "tokenizer.json").is_file():
-            cfg = dataclasses.replace(
-                cfg, data=dataclasses.replace(data, tokenizer=str(root.absolute() / "tokenizer.json"))
-            )
+    if init_from:  # the model (and, unless data.tokenizer is set, the tokenizer) are the source's
+        cfg = _adopt_source(cfg, init_from)
     overrides = list(args.overrides)
     if args.mesh:
         overrides += [f"parallel.{k}={v}" for k, v in parse_mesh(args.mesh).items()]
@@ -235,6 +227,35 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     if getattr(args, "profile_steps", None):
         overrides.append(f"train.profile_steps={args.profile_steps}")
     return apply_overrides(cfg, overrides)
+
+
+def _adopt_source(cfg: RunConfig, init_from: str) -> RunConfig:
+    """`--init-from`: the model section of the source (a Hugging Face config.json, or the
+    config.json of the meshlm run a checkpoint belongs to), keeping this run's dtype, attention
+    kind and unrolling; and its tokenizer.json when data.tokenizer is not set. `--set model.*`
+    still applies after this."""
+    from meshlm import hf
+
+    if hf.is_hf_ref(init_from):
+        root = hf.hf_path(init_from)
+        model = hf.model_config(root)
+    else:
+        from meshlm.checkpoint import resolve_checkpoint
+        from meshlm.config import from_dict
+
+        directory, _ = resolve_checkpoint(init_from)
+        root = directory.parent
+        if not (root / "config.json").is_file():  # a checkpoint dir on its own: the recipe's model
+            return cfg
+        try:
+            model = from_dict(json.loads((root / "config.json").read_text())).model
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read {root / 'config.json'}: {e}") from None
+    cfg = hf.with_model(cfg, model)
+    if not cfg.data.tokenizer and (root / "tokenizer.json").is_file():
+        tokenizer = str(root.absolute() / "tokenizer.json")
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
+    return cfg
 
 
 def _set_device_count(n: int, explicit: bool) -> None:
@@ -263,14 +284,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
-    if args.init_from and not args.init_from.startswith("hf:"):  # a wrong path is bad input: say so now
-        from meshlm.checkpoint import resolve_checkpoint
-
-        resolve_checkpoint(args.init_from)
-    elif args.init_from:
+    if args.init_from and args.init_from.startswith("hf:"):  # no weights, or only pickles: say so now
         from meshlm import hf
 
-        hf.weight_files(hf.hf_path(args.init_from))  # no weights, or only pickled ones: say so now
+        hf.weight_files(hf.hf_path(args.init_from))
     from meshlm.parallel.mesh import init_distributed, process_group
 
     group = process_group(args.coordinator, args.num_processes, args.process_id, args.distributed, args.init_timeout)
@@ -454,6 +471,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 0
     if not args.to_hf or args.to:
         raise ConfigError("meshlm convert --from RUN_DIR needs --to-hf DIR (a Hugging Face directory)")
+    if args.from_run.startswith("hf:"):
+        raise ConfigError("--from hf:DIR is already a Hugging Face directory; --from takes a meshlm run directory")
     max_shard = parse_bytes(args.max_shard_size)
     parallel = _inference_mesh(args)
     from meshlm.convert import export_hf
@@ -472,21 +491,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         raise ConfigError("give at least one --prompt (or --prompt-file)")
     parallel = _inference_mesh(args)
-    from meshlm.inference import Generator, load_model
+    from meshlm.inference import Generator, TextStream, load_model
 
     model = load_model(args.run_dir, args.step, parallel)
     ids = [model.encode(p) for p in prompts]
     if any(not i for i in ids):
         raise ConfigError("a prompt encodes to no tokens; give some text")
     stream = len(prompts) == 1 and not args.json
-    shown = [""]
-
-    def on_token(tokens: list[list[int]]) -> None:  # print the text that is new since the last call
-        text = model.decode(tokens[0])
-        if len(text) > len(shown[0]) and not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
-            print(text[len(shown[0]) :], end="", flush=True)
-            shown[0] = text
-
     if stream:
         print(prompts[0], end="", flush=True)
     out = Generator(model).generate(
@@ -496,7 +507,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        on_token=on_token if stream else None,
+        on_token=TextStream(model, lambda piece: print(piece, end="", flush=True)) if stream else None,
     )
     texts = [model.decode(t) for t in out.tokens]
     new_tokens = sum(len(t) for t in out.tokens)
@@ -686,7 +697,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"meshlm: training stopped: {e}", file=sys.stderr)
             return EXIT_NONFINITE
         if isinstance(e, (TrainingError, CheckpointError)):
-            print(f"meshlm: training stopped: {e}", file=sys.stderr)
+            what = "training stopped" if args.command in ("train", "launch") else "error"
+            print(f"meshlm: {what}: {e}", file=sys.stderr)
             return EXIT_TRAINING
         raise
 

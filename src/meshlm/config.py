@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 Family = Literal["gpt", "llama"]
 DType = Literal["float32", "bfloat16"]
-Attention = Literal["explicit", "fused"]
+Attention = Literal["explicit", "blockwise", "fused"]
 RopeScaling = Literal["none", "llama3"]
 OnNonFinite = Literal["stop", "skip"]
 # Recomputation policies: the names are owned here, their meaning by meshlm.parallel.remat.POLICIES
@@ -58,9 +58,12 @@ class ModelConfig:
     dropout: float = 0.0  # gpt only: embedding, attention probabilities, attention out, MLP out
     dtype: DType = "float32"  # compute (activation) dtype; parameters are always fp32 masters
     # "explicit": softmax(QK^T)V with the score matrix materialised (the papers' assumption);
-    # "fused": jax.nn.dot_product_attention with no implementation chosen; on XLA's path (CPU; GPU
-    # without cuDNN) it keeps the fp32 score matrix, which the memory formula does not count yet
+    # "fused": cuDNN flash attention where it applies (NVIDIA GPU, bf16, head_dim <= 128, no document
+    # mask), else "blockwise" - the startup report says which and why;
+    # "blockwise": online softmax over key/value blocks of `attention_block` tokens with a custom
+    # VJP that keeps only the output and an fp32 log-sum-exp per row (no s x s tensor; any backend)
     attention: Attention = "explicit"
+    attention_block: int = 128
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # Llama 3's RoPE frequency scaling ("llama3"): wavelengths longer than original_len /
@@ -366,7 +369,7 @@ def _divides(value: int, what: str, size: int, axis: str) -> None:
 def validate(cfg: RunConfig) -> RunConfig:
     """Check a config for internal consistency and divisibility by its mesh. Returns it unchanged."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "scan_unroll"):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "scan_unroll", "attention_block"):
         _need(getattr(m, name) > 0, f"model.{name} must be positive")
     for name in ("data", "fsdp", "tensor"):
         _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
@@ -386,8 +389,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _need(0.0 <= m.dropout < 1.0, "model.dropout must be in [0, 1)")
     _need(m.family == "gpt" or m.dropout == 0.0, "model.dropout is only implemented for the gpt family")
     _need(
-        m.attention == "explicit" or m.dropout == 0.0,
-        "model.attention=fused has no attention-probability dropout; set model.dropout=0 or attention=explicit",
+        m.attention != "fused" or m.dropout == 0.0,
+        "model.attention=fused has no attention-probability dropout; set model.dropout=0 or attention=explicit "
+        "(or blockwise)",
     )
     if p.sequence_parallel:
         _need(p.tensor > 1, "parallel.sequence_parallel needs a tensor axis > 1 (it shards over 'tensor')")

@@ -42,6 +42,7 @@ def import_hf(
     root = Path(hf_dir).expanduser()
     model = hf.model_config(root)
     hf.weight_files(root)  # refuses pickles before anything is written
+    ids = hf.token_ids(root)  # and a malformed generation_config.json
     out = _fresh_dir(run_dir)
     tok_src = root / "tokenizer.json"
     tok = toks.load(tok_src) if tok_src.is_file() else None
@@ -50,9 +51,8 @@ def import_hf(
         model=model,
         parallel=parallel,
         data=DataConfig(tokenizer=str(out / "tokenizer.json") if tok else ""),
-        train=TrainConfig(
-            global_batch=max(16, parallel.batch_shards), seq_len=min(TrainConfig().seq_len, model.max_seq_len)
-        ),
+        # eval's default window: the model's context, up to 1024 tokens
+        train=TrainConfig(global_batch=max(16, parallel.batch_shards), seq_len=min(1024, model.max_seq_len)),
     )
     cfg = validate(cfg)
     layout = make_layout(cfg.parallel)
@@ -74,11 +74,12 @@ def import_hf(
             ckpt.close()
         if tok:
             shutil.copyfile(tok_src, tmp / "tokenizer.json")
+        for f in hf.SIDE_FILES:  # chat template, bos/eos and stop ids travel with the model
+            if (root / f).is_file():
+                shutil.copyfile(root / f, tmp / f)
         (tmp / "config.json").write_text(cfg.to_json())
-        (tmp / "converted.json").write_text(json.dumps({"from": str(root.absolute())} | hf.token_ids(root), indent=2))
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
+        (tmp / "converted.json").write_text(json.dumps({"from": str(root.absolute())} | ids, indent=2))
+        hf.publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -118,5 +119,7 @@ def export_hf(
         eos_token=eos,
         dtype=dtype,
         max_shard_bytes=max_shard_bytes,
+        max_positions=model.cfg.train.seq_len,
+        side_files=root,
         log=log,
     )

@@ -41,7 +41,16 @@ SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 # Files that hold pickled weights (torch.save, pickle, joblib): refused, never opened.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Tokenizer and generation settings carried through import and export unchanged (chat templates,
+# bos/eos, stop ids): meshlm reads tokenizer.json and the stop ids, and keeps the rest for the tools.
+SIDE_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # Buffers some checkpoints carry that are not parameters (causal masks, rotary caches).
 IGNORED = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|\.rotary_emb\.inv_freq)$")
 HF_PREFIX = "hf:"
@@ -275,10 +284,11 @@ def _rope(data: dict, f: _Fields, path: Path) -> dict:
     return out | {"rope_original_len": original}
 
 
-def token_ids(hf_dir: str | Path) -> dict[str, int | None]:
-    """bos/eos ids from generation_config.json, else config.json (the first id of a list)."""
+def token_ids(hf_dir: str | Path) -> dict[str, list[int]]:
+    """{"bos_token_id": [...], "eos_token_id": [...]} from generation_config.json, else config.json
+    (a single id or a list: Llama 3 Instruct stops at either of two tokens)."""
     root = Path(hf_dir).expanduser()
-    out: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
+    out: dict[str, list[int]] = {"bos_token_id": [], "eos_token_id": []}
     for name in ("config.json", "generation_config.json"):  # the latter wins
         p = root / name
         if not p.is_file():
@@ -286,10 +296,26 @@ def token_ids(hf_dir: str | Path) -> dict[str, int | None]:
         data = _read_json(p)
         for key in out:
             v = data.get(key)
-            v = v[0] if isinstance(v, list) and v else v
-            if isinstance(v, int) and not isinstance(v, bool):
-                out[key] = v
+            ids = v if isinstance(v, list) else [v]
+            if v is not None and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                out[key] = list(ids)
+            elif v is not None and v != []:
+                raise ConfigError(f"{p}: {key} must be a token id or a list of them, got {v!r}")
     return out
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename a finished temporary directory into place, readable as the umask allows (mkdtemp
+    makes it private)."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [tmp, *tmp.rglob("*")]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
 
 
 # ------------------------------------------------------------------------------------------ import
@@ -330,6 +356,21 @@ def _plan_import(reader: st.Reader, cfg: ModelConfig, where: Path) -> tuple[list
     no "transformer."); every missing, extra or mis-shaped tensor named."""
     table = rules(cfg)
     names = set(reader.tensors)
+    layered = next(r for r in table if r.layered).hf.split("{i}")[0].removeprefix("transformer.")
+    present = {
+        int(m.group(1)) for n in names if (m := re.match(r"(?:transformer\.)?" + re.escape(layered) + r"(\d+)\.", n))
+    }
+    if present != set(range(cfg.n_layers)):
+        raise ConfigError(
+            f"{where}/config.json says {cfg.n_layers} layers, but the weights hold layers "
+            f"{sorted(present)[:5]}{'...' if len(present) > 5 else ''} ({len(present)} in all)"
+        )
+    not_float = sorted(n for n in names if reader.tensors[n].dtype not in FLOAT_DTYPES and not IGNORED.search(n))
+    if not_float:
+        raise ConfigError(
+            f"{where}: tensors stored as integers or booleans (quantized weights?) are not supported: "
+            + ", ".join(f"{n} ({reader.tensors[n].dtype})" for n in not_float[:5])
+        )
     prefix = ""
     if cfg.family == "gpt" and "transformer.wte.weight" not in names and "wte.weight" in names:
         prefix = "transformer."
@@ -388,11 +429,14 @@ def _build_leaf(reader: st.Reader, rule: Rule, prefix: str, shape: tuple[int, ..
         n = rule.hf.format(i=i) if i is not None else rule.hf
         return n.removeprefix(prefix) if prefix else n
 
-    def one(i: int | None, per: tuple[int, ...], idx: tuple) -> np.ndarray:
-        x = rule.to_meshlm(reader.get(hf_name(i)), per)
-        return np.asarray(x[idx], dtype=np.float32)
+    converted: dict[int | None, np.ndarray] = {}  # each HF tensor is read and converted once per leaf
 
-    done: dict[str, np.ndarray] = {}  # replicas of one slice are read once
+    def one(i: int | None, per: tuple[int, ...], idx: tuple) -> np.ndarray:
+        if i not in converted:
+            converted[i] = np.asarray(rule.to_meshlm(reader.get(hf_name(i)), per), dtype=np.float32)
+        return converted[i][idx]
+
+    done: dict[str, np.ndarray] = {}  # replicas of one slice are built once
 
     def callback(index: tuple) -> np.ndarray:
         key = repr(index)
@@ -410,8 +454,9 @@ def _build_leaf(reader: st.Reader, rule: Rule, prefix: str, shape: tuple[int, ..
 # ------------------------------------------------------------------------------------------ export
 
 
-def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str) -> dict:
-    """config.json for `transformers` (GPT2LMHeadModel / LlamaForCausalLM)."""
+def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str, max_positions: int = 0) -> dict:
+    """config.json for `transformers` (GPT2LMHeadModel / LlamaForCausalLM). `max_positions`: llama's
+    max_position_embeddings (meshlm's max_seq_len only sizes gpt's position table)."""
     torch_dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[dtype]
     if cfg.family == "gpt":
         if cfg.kv_heads != cfg.n_heads or cfg.dim_head * cfg.n_heads != cfg.d_model:
@@ -435,6 +480,7 @@ def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str) ->
             "bos_token_id": bos,
             "eos_token_id": eos,
             "dtype": torch_dtype,
+            "torch_dtype": torch_dtype,  # transformers 4's name
         }
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "llama3":
@@ -456,7 +502,7 @@ def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str) ->
         "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.dim_head,
         "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
+        "max_position_embeddings": max(cfg.max_seq_len, max_positions),
         "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": rope,  # transformers >= 5
         "rope_theta": cfg.rope_theta,  # older readers (transformers 4, vLLM, llama.cpp's converter)
@@ -467,6 +513,7 @@ def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str) ->
         "bos_token_id": bos,
         "eos_token_id": eos,
         "dtype": torch_dtype,
+        "torch_dtype": torch_dtype,
     }
 
 
@@ -479,11 +526,15 @@ def save_pretrained(
     eos_token: str | None = None,
     dtype: str = "float32",
     max_shard_bytes: int = 2 * 2**30,
+    max_positions: int = 0,
+    side_files: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> Path:
     """Write a Hugging Face directory (config, generation config, safetensors shards + index,
-    tokenizer) from meshlm parameters (global arrays, any sharding). Written under a temporary
-    name and renamed into place: a failure leaves nothing at `out_dir`."""
+    tokenizer) from meshlm parameters (global arrays, any sharding). `side_files`: a directory
+    whose tokenizer_config.json, generation_config.json, ... (`SIDE_FILES`, kept by an import)
+    are copied instead of meshlm's own. Written under a temporary name and renamed into place: a
+    failure leaves nothing at `out_dir`."""
     import jax
 
     from meshlm.model.params import named_leaves
@@ -561,12 +612,18 @@ def save_pretrained(
                 )
             )
             (tmp / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, bos, eos, dtype), indent=2))
-        gen = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
+        kept = [f for f in SIDE_FILES if side_files is not None and (side_files / f).is_file()]
+        for f in kept:  # an imported model's own settings (chat template, bos/eos, stop ids)
+            shutil.copyfile(side_files / f, tmp / f)
+        if kept:
+            ids = token_ids(tmp)
+            bos = ids["bos_token_id"][0] if ids["bos_token_id"] else bos
+            eos = ids["eos_token_id"][0] if ids["eos_token_id"] else eos
+        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, bos, eos, dtype, max_positions), indent=2))
+        if "generation_config.json" not in kept:
+            gen = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

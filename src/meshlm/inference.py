@@ -44,8 +44,13 @@ class Model:
     params: dict
     layout: Layout
     tokenizer: object | None = None  # tokenizers.Tokenizer
-    eos_id: int | None = None
+    eos_id: int | None = None  # the end-of-text token (also the padding of left-padded prompts)
     source: str = ""
+    stop_ids: tuple[int, ...] = ()  # tokens that end a row (default: eos_id)
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        return self.stop_ids or (() if self.eos_id is None else (self.eos_id,))
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -59,7 +64,8 @@ class Model:
 def _inference_config(cfg: RunConfig, parallel: ParallelConfig | None) -> RunConfig:
     """The run's config on the inference mesh (default: one device), checked for divisibility."""
     parallel = parallel or ParallelConfig()
-    train = dataclasses.replace(cfg.train, global_batch=parallel.batch_shards, microbatches=1)
+    seq_len = cfg.train.seq_len if cfg.model.family != "gpt" else min(cfg.train.seq_len, cfg.model.max_seq_len)
+    train = dataclasses.replace(cfg.train, global_batch=parallel.batch_shards, microbatches=1, seq_len=seq_len)
     parallel = dataclasses.replace(parallel, sequence_parallel=False)
     return validate(dataclasses.replace(cfg, parallel=parallel, train=train))
 
@@ -86,14 +92,17 @@ def load_model(
 
     if hf.is_hf_ref(str(run_dir)):
         root = hf.hf_path(str(run_dir))
-        cfg = _inference_config(RunConfig(model=hf.model_config(root)), parallel)
+        model_cfg = hf.model_config(root)
+        train = dataclasses.replace(RunConfig().train, seq_len=min(1024, model_cfg.max_seq_len))
+        cfg = _inference_config(RunConfig(model=model_cfg, train=train), parallel)
         if dtype:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
         layout = make_layout(cfg.parallel)
         params = hf.load_params(root, cfg.model, param_shardings(param_specs(cfg.model), layout))
         tok = toks.load(root / "tokenizer.json") if (root / "tokenizer.json").is_file() else None
-        eos = hf.token_ids(root)["eos_token_id"]
-        return Model(cfg, params, layout, tok, eos, str(run_dir))
+        stops = hf.token_ids(root)["eos_token_id"]
+        eos = stops[0] if stops else _eos(tok)
+        return Model(cfg, params, layout, tok, eos, str(run_dir), tuple(stops))
     from meshlm.checkpoint import Checkpointer, resolve_checkpoint
 
     root = Path(run_dir).expanduser()
@@ -104,7 +113,7 @@ def load_model(
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
     layout = make_layout(cfg.parallel)
     specs = param_specs(cfg.model)
-    directory, _ = resolve_checkpoint(root)
+    directory, _ = resolve_checkpoint(root, "--run-dir")
     shardings = param_shardings(specs, layout)
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params(specs), shardings
@@ -117,8 +126,9 @@ def load_model(
     tok = run_tokenizer(root)
     if tok is not None and meta.get("tokenizer_fingerprint") not in (None, toks.fingerprint(tok)):
         raise ConfigError(f"{root}'s tokenizer.json is not the tokenizer its checkpoint was trained with")
-    eos = _eos(tok)
-    return Model(cfg, params, layout, tok, eos, f"{directory}/{meta['step']}")
+    stops = hf.token_ids(root)["eos_token_id"] if (root / "generation_config.json").is_file() else []
+    eos = _eos(tok) if _eos(tok) is not None or not stops else stops[0]
+    return Model(cfg, params, layout, tok, eos, f"{directory}/{meta['step']}", tuple(stops))
 
 
 def _eos(tok) -> int | None:
@@ -163,7 +173,8 @@ class Generation:
 
 
 class Generator:
-    """Jitted prefill and decode for one model on its layout (compiled once per shape bucket)."""
+    """Jitted prefill and decode for one model on its layout (compiled once per shape bucket and
+    sampling setting; reuse one Generator for many calls)."""
 
     def __init__(self, model: Model):
         self.model = model
@@ -173,17 +184,20 @@ class Generator:
         tokens_sh = layout.sharding((ax.BATCH, None))
         self._row_sh = layout.sharding((ax.BATCH,))
         params_sh = param_shardings(param_specs(m), layout)
-        n_valid = m.vocab_size if model.tokenizer is None else min(m.vocab_size, model.tokenizer.get_vocab_size())
+        n_valid = m.vocab_size
+        if model.tokenizer is not None:  # ids past the tokenizer's largest are never drawn
+            n_valid = min(m.vocab_size, max(model.tokenizer.get_vocab(with_added_tokens=True).values()) + 1)
+        self.n_valid = n_valid
         cache_sh = KVCache(self._cache_sharding, self._cache_sharding, layout.replicated(), self._row_sh)
 
-        def run(params, tokens_bt, cache, key, temperature, top_k, top_p):
-            logits, cache = forward(params, tokens_bt, m, layout, cache=cache)
+        def run(params, tokens_bt, cache, key, temperature, top_k, top_p, prefill):
+            logits, cache = forward(params, tokens_bt, m, layout, cache=cache, prefill=prefill)
             last = logits[:, -1]
-            if n_valid < m.vocab_size:  # ids the tokenizer cannot decode are never drawn
+            if n_valid < m.vocab_size:
                 last = jnp.where(jnp.arange(m.vocab_size) < n_valid, last, -jnp.inf)
             return sample(last, key, temperature, top_k, top_p), last, cache
 
-        self._run, self._steps = run, {}
+        self._run, self._steps, self._zeros = run, {}, {}
         self._jit = partial(
             jax.jit,
             in_shardings=(params_sh, tokens_sh, cache_sh, None),
@@ -201,7 +215,11 @@ class Generator:
     def _empty_cache(self, b: int, s: int, start: np.ndarray) -> KVCache:
         m = self.model.cfg.model
         shape = (m.n_layers, b, s, m.kv_heads, m.dim_head)
-        zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(m.dtype)), out_shardings=self._cache_sharding)
+        if shape not in self._zeros:
+            self._zeros[shape] = jax.jit(
+                lambda: jnp.zeros(shape, jnp.dtype(m.dtype)), out_shardings=self._cache_sharding
+            )
+        zeros = self._zeros[shape]
         start = jax.device_put(start.astype(np.int32), self._row_sh)
         return KVCache(zeros(), zeros(), jnp.zeros((), jnp.int32), start)
 
@@ -218,7 +236,8 @@ class Generator:
         return_logits: bool = False,
         on_token: Callable[[list[list[int]]], None] | None = None,
     ) -> Generation:
-        """New tokens for each prompt (token ids). `on_token(tokens so far)` after each step."""
+        """New tokens for each prompt (token ids). A row ends at its first stop token (the model's
+        end-of-text ids) unless `stop_at_eos` is off; `on_token(tokens so far)` after each step."""
         import time
 
         m = self.model.cfg.model
@@ -226,6 +245,7 @@ class Generator:
             raise ConfigError("every prompt needs at least one token")
         if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
             raise ConfigError("need max_new_tokens >= 1, temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        top_k = min(top_k, self.n_valid)
         longest = max(len(p) for p in prompts)
         if m.family == "gpt" and longest + max_new_tokens > m.max_seq_len:
             raise ConfigError(
@@ -250,43 +270,46 @@ class Generator:
         key = jax.random.key(seed)
         opts = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
         t0 = time.perf_counter()
-        tok, logits, cache = self._step(self.model.params, tokens, cache, jax.random.fold_in(key, 0), **opts)
+        tok, logits, cache = self._step(
+            self.model.params, tokens, cache, jax.random.fold_in(key, 0), prefill=True, **opts
+        )
         out_tok, out_logits = [tok], [logits] if return_logits else []
         jax.block_until_ready(tok)
         prefill_s = time.perf_counter() - t0
-        done = np.zeros((b,), bool)
-        eos = self.model.eos_id if stop_at_eos else None
-        steps = 1
+        stops = np.asarray(self.model.stops if stop_at_eos else (), np.int32)
+        done = np.zeros((n,), bool)
+        seen = 0  # tokens already checked for stops
         t0 = time.perf_counter()
         for i in range(1, max_new_tokens):
-            if on_token is not None or i % 8 == 0:
-                host = np.asarray(tok)
-                if eos is not None:
-                    done |= host == eos
+            if on_token is not None or i % 8 == 0:  # each check covers every token since the last
+                new = np.stack([np.asarray(t) for t in out_tok[seen:]], 1)[:n]
+                seen = len(out_tok)
+                done |= np.isin(new, stops).any(axis=1)
                 if on_token is not None:
-                    on_token(_trim(np.stack([np.asarray(t) for t in out_tok], 1)[:n], eos))
-                if done[:n].all():
+                    on_token(_trim(np.stack([np.asarray(t) for t in out_tok], 1)[:n], stops))
+                if done.all():
                     break
-            tok, logits, cache = self._step(self.model.params, tok[:, None], cache, jax.random.fold_in(key, i), **opts)
+            tok, logits, cache = self._step(
+                self.model.params, tok[:, None], cache, jax.random.fold_in(key, i), prefill=False, **opts
+            )
             out_tok.append(tok)
             if return_logits:
                 out_logits.append(logits)
-            steps += 1
         all_tok = np.stack([np.asarray(t) for t in out_tok], 1)[:n]
         decode_s = time.perf_counter() - t0
-        result = _trim(all_tok, eos)
+        result = _trim(all_tok, stops)
         if on_token is not None:
             on_token(result)
         lg = np.stack([np.asarray(x) for x in out_logits], 1)[:n] if return_logits else None
-        return Generation(result, lg, prefill_s, decode_s, steps - 1)
+        return Generation(result, lg, prefill_s, decode_s, len(out_tok) - 1)
 
 
-def _trim(tokens_bt: np.ndarray, eos: int | None) -> list[list[int]]:
+def _trim(tokens_bt: np.ndarray, stops: np.ndarray) -> list[list[int]]:
+    """Each row up to and including its first stop token."""
     out = []
     for row in tokens_bt.tolist():
-        if eos is not None and eos in row:
-            row = row[: row.index(eos) + 1]
-        out.append(row)
+        hits = [j for j, t in enumerate(row) if t in stops]
+        out.append(row[: hits[0] + 1] if hits else row)
     return out
 
 
@@ -301,16 +324,44 @@ def generate(
     seed: int = 0,
     step: int | None = None,
     parallel: ParallelConfig | None = None,
+    on_text: Callable[[str], None] | None = None,
 ) -> list[str] | str:
-    """Text continuations of `prompts` by the model of a run directory (or "hf:DIR")."""
+    """Text continuations of `prompts` by the model of a run directory (or "hf:DIR"). Greedy by
+    default. `on_text(piece)` streams the new text of a single prompt as it is generated. Loads
+    the model on every call: for many calls, keep `Generator(load_model(...))`."""
     model = load_model(run_dir, step, parallel)
     single = isinstance(prompts, str)
     texts = [prompts] if single else list(prompts)
+    stream = None
+    if on_text is not None:
+        if not single:
+            raise ConfigError("on_text streams one prompt; pass a single string")
+        stream = TextStream(model, on_text)
     out = Generator(model).generate(
-        [model.encode(t) for t in texts], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+        [model.encode(t) for t in texts],
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        on_token=stream,
     )
     decoded = [model.decode(t) for t in out.tokens]
     return decoded[0] if single else decoded
+
+
+class TextStream:
+    """An `on_token` callback that passes the new text of row 0 to `emit`, holding back a trailing
+    incomplete UTF-8 character."""
+
+    def __init__(self, model: Model, emit: Callable[[str], None]):
+        self.model, self.emit, self.shown = model, emit, ""
+
+    def __call__(self, tokens: list[list[int]]) -> None:
+        text = self.model.decode(tokens[0])
+        if len(text) > len(self.shown) and not text.endswith("\ufffd"):
+            self.emit(text[len(self.shown) :])
+            self.shown = text
 
 
 # ------------------------------------------------------------------------------------ evaluation

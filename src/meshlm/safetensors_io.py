@@ -56,19 +56,23 @@ class TensorInfo:
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """({name: TensorInfo}, metadata) of one file, every entry checked against the file's size."""
-    size = path.stat().st_size
     bad = lambda why: ConfigError(f"{path} is not a valid safetensors file: {why}")
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise bad("shorter than its 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER or 8 + n > size:
-            raise bad(f"header length {n} does not fit the file ({size} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise bad(f"header is not JSON ({e})") from None
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad("shorter than its 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise bad(f"header length {n} does not fit the file ({size} bytes)")
+            raw = f.read(n)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}

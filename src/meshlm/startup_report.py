@@ -16,6 +16,7 @@ import jax
 from meshlm import accounting
 from meshlm.config import RunConfig
 from meshlm.memory import device_bytes
+from meshlm.model.layers import fused_implementation
 from meshlm.model.params import named_leaves
 from meshlm.parallel.rules import Layout
 from meshlm.train_state import TrainState
@@ -54,8 +55,17 @@ def startup_report(
                 xla[field.removesuffix("_in_bytes")] = int(getattr(analysis, field))
     model_flops = accounting.model_flops_per_step(cfg)
     hardware_flops = accounting.hardware_flops_per_step(cfg)
+    m = cfg.model
+    attention = {
+        "explicit": "explicit (the s x s scores are stored)",
+        "blockwise": f"blockwise (block {m.attention_block})",
+    }
+    if m.attention == "fused":
+        kind, why = fused_implementation(m.dtype, m.dim_head, cfg.data.document_mask)
+        attention["fused"] = "fused -> cuDNN flash attention" if kind == "cudnn" else f"fused -> blockwise ({why})"
     return {
         "mesh": dict(layout.mesh.shape),
+        "attention": attention[m.attention],
         "sequence_parallel": layout.sequence_parallel,
         "remat": cfg.remat.policy,
         "parameters": params,
@@ -80,6 +90,8 @@ def _size(n: float) -> str:
 def format_report(r: dict[str, Any]) -> list[str]:
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [f"mesh {mesh}{' + sequence parallel' if r['sequence_parallel'] else ''}, remat {r['remat']}"]
+    if "attention" in r:
+        lines.append(f"attention: {r['attention']}")
     lines.append(f"parameters: {r['param_count'] / 1e6:.2f}M; per-device shards:")
     for p in r["parameters"]:
         lines.append(f"  {p['name']:18s} {tuple(p['shape'])!s:24s} {p['spec']:32s} {_size(p['device_bytes'])}")

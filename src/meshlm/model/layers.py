@@ -176,14 +176,39 @@ def causal_attention(
     return out_btkgh.reshape(b, t, n, h)
 
 
+def fused_implementation(dtype: str, head_dim: int, document_mask: bool, backend: str | None = None) -> tuple[str, str]:
+    """What `model.attention=fused` runs: ("cudnn", why) - cuDNN's flash attention through
+    `jax.nn.dot_product_attention(implementation="cudnn")` - where it applies (NVIDIA GPU, bf16,
+    head_dim a multiple of 8 up to 128, no document mask), else ("blockwise", why not cudnn)."""
+    backend = backend or jax.default_backend()
+    if backend != "gpu":
+        return "blockwise", f"no cuDNN on {backend}"
+    if dtype != "bfloat16":
+        return "blockwise", f"cuDNN flash attention needs bf16, the model computes in {dtype}"
+    if head_dim % 8 or head_dim > 128:
+        return "blockwise", f"cuDNN flash attention needs head_dim a multiple of 8 up to 128, got {head_dim}"
+    if document_mask:
+        return "blockwise", "document masks are not passed to cuDNN here"
+    return "cudnn", "cuDNN flash attention"
+
+
 def fused_attention(
-    q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, segment_ids_bt: jax.Array | None = None
+    q_btnh: jax.Array,
+    k_bskh: jax.Array,
+    v_bskh: jax.Array,
+    segment_ids_bt: jax.Array | None = None,
+    block: int = 128,
 ) -> jax.Array:
-    """`jax.nn.dot_product_attention` with no implementation chosen: XLA's own lowering, which
-    builds (and, for backward, keeps) the fp32 score matrix; cuDNN's flash kernel only where JAX
-    picks it. The memory formula's `fused` terms assume the flash kernel (docs/memory.md)."""
-    mask = None if segment_ids_bt is None else same_document(segment_ids_bt)[:, :, 0]  # [b, 1, t, s]
-    return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask, is_causal=True)
+    """cuDNN's flash attention where `fused_implementation` says it applies, else the blockwise
+    kernel: either way only Q, K, V, the output and a log-sum-exp per row are kept for backward.
+    (The choice is in the startup report.)"""
+    from meshlm.model.blockwise import blockwise_attention
+
+    dtype = jnp.dtype(q_btnh.dtype).name
+    kind, _ = fused_implementation(dtype, q_btnh.shape[-1], segment_ids_bt is not None)
+    if kind == "cudnn":
+        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, implementation="cudnn")
+    return blockwise_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, block=block)
 
 
 def cached_attention(

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
 from meshlm.model import layers
+from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.params import param_specs
 from meshlm.parallel import remat
 from meshlm.parallel.collectives import column_parallel, row_parallel, vocab_parallel_embed
@@ -94,7 +95,7 @@ def _qkv(h_btd, wq, wk, wv, *biases, cfg: ModelConfig):
     return (*_rope_qk(q, k, jnp.arange(h_btd.shape[1]), cfg), v)
 
 
-def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cache: KVCache, positions_bt):
+def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cache: KVCache, positions_bt, prefill):
     """Attention of t new tokens over the cache: their K/V are written at slots index..index+t-1
     of layer `kv[2]` of the whole cache `kv[:2]`, then every query attends to the valid slots up
     to its own. Returns (output, (whole k, whole v))."""
@@ -119,7 +120,12 @@ def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cac
     k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
     v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
     slots = cache.index + jnp.arange(h_btd.shape[1])
-    a = constrain(layout, layers.cached_attention(q, k_layer, v_layer, slots, cache.start), HEADS_ACT)
+    if prefill and cfg.attention != "explicit":  # among the prompt tokens only; padding is its own document
+        real = jnp.broadcast_to((slots[None, :] >= cache.start[:, None]).astype(jnp.int32), h_btd.shape[:2])
+        a = blockwise_attention(q, k, v, real, block=cfg.attention_block)
+    else:
+        a = layers.cached_attention(q, k_layer, v_layer, slots, cache.start)
+    a = constrain(layout, a, HEADS_ACT)
     out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, weight_axes(cfg)["wo"], RESIDUAL)
     return out, (k_all, v_all)
 
@@ -141,11 +147,15 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
         RESIDUAL,
     )
     if cfg.attention == "fused":
-        a = layers.fused_attention(q, k, v, segments)
+        a = layers.fused_attention(q, k, v, segments, cfg.attention_block)
+    elif cfg.attention == "blockwise":  # stores O(s) per row already: no policy recomputes it
+        drop_key = _site_key(key, _ATTN_PROBS)
+        a = blockwise_attention(q, k, v, segments, block=cfg.attention_block, dropout_rate=cfg.dropout, key=drop_key)
     else:
         core = remat.wrap_attention_core(partial(layers.causal_attention, dropout_rate=cfg.dropout), remat_policy)
         a = core(q, k, v, segments, key=_site_key(key, _ATTN_PROBS))
-    a = constrain(layout, a, HEADS_ACT)
+    if cfg.attention == "explicit":  # the O(s) kernels keep their output for their own backward
+        a = constrain(layout, a, HEADS_ACT)  # pass: a constrained copy would be stored a second time
     return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, weight_axes(cfg)["wo"], RESIDUAL), None
 
 
@@ -208,6 +218,7 @@ def forward(
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     cache: KVCache | None = None,
+    prefill: bool = False,
 ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Logits [b, t, v] in fp32 for int tokens [b, t].
 
@@ -215,6 +226,10 @@ def forward(
     enables dropout (gpt family); None is the deterministic eval path. Packed rows: `segment_ids`
     [b, t] keeps attention inside each document; `positions` [b, t] index the learned position
     table (gpt; RoPE depends on relative positions only, which a restart does not change).
+    With a `cache` (decoding, no dropout) the tokens continue each row of the cache; returns the
+    last position's logits [b, 1, v] and the cache with their K/V written and its index advanced.
+    `prefill`: the cache is empty (index 0), so a blockwise/fused model attends among the new
+    tokens with its O(s) kernel instead of over the whole cache.
     """
     dtype = jnp.dtype(cfg.dtype)
     cast = partial(jax.tree.map, lambda w: w.astype(dtype))
@@ -245,12 +260,14 @@ def forward(
         def decode_body(carry, layer):
             x_btd, k_all, v_all = carry
             p, i = layer
-            x_btd, (k_all, v_all) = block(x_btd, cast(p), None, dec=((k_all, v_all, i), cache, positions))
+            dec = ((k_all, v_all, i), cache, positions, prefill)
+            x_btd, (k_all, v_all) = block(x_btd, cast(p), None, dec=dec)
             return (x_btd, k_all, v_all), None
 
         layers_in = (params["layers"], jnp.arange(cfg.n_layers))
         (x, k_all, v_all), _ = jax.lax.scan(decode_body, (x, cache.k, cache.v), layers_in, unroll=unroll)
         cache = KVCache(k_all, v_all, cache.index + t, cache.start)
+        x = x[:, -1:]  # only the last position's logits are used: never build [b, t, vocab]
 
     if cfg.family == "gpt":
         final_norm = partial(layers.layer_norm, eps=cfg.norm_eps)

@@ -112,8 +112,8 @@ def main() -> None:
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     head = [
-        f"Command: `python benchmarks/long_sequence.py --budget-gib {args.budget_gib:g} --rounds {args.rounds} --write` "
-        f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, jax {jax.__version__}).",
+        "Command: `python benchmarks/long_sequence.py "
+        f"--budget-gib {args.budget_gib:g} --rounds {args.rounds} --write` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, jax {jax.__version__}).",
         "",
         "Stored activations (llama, d=512, 8 layers, 8 heads / 4 kv, bf16, batch 1; measured from the compiled "
         "program):",

@@ -113,7 +113,8 @@ def main() -> None:
     args = ap.parse_args()
     head = [
         "Command: `python benchmarks/long_sequence.py "
-        f"--budget-gib {args.budget_gib:g} --rounds {args.rounds} --write` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, jax {jax.__version__}).",
+        f"--budget-gib {args.budget_gib:g} --rounds {args.rounds} --write` ({time.strftime('%Y-%m-%d')}, "
+        f"{os.cpu_count()} CPU cores, jax {jax.__version__}).",
         "",
         "Stored activations (llama, d=512, 8 layers, 8 heads / 4 kv, bf16, batch 1; measured from the compiled "
         "program):",

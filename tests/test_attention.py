@@ -2,8 +2,10 @@
 `fused` runs, and what each mode stores for the backward pass, measured against the formula."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,18 +75,69 @@ def test_blockwise_dropout_replays_its_masks(docs):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
     assert abs(1 - float(mask.mean()) - rate) < 0.02
     assert not np.array_equal(mask, keep_mask(jax.random.key(8), rate, mask.shape, block))
+    tiles = [mask[..., i * block : (i + 1) * block, j * block : (j + 1) * block] for i, j in ((1, 0), (1, 1), (2, 1))]
+    assert not np.array_equal(tiles[0], tiles[1]) and not np.array_equal(tiles[1], tiles[2])  # i and j both count
 
 
-def test_fused_is_cudnn_where_it_applies_and_blockwise_elsewhere(tmp_path, capsys, devices):
+def _device(platform="gpu", version="cuda 12.8", capability="9.0"):
+    client = SimpleNamespace(platform_version=version)
+    return SimpleNamespace(platform=platform, client=client, compute_capability=capability)
+
+
+def test_fused_is_cudnn_where_it_applies_and_blockwise_elsewhere(tmp_path, capsys, monkeypatch, devices):
     pick = layers.fused_implementation
-    assert pick("bfloat16", 64, False, "gpu") == ("cudnn", "cuDNN flash attention")
-    assert pick("float32", 64, False, "gpu")[0] == "blockwise"
-    assert pick("bfloat16", 256, False, "gpu")[0] == "blockwise"
-    assert pick("bfloat16", 64, True, "gpu")[0] == "blockwise"
-    assert pick("bfloat16", 64, False, "cpu") == ("blockwise", "no cuDNN on cpu")
+    h100, v100 = _device(), _device(capability="7.0")
+    assert pick("bfloat16", 64, False, h100) == ("cudnn", "cuDNN flash attention")
+    assert pick("bfloat16", 64, False, v100)[0] == "blockwise"  # flash needs Ampere or newer
+    assert pick("bfloat16", 64, False, _device(version="rocm 6.2"))[0] == "blockwise"
+    assert pick("float32", 64, False, h100)[0] == "blockwise"
+    assert pick("bfloat16", 256, False, h100)[0] == "blockwise"
+    assert pick("bfloat16", 64, True, h100)[0] == "blockwise"
+    assert pick("bfloat16", 64, False, _device("cpu")) == ("blockwise", "no cuDNN on cpu")
+    assert pick("bfloat16", 64, False) == ("blockwise", "no cuDNN on cpu")  # this machine
     args = ["train", "--dry-run", "--run-dir", str(tmp_path), "--set", "model.attention=fused"]
     assert main(args) == 0
     assert "attention: fused -> blockwise (no cuDNN on cpu)" in capsys.readouterr().out
+    # where cuDNN applies, fused_attention asks JAX for exactly that kernel, causal, unmasked
+    calls = []
+    monkeypatch.setattr(layers, "fused_implementation", lambda *a: ("cudnn", ""))
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or a[0])
+    q, k, v, _ = _qkv(16)
+    layers.fused_attention(q.astype(jnp.bfloat16), k, v)
+    assert calls == [{"is_causal": True, "implementation": "cudnn"}]
+
+
+def test_blockwise_bf16_multiplies_bf16_and_accumulates_fp32():
+    """bf16 inputs: every matmul of forward and backward takes bf16 operands (bf16 speed) with an
+    fp32 result, and the gradients stay as close to fp32 ones as explicit bf16 attention's."""
+    q, k, v, d_out = _qkv(64, seed=2)
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v, d_out)]
+    fn = lambda q, k, v: blockwise_attention(q, k, v, block=16)
+
+    def vjp(q, k, v, d):
+        out, pull = jax.vjp(fn, q, k, v)
+        return out, pull(d)
+
+    jaxpr = jax.make_jaxpr(vjp)(*bf)
+    dots = []
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "dot_general":
+                dots.append((*(str(a.aval.dtype) for a in eqn.invars), str(eqn.outvars[0].aval.dtype)))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    assert len(dots) >= 7 and set(dots) == {("bfloat16", "bfloat16", "float32")}, dots
+    explicit = lambda q, k, v: layers.causal_attention(q, k, v)
+    want = jax.vjp(explicit, q, k, v)[1](d_out)  # fp32 reference
+    ours = vjp(*bf)[1]
+    theirs = jax.vjp(explicit, *bf[:3])[1](bf[3])  # explicit attention in bf16
+    for g, e, w in zip(ours, theirs, want, strict=True):
+        err_g = float(jnp.abs(g.astype(jnp.float32) - w).max())
+        err_e = float(jnp.abs(e.astype(jnp.float32) - w).max())
+        assert err_g <= 1.5 * err_e + 1e-3, (err_g, err_e)
 
 
 def _with(cfg, **model):
@@ -125,3 +178,28 @@ def test_blockwise_storage_is_linear_in_the_sequence_length(devices):
         superlinear = full - 2 * half
         assert superlinear == formula(attention, S) - 2 * formula(attention, S // 2)
         assert (superlinear == 0) == (attention == "blockwise"), (attention, superlinear)
+
+
+def test_blockwise_formula_with_padded_rows(devices):
+    """s not a multiple of the block: the log-sum-exp covers whole blocks, measured = formula."""
+    base = paper_config(2, T, False, "elementwise")
+    cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, seq_len=S - 32))
+    cfg = _with(cfg, attention="blockwise", attention_block=128)
+    assert _measure(cfg).activation_bytes == pytest.approx(accounting.activation_memory(cfg)["total"], rel=1e-9)
+
+
+def test_blockwise_hardware_flops_count_the_blocks_the_kernel_runs():
+    """HFU's executed FLOPs: per (sequence, head) the kernel runs, over the block pairs its loops
+    visit (query block i, key blocks 0..i), 2 matmuls forward and 5 backward of 2*B*B*h FLOPs."""
+    base = paper_config(2, T, False, "elementwise")
+    for s, block in ((S, 128), (S - 32, 128), (S, 512), (300, 64)):
+        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, seq_len=s))
+        blockwise, explicit = _with(cfg, attention="blockwise", attention_block=block), _with(cfg, attention="explicit")
+        m, t = cfg.model, cfg.train
+        nb = -(-s // block)
+        pairs = sum(1 for i in range(nb) for j in range(nb) if j <= i)
+        kernel = t.global_batch * m.n_layers * m.n_heads * pairs * 7 * 2 * block * block * m.dim_head
+        counted = t.global_batch * m.n_layers * m.n_heads * 6 * 2 * s * s * m.dim_head
+        got = accounting.hardware_flops_per_step(blockwise) - accounting.hardware_flops_per_step(explicit)
+        assert got == kernel - counted
+        assert accounting.model_flops_per_step(blockwise) == accounting.model_flops_per_step(explicit)

@@ -2,6 +2,7 @@
 thing: checkpoints written by `transformers` (random weights, sharded safetensors), read back by
 `transformers` and the `safetensors` package, greedy tokens of `transformers`' `generate`."""
 
+import dataclasses
 import json
 import math
 import os
@@ -121,6 +122,10 @@ def test_export_writes_back_the_same_tensors(hf_dirs, name, tmp_path, devices):
     assert set(exported) == set(original) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
     for k, v in exported.items():
         assert torch.equal(v, original[k]), k
+    written = json.loads((out / "config.json").read_text())
+    assert written["torch_dtype"] == written["dtype"] == "float32"  # transformers 4 and 5 spellings
+    if name != "gpt2":
+        assert written["max_position_embeddings"] == model.config.max_position_embeddings
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = _tokens()
     np.testing.assert_array_equal(_hf_logits(reloaded, tokens), _hf_logits(model, tokens))
@@ -163,12 +168,18 @@ def _model(hf_dirs, name, parallel):
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20 + i for i in range(19)]]  # three lengths in one batch
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
-def test_kv_cache_decode_equals_full_recomputation_and_transformers(hf_dirs, name, devices):
+@pytest.mark.parametrize(
+    "name, attention", [("gpt2", "explicit"), ("llama-gqa", "explicit"), ("llama-gqa", "blockwise")]
+)
+def test_kv_cache_decode_equals_full_recomputation_and_transformers(hf_dirs, name, attention, devices):
     """Tensor-parallel decode (tensor=4) of a left-padded batch: each new token's logits equal a
     full forward pass over prompt + generated tokens on one device, and the greedy tokens are
-    `transformers`' greedy `generate` for each prompt alone."""
+    `transformers`' greedy `generate` for each prompt alone. (blockwise: the prefill attends among
+    the prompt tokens with the blockwise kernel, padding as its own document.)"""
     model = _model(hf_dirs, name, TENSOR4)
+    model.cfg = dataclasses.replace(
+        model.cfg, model=dataclasses.replace(model.cfg.model, attention=attention, attention_block=8)
+    )
     gen = inference.Generator(model).generate(PROMPTS, 12, return_logits=True, stop_at_eos=False)
     cfg, params = model.cfg.model, model.params
     for i, prompt in enumerate(PROMPTS):
@@ -282,6 +293,17 @@ def _rewrite_weights(d, edit):
         ),
         (lambda d: _rewrite_weights(d, lambda t: t.update(extra=torch.zeros(2))), "unexpected tensor extra"),
         (lambda d: (d / "config.json").write_text("{not json"), "cannot read"),
+        (lambda d: _edit_config(d, n_layer=3), "config.json says 3 layers, but the weights hold layers [0, 1]"),
+        (
+            lambda d: _rewrite_weights(
+                d, lambda t: t.update({"transformer.ln_f.bias": torch.zeros(64, dtype=torch.int32)})
+            ),
+            "stored as integers or booleans (quantized weights?) are not supported: transformer.ln_f.bias (I32)",
+        ),
+        (
+            lambda d: (d / "generation_config.json").write_text('{"eos_token_id": "x"}'),
+            "eos_token_id must be a token id or a list of them, got 'x'",
+        ),
         (
             lambda d: [f.write_bytes(struct.pack("<Q", 10**6) + b"{}") for f in d.glob("*.safetensors")],
             "is not a valid safetensors file",
@@ -325,6 +347,17 @@ def test_a_failure_while_writing_leaves_nothing(hf_dirs, tmp_path, monkeypatch, 
     with pytest.raises(OSError, match="No space"):
         main(["convert", "--from-hf", str(d), "--to", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".run.*"))
+
+
+def test_convert_and_generate_name_what_is_wrong(tmp_path, capsys, devices):
+    code, err = _convert(["--from", f"hf:{tmp_path}", "--to-hf", tmp_path / "x"], capsys)
+    assert code == 2 and "already a Hugging Face directory" in err
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text(RunConfig().to_json())
+    code = main(["generate", "--run-dir", str(run), "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--run-dir: no checkpoint under" in err, err
 
 
 def test_llama_rope_types_meshlm_does_not_compute_are_refused(hf_dirs, tmp_path):
@@ -458,6 +491,10 @@ def test_train_init_from_hf_uses_its_model_and_tokenizer(default_run, corpus_dir
         first[name] = next(r["loss"] for r in records if "loss" in r)
         assert (tmp_path / f"run-{name}" / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
         assert json.loads((tmp_path / f"run-{name}" / "config.json").read_text())["model"]["family"] == "gpt"
+        if name != "meshlm":  # a Hugging Face model's own settings (stop ids, chat template) stay with it
+            assert (tmp_path / f"run-{name}" / "generation_config.json").read_bytes() == (
+                out / "generation_config.json"
+            ).read_bytes()
     assert first["hf"] == pytest.approx(first["meshlm"], abs=1e-5)
     assert first["converted"] == pytest.approx(first["meshlm"], abs=1e-5)
     prepared = tmp_path / "other"

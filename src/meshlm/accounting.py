@@ -71,18 +71,45 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     terms = layer_forward_flops_per_token(m, t.seq_len)
     tokens_layers = t.global_batch * t.seq_len * m.n_layers
     policy = cfg.remat.policy
+    frac = attention_executed_fraction(m, t.seq_len)
     if policy == "full":
         last_mlp = terms["mlp"] // (2 if m.family == "gpt" else 3)
-        return tokens_layers * (sum(terms.values()) - last_mlp)
-    if policy == "selective":
+        attn = terms["attn_scores"] + terms["attn_values"]
+        return round(tokens_layers * (sum(terms.values()) - last_mlp - attn + frac * attn))
+    if policy == "selective" and m.attention == "explicit":  # the O(s) kernels are never checkpointed
         return tokens_layers * terms["attn_scores"]
     return 0
 
 
+def attention_executed_fraction(m: ModelConfig, seq_len: int) -> float:
+    """Of the s x s score (and probs @ V) FLOPs the model counts, the share a kernel executes: 1 for
+    explicit attention; for blockwise (and fused: cuDNN's flash kernel skips the same blocks) the
+    query/key block pairs on or below the diagonal, nb(nb+1)/2 blocks of B x B with nb = ceil(s/B)."""
+    if m.attention == "explicit":
+        return 1.0
+    block = min(m.attention_block, seq_len)
+    nb = -(-seq_len // block)
+    return nb * (nb + 1) / 2 * block * block / seq_len**2
+
+
+def _attention_kernel_flops_adjustment(cfg: RunConfig) -> int:
+    """Executed minus counted attention FLOPs of the O(s) kernels: they run QK^T and P @ V forward,
+    and backward recompute QK^T then form dP, dV, dK and dQ (7 matmuls where the model counts 6),
+    each over the blocks `attention_executed_fraction` says."""
+    m, t = cfg.model, cfg.train
+    if m.attention == "explicit":
+        return 0
+    terms = layer_forward_flops_per_token(m, t.seq_len)
+    one = terms["attn_scores"]  # one s x s matmul per token (attn_values is the same size)
+    tokens_layers = t.global_batch * t.seq_len * m.n_layers
+    return round(tokens_layers * one * (7 * attention_executed_fraction(m, t.seq_len) - 6))
+
+
 def hardware_flops_per_step(cfg: RunConfig) -> int:
-    """GEMM FLOPs actually executed per step: model FLOPs plus the policy's recomputation. HFU
+    """GEMM FLOPs actually executed per step: model FLOPs plus the policy's recomputation, and for
+    blockwise/fused attention what their kernels execute instead of the counted s x s terms. HFU
     uses this. (For P2's own HFU numbers, which assume more recomputation, see `p2_eq8_flops`.)"""
-    return model_flops_per_step(cfg) + recompute_flops_per_step(cfg)
+    return model_flops_per_step(cfg) + recompute_flops_per_step(cfg) + _attention_kernel_flops_adjustment(cfg)
 
 
 def p2_eq8_flops(batch: int, n_layers: int, seq_len: int, d_model: int, vocab: int) -> float:
@@ -147,8 +174,8 @@ def layer_activation_terms(
         "v": e * s * b * k * hd / t,
     }
     if m.attention != "explicit":  # flash/blockwise: Q, K, V, the output (below) and an fp32 lse per row
-        block = min(m.attention_block, s)  # (blockwise pads rows to a whole block)
-        terms["attn_logsumexp"] = 4 * (s if m.attention == "fused" else -(-s // block) * block) * b * n / t
+        block = min(m.attention_block, s)  # (blockwise pads rows to a whole block; so does fused off cuDNN)
+        terms["attn_logsumexp"] = 4 * (-(-s // block) * block) * b * n / t
     elif policy != "selective":  # selective recomputes these from Q, K, V
         terms["attn_probs"] = e * n * s * s * b / t
         if dropout:

@@ -27,6 +27,7 @@ import math
 import re
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,10 +308,10 @@ def token_ids(hf_dir: str | Path) -> dict[str, list[int]]:
 def publish(tmp: Path, out: Path) -> None:
     """Rename a finished temporary directory into place, readable as the umask allows (mkdtemp
     makes it private)."""
-    import os
-
-    umask = os.umask(0)
-    os.umask(umask)
+    probe = tmp / ".mode-probe"  # a new file's mode is 0o666 & ~umask (os.umask would change it process-wide)
+    probe.touch()
+    umask = 0o666 & ~probe.stat().st_mode & 0o777
+    probe.unlink()
     for p in [tmp, *tmp.rglob("*")]:
         p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
     if out.exists():
@@ -429,24 +430,38 @@ def _build_leaf(reader: st.Reader, rule: Rule, prefix: str, shape: tuple[int, ..
         n = rule.hf.format(i=i) if i is not None else rule.hf
         return n.removeprefix(prefix) if prefix else n
 
-    converted: dict[int | None, np.ndarray] = {}  # each HF tensor is read and converted once per leaf
+    # Each HF tensor is read and converted once per leaf and dropped after the last device slice
+    # that needs it; a slice several devices hold (replicas) is built once and dropped after its
+    # last copy. So the host holds at most one stacked parameter (fp32) beyond the shards.
+    layers_of = lambda index: list(range(*index[0].indices(shape[0]))) if rule.layered else [None]
+    indices = list(sharding.addressable_devices_indices_map(shape).values())
+    copies = Counter(repr(ix) for ix in indices)
+    distinct = {repr(ix): ix for ix in indices}
+    uses = Counter(i for ix in distinct.values() for i in layers_of(ix))
+    converted: dict[int | None, np.ndarray] = {}
+    done: dict[str, np.ndarray] = {}
 
     def one(i: int | None, per: tuple[int, ...], idx: tuple) -> np.ndarray:
         if i not in converted:
             converted[i] = np.asarray(rule.to_meshlm(reader.get(hf_name(i)), per), dtype=np.float32)
-        return converted[i][idx]
-
-    done: dict[str, np.ndarray] = {}  # replicas of one slice are built once
+        out = np.array(converted[i][idx])
+        uses[i] -= 1
+        if uses[i] <= 0:
+            del converted[i]
+        return out
 
     def callback(index: tuple) -> np.ndarray:
         key = repr(index)
         if key not in done:
             if rule.layered:
-                layers = range(*index[0].indices(shape[0]))
-                done[key] = np.stack([one(i, shape[1:], index[1:]) for i in layers])
+                done[key] = np.stack([one(i, shape[1:], index[1:]) for i in layers_of(index)])
             else:
                 done[key] = one(None, shape, index)
-        return done[key]
+        out = done[key]
+        copies[key] -= 1
+        if copies[key] <= 0:
+            del done[key]
+        return out
 
     return jax.make_array_from_callback(shape, sharding, callback)
 
@@ -646,5 +661,5 @@ def hf_path(ref: str) -> Path:
 def with_model(cfg_run, model: ModelConfig):
     """A run config whose model section is `model`, keeping the run's compute dtype, attention
     kind and layer unrolling (how to run the model, not what it is)."""
-    keep = {k: getattr(cfg_run.model, k) for k in ("dtype", "attention", "scan_unroll")}
+    keep = {k: getattr(cfg_run.model, k) for k in ("dtype", "attention", "attention_block", "scan_unroll")}
     return dataclasses.replace(cfg_run, model=dataclasses.replace(model, **keep))

@@ -227,6 +227,17 @@ def _check_tokenizer(meta: dict, identity: dict, where: str) -> None:
         )
 
 
+def _copy_side_files(init_from: str | None, run_dir: Path) -> None:
+    """A run started from a Hugging Face model (directly or via `convert`) keeps that model's
+    tokenizer_config, generation config (stop ids) and chat template, for generate and export."""
+    if not init_from:
+        return
+    root = hf.hf_path(init_from) if hf.is_hf_ref(init_from) else resolve_checkpoint(init_from)[0].parent
+    for name in hf.SIDE_FILES:
+        if (root / name).is_file() and not (run_dir / name).exists():
+            shutil.copyfile(root / name, run_dir / name)
+
+
 def _restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from, log) -> TrainState:
     """Resume from the run's own latest good checkpoint, else `init_from`'s weights, else fresh."""
     if cfg.checkpoint.resume:
@@ -337,6 +348,7 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     run_info["data_root"] = str(data.root.absolute())
     if first:
         (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
+        _copy_side_files(init_from, run_dir)
         # The run's tokenizer travels with it: generate, eval and convert --to-hf read it here.
         if data.tokenizer_path.is_file() and data.tokenizer_path.absolute() != (run_dir / "tokenizer.json").absolute():
             shutil.copyfile(data.tokenizer_path, run_dir / "tokenizer.json")

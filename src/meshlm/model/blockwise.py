@@ -112,7 +112,7 @@ def _backward(q, k, v, seg, key, out, lse, d_out, block: int, rate: float):
     dob = _pad(d_out, nb * block).reshape(b, nb, block, kv, g, h)
     ob = _pad(out, nb * block).reshape(b, nb, block, kv, g, h)
     # D_i = rowsum(dO * O): [nb, b, kv, g, B]
-    delta = jnp.einsum("bnqkgh,bnqkgh->nbkgq", dob.astype(jnp.float32), ob.astype(jnp.float32))
+    delta = jnp.transpose((dob.astype(jnp.float32) * ob.astype(jnp.float32)).sum(-1), (1, 0, 3, 4, 2))
     dropout = key is not None and rate > 0
 
     def k_block(j, dq):
@@ -131,10 +131,12 @@ def _backward(q, k, v, seg, key, out, lse, d_out, block: int, rate: float):
                 dp = jnp.where(keep, dp / (1.0 - rate), 0.0)
             else:
                 p_used = p
-            dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p_used, doi.astype(jnp.float32))
-            ds = p * (dp - delta[i][..., None]) * scale
-            dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, qi.astype(jnp.float32))
-            dqi = jnp.einsum("bkgqs,bskh->bqkgh", ds, kj.astype(jnp.float32))
+            # Matmul operands in the input dtype (bf16 runs at bf16 speed), accumulated in fp32.
+            f32, dt = jnp.float32, qi.dtype
+            dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p_used.astype(dt), doi, preferred_element_type=f32)
+            ds = (p * (dp - delta[i][..., None]) * scale).astype(dt)
+            dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, qi, preferred_element_type=f32)
+            dqi = jnp.einsum("bkgqs,bskh->bqkgh", ds, kj, preferred_element_type=f32)
             dq = jax.lax.dynamic_update_index_in_dim(dq, dq[:, i] + dqi, i, 1)
             return dk, dv, dq
 

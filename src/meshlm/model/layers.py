@@ -176,13 +176,23 @@ def causal_attention(
     return out_btkgh.reshape(b, t, n, h)
 
 
-def fused_implementation(dtype: str, head_dim: int, document_mask: bool, backend: str | None = None) -> tuple[str, str]:
+def fused_implementation(dtype: str, head_dim: int, document_mask: bool, device=None) -> tuple[str, str]:
     """What `model.attention=fused` runs: ("cudnn", why) - cuDNN's flash attention through
-    `jax.nn.dot_product_attention(implementation="cudnn")` - where it applies (NVIDIA GPU, bf16,
-    head_dim a multiple of 8 up to 128, no document mask), else ("blockwise", why not cudnn)."""
-    backend = backend or jax.default_backend()
-    if backend != "gpu":
-        return "blockwise", f"no cuDNN on {backend}"
+    `jax.nn.dot_product_attention(implementation="cudnn")` - where it applies (an NVIDIA GPU of
+    compute capability >= 8.0 under CUDA, bf16, head_dim a multiple of 8 up to 128, no document
+    mask), else ("blockwise", why not cudnn). `device`: default the first JAX device."""
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return "blockwise", f"no cuDNN on {device.platform}"
+    version = str(getattr(getattr(device, "client", None), "platform_version", ""))
+    if "cuda" not in version.lower():
+        return "blockwise", f"not a CUDA GPU ({version or 'unknown platform'})"
+    try:
+        capability = float(getattr(device, "compute_capability", "0"))
+    except ValueError:
+        capability = 0.0
+    if capability < 8.0:
+        return "blockwise", f"cuDNN flash attention needs compute capability >= 8.0, the device has {capability:g}"
     if dtype != "bfloat16":
         return "blockwise", f"cuDNN flash attention needs bf16, the model computes in {dtype}"
     if head_dim % 8 or head_dim > 128:

@@ -399,7 +399,7 @@ def eval_tokens(
             )
         if split not in prepared.meta["splits"]:
             raise ConfigError(f"split {split!r} not in {data[0]} (splits: train, val)")
-        return np.asarray(prepared.tokens(split), np.int32), f"{prepared.root} ({split})"
+        return prepared.tokens(split), f"{prepared.root} ({split})"  # memory-mapped (one shard)
     return _text_tokens(model, data, field), ", ".join(data)
 
 
@@ -440,7 +440,7 @@ def evaluate(
             w = j * b + r
             if w >= n_windows:
                 break
-            piece = tokens[w * seq_len : w * seq_len + seq_len + 1]
+            piece = np.asarray(tokens[w * seq_len : w * seq_len + seq_len + 1], np.int32)
             k = len(piece) - 1
             batch["inputs"][r, :k], batch["targets"][r, :k], mask[r, :k] = piece[:-1], piece[1:], 1.0
         batch["mask"] = mask
@@ -450,7 +450,11 @@ def evaluate(
         total, count = total + float(loss_sum), count + float(c)
         if progress is not None:
             progress(j + 1, n_batches)
-    n_bytes = len(model.decode(tokens[1 : 1 + int(count)].tolist()).encode("utf-8"))
+    # Bytes document by document (split after each end-of-text token, which decodes to nothing), so
+    # a large split is never decoded as one string.
+    predicted = np.asarray(tokens[1 : 1 + int(count)])
+    cuts = np.flatnonzero(predicted == toks.eot_id(model.tokenizer)) + 1
+    n_bytes = sum(len(model.decode(doc.tolist()).encode("utf-8")) for doc in np.split(predicted, cuts) if len(doc))
     loss = total / count
     return {
         "tokens": int(count),

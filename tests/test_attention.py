@@ -95,6 +95,9 @@ def test_fused_is_cudnn_where_it_applies_and_blockwise_elsewhere(tmp_path, capsy
     assert pick("bfloat16", 64, True, h100)[0] == "blockwise"
     assert pick("bfloat16", 64, False, _device("cpu")) == ("blockwise", "no cuDNN on cpu")
     assert pick("bfloat16", 64, False) == ("blockwise", "no cuDNN on cpu")  # this machine
+    # a private cache: this in-process run (8 simulated devices) must not leave its CPU peak probe
+    # for the CLI tests' runs to read (a low probe there would push their MFU above 1)
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
     args = ["train", "--dry-run", "--run-dir", str(tmp_path), "--set", "model.attention=fused"]
     assert main(args) == 0
     assert "attention: fused -> blockwise (no cuDNN on cpu)" in capsys.readouterr().out

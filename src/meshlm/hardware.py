@@ -155,7 +155,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 7) -> float:
+def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 20) -> float:
     import jax
     import jax.numpy as jnp
 

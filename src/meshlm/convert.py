@@ -98,17 +98,13 @@ def export_hf(
     parallel: ParallelConfig | None = None,
     log: Callable[[str], None] = print,
 ) -> Path:
-    from meshlm.inference import load_model
+    from meshlm.inference import load_model, run_tokenizer_file
 
     out = _fresh_dir(out_dir)
     model = load_model(run_dir, step, parallel)
     root = Path(run_dir).expanduser()
-    tok_file = None
-    if model.tokenizer is not None:
-        tok_file = root / "tokenizer.json"
-        if not tok_file.is_file():  # an older run: the tokenizer of its prepared data
-            tok_file = Path(json.loads((root / "run.json").read_text())["data_root"]) / "tokenizer.json"
-    else:
+    tok_file = run_tokenizer_file(root)  # the file load_model read the tokenizer from
+    if tok_file is None:
         log(f"  warning: {root} has no tokenizer; the export holds weights and config only")
     eos = toks.eot_token(model.tokenizer) if model.tokenizer is not None else None
     return hf.save_pretrained(

@@ -70,16 +70,16 @@ def _inference_config(cfg: RunConfig, parallel: ParallelConfig | None) -> RunCon
     return validate(dataclasses.replace(cfg, parallel=parallel, train=train))
 
 
-def run_tokenizer(run_dir: Path):
-    """A run's tokenizer: <run_dir>/tokenizer.json (written by `meshlm train` and `convert`), else
-    the one of the prepared data its run.json names; None when neither exists."""
+def run_tokenizer_file(run_dir: Path) -> Path | None:
+    """A run's tokenizer file: <run_dir>/tokenizer.json (written by `meshlm train` and `convert`),
+    else the one of the prepared data its run.json names; None when neither exists."""
     if (run_dir / "tokenizer.json").is_file():
-        return toks.load(run_dir / "tokenizer.json")
+        return run_dir / "tokenizer.json"
     info = run_dir / "run.json"
     if info.is_file():
         root = json.loads(info.read_text()).get("data_root")
         if root and (Path(root) / "tokenizer.json").is_file():
-            return toks.load(Path(root) / "tokenizer.json")
+            return Path(root) / "tokenizer.json"
     return None
 
 
@@ -123,11 +123,13 @@ def load_model(
         params, meta = ckpt.restore_params(abstract, step)
     finally:
         ckpt.close()
-    tok = run_tokenizer(root)
+    tok_file = run_tokenizer_file(root)
+    tok = None if tok_file is None else toks.load(tok_file)
     if tok is not None and meta.get("tokenizer_fingerprint") not in (None, toks.fingerprint(tok)):
         raise ConfigError(f"{root}'s tokenizer.json is not the tokenizer its checkpoint was trained with")
     stops = hf.token_ids(root)["eos_token_id"] if (root / "generation_config.json").is_file() else []
-    eos = _eos(tok) if _eos(tok) is not None or not stops else stops[0]
+    eos = _eos(tok)
+    eos = stops[0] if eos is None and stops else eos
     return Model(cfg, params, layout, tok, eos, f"{directory}/{meta['step']}", tuple(stops))
 
 

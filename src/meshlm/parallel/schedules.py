@@ -1,0 +1,234 @@
+"""Pipeline schedules as data: a static table of (tick, stage) -> action, built and checked in
+plain Python before anything is compiled.
+
+A pipeline of p stages runs m microbatches; with interleaving each stage holds v model chunks
+(stage s holds chunks s, s+p, ..., s+(v-1)p of the p*v chunks, Megatron's virtual stages). An
+action is the forward or backward pass of one microbatch through one chunk on one stage, and
+takes one tick; stages run in lockstep and a result sent at one tick is usable at the next.
+
+Each schedule is a per-stage *order* of actions (GPipe: all forwards, then all backwards; 1F1B:
+p-s-1 warm-up forwards, then one forward / one backward alternately, then the remaining backwards;
+interleaved 1F1B: Megatron's order over virtual chunks with (p-s-1)*2 + (v-1)*p warm-up forwards).
+`build` turns an order into a table by simulation: at every tick each stage runs its next action
+if the action it depends on finished at an earlier tick, else idles. `validate` checks a table
+independently: every stage runs m forwards and m backwards of each of its chunks, a forward
+before its backward, every dependency one tick earlier. A schedule whose orders cannot finish
+(a deadlock) is refused when built.
+
+Derived numbers (`Schedule`): ticks, bubble fraction (idle over busy time: (p-1)/m for GPipe and
+1F1B, (p-1)/(v m) interleaved) and the peak number of microbatch-chunks in flight per stage (whose
+inputs must be kept: m for GPipe, min(p-s, m) for 1F1B, Megatron's warm-up + 1 interleaved).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["F", "B"]
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run (bad sizes, a deadlock, a broken invariant)."""
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    kind: Kind
+    microbatch: int
+    chunk: int  # the model chunk: 0 .. p*v-1, stage = chunk % p
+
+    def label(self, stages: int, virtual: int) -> str:
+        """`F3` (forward of microbatch 3), with interleaving `F3/1` (through the stage's chunk 1)."""
+        return f"{self.kind}{self.microbatch}" + (f"/{self.chunk // stages}" if virtual > 1 else "")
+
+    def __str__(self) -> str:
+        return f"{self.kind} microbatch {self.microbatch} chunk {self.chunk}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    stages: int  # p
+    microbatches: int  # m
+    virtual: int  # v
+    table: tuple[tuple[Action | None, ...], ...]  # [tick][stage]
+
+    @property
+    def ticks(self) -> int:
+        return len(self.table)
+
+    @property
+    def busy_ticks(self) -> int:
+        """Ticks each stage works: a forward and a backward per microbatch and chunk."""
+        return 2 * self.microbatches * self.virtual
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle over busy time of a stage (P2 / Narayanan et al.'s bubble time fraction)."""
+        return (self.ticks - self.busy_ticks) / self.busy_ticks
+
+    def in_flight(self, stage: int) -> list[int]:
+        """Microbatch-chunks forwarded but not yet backwarded on `stage`, after each tick."""
+        out, live = [], 0
+        for row in self.table:
+            action = row[stage]
+            if action is not None:
+                live += 1 if action.kind == "F" else -1
+            out.append(live)
+        return out
+
+    def peak_in_flight(self, stage: int) -> int:
+        return max(self.in_flight(stage))
+
+    def picture(self) -> str:
+        """The table as text: one line per stage, one column per tick ('.' idle)."""
+        label = lambda a: "." if a is None else a.label(self.stages, self.virtual)
+        width = max(len(label(a)) for row in self.table for a in row)
+        lines = []
+        for s in range(self.stages):
+            cells = [label(row[s]).ljust(width) for row in self.table]
+            lines.append((f"stage {s}: " + " ".join(cells)).rstrip())
+        return "\n".join(lines)
+
+
+def check_sizes(name: str, stages: int, microbatches: int, virtual: int = 1, layers: int | None = None) -> None:
+    """The combinations a schedule cannot run, as a ScheduleError naming what to change."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown pipeline schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    if stages < 1 or microbatches < 1 or virtual < 1:
+        raise ScheduleError("pipeline stages, microbatches and virtual stages must be >= 1")
+    if name != "interleaved" and virtual != 1:
+        raise ScheduleError(f"parallel.virtual_stages={virtual} needs pipeline_schedule=interleaved (got {name})")
+    if name == "interleaved" and microbatches % stages:
+        raise ScheduleError(
+            f"the interleaved schedule runs microbatches in groups of the stage count: train.microbatches="
+            f"{microbatches} is not a multiple of stage={stages}"
+        )
+    if layers is not None and layers % (stages * virtual):
+        raise ScheduleError(
+            f"model.n_layers={layers} does not split into stage x virtual_stages = {stages * virtual} equal chunks"
+        )
+
+
+def orders(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
+    """Each stage's actions in the order it runs them."""
+    p, m, v = stages, microbatches, virtual
+    out = []
+    for s in range(p):
+        if name == "gpipe":
+            order = [Action("F", i, s) for i in range(m)] + [Action("B", i, s) for i in range(m)]
+        elif name == "1f1b":
+            warm = min(p - s - 1, m)
+            fwd = [Action("F", i, s) for i in range(m)]
+            bwd = [Action("B", i, s) for i in range(m)]
+            order = fwd[:warm]
+            for i in range(m - warm):
+                order += [fwd[warm + i], bwd[i]]
+            order += bwd[m - warm :]
+        else:  # interleaved: Megatron's order over virtual chunks, microbatches in groups of p
+            total = m * v
+
+            def chunk_of(k: int, forward: bool, s: int = s) -> int:
+                c = (k // p) % v
+                return (c if forward else v - 1 - c) * p + s
+
+            def micro_of(k: int) -> int:
+                return (k // (p * v)) * p + k % p
+
+            fwd = [Action("F", micro_of(k), chunk_of(k, True)) for k in range(total)]
+            bwd = [Action("B", micro_of(k), chunk_of(k, False)) for k in range(total)]
+            warm = min((p - s - 1) * 2 + (v - 1) * p, total)
+            order = fwd[:warm]
+            for i in range(total - warm):
+                order += [fwd[warm + i], bwd[i]]
+            order += bwd[total - warm :]
+        out.append(order)
+    return out
+
+
+def _dependency(action: Action, stages: int, chunks: int) -> Action | None:
+    """The action whose result this one needs (None: its input is the batch itself)."""
+    if action.kind == "F":
+        return None if action.chunk == 0 else Action("F", action.microbatch, action.chunk - 1)
+    if action.chunk == chunks - 1:  # the loss: after this microbatch's last forward
+        return Action("F", action.microbatch, action.chunk)
+    return Action("B", action.microbatch, action.chunk + 1)
+
+
+def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """Simulate the per-stage orders in lockstep into a table (see module); validated."""
+    check_sizes(name, stages, microbatches, virtual)
+    p, chunks = stages, stages * virtual
+    queues = orders(name, stages, microbatches, virtual)
+    done: dict[Action, int] = {}  # action -> tick it ran
+    table: list[tuple[Action | None, ...]] = []
+    tick = 0
+    while any(queues):
+        row: list[Action | None] = []
+        for s in range(p):
+            action = queues[s][0] if queues[s] else None
+            need = None if action is None else _dependency(action, stages, chunks)
+            if action is not None and (need is None or done.get(need, tick) < tick):
+                row.append(queues[s].pop(0))
+            else:
+                row.append(None)
+        if all(a is None for a in row):
+            waiting = ", ".join(f"stage {s}: {q[0]}" for s, q in enumerate(queues) if q)
+            raise ScheduleError(f"{name} (p={p}, m={microbatches}, v={virtual}) deadlocks at tick {tick}: {waiting}")
+        for a in row:
+            if a is not None:
+                done[a] = tick
+        table.append(tuple(row))
+        tick += 1
+    schedule = Schedule(name, stages, microbatches, virtual, tuple(table))
+    validate(schedule)
+    return schedule
+
+
+def validate(schedule: Schedule) -> None:
+    """Check a table's invariants independently of how it was built (ScheduleError if broken)."""
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual
+    chunks = p * v
+    ran: dict[Action, tuple[int, int]] = {}  # action -> (tick, stage)
+    for tick, row in enumerate(schedule.table):
+        if len(row) != p:
+            raise ScheduleError(f"tick {tick} has {len(row)} stages, not {p}")
+        for stage, action in enumerate(row):
+            if action is None:
+                continue
+            if action.chunk % p != stage:
+                where = f"chunk {action.chunk} lives on stage {action.chunk % p}"
+                raise ScheduleError(f"{action} runs on stage {stage}, but {where}")
+            if action in ran:
+                raise ScheduleError(f"{action} runs twice")
+            ran[action] = (tick, stage)
+    for stage in range(p):
+        for c in range(stage, chunks, p):
+            for kind in ("F", "B"):
+                got = sum(1 for a in ran if a.kind == kind and a.chunk == c)
+                if got != m:
+                    raise ScheduleError(f"stage {stage} runs {got} {kind} of chunk {c}, not {m}")
+    for action, (tick, _) in ran.items():
+        need = _dependency(action, p, chunks)
+        if need is not None and not ran[need][0] < tick:
+            raise ScheduleError(f"{action} at tick {tick} runs before {need} (tick {ran[need][0]}) has finished")
+        if action.kind == "B" and not ran[Action("F", action.microbatch, action.chunk)][0] < tick:
+            raise ScheduleError(f"{action} runs before its forward")
+
+
+def pictures(stages: int = 4, microbatches: int = 8) -> str:
+    """The pictures of docs/pipeline.md: each schedule at p = 4, m = 8 (interleaved with v = 2)."""
+    parts = []
+    for name, v, title in [("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"), ("interleaved", 2, "Interleaved 1F1B, v = 2")]:
+        s = build(name, stages, microbatches, v)
+        peaks = ", ".join(str(s.peak_in_flight(i)) for i in range(stages))
+        sizes = f"p = {stages}, m = {microbatches}" + (f", v = {v}" if v > 1 else "")
+        head = f"### {title} ({sizes}): {s.ticks} ticks, bubble {s.bubble_fraction:.4g}, in flight per stage {peaks}"
+        parts.append(f"{head}\n\n```\n{s.picture()}\n```\n")
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(pictures(), end="")

@@ -184,7 +184,7 @@ def test_blockwise_storage_is_linear_in_the_sequence_length(devices):
 
 
 def test_blockwise_formula_with_padded_rows(devices):
-    """s not a multiple of the block: the log-sum-exp covers whole blocks, measured = formula."""
+    """s not a multiple of the block: the log-sum-exp is kept for the real rows only, measured = formula."""
     base = paper_config(2, T, False, "elementwise")
     cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, seq_len=S - 32))
     cfg = _with(cfg, attention="blockwise", attention_block=128)

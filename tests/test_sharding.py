@@ -80,7 +80,7 @@ def test_param_and_optimizer_shardings_match_golden(mesh, devices):
         want = GOLDEN[mesh].get(name, P())
         assert arr.sharding.spec == want, f"{mesh}: {name} is {arr.sharding.spec}, want {want}"
         assert arr.sharding.mesh.shape == MESHES[mesh] | {
-            k: 1 for k in ("data", "fsdp", "tensor") if k not in MESHES[mesh]
+            k: 1 for k in ("data", "fsdp", "context", "tensor") if k not in MESHES[mesh]
         }
     # AdamW moments mirror the parameters leaf for leaf (ZeRO: sharded exactly like them).
     adam = state.opt_state[1][0]
@@ -106,5 +106,9 @@ def test_every_logical_axis_has_exactly_one_rule():
 
     assert set(RULES) == set(axes.PARAM_AXES) | set(axes.ACTIVATION_AXES)
     sp = dict(rules_for(True))
-    assert sp[axes.ACT_SEQ] == "tensor" and dict(rules_for(False))[axes.ACT_SEQ] is None
+    # the residual's sequence: over context (CP), and under SP over context x tensor
+    assert sp[axes.ACT_SEQ] == ("context", "tensor") and dict(rules_for(False))[axes.ACT_SEQ] == "context"
+    assert RULES[axes.SEQ] == "context"
+    # no weight is split over context: checkpoints restore on any mesh, CP or not
+    assert not any("context" in str(RULES[a]) for a in axes.PARAM_AXES)
     assert {k: v for k, v in sp.items() if k != axes.ACT_SEQ} == {k: v for k, v in RULES.items() if k != axes.ACT_SEQ}

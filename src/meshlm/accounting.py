@@ -71,7 +71,7 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     terms = layer_forward_flops_per_token(m, t.seq_len)
     tokens_layers = t.global_batch * t.seq_len * m.n_layers
     policy = cfg.remat.policy
-    frac = attention_executed_fraction(m, t.seq_len)
+    frac = attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
     if policy == "full":
         last_mlp = terms["mlp"] // (2 if m.family == "gpt" else 3)
         attn = terms["attn_scores"] + terms["attn_values"]
@@ -81,15 +81,65 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     return 0
 
 
-def attention_executed_fraction(m: ModelConfig, seq_len: int) -> float:
+def attention_block(m: ModelConfig, seq_len: int, context_chunk: int | None = None) -> int:
+    """The block the O(s) kernels run: `model.attention_block`, at most the sequence (and under
+    context parallelism at most one context chunk, `parallel.context.kernel_block`)."""
+    return min(m.attention_block, seq_len, context_chunk or seq_len)
+
+
+def context_chunk(cfg: RunConfig) -> int | None:
+    """Tokens per context chunk (seq_len / (2c) load-balanced, / c otherwise); None without CP."""
+    par = cfg.parallel
+    return cfg.train.seq_len // par.context_chunks if par.context > 1 else None
+
+
+def attention_executed_fraction(m: ModelConfig, seq_len: int, context_chunk: int | None = None) -> float:
     """Of the s x s score (and probs @ V) FLOPs the model counts, the share a kernel executes: 1 for
     explicit attention; for blockwise (and fused: cuDNN's flash kernel skips the same blocks) the
-    query/key block pairs on or below the diagonal, nb(nb+1)/2 blocks of B x B with nb = ceil(s/B)."""
+    query/key block pairs on or below the diagonal, nb(nb+1)/2 blocks of B x B with nb = ceil(s/B).
+    Context parallelism skips the same pairs, spread over its ranks (`context_block_pairs`)."""
     if m.attention == "explicit":
         return 1.0
-    block = min(m.attention_block, seq_len)
+    block = attention_block(m, seq_len, context_chunk)
     nb = -(-seq_len // block)
     return nb * (nb + 1) / 2 * block * block / seq_len**2
+
+
+def context_block_pairs(seq_len: int, context: int, load_balance: bool, block: int) -> list[int]:
+    """(query block, key block) pairs each context rank's kernel executes: those with some key at
+    or before some query in the original order - the kernel's own skip rule
+    (`blockwise.blocks_visible`), on the positions the loader's reordering gives each rank.
+    Load-balanced, every rank executes the same number."""
+    from meshlm.model.blockwise import blocks_visible
+    from meshlm.parallel.rules import context_order, sequence_index
+
+    blocks = sequence_index(seq_len, context_order(context, load_balance)).reshape(context, -1, block)
+    keys = blocks.reshape(-1, block)  # every rank's key blocks (ring and all-gather see all of them)
+    return [sum(bool(blocks_visible(q, k)) for q in blocks[r] for k in keys) for r in range(context)]
+
+
+def context_comm_bytes(cfg: RunConfig) -> dict[str, float]:
+    """Bytes of K/V (and their gradients) each device receives per step under context
+    parallelism, by direction. Per layer and microbatch, with KV = one rank's K and V in the
+    compute dtype and dKV its fp32 gradients:
+
+    - ring: forward c-1 hops of KV; backward c-1 hops of KV and c of dKV (the gradients ride home);
+    - all_gather: forward gathers (c-1) x KV; backward gathers again and reduce-scatters dKV.
+
+    Policies that recompute the attention forward in backward (full, dots, offload) run the
+    forward exchange twice. Positions and document ids (int32 per token) are not counted."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    c = par.context
+    if c == 1:
+        return {}
+    b = t.global_batch // t.microbatches // par.batch_shards
+    local = t.seq_len // c * b * m.kv_heads * m.dim_head / par.tensor
+    kv, dkv = 2 * dtype_bytes(m.dtype) * local, 2 * 4 * local
+    forwards = 2 if cfg.remat.policy in ("full", "dots", "offload") else 1
+    per_layer_fwd = (c - 1) * kv
+    per_layer_bwd = (c - 1) * kv + (c if par.context_strategy == "ring" else c - 1) * dkv
+    n = m.n_layers * t.microbatches
+    return {"forward": n * forwards * per_layer_fwd, "backward": n * per_layer_bwd}
 
 
 def _attention_kernel_flops_adjustment(cfg: RunConfig) -> int:
@@ -102,7 +152,7 @@ def _attention_kernel_flops_adjustment(cfg: RunConfig) -> int:
     terms = layer_forward_flops_per_token(m, t.seq_len)
     one = terms["attn_scores"]  # one s x s matmul per token (attn_values is the same size)
     tokens_layers = t.global_batch * t.seq_len * m.n_layers
-    return round(tokens_layers * one * (7 * attention_executed_fraction(m, t.seq_len) - 6))
+    return round(tokens_layers * one * (7 * attention_executed_fraction(m, t.seq_len, context_chunk(cfg)) - 6))
 
 
 def hardware_flops_per_step(cfg: RunConfig) -> int:
@@ -174,8 +224,7 @@ def layer_activation_terms(
         "v": e * s * b * k * hd / t,
     }
     if m.attention != "explicit":  # flash/blockwise: Q, K, V, the output (below) and an fp32 lse per row
-        block = min(m.attention_block, s)  # (blockwise pads rows to a whole block; so does fused off cuDNN)
-        terms["attn_logsumexp"] = 4 * (-(-s // block) * block) * b * n / t
+        terms["attn_logsumexp"] = 4 * s * b * n / t
     elif policy != "selective":  # selective recomputes these from Q, K, V
         terms["attn_probs"] = e * n * s * s * b / t
         if dropout:
@@ -252,15 +301,14 @@ def activation_memory(
     policy = cfg.remat.policy if policy is None else policy
     sp = par.sequence_parallel if sequence_parallel is None else sequence_parallel
     b = t.global_batch // t.microbatches // par.batch_shards
-    per_layer = layer_activation_terms(m, t.seq_len, b, par.tensor, sp, policy)
+    s = t.seq_len // par.context  # context parallelism: every stored tensor holds 1/c of the sequence
+    per_layer = layer_activation_terms(m, s, b, par.tensor, sp, policy)
     # offload: the dot outputs `dots` would keep live in pinned host memory instead
-    host_per_layer = (
-        _dot_output_terms(m, t.seq_len, b, par.tensor, par.tensor if sp else 1) if policy == "offload" else {}
-    )
+    host_per_layer = _dot_output_terms(m, s, b, par.tensor, par.tensor if sp else 1) if policy == "offload" else {}
     layer_total = sum(per_layer.values())
     penalty = 1 + (pipeline - 1) / (pipeline * interleave) if interleave > 1 else 1.0
     layers = m.n_layers * layer_total * penalty
-    outside = outside_activation_terms(m, t.seq_len, b, par.tensor, sp, pipeline)
+    outside = outside_activation_terms(m, s, b, par.tensor, sp, pipeline)
     return {
         "per_layer": per_layer,
         "layer_total": layer_total,

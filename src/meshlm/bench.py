@@ -22,6 +22,7 @@ from meshlm import accounting, hardware
 from meshlm.config import ConfigError, RematConfig, RunConfig, apply_overrides, parse_mesh, validate
 from meshlm.memory import measure_activations
 from meshlm.parallel.mesh import make_layout
+from meshlm.parallel.rules import reorder_sequence
 from meshlm.step import batch_sharding, make_train_step
 from meshlm.train_state import init_state, setup
 
@@ -74,7 +75,14 @@ def run_bench(
             specs, tx, shardings = setup(cfg, lay)
             step = make_train_step(cfg, lay, tx, shardings)
             state = init_state(specs, lay, tx, t.seed)
-            batches = [jax.device_put({"inputs": x[:, :-1], "targets": x[:, 1:]}, batch_sharding(lay)) for x in tokens]
+            order = lay.context_order if lay.reordered else None  # as the loader stores them
+            batches = [
+                jax.device_put(
+                    {"inputs": reorder_sequence(x[:, :-1], order), "targets": reorder_sequence(x[:, 1:], order)},
+                    batch_sharding(lay),
+                )
+                for x in tokens
+            ]
             state, _ = step(state, batches[-1])  # compile + warm up
             act = measure_activations(cfg, lay).activation_bytes
             variants[(layout, policy)] = [cfg, step, state, batches, act, []]

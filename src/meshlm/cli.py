@@ -354,8 +354,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     b = t.global_batch // t.microbatches // cfg.parallel.batch_shards
     table = Table(
         title=f"activation memory per device: {args.recipe} ({m.family}, L={m.n_layers}, s={t.seq_len}, "
-        f"b={b} per device, h={m.d_model}, a={m.n_heads}, {m.dtype}), mesh data={cfg.parallel.data} "
-        f"fsdp={cfg.parallel.fsdp} tensor={cfg.parallel.tensor}",
+        f"b={b} per device, h={m.d_model}, a={m.n_heads}, {m.dtype}), mesh "
+        f"{cfg.parallel.describe()}",
         title_justify="left",
     )
     for col in ("policy", "SP", "per layer MiB", "formula MiB", "measured MiB", "ratio", "host MiB (f/m)"):
@@ -400,11 +400,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     feasible = [p for p in plans if not p.rejected]
     verified = planner.verify(feasible[0]) if args.verify and feasible else None
     miss = None if feasible else planner.closest_miss(cfg, plans, args.devices, device, limit)
+    why = planner.explain_choice(plans)
     if args.json:
-        print(json.dumps(planner.to_json(plans, verified) | {"error": miss}, indent=2))
+        print(json.dumps(planner.to_json(plans, verified) | {"error": miss, "context_choice": why}, indent=2))
         return 0 if feasible else EXIT_CONFIG
     for line in planner.format_plans(plans, args.top, device, limit):
         print(line)
+    if why:
+        print(why)
     if verified:
         print(verified)
     if miss:
@@ -584,7 +587,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
         print(
             f"{name:12s} {m.family:5s} {accounting.param_count(m) / 1e6:10.1f}M params  "
             f"L={m.n_layers} h={m.d_model} a={m.n_heads} kv={m.kv_heads} v={m.vocab_size}  "
-            f"mesh data={p.data},fsdp={p.fsdp},tensor={p.tensor}"
+            f"mesh {p.describe(',')}"
         )
     return 0
 

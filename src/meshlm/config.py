@@ -24,6 +24,7 @@ RopeScaling = Literal["none", "llama3"]
 OnNonFinite = Literal["stop", "skip"]
 # Recomputation policies: the names are owned here, their meaning by meshlm.parallel.remat.POLICIES
 # (a test keeps the two equal), so validating a config imports no JAX.
+ContextStrategy = Literal["all_gather", "ring"]
 RematPolicy = Literal["elementwise", "selective", "full", "dots", "offload"]
 
 
@@ -108,16 +109,34 @@ class ParallelConfig:
 
     `sequence_parallel` (P2 section 4.2.2) shards the LayerNorm/dropout/residual regions along the
     sequence over the `tensor` axis, with all-gather / reduce-scatter at the block boundaries.
+
+    `context` (context parallelism) splits the sequence of the whole layer over its ranks; the
+    attention core either all-gathers K/V over `context` (`context_strategy=all_gather`) or passes
+    K/V blocks around the ring (`ring`). `context_load_balance` (causal): rank i holds the
+    sequence chunks i and 2c-1-i, so every rank does the same attention work (docs/long-sequences.md).
     """
 
     data: int = 1
     fsdp: int = 1
+    context: int = 1
     tensor: int = 1
     sequence_parallel: bool = False
+    context_strategy: ContextStrategy = "ring"
+    context_load_balance: bool = True
 
     @property
     def n_devices(self) -> int:
-        return self.data * self.fsdp * self.tensor
+        return self.data * self.fsdp * self.context * self.tensor
+
+    def describe(self, sep: str = " ") -> str:
+        """`data=2 fsdp=1 tensor=4` (context only when > 1)."""
+        axes = ["data", "fsdp"] + (["context"] if self.context > 1 else []) + ["tensor"]
+        return sep.join(f"{a}={getattr(self, a)}" for a in axes)
+
+    @property
+    def context_chunks(self) -> int:
+        """How many equal pieces the sequence is cut into for `context` (2c when load-balanced)."""
+        return self.context * (2 if self.context_load_balance and self.context > 1 else 1)
 
     @property
     def batch_shards(self) -> int:
@@ -337,12 +356,12 @@ def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> R
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
-    """`data=2,fsdp=1,tensor=4` -> {'data': 2, 'fsdp': 1, 'tensor': 4} (missing axes are 1)."""
-    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    """`data=2,fsdp=1,tensor=4` -> {'data': 2, 'fsdp': 1, 'context': 1, 'tensor': 4} (missing axes are 1)."""
+    sizes = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, value = part.partition("=")
         if name not in sizes:
-            raise ConfigError(f"unknown mesh axis {name!r}; axes: data, fsdp, tensor")
+            raise ConfigError(f"unknown mesh axis {name!r}; axes: data, fsdp, context, tensor")
         try:
             sizes[name] = int(value)
         except ValueError:
@@ -371,7 +390,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "scan_unroll", "attention_block"):
         _need(getattr(m, name) > 0, f"model.{name} must be positive")
-    for name in ("data", "fsdp", "tensor"):
+    for name in ("data", "fsdp", "context", "tensor"):
         _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
     _need(m.n_heads % m.kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of n_kv_heads={m.kv_heads}")
     _need(
@@ -396,6 +415,32 @@ def validate(cfg: RunConfig) -> RunConfig:
     if p.sequence_parallel:
         _need(p.tensor > 1, "parallel.sequence_parallel needs a tensor axis > 1 (it shards over 'tensor')")
         _divides(t.seq_len, "train.seq_len", p.tensor, "tensor")
+    if p.context > 1:
+        _need(
+            m.attention != "explicit",
+            "context parallelism (parallel.context > 1) runs the blockwise attention kernel; "
+            "set model.attention=blockwise (or fused)",
+        )
+        strategies = typing.get_args(ContextStrategy)
+        _need(
+            p.context_strategy in strategies,
+            f"parallel.context_strategy={p.context_strategy!r} unknown; choose from {', '.join(strategies)}",
+        )
+        what = "2 x context (load balancing: chunks i and 2c-1-i)" if p.context_load_balance else "context"
+        _need(
+            t.seq_len % p.context_chunks == 0,
+            f"train.seq_len={t.seq_len} is not divisible by {what} = {p.context_chunks}; "
+            "choose a seq_len or a 'context' size that divides it",
+        )
+        chunk = t.seq_len // p.context_chunks
+        block = min(m.attention_block, chunk)
+        _need(
+            chunk % block == 0,
+            f"model.attention_block={m.attention_block} does not divide the context chunk of {chunk} tokens "
+            f"(train.seq_len / {p.context_chunks}); choose a block that divides it",
+        )
+        if p.sequence_parallel:
+            _divides(t.seq_len // p.context, "the per-rank sequence train.seq_len/context", p.tensor, "tensor")
     if m.family == "gpt":
         _need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     policies = typing.get_args(RematPolicy)

@@ -271,7 +271,7 @@ def plan_launch(
     if devices_per_process and cfg.parallel.n_devices != total:  # else each process's accelerators decide
         p = cfg.parallel
         raise ConfigError(
-            f"mesh data={p.data} x fsdp={p.fsdp} x tensor={p.tensor} = {p.n_devices} devices, but --processes "
+            f"mesh {p.describe(' x ')} = {p.n_devices} devices, but --processes "
             f"{processes} x --devices-per-process {devices_per_process} = {total}; make them equal"
         )
     if run_dir:

@@ -76,7 +76,7 @@ def measure_activations(cfg: RunConfig, layout: Layout, batch: int | None = None
     specs = param_specs(cfg.model)
     p_abs = abstract_params(specs)
     p_shard = param_shardings(specs, layout)
-    tok_shard = layout.sharding((ax.BATCH, None))
+    tok_shard = layout.sharding((ax.BATCH, ax.SEQ))
     fn = _residual_fn(cfg, layout)
 
     def tokens(n):

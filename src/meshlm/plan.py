@@ -1,10 +1,15 @@
 """Choose a mesh, sequence parallelism, recomputation and microbatch for a device budget.
 
-For every factorisation data x fsdp x tensor of the device count, SP on/off, remat policy and
-gradient-accumulation count, predict per-device memory (parameters, gradients and optimizer state
-from the exact shardings; activations from `accounting.activation_memory`; FSDP's gathered layer
-weights) and step time from a roofline (GEMMs at peak, plus tensor-parallel and data/FSDP
-collectives at the device kind's link bandwidths, not overlapped), then rank the layouts that fit.
+For every factorisation data x fsdp x context x tensor of the device count, SP on/off, remat
+policy and gradient-accumulation count, predict per-device memory (parameters, gradients and
+optimizer state from the exact shardings; activations from `accounting.activation_memory`; FSDP's
+gathered layer weights) and step time from a roofline (GEMMs at peak, plus tensor-parallel,
+context-parallel and data/FSDP collectives at the device kind's link bandwidths, not overlapped -
+except the ring's K/V hops, which overlap the attention they feed), then rank the layouts that fit.
+
+For a model configured with explicit attention, every layout is also planned with
+`model.attention=blockwise` (which context parallelism needs); such plans say so.
+`explain_choice` says why the best plan splits the sequence over `context`, or does not.
 
 Pure arithmetic on the config: nothing is compiled unless `verify` is asked for.
 """
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 import jax
 
 from meshlm import accounting
-from meshlm.config import ConfigError, ParallelConfig, RematConfig, RunConfig, validate
+from meshlm.config import ConfigError, RematConfig, RunConfig, validate
 from meshlm.hardware import Accelerator, matmul_precision, peak_for
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel.mesh import abstract_layout
@@ -59,7 +64,9 @@ class Plan:
         p, r = self.cfg.parallel, self.cfg.remat.policy
         sp = "+SP" if p.sequence_parallel else ""
         pp = f" pipe={self.pipeline}" if self.pipeline > 1 else ""
-        return f"data={p.data} fsdp={p.fsdp} tensor={p.tensor}{sp}{pp} remat={r} micro={self.cfg.train.microbatches}"
+        cp = f" {p.context_strategy}" if p.context > 1 else ""
+        kernel = " blockwise" if self.cfg.model.attention == "blockwise" else ""
+        return f"{p.describe()}{sp}{cp}{pp}{kernel} remat={r} micro={self.cfg.train.microbatches}"
 
 
 def sharded_params(cfg: RunConfig) -> float:
@@ -101,14 +108,23 @@ def estimate(
     plan.time["compute"] = accounting.hardware_flops_per_step(cfg) / (n * peak)
     b = t.global_batch // t.microbatches // par.batch_shards
     group_bw = device.intra_bw if par.tensor <= device.per_node else device.inter_bw
+    s = t.seq_len // par.context
     if par.tensor > 1:
         # per layer: 4 all-reduces (TP) or 4 all-gathers + 4 reduce-scatters (SP, same bytes) of
         # s*b*h, plus SP's 2 backward re-gathers; ring cost (t-1)/t per gather or scatter
-        volume = t.seq_len * b * m.d_model * e * (par.tensor - 1) / par.tensor
+        volume = s * b * m.d_model * e * (par.tensor - 1) / par.tensor
         per_layer = (8 + (2 if par.sequence_parallel else 0)) * volume
         layers_here = m.n_layers / pipeline
         plan.time["tensor-parallel collectives"] = t.microbatches * layers_here * per_layer / group_bw
-    dp = par.data * par.fsdp
+    if par.context > 1:
+        span = par.context * par.tensor
+        bw = device.intra_bw if span <= device.per_node else device.inter_bw
+        comm = sum(accounting.context_comm_bytes(cfg).values()) / bw / pipeline
+        if par.context_strategy == "ring":  # each hop overlaps the attention on the block in hand
+            attention = _attention_seconds(cfg) / (n * peak)
+            comm = max(0.0, comm - attention)
+        plan.time["context-parallel K/V exchange"] = comm
+    dp = par.data * par.fsdp * par.context  # gradients are reduced over every replica of a weight
     if dp > 1:
         span = par.tensor * dp
         bw = device.intra_bw if span <= device.per_node else device.inter_bw
@@ -128,6 +144,16 @@ def estimate(
     return plan
 
 
+def _attention_seconds(cfg: RunConfig) -> float:
+    """Hardware FLOPs of the attention core per step (what a ring's transfers can hide behind):
+    7 block matmuls (forward 2, backward 5), 9 when the policy re-runs the forward."""
+    m, t = cfg.model, cfg.train
+    terms = accounting.layer_forward_flops_per_token(m, t.seq_len)
+    frac = accounting.attention_executed_fraction(m, t.seq_len, accounting.context_chunk(cfg))
+    matmuls = 9 if cfg.remat.policy in ("full", "dots", "offload") else 7
+    return t.global_batch * t.seq_len * m.n_layers * terms["attn_scores"] * matmuls * frac
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -142,30 +168,84 @@ def enumerate_plans(
     """Every layout x SP x policy x microbatch count, feasible ones first (fastest first), then the
     rejected ones with their reason."""
     plans = []
-    for tensor in _divisors(n_devices):
-        for fsdp in _divisors(n_devices // tensor):
-            data = n_devices // tensor // fsdp
-            for sp in (False, True) if tensor > 1 else (False,):
-                par = ParallelConfig(data=data, fsdp=fsdp, tensor=tensor, sequence_parallel=sp)
-                for policy in policies:
-                    for k in _divisors(cfg.train.global_batch):
-                        c = dataclasses.replace(
-                            cfg,
-                            parallel=par,
-                            remat=RematConfig(policy),
-                            train=dataclasses.replace(cfg.train, microbatches=k),
-                        )
-                        try:
-                            validate(c)
-                        except ConfigError as err:
-                            plans.append(Plan(c, rejected=str(err).split(";")[0]))
-                            continue
-                        plans.append(estimate(c, device, memory_limit))
+    base = cfg.parallel
+    layouts = [
+        (tensor, context, fsdp, n_devices // tensor // context // fsdp)
+        for tensor in _divisors(n_devices)
+        for context in _divisors(n_devices // tensor)
+        for fsdp in _divisors(n_devices // tensor // context)
+    ]
+    # explicit attention stores s x s scores: offer the blockwise kernel next to it (CP needs it)
+    kernels = ("explicit", "blockwise") if cfg.model.attention == "explicit" else (cfg.model.attention,)
+    choices = [(lay, kernel) for lay in layouts for kernel in kernels if lay[1] == 1 or kernel != "explicit"]
+    for (tensor, context, fsdp, data), kernel in choices:
+        model = dataclasses.replace(cfg.model, attention=kernel)
+        for sp in (False, True) if tensor > 1 else (False,):
+            par = dataclasses.replace(base, data=data, fsdp=fsdp, context=context, tensor=tensor, sequence_parallel=sp)
+            for policy in policies:
+                for k in _divisors(cfg.train.global_batch):
+                    c = dataclasses.replace(
+                        cfg,
+                        model=model,
+                        parallel=par,
+                        remat=RematConfig(policy),
+                        train=dataclasses.replace(cfg.train, microbatches=k),
+                    )
+                    try:
+                        validate(c)
+                    except ConfigError as err:
+                        plans.append(Plan(c, rejected=str(err).split(";")[0]))
+                        continue
+                    plans.append(estimate(c, device, memory_limit))
     # fastest first; equal roofline times prefer fewer microbatches (bigger GEMMs), then less memory
     plans.sort(
         key=lambda p: (bool(p.rejected), p.step_time if not p.rejected else 0, p.cfg.train.microbatches, p.total_memory)
     )
     return plans
+
+
+def explain_choice(plans: list[Plan]) -> str | None:
+    """Why the best plan does or does not split the sequence over `context` (None when no plan
+    with context > 1 was possible and none was chosen)."""
+    feasible = [p for p in plans if not p.rejected]
+    if not feasible:
+        return None
+    best = feasible[0]
+    flat = [p for p in feasible if p.cfg.parallel.context == 1]
+    split = [p for p in feasible if p.cfg.parallel.context > 1]
+    s = best.cfg.train.seq_len
+    if best.cfg.parallel.context > 1:
+        c = best.cfg.parallel.context
+        act = best.memory["activations"]
+        if not flat:
+            sized = [p for p in plans if p.memory and p.cfg.parallel.context == 1]
+            need = min((p.total_memory for p in sized), default=0.0)
+            return (
+                f"context={c}: at s={s} no layout without context parallelism fits"
+                + (f" (the closest needs {need / GiB:.1f} GiB per device)" if need else "")
+                + f"; splitting the sequence {c} ways leaves {act / GiB:.1f} GiB of activations per device"
+            )
+        other = flat[0]
+        costs = {k: v for k, v in other.time.items() if k != "compute"}
+        if other.cfg.remat.policy == "full":
+            why = "it recomputes every layer in backward"
+        elif costs:
+            part, seconds = max(costs.items(), key=lambda kv: kv[1])
+            why = f"its {part} take {seconds / other.step_time:.0%} of the step"
+        else:
+            why = "it runs more GEMM FLOPs"
+        hidden = "; the ring's K/V hops hide behind attention" if best.cfg.parallel.context_strategy == "ring" else ""
+        return (
+            f"context={c}: at s={s} it is {other.step_time / best.step_time:.2f}x faster than the best layout "
+            f"without it ({other.describe()}: {why}){hidden}"
+        )
+    if split:
+        ratio = split[0].step_time / best.step_time
+        pace = "as fast" if ratio < 1.0005 else f"{ratio:.3f}x slower"
+        rows = best.cfg.parallel.batch_shards
+        instead = f"; the batch splits over data x fsdp = {rows} instead" if rows > 1 else ""
+        return f"no context parallelism: at s={s} the best layout with it ({split[0].describe()}) is {pace}{instead}"
+    return None
 
 
 def closest_miss(cfg: RunConfig, plans: list[Plan], n_devices: int, device: Accelerator, limit: float) -> str:
@@ -197,11 +277,17 @@ def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float)
     lines = [
         f"{len(feasible)} of {len(plans)} layouts fit {limit / GiB:.0f} GiB on {device.name} "
         f"(peak {peak} matmuls; {links}); MFU here is the roofline bound",
-        f"{'#':>3}  {'layout':58s} {'memory GiB':>10s} {'step s':>9s} {'MFU':>6s}  time split",
+        f"{'#':>3}  {'layout':68s} {'memory GiB':>10s} {'step s':>9s} {'MFU':>6s}  time split",
     ]
+    if any(p.mfu > 1 for p in feasible[:top]):
+        lines.insert(
+            1,
+            "(MFU counts causal attention as full s x s matmuls, P2 Eq. 7; kernels that skip the masked half "
+            "can exceed 100%)",
+        )
     for i, p in enumerate(feasible[:top], 1):
         split = ", ".join(f"{k} {v / p.step_time:.0%}" for k, v in p.time.items())
-        row = f"{p.describe():58s} {p.total_memory / GiB:10.2f} {p.step_time:9.4f} {p.mfu:6.1%}"
+        row = f"{p.describe():68s} {p.total_memory / GiB:10.2f} {p.step_time:9.4f} {p.mfu:6.1%}"
         lines.append(f"{i:>3}  {row}  {split}")
     groups: dict[str, list[Plan]] = {}
     for p in plans:
@@ -222,6 +308,9 @@ def to_json(plans: list[Plan], verified: str | None = None) -> dict:
         return {
             "data": par.data,
             "fsdp": par.fsdp,
+            "context": par.context,
+            "context_strategy": par.context_strategy if par.context > 1 else None,
+            "attention": p.cfg.model.attention,
             "tensor": par.tensor,
             "sequence_parallel": par.sequence_parallel,
             "remat": p.cfg.remat.policy,

@@ -189,7 +189,7 @@ def _summary(run: Run) -> list[str]:
     rates = [r["tokens_per_s"] for r in run.steps.values() if "tokens_per_s" in r]
     mfus = [r["mfu"] for r in run.steps.values() if "mfu" in r]
     last = run.steps[steps[-1]] if steps else {}
-    mesh = info.get("mesh") or {"data": p.data, "fsdp": p.fsdp, "tensor": p.tensor}
+    mesh = info.get("mesh") or {"data": p.data, "fsdp": p.fsdp, "context": p.context, "tensor": p.tensor}
     lines = [
         f"| run | `{run.directory}` |",
         "|---|---|",

@@ -63,9 +63,25 @@ def startup_report(
     if m.attention == "fused":
         kind, why = fused_implementation(m.dtype, m.dim_head, cfg.data.document_mask)
         attention["fused"] = "fused -> cuDNN flash attention" if kind == "cudnn" else f"fused -> blockwise ({why})"
+    context = None
+    par = cfg.parallel
+    if par.context > 1:
+        chunk = accounting.context_chunk(cfg)
+        block = accounting.attention_block(m, cfg.train.seq_len, chunk)
+        comm = accounting.context_comm_bytes(cfg)
+        balance = accounting.context_block_pairs(cfg.train.seq_len, par.context, par.context_load_balance, block)
+        attention[m.attention] = f"blockwise (block {block}) over context={par.context}"
+        context = {
+            "strategy": par.context_strategy,
+            "load_balance": par.context_load_balance,
+            "tokens_per_rank": cfg.train.seq_len // par.context,
+            "kv_bytes_received_per_step": sum(comm.values()),
+            "block_pairs_per_rank": balance,
+        }
     return {
         "mesh": dict(layout.mesh.shape),
         "attention": attention[m.attention],
+        "context": context,
         "sequence_parallel": layout.sequence_parallel,
         "remat": cfg.remat.policy,
         "parameters": params,
@@ -92,6 +108,15 @@ def format_report(r: dict[str, Any]) -> list[str]:
     lines = [f"mesh {mesh}{' + sequence parallel' if r['sequence_parallel'] else ''}, remat {r['remat']}"]
     if "attention" in r:
         lines.append(f"attention: {r['attention']}")
+    if r.get("context"):
+        c = r["context"]
+        pairs = c["block_pairs_per_rank"]
+        lines.append(
+            f"context parallelism: {c['strategy']}, {c['tokens_per_rank']} tokens per rank"
+            f"{', load-balanced (chunks i and 2c-1-i)' if c['load_balance'] else ''}; attention block pairs per "
+            f"rank {min(pairs)}..{max(pairs)}; K/V received per device per step "
+            f"{_size(c['kv_bytes_received_per_step'])}"
+        )
     lines.append(f"parameters: {r['param_count'] / 1e6:.2f}M; per-device shards:")
     for p in r["parameters"]:
         lines.append(f"  {p['name']:18s} {tuple(p['shape'])!s:24s} {p['spec']:32s} {_size(p['device_bytes'])}")

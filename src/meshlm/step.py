@@ -35,7 +35,8 @@ Batch = dict[str, jax.Array]
 
 
 def batch_sharding(layout: Layout):
-    return layout.sharding((ax.BATCH, None))
+    """Rows over (data, fsdp), the sequence over `context` (stored in context order, see the loader)."""
+    return layout.sharding((ax.BATCH, ax.SEQ))
 
 
 BATCH_KEYS = ("inputs", "targets")
@@ -75,7 +76,7 @@ def _split_microbatches(batch: Batch, k: int, layout: Layout) -> Batch:
     def split(x):
         b = x.shape[0]
         x = x.reshape(b // k, k, *x.shape[1:]).swapaxes(0, 1)
-        return layout.constrain(x, (None, ax.BATCH) + (None,) * (x.ndim - 2))
+        return layout.constrain(x, (None, ax.BATCH, ax.SEQ) + (None,) * (x.ndim - 3))
 
     return jax.tree.map(split, batch)
 

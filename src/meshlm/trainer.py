@@ -341,8 +341,9 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     if first:
         _barrier("meshlm-data")
     eot = data.meta["eot_id"] if cfg.data.document_mask else None
-    train_loader = WindowLoader(data.shards("train"), tc.seq_len, tc.global_batch, tc.seed, "train", eot)
-    val_loader = WindowLoader(data.shards("val"), tc.seq_len, tc.global_batch, tc.seed + 1, "validation", eot)
+    order = layout.context_order if layout.context_size > 1 else None
+    train_loader = WindowLoader(data.shards("train"), tc.seq_len, tc.global_batch, tc.seed, "train", eot, order)
+    val_loader = WindowLoader(data.shards("val"), tc.seq_len, tc.global_batch, tc.seed + 1, "validation", eot, order)
     entropy = data.meta["train_unigram_entropy"]  # counted once, when the data was prepared
     run_info |= {"data": {k: v for k, v in data.meta.items() if k != "splits"}, "unigram_entropy": entropy}
     run_info["data_root"] = str(data.root.absolute())

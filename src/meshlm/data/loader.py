@@ -8,6 +8,10 @@ read it: each process reads only the rows its devices hold (`process_batch`).
 
 With `eot_id` set (document masking), a batch also carries `segment_ids` (which document of the
 row each position belongs to) and `positions` (the position within that document).
+
+With context parallelism (`order`: the layout's `context_order`) every array's sequence axis is put
+into storage order here, once: with load balancing, context rank i then holds chunks i and 2c-1-i
+of the original sequence. The loss is a sum over tokens, so nothing downstream undoes it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import jax
 import numpy as np
 
 from meshlm.config import ConfigError
+from meshlm.parallel.rules import reorder_sequence
 
 
 class WindowLoader:
@@ -27,9 +32,11 @@ class WindowLoader:
         seed: int,
         name: str = "train",
         eot_id: int | None = None,
+        order: tuple[int, ...] | None = None,
     ):
         self.shards = [shards] if isinstance(shards, np.ndarray) else list(shards)
         self.seq_len, self.global_batch, self.seed, self.eot_id = seq_len, global_batch, seed, eot_id
+        self.order = order
         per_shard = np.array([max(0, (len(s) - 1) // seq_len) for s in self.shards], dtype=np.int64)
         self.first_window = np.concatenate([[0], np.cumsum(per_shard)])  # window id where each shard starts
         self.n_windows = int(self.first_window[-1])
@@ -61,12 +68,12 @@ class WindowLoader:
 
     def batch(self, step: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         """Rows `rows` of global batch `step`: inputs and next-token targets, int32 [rows, seq_len]
-        (plus segment_ids and positions with document masking)."""
+        (plus segment_ids and positions with document masking), in context storage order."""
         w = np.stack([np.asarray(self._window(int(i)), dtype=np.int32) for i in self.window_ids(step, rows)])
         out = {"inputs": w[:, :-1], "targets": w[:, 1:]}
         if self.eot_id is not None:
             out |= document_segments(out["inputs"], self.eot_id)
-        return out
+        return {k: reorder_sequence(v, self.order) for k, v in out.items()}
 
 
 def document_segments(inputs: np.ndarray, eot_id: int) -> dict[str, np.ndarray]:

@@ -16,6 +16,12 @@ the whole s x s mask at once; `keep_mask` assembles the blockwise one for tests.
 Shapes: q [b, t, n, h], k and v [b, t, kv, h] (grouped heads: n = kv * g), segment ids [b, t].
 The sequence is padded to a multiple of the block; padded keys lie after every real query, so the
 causal mask hides them.
+
+`forward_blocks` / `backward_blocks` also take explicit positions in the original sequence for
+queries and keys (context parallelism: a rank's own tokens in load-balanced order, or another
+rank's keys); block pairs with every key after every query are then skipped by a `lax.cond`
+instead of by the loop bounds, a query that sees no key gets output 0 and lse -inf, and backward
+takes the log-sum-exp and D of the *whole* row, so partial results over key sets can be merged.
 """
 
 from __future__ import annotations
@@ -42,50 +48,78 @@ def _block_keep(key, i, j, rate: float, shape) -> jax.Array:
     return jax.random.bernoulli(jax.random.fold_in(jax.random.fold_in(key, i), j), 1.0 - rate, shape)
 
 
-def _scores(qi, kj, i, j, seg_q, seg_k, block: int, scale: float):
-    """fp32 scores [b, kv, g, Bq, Bk] of query block i against key block j, masked to -inf."""
+def _scores(qi, kj, pos_q, pos_k, seg_q, seg_k, scale: float):
+    """fp32 scores [b, kv, g, Bq, Bk] of a query block against a key block, masked to -inf where
+    the key comes after the query (positions in the original sequence) or lies in another document."""
     s = jnp.einsum("bqkgh,bskh->bkgqs", qi, kj, preferred_element_type=jnp.float32) * scale
-    pos_q = i * block + jnp.arange(block)
-    pos_k = j * block + jnp.arange(block)
     allowed = (pos_q[:, None] >= pos_k[None, :])[None]
     if seg_q is not None:
         allowed = allowed & (seg_q[:, :, None] == seg_k[:, None, :])
     return jnp.where(allowed[:, None, None], s, NEG)
 
 
-def _blocks(q, k, v, seg, block):
+def _blocked(x, block: int, value=0):
+    """[b, t, ...] -> [b, t/block, block, ...], padded at the end with `value`."""
+    nb = -(-x.shape[1] // block)
+    return _pad(x, nb * block, value).reshape(x.shape[0], nb, block, *x.shape[2:])
+
+
+def blocks_visible(pos_q_block, pos_k_block):
+    """Some key of the block comes at or before some query of the block (else skip the pair)."""
+    return pos_k_block.min() <= pos_q_block.max()
+
+
+def _positions(pos, t: int, block: int):
+    """[nb, block] original-sequence positions; `None`: 0..t-1 padded past the end."""
+    nb = -(-t // block)
+    return jnp.arange(nb * block).reshape(nb, block) if pos is None else pos.reshape(nb, block)
+
+
+def _block_range(diagonal: bool, lo: int | jax.Array, hi: int | jax.Array, n: int, visible, body, init):
+    """Run `body(j, carry)` over the block pairs that can see each other: j in [lo, hi) when the
+    positions are 0..t-1 on both sides (causal skipping decided statically), else every block with
+    a `lax.cond` on `visible(j)` (context parallelism: positions arrive permuted or from other ranks)."""
+    if diagonal:
+        return jax.lax.fori_loop(lo, hi, body, init)
+    skip_or_run = lambda j, c: jax.lax.cond(visible(j), body, lambda j, c: c, j, c)
+    return jax.lax.fori_loop(0, n, skip_or_run, init)
+
+
+def forward_blocks(q, k, v, seg_q, seg_k, pos_q, pos_k, key, block: int, rate: float):
+    """(out [b, t, n, h] fp32, lse [b, t, n] fp32) of queries q against keys k, v.
+
+    `pos_q` [t] / `pos_k` [s]: each row's position in the original sequence (the causal mask and
+    the dropout blocks follow them); `None` for both means 0..t-1 with causal block skipping. A
+    query that sees no key gets out 0 and lse -inf (a ring step where every key is in its future)."""
     b, t, n, h = q.shape
     kv = k.shape[2]
-    nb = -(-t // block)
-    tp = nb * block
-    q = _pad(q, tp).reshape(b, nb, block, kv, n // kv, h)
-    k = _pad(k, tp).reshape(b, nb, block, kv, h)
-    v = _pad(v, tp).reshape(b, nb, block, kv, h)
-    seg = None if seg is None else _pad(seg, tp, -1).reshape(b, nb, block)
-    return q, k, v, seg, nb
-
-
-def _forward(q, k, v, seg, key, block: int, rate: float):
-    b, t, n, h = q.shape
+    g = n // kv
     scale = 1.0 / math.sqrt(h)
-    qb, kb, vb, segb, nb = _blocks(q, k, v, seg, block)
-    kv, g = kb.shape[3], n // kb.shape[3]
+    diagonal = pos_q is None
+    qb = _blocked(q.reshape(b, t, kv, g, h), block)
+    kb, vb = _blocked(k, block), _blocked(v, block)
+    segq = None if seg_q is None else _blocked(seg_q, block, -1)
+    segk = None if seg_k is None else _blocked(seg_k, block, -1)
+    pq, pk = _positions(pos_q, t, block), _positions(pos_k, k.shape[1], block)
+    nq, nk = qb.shape[1], kb.shape[1]
     dropout = key is not None and rate > 0
 
     def q_block(i):
         qi = qb[:, i]
-        seg_q = None if segb is None else segb[:, i]
+        seg_qi = None if segq is None else segq[:, i]
 
         def k_block(j, carry):
             m, denom, acc = carry
-            s = _scores(qi, kb[:, j], i, j, seg_q, None if segb is None else segb[:, j], block, scale)
+            s = _scores(qi, kb[:, j], pq[i], pk[j], seg_qi, None if segk is None else segk[:, j], scale)
             m_new = jnp.maximum(m, s.max(-1))
             m_safe = jnp.where(m_new == NEG, 0.0, m_new)  # a row with nothing allowed yet
             p = jnp.exp(s - m_safe[..., None])
             corr = jnp.exp(jnp.where(m == NEG, NEG, m - m_safe))
             denom = denom * corr + p.sum(-1)
-            if dropout:
-                p = jnp.where(_block_keep(key, i, j, rate, p.shape), p / (1.0 - rate), 0.0)
+            if dropout:  # blocks named by their original position: the same bits on any layout
+                p = jnp.where(
+                    _block_keep(key, pq[i, 0] // block, pk[j, 0] // block, rate, p.shape), p / (1.0 - rate), 0.0
+                )
             pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(vb.dtype), vb[:, j], preferred_element_type=jnp.float32)
             return m_new, denom, acc * corr[..., None] + pv
 
@@ -94,39 +128,50 @@ def _forward(q, k, v, seg, key, block: int, rate: float):
             jnp.zeros((b, kv, g, block), jnp.float32),
             jnp.zeros((b, kv, g, block, h), jnp.float32),
         )
-        m, denom, acc = jax.lax.fori_loop(0, i + 1, k_block, init)  # causal: key blocks after i skipped
-        out = acc / denom[..., None]
-        lse = m + jnp.log(denom)
-        return out, lse
+        visible = lambda j: blocks_visible(pq[i], pk[j])
+        m, denom, acc = _block_range(diagonal, 0, i + 1, nk, visible, k_block, init)  # causal: later keys skipped
+        out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+        return out, m + jnp.log(denom)
 
-    out, lse = jax.lax.map(q_block, jnp.arange(nb))  # [nb, b, kv, g, B, h], [nb, b, kv, g, B]
-    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, nb * block, n, h)[:, :t].astype(q.dtype)
+    out, lse = jax.lax.map(q_block, jnp.arange(nq))  # [nq, b, kv, g, B, h], [nq, b, kv, g, B]
+    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, nq * block, n, h)[:, :t]
+    lse = jnp.transpose(lse, (1, 0, 4, 2, 3)).reshape(b, nq * block, n)[:, :t]
     return out, lse
 
 
-def _backward(q, k, v, seg, key, out, lse, d_out, block: int, rate: float):
+def backward_blocks(q, k, v, seg_q, seg_k, pos_q, pos_k, key, lse, delta, d_out, block: int, rate: float):
+    """(dq, dk, dv) in fp32 for `forward_blocks`' arguments, given each query row's log-sum-exp
+    over *all* its keys and delta = rowsum(dO * O) of the final output (both [b, t, n] fp32)."""
     b, t, n, h = q.shape
+    kv = k.shape[2]
+    g = n // kv
     scale = 1.0 / math.sqrt(h)
-    qb, kb, vb, segb, nb = _blocks(q, k, v, seg, block)
-    kv, g = kb.shape[3], n // kb.shape[3]
-    dob = _pad(d_out, nb * block).reshape(b, nb, block, kv, g, h)
-    ob = _pad(out, nb * block).reshape(b, nb, block, kv, g, h)
-    # D_i = rowsum(dO * O): [nb, b, kv, g, B]
-    delta = jnp.transpose((dob.astype(jnp.float32) * ob.astype(jnp.float32)).sum(-1), (1, 0, 3, 4, 2))
+    diagonal = pos_q is None
+    qb = _blocked(q.reshape(b, t, kv, g, h), block)
+    kb, vb = _blocked(k, block), _blocked(v, block)
+    segq = None if seg_q is None else _blocked(seg_q, block, -1)
+    segk = None if seg_k is None else _blocked(seg_k, block, -1)
+    pq, pk = _positions(pos_q, t, block), _positions(pos_k, k.shape[1], block)
+    nq, nk = qb.shape[1], kb.shape[1]
+    dob = _blocked(d_out.reshape(b, t, kv, g, h), block)
+    # [b, nq, B, kv, g] -> [nq, b, kv, g, B]; a row that sees nothing (lse -inf) has p = 0 anyway
+    to_rows = lambda x: jnp.transpose(_blocked(x.reshape(b, t, kv, g), block), (1, 0, 3, 4, 2))
+    lse_b = to_rows(jnp.where(lse == NEG, 0.0, lse))
+    delta_b = to_rows(delta)
     dropout = key is not None and rate > 0
 
     def k_block(j, dq):
         kj, vj = kb[:, j], vb[:, j]
-        seg_k = None if segb is None else segb[:, j]
+        seg_kj = None if segk is None else segk[:, j]
 
         def q_block(i, carry):
             dk, dv, dq = carry
             qi, doi = qb[:, i], dob[:, i]
-            s = _scores(qi, kj, i, j, None if segb is None else segb[:, i], seg_k, block, scale)
-            p = jnp.exp(s - lse[i][..., None])  # masked entries: exp(-inf) = 0
+            s = _scores(qi, kj, pq[i], pk[j], None if segq is None else segq[:, i], seg_kj, scale)
+            p = jnp.exp(s - lse_b[i][..., None])  # masked entries: exp(-inf) = 0
             dp = jnp.einsum("bqkgh,bskh->bkgqs", doi, vj, preferred_element_type=jnp.float32)
             if dropout:
-                keep = _block_keep(key, i, j, rate, p.shape)
+                keep = _block_keep(key, pq[i, 0] // block, pk[j, 0] // block, rate, p.shape)
                 p_used = jnp.where(keep, p / (1.0 - rate), 0.0)
                 dp = jnp.where(keep, dp / (1.0 - rate), 0.0)
             else:
@@ -134,37 +179,46 @@ def _backward(q, k, v, seg, key, out, lse, d_out, block: int, rate: float):
             # Matmul operands in the input dtype (bf16 runs at bf16 speed), accumulated in fp32.
             f32, dt = jnp.float32, qi.dtype
             dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p_used.astype(dt), doi, preferred_element_type=f32)
-            ds = (p * (dp - delta[i][..., None]) * scale).astype(dt)
+            ds = (p * (dp - delta_b[i][..., None]) * scale).astype(dt)
             dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, qi, preferred_element_type=f32)
             dqi = jnp.einsum("bkgqs,bskh->bqkgh", ds, kj, preferred_element_type=f32)
             dq = jax.lax.dynamic_update_index_in_dim(dq, dq[:, i] + dqi, i, 1)
             return dk, dv, dq
 
         zeros = jnp.zeros((b, block, kv, h), jnp.float32)
-        dk, dv, dq = jax.lax.fori_loop(j, nb, q_block, (zeros, zeros, dq))  # causal: queries from block j on
+        visible = lambda i: blocks_visible(pq[i], pk[j])
+        dk, dv, dq = _block_range(diagonal, j, nq, nq, visible, q_block, (zeros, zeros, dq))  # causal: queries from j
         return dq, (dk, dv)
 
-    dq0 = jnp.zeros((b, nb, block, kv, g, h), jnp.float32)
-    dq, (dk, dv) = jax.lax.scan(lambda dq, j: k_block(j, dq), dq0, jnp.arange(nb))
-    dq = dq.reshape(b, nb * block, n, h)[:, :t].astype(q.dtype)
-    unblock = lambda x: jnp.transpose(x, (1, 0, 2, 3, 4)).reshape(b, nb * block, kv, h)[:, :t]
-    return dq, unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype)
+    dq0 = jnp.zeros((b, nq, block, kv, g, h), jnp.float32)
+    dq, (dk, dv) = jax.lax.scan(lambda dq, j: k_block(j, dq), dq0, jnp.arange(nk))
+    dq = dq.reshape(b, nq * block, n, h)[:, :t]
+    s = k.shape[1]
+    unblock = lambda x: jnp.transpose(x, (1, 0, 2, 3, 4)).reshape(b, nk * block, kv, h)[:, :s]
+    return dq, unblock(dk), unblock(dv)
+
+
+def row_delta(out: jax.Array, d_out: jax.Array) -> jax.Array:
+    """D = rowsum(dO * O) in fp32, [b, t, n] (FlashAttention-2's backward term)."""
+    return jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention(q, k, v, seg, key, block, rate):
-    return _forward(q, k, v, seg, key, block, rate)[0]
+    return _attention_fwd(q, k, v, seg, key, block, rate)[0]
 
 
 def _attention_fwd(q, k, v, seg, key, block, rate):
-    out, lse = _forward(q, k, v, seg, key, block, rate)
+    out, lse = forward_blocks(q, k, v, seg, seg, None, None, key, block, rate)
+    out = out.astype(q.dtype)
     return out, (q, k, v, seg, key, out, lse)
 
 
 def _attention_bwd(block, rate, res, d_out):
     q, k, v, seg, key, out, lse = res
-    dq, dk, dv = _backward(q, k, v, seg, key, out, lse, d_out, block, rate)
-    return dq, dk, dv, None, None
+    delta = row_delta(out, d_out)
+    dq, dk, dv = backward_blocks(q, k, v, seg, seg, None, None, key, lse, delta, d_out, block, rate)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -44,14 +44,70 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+def dropout(
+    x: jax.Array, rate: float, key: jax.Array | None, positions: jax.Array | None = None, axis: int = 1
+) -> jax.Array:
     """Inverted dropout. The keep mask is a bool (1 byte/element), matching P2's accounting.
     Bits come from the global position of each element (partitionable threefry), so every shard
     of a sharded tensor draws different bits, the same ones on any layout, and recomputation
-    regenerates them from the key rather than storing anything."""
+    regenerates them from the key rather than storing anything. `positions`: the original
+    position of each index of `axis` when the sequence is stored permuted (context load
+    balancing); the bits are then those of the unpermuted tensor (`positional_bernoulli`)."""
     if key is None or rate == 0.0:
         return x
-    return _apply_keep_mask(x, jax.random.bernoulli(key, 1.0 - rate, x.shape), rate)
+    if positions is None:
+        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    else:
+        keep = positional_bernoulli(key, 1.0 - rate, x.shape, positions, axis)
+    return _apply_keep_mask(x, keep, rate)
+
+
+def _mul_wide(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(hi, lo) uint32 words of the 64-bit product of uint32 arrays, from 16-bit halves."""
+    m = jnp.uint32(0xFFFF)
+    a0, a1, b0, b1 = a & m, a >> 16, b & m, b >> 16
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1  # each < 2^32
+    mid = (p00 >> 16) + (p01 & m) + (p10 & m)  # < 3 * 2^16
+    return p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16), (mid << 16) | (p00 & m)
+
+
+def flat_index_2x32(coords: list[jax.Array], shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """The row-major flat index in `shape` of elements at (broadcastable uint32) coordinates, as
+    (hi, lo) uint32 words - what JAX's partitionable threefry counts with (`iota_2x32_shape`)."""
+    hi = lo = jnp.uint32(0)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        coord = coords[axis].astype(jnp.uint32)
+        p_hi, p_lo = _mul_wide(coord, jnp.uint32(stride & 0xFFFFFFFF))
+        p_hi = p_hi + coord * jnp.uint32(stride >> 32)
+        lo = lo + p_lo
+        hi = hi + p_hi + (lo < p_lo).astype(jnp.uint32)  # the carry out of the low word
+        stride *= shape[axis]
+    return hi, lo
+
+
+def positional_bernoulli(
+    key: jax.Array, p: float, shape: tuple[int, ...], positions: jax.Array, axis: int = 1
+) -> jax.Array:
+    """`jax.random.bernoulli(key, p, shape)` with index i of `axis` read at `positions[i]`: the same
+    bits as drawing the unpermuted tensor and permuting it, computed where each element lives
+    (elementwise in its coordinates, so it partitions like any elementwise op). Reproduces JAX's
+    partitionable threefry and its float conversion; `tests/test_context.py` checks it bit for bit."""
+    from jax.extend.random import threefry2x32_p
+
+    coords = [jax.lax.broadcasted_iota(jnp.uint32, shape, a) for a in range(len(shape))]
+    along = [1] * len(shape)
+    along[axis] = shape[axis]
+    coords[axis] = jnp.broadcast_to(positions.astype(jnp.uint32).reshape(along), shape)
+    total = list(shape)
+    total[axis] = shape[axis]  # the permuted axis has the same length as the original one
+    hi, lo = flat_index_2x32(coords, tuple(total))
+    data = jax.random.key_data(key)
+    bits1, bits2 = threefry2x32_p.bind(data[0], data[1], hi, lo)
+    bits = bits1 ^ bits2
+    one = jnp.uint32(0x3F800000)  # the float32 1.0: 23 random mantissa bits give [1, 2)
+    floats = jax.lax.bitcast_convert_type((bits >> 9) | one, jnp.float32) - jnp.float32(1.0)
+    return jnp.maximum(jnp.float32(0.0), floats) < jnp.float32(p)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

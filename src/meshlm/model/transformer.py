@@ -26,6 +26,7 @@ from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.params import param_specs
 from meshlm.parallel import remat
 from meshlm.parallel.collectives import column_parallel, row_parallel, vocab_parallel_embed
+from meshlm.parallel.context import context_attention
 from meshlm.parallel.rules import Layout, constrain
 
 RESIDUAL = (ax.BATCH, ax.ACT_SEQ, ax.ACT_EMBED)  # the residual stream (sequence-sharded under SP)
@@ -87,12 +88,18 @@ def _rope_qk(q, k, positions, cfg: ModelConfig):
     return layers.rope(q, positions, inv_freq), layers.rope(k, positions, inv_freq)
 
 
-def _qkv(h_btd, wq, wk, wv, *biases, cfg: ModelConfig):
-    """Projections, then RoPE (llama) at positions 0..t-1."""
-    q, k, v = _project(h_btd, wq, wk, wv, *biases)
+def _qkv(h_btd, *args, cfg: ModelConfig, context: bool = False):
+    """Projections, then RoPE (llama) at positions 0..t-1 - or, under context parallelism, at the
+    original positions of this rank's tokens, passed first in `args`."""
+    positions = args[0] if context else jnp.arange(h_btd.shape[1])
+    q, k, v = _project(h_btd, *args[1 if context else 0 :])
     if cfg.family == "gpt":
         return q, k, v
-    return (*_rope_qk(q, k, jnp.arange(h_btd.shape[1]), cfg), v)
+    return (*_rope_qk(q, k, positions, cfg), v)
+
+
+def _context(layout: Layout | None) -> bool:
+    return layout is not None and layout.context_size > 1
 
 
 def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cache: KVCache, positions_bt, prefill):
@@ -137,16 +144,24 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
     if dec is not None:
         return _attention_cached(h_btd, p, cfg, layout, *dec)
     names = ["wq", "wk", "wv"] + (["bq", "bk", "bv"] if cfg.family == "gpt" else [])
+    context = _context(layout)
+    extras = [(jnp.asarray(layout.seq_index(h_btd.shape[1])), (ax.SEQ,))] if context else []
     q, k, v = column_parallel(
         layout,
-        partial(_qkv, cfg=cfg),
+        partial(_qkv, cfg=cfg, context=context),
         h_btd,
         [p[n] for n in names],
         [weight_axes(cfg)[n] for n in names],
         (HEADS_ACT, KV_ACT, KV_ACT),
         RESIDUAL,
+        extras,
     )
-    if cfg.attention == "fused":
+    if context:  # the sequence is split over `context`: ring or all-gather around the blockwise kernel
+        drop_key = _site_key(key, _ATTN_PROBS)
+        a = context_attention(
+            layout, q, k, v, segments, block=cfg.attention_block, dropout_rate=cfg.dropout, key=drop_key
+        )
+    elif cfg.attention == "fused":
         a = layers.fused_attention(q, k, v, segments, cfg.attention_block)
     elif cfg.attention == "blockwise":  # stores O(s) per row already: no policy recomputes it
         drop_key = _site_key(key, _ATTN_PROBS)
@@ -159,15 +174,21 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
     return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, weight_axes(cfg)["wo"], RESIDUAL), None
 
 
+def _drop_positions(layout: Layout | None, t: int) -> jax.Array | None:
+    """Original positions for the dropout bits when the sequence is stored permuted, else None."""
+    return jnp.asarray(layout.seq_index(t)) if layout is not None and layout.reordered else None
+
+
 def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None, dec=None):
     """Pre-LN GPT layer (P2 Fig. 2): LN -> attention -> dropout -> +x; LN -> GeLU MLP -> dropout -> +x.
     Returns the new residual stream, and with `dec` (decoding) also the layer's updated (k, v)."""
     rate = cfg.dropout
+    at = _drop_positions(layout, x_btd.shape[1])
     norm = remat.wrap_elementwise(partial(layers.layer_norm, eps=cfg.norm_eps), remat_policy)
     h = norm(x_btd, p["ln1_scale"], p["ln1_bias"])
     o, kv = _attention(h, p, key, cfg, layout, remat_policy, segments, dec)
     o = o + p["bo"]
-    x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _ATTN_OUT)), RESIDUAL)
+    x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _ATTN_OUT), at), RESIDUAL)
 
     h = norm(x_btd, p["ln2_scale"], p["ln2_bias"])
     fc1 = lambda h, w, b: (jnp.einsum("btd,df->btf", h, w) + b,)
@@ -175,7 +196,7 @@ def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_poli
     (f,) = column_parallel(layout, fc1, h, [p["w_fc"], p["b_fc"]], [axes["w_fc"], axes["b_fc"]], (MLP_ACT,), RESIDUAL)
     f = remat.wrap_elementwise(layers.gelu, remat_policy)(f)
     o = row_parallel(layout, "btf,fd->btd", f, p["w_proj"], MLP_ACT, axes["w_proj"], RESIDUAL) + p["b_proj"]
-    x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _MLP_OUT)), RESIDUAL)
+    x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _MLP_OUT), at), RESIDUAL)
     return x_btd if dec is None else (x_btd, kv)
 
 
@@ -237,12 +258,15 @@ def forward(
     if cache is not None:
         positions = jnp.maximum(cache.index + jnp.arange(t)[None, :] - cache.start[:, None], 0)
     x = vocab_parallel_embed(layout, params["wte"].astype(dtype), weight_axes(cfg)["wte"], tokens_bt, RESIDUAL)
+    if positions is None and _context(layout):  # stored in context order: each token's original position
+        positions = jnp.asarray(layout.seq_index(t))[None]
     if cfg.family == "gpt":
         wpe = params["wpe"].astype(dtype)
         x = x + (wpe[:t][None] if positions is None else jnp.take(wpe, positions, axis=0))
     x = constrain(layout, x, RESIDUAL)
     # Layers use fold_in(key, 0..L-1); the embedding dropout takes the next index.
-    x = layers.dropout(x, cfg.dropout, None if key is None else jax.random.fold_in(key, cfg.n_layers))
+    embed_key = None if key is None else jax.random.fold_in(key, cfg.n_layers)
+    x = layers.dropout(x, cfg.dropout, embed_key, _drop_positions(layout, t))
 
     block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
 

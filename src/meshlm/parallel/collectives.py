@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from meshlm import axes as ax
 from meshlm.parallel.rules import Layout, constrain
 
 
@@ -54,10 +55,12 @@ def column_parallel(
     weight_axes: Sequence[Sequence[str | None]],
     out_axes: Sequence[Sequence[str | None]],
     residual_axes: Sequence[str | None],
+    extras: Sequence[tuple[jax.Array, Sequence[str | None]]] = (),
 ):
-    """Enter a tensor-parallel block: f (TP) or g (TP+SP), then `fn(x, *weights)` - the block's
-    column-parallel matmuls - on the full sequence, returning a tuple of outputs laid out as
-    `out_axes`.
+    """Enter a tensor-parallel block: f (TP) or g (TP+SP), then `fn(x, *extras, *weights)` - the
+    block's column-parallel matmuls - on the full sequence (of this context rank), returning a tuple
+    of outputs laid out as `out_axes`. `extras`: (activation, logical axes) pairs the block also
+    reads, such as RoPE's positions.
 
     With a tensor axis, `fn` runs inside one manual region on each rank's weight shards, so the
     backward pass sums the input-gradient contributions of all its matmuls locally and reduces them
@@ -69,25 +72,30 @@ def column_parallel(
     LinearWithGradAccumulationAndAsyncCommunication). The recomputed matmul outputs are unused in
     backward and removed by XLA, so no GEMM runs twice.
     """
+    extra_arrays = [e for e, _ in extras]
     if layout is None or layout.tensor_size == 1:
-        outs = fn(x_btd, *weights)
+        outs = fn(x_btd, *extra_arrays, *weights)
         return tuple(constrain(layout, o, a) for o, a in zip(outs, out_axes, strict=True))
     sp = layout.sequence_parallel
 
-    def local(x, *ws):
-        if sp:
+    def local(x, *args):
+        if sp:  # the sequence of this context rank (sharded over context x tensor outside)
             x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
-        return tuple(fn(x, *ws))
+        return tuple(fn(x, *args))
 
     region = _manual(
         layout,
         local,
-        in_specs=(layout.spec(residual_axes), *(_tensor_spec(layout, a) for a in weight_axes)),
+        in_specs=(
+            layout.spec(residual_axes),
+            *(layout.spec(a) for _, a in extras),
+            *(_tensor_spec(layout, a) for a in weight_axes),
+        ),
         out_specs=tuple(layout.spec(a) for a in out_axes),
     )
     if sp:
         region = jax.checkpoint(region)
-    return region(x_btd, *weights)
+    return region(x_btd, *extra_arrays, *weights)
 
 
 def row_parallel(
@@ -136,7 +144,7 @@ def vocab_parallel_embed(
         x = jnp.take(table, local_ids, axis=0, mode="fill", fill_value=0)
         return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
 
-    tokens_spec = layout.spec((out_axes[0], None))
+    tokens_spec = layout.spec((ax.BATCH, ax.SEQ))  # rows over (data, fsdp), sequence over context
     table_spec = _tensor_spec(layout, table_axes)
     return _manual(layout, local, in_specs=(table_spec, tokens_spec), out_specs=layout.spec(out_axes))(
         table_vd, tokens_bt

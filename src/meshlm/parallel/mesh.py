@@ -1,6 +1,6 @@
 """Build the device mesh from `ParallelConfig`, and join a multi-process group.
 
-Axes are always (data, fsdp, tensor); an axis of size 1 shards nothing, so every strategy is a
+Axes are always (data, fsdp, context, tensor); an axis of size 1 shards nothing, so every strategy is a
 choice of sizes, never a different code path. Axis types are `Auto`: shardings are declared with
 `NamedSharding`/`with_sharding_constraint` and GSPMD propagates the rest (the FAX model: declared
 partitioning, compiler-inserted collectives).
@@ -25,9 +25,9 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from meshlm.config import ConfigError, ParallelConfig
-from meshlm.parallel.rules import Layout, rules_for
+from meshlm.parallel.rules import Layout, context_order, rules_for
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "MESHLM_COORDINATOR", "MESHLM_NUM_PROCESSES", "MESHLM_PROCESS_ID"
 
 
@@ -226,12 +226,13 @@ def init_distributed(group: ProcessGroup) -> None:
 
 
 def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
-    """A `Mesh` of shape (data, fsdp, tensor) over `devices` (default: the global devices).
+    """A `Mesh` of shape (data, fsdp, context, tensor) over `devices` (default: the global devices).
 
     `tensor` is the innermost (fastest-varying) axis so that it maps onto the closest devices
-    (same host / NVLink / ICI neighbours), as both papers require of the model-parallel group.
+    (same host / NVLink / ICI neighbours), as both papers require of the model-parallel group;
+    `context` comes next (its ring exchanges K/V every layer, as Megatron places CP inside DP).
     """
-    shape = (parallel.data, parallel.fsdp, parallel.tensor)
+    shape = mesh_shape(parallel)
     if devices is None:
         devices = jax.devices()
         # One process may run a smaller mesh on the first devices (e.g. a 2-device job on an 8-GPU
@@ -245,19 +246,29 @@ def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
             if jax.process_count() > 1
             else f"{len(devices)} are available (use --devices N on CPU, or change --mesh)"
         )
-        mesh = f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]}"
+        mesh = "mesh " + " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, shape, strict=True))
         raise ConfigError(f"{mesh} needs {int(np.prod(shape))} devices but {where}")
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def mesh_shape(parallel: ParallelConfig) -> tuple[int, ...]:
+    """Axis sizes in `MESH_AXES` order."""
+    return tuple(getattr(parallel, name) for name in MESH_AXES)
+
+
+def _layout(mesh, parallel: ParallelConfig) -> Layout:
+    order = None
+    if parallel.context > 1:
+        order = context_order(parallel.context, parallel.context_load_balance)
+    return Layout(mesh, rules_for(parallel.sequence_parallel), parallel.context_strategy, order)
 
 
 def abstract_layout(parallel: ParallelConfig) -> Layout:
     """The layout of a mesh of this shape without devices: shard shapes for planning any size."""
-    sizes = (parallel.data, parallel.fsdp, parallel.tensor)
-    return Layout(
-        AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3), rules_for(parallel.sequence_parallel)
-    )
+    mesh = AbstractMesh(mesh_shape(parallel), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return _layout(mesh, parallel)
 
 
 def make_layout(parallel: ParallelConfig, devices: list | None = None) -> Layout:
-    """The mesh plus the rules table for this parallel config (sequence parallelism included)."""
-    return Layout(make_mesh(parallel, devices), rules_for(parallel.sequence_parallel))
+    """The mesh plus the rules table for this parallel config (sequence and context parallelism included)."""
+    return _layout(make_mesh(parallel, devices), parallel)

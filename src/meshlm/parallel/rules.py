@@ -10,7 +10,10 @@ combinations, because the mesh always has all three axes and an axis of size 1 s
 - heads / kv_heads / mlp / vocab over tensor: QKV and MLP-in are column-parallel, attention-out
   and MLP-out row-parallel, the embedding and output layer vocabulary-parallel (Megatron, P2 4.2.1);
 - with sequence parallelism (P2 4.2.2), `act_seq` - the sequence axis of the LayerNorm, dropout and
-  residual regions - is also sharded over tensor (`rules_for`).
+  residual regions - is also sharded over tensor (`rules_for`);
+- with context parallelism the sequence of the whole layer is sharded over `context` (`seq`,
+  `act_seq`); under SP the residual's sequence is then split over (context, tensor). The rows are
+  stored in the order `context_order` gives (load balancing), which `Layout.seq_index` names.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,8 +42,8 @@ RULES: dict[str, MeshAxes] = {
     ax.MLP: "tensor",
     # activations
     ax.BATCH: ("data", "fsdp"),
-    ax.SEQ: None,
-    ax.ACT_SEQ: None,
+    ax.SEQ: "context",
+    ax.ACT_SEQ: "context",
     ax.ACT_EMBED: None,
     ax.ACT_HEADS: "tensor",
     ax.ACT_KV_HEADS: "tensor",
@@ -52,8 +56,37 @@ def rules_for(sequence_parallel: bool) -> tuple[tuple[str, MeshAxes], ...]:
     """The rules table, with the sequence-parallel row switched on or off."""
     table = dict(RULES)
     if sequence_parallel:
-        table[ax.ACT_SEQ] = "tensor"
+        table[ax.ACT_SEQ] = ("context", "tensor")
     return tuple(table.items())
+
+
+def context_order(context: int, load_balance: bool) -> tuple[int, ...]:
+    """Which chunk of the sequence each stored chunk is, in storage order: rank r of `context`
+    holds stored chunks 2r and 2r+1 = original chunks r and 2c-1-r when load-balanced (causal
+    attention work then equals on every rank), else chunk r."""
+    if not load_balance:
+        return tuple(range(context))
+    return tuple(c for r in range(context) for c in (r, 2 * context - 1 - r))
+
+
+def sequence_index(length: int, order: Sequence[int] | None) -> np.ndarray:
+    """int32 [length]: the original position of each stored position (0..length-1 without CP)."""
+    if order is None:
+        return np.arange(length, dtype=np.int32)
+    chunk = length // len(order)
+    if chunk * len(order) != length:
+        raise ValueError(f"sequence length {length} does not split into {len(order)} context chunks")
+    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk, dtype=np.int32) for c in order])
+
+
+def reorder_sequence(x: np.ndarray, order: Sequence[int] | None, axis: int = 1) -> np.ndarray:
+    """Put a batch's sequence axis into storage order (the loader does this once per batch)."""
+    return x if order is None else np.take(x, sequence_index(x.shape[axis], order), axis=axis)
+
+
+def restore_sequence(x: np.ndarray, order: Sequence[int] | None, axis: int = 1) -> np.ndarray:
+    """The inverse of `reorder_sequence` (tests and tools; training never needs it)."""
+    return x if order is None else np.take(x, np.argsort(sequence_index(x.shape[axis], order)), axis=axis)
 
 
 @dataclass(frozen=True)
@@ -62,6 +95,8 @@ class Layout:
 
     mesh: Mesh
     rules: tuple[tuple[str, MeshAxes], ...] = tuple(RULES.items())
+    context_strategy: str = "ring"
+    context_order: tuple[int, ...] | None = None  # storage order of the sequence chunks (context > 1)
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
         """Mesh axes of size > 1 that a logical axis maps to (size-1 axes are dropped)."""
@@ -102,6 +137,19 @@ class Layout:
     @property
     def tensor_size(self) -> int:
         return self.mesh.shape["tensor"]
+
+    @property
+    def context_size(self) -> int:
+        return self.mesh.shape["context"]
+
+    @property
+    def reordered(self) -> bool:
+        """The sequence is stored in another order than the original (load-balanced CP)."""
+        return self.context_size > 1 and tuple(self.context_order) != tuple(sorted(self.context_order))
+
+    def seq_index(self, length: int) -> np.ndarray:
+        """The original position of each stored sequence position (identity without CP)."""
+        return sequence_index(length, self.context_order if self.context_size > 1 else None)
 
 
 def constrain(layout: Layout | None, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:

@@ -1,0 +1,194 @@
+"""Context parallelism: the attention core when the sequence is split over the `context` mesh axis.
+
+Outside attention every layer is position-wise, so a sequence sharded over `context` needs no
+communication there; only attention needs the other ranks' keys and values. Two strategies, both
+written as `shard_map` regions (manual over `context` only) around the
+blockwise kernel (`model.blockwise`), both with a custom VJP that keeps only this rank's Q, K, V,
+the output and an fp32 log-sum-exp per row:
+
+- `all_gather`: gather K and V (and their positions and document ids) over `context`, attend,
+  and in the backward pass gather again and reduce-scatter dK, dV. Simple; holds the whole
+  sequence's K/V for the duration of one layer's attention.
+- `ring` (Li et al. 2021; Liu et al.'s Ring Attention): c steps; at each, attend to the K/V block
+  in hand while the next block travels one rank on (`ppermute` issued before the step's compute,
+  which does not depend on it, so the two can overlap), merging partial results by their
+  log-sum-exp. Backward: the blocks go round again (c-1 hops) with their dK/dV accumulators,
+  which a c-th hop brings home. Holds two K/V blocks at a time (backward: also two fp32 dK/dV).
+
+Positions: each stored token carries its position in the original sequence (`Layout.seq_index`);
+the causal mask, causal block skipping and the dropout blocks all follow them, so any storage
+order works - in particular the load-balanced one (`rules.context_order`), under which every rank
+skips the same number of blocks. Dropout masks are drawn per (query block, key block) of original
+positions, so they equal the single-device kernel's when `model.attention_block` is at most one
+chunk (the CP block is then the same block).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from meshlm.model.blockwise import NEG, backward_blocks, forward_blocks, row_delta
+from meshlm.parallel.rules import Layout
+
+AXIS = "context"
+
+
+def kernel_block(block: int, chunk: int) -> int:
+    """The kernel's block under CP: `model.attention_block`, at most one context chunk (s/2c when
+    load-balanced), so that no block straddles two chunks (config validation requires that it
+    divides the chunk)."""
+    return min(block, chunk)
+
+
+def _gather(x, axis=1):
+    return jax.lax.all_gather(x, AXIS, axis=axis, tiled=True)
+
+
+# ----------------------------------------------------------------------------- all-gather
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _gathered(q, k, v, seg, pos, key, block, rate):
+    return _gathered_fwd(q, k, v, seg, pos, key, block, rate)[0]
+
+
+def _gathered_fwd(q, k, v, seg, pos, key, block, rate):
+    seg_k = None if seg is None else _gather(seg)
+    out, lse = forward_blocks(q, _gather(k), _gather(v), seg, seg_k, pos, _gather(pos, 0), key, block, rate)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, seg, pos, key, out, lse)
+
+
+def _gathered_bwd(block, rate, res, d_out):
+    q, k, v, seg, pos, key, out, lse = res
+    seg_k = None if seg is None else _gather(seg)
+    delta = row_delta(out, d_out)
+    dq, dk, dv = backward_blocks(
+        q, _gather(k), _gather(v), seg, seg_k, pos, _gather(pos, 0), key, lse, delta, d_out, block, rate
+    )
+    scatter = lambda g: jax.lax.psum_scatter(g, AXIS, scatter_dimension=1, tiled=True)
+    return dq.astype(q.dtype), scatter(dk).astype(k.dtype), scatter(dv).astype(v.dtype), None, None, None
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+# ----------------------------------------------------------------------------- ring
+
+
+def _merge(out, lse, out_s, lse_s):
+    """Combine two partial softmax results over disjoint key sets by their log-sum-exps."""
+    new = jnp.logaddexp(lse, lse_s)
+    ref = jnp.where(new == NEG, 0.0, new)  # rows that have seen nothing yet stay (0, -inf)
+    w, w_s = jnp.exp(lse - ref)[..., None], jnp.exp(lse_s - ref)[..., None]
+    return out * w + out_s * w_s, new
+
+
+def _hop(tree, size: int):
+    """Send to the next rank of the ring (rank r receives from r-1)."""
+    perm = [(r, (r + 1) % size) for r in range(size)]
+    return jax.tree.map(lambda x: None if x is None else jax.lax.ppermute(x, AXIS, perm), tree)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _ring(q, k, v, seg, pos, key, block, rate, size):
+    return _ring_fwd(q, k, v, seg, pos, key, block, rate, size)[0]
+
+
+def _ring_fwd(q, k, v, seg, pos, key, block, rate, size):
+    b, t, n, h = q.shape
+
+    def attend(acc, kv):
+        k_s, v_s, seg_s, pos_s = kv
+        out_s, lse_s = forward_blocks(q, k_s, v_s, seg, seg_s, pos, pos_s, key, block, rate)
+        return _merge(*acc, out_s, lse_s)
+
+    def step(carry, _):
+        acc, kv = carry
+        nxt = _hop(kv, size)  # in flight while this block is attended to
+        return (attend(acc, kv), nxt), None
+
+    acc = (jnp.zeros((b, t, n, h), jnp.float32), jnp.full((b, t, n), NEG, jnp.float32))
+    (acc, kv), _ = jax.lax.scan(step, (acc, (k, v, seg, pos)), length=size - 1)
+    out, lse = attend(acc, kv)  # the last block needs no onward hop
+    out = out.astype(q.dtype)
+    return out, (q, k, v, seg, pos, key, out, lse)
+
+
+def _ring_bwd(block, rate, size, res, d_out):
+    q, k, v, seg, pos, key, out, lse = res
+    delta = row_delta(out, d_out)
+
+    def attend(dq, kv, dkv):
+        k_s, v_s, seg_s, pos_s = kv
+        dq_s, dk_s, dv_s = backward_blocks(q, k_s, v_s, seg, seg_s, pos, pos_s, key, lse, delta, d_out, block, rate)
+        return dq + dq_s, (dkv[0] + dk_s, dkv[1] + dv_s)
+
+    def step(carry, _):
+        dq, kv, dkv = carry
+        nxt = _hop(kv, size)  # in flight while this block's gradients are computed
+        dq, dkv = attend(dq, kv, dkv)
+        return (dq, nxt, _hop(dkv, size)), None
+
+    zeros_kv = jnp.zeros(k.shape, jnp.float32)
+    init = (jnp.zeros(q.shape, jnp.float32), (k, v, seg, pos), (zeros_kv, zeros_kv))
+    (dq, kv, dkv), _ = jax.lax.scan(step, init, length=size - 1)
+    dq, dkv = attend(dq, kv, dkv)
+    dk, dv = _hop(dkv, size)  # the c-th hop brings every block's gradient home; K/V need not travel
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def context_attention(
+    layout: Layout,
+    q_btnh: jax.Array,
+    k_btkh: jax.Array,
+    v_btkh: jax.Array,
+    segment_ids_bt: jax.Array | None,
+    *,
+    block: int,
+    dropout_rate: float = 0.0,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """Causal attention [b, t, n, h] with t sharded over `context` in the layout's storage order,
+    by `layout.context_strategy` ("all_gather" or "ring")."""
+    size = layout.context_size
+    t = q_btnh.shape[1]
+    block = kernel_block(block, t // len(layout.context_order))
+    if key is None or dropout_rate == 0.0:
+        key, dropout_rate = None, 0.0
+    positions = jnp.asarray(layout.seq_index(t))
+    strategy = layout.context_strategy
+
+    def local(q, k, v, pos, *rest):
+        rest = list(rest)
+        seg = rest.pop(0) if segment_ids_bt is not None else None
+        key_ = rest.pop(0) if key is not None else None
+        if strategy == "ring":
+            return _ring(q, k, v, seg, pos, key_, block, float(dropout_rate), size)
+        return _gathered(q, k, v, seg, pos, key_, block, float(dropout_rate))
+
+    # Manual over `context` only: batch and heads stay global inside (GSPMD keeps them sharded), so
+    # the dropout blocks are drawn at their global shape and match every other layout's bits.
+    seq = P(None, AXIS)
+    args = [q_btnh, k_btkh, v_btkh, positions]
+    specs = [seq, seq, seq, P(AXIS)]
+    if segment_ids_bt is not None:
+        args.append(segment_ids_bt)
+        specs.append(seq)
+    if key is not None:
+        args.append(key)
+        specs.append(P())
+    region = jax.shard_map(
+        local, mesh=layout.mesh, in_specs=tuple(specs), out_specs=seq, axis_names={AXIS}, check_vma=False
+    )
+    return region(*args)

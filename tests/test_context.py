@@ -1,0 +1,354 @@
+"""Context parallelism: the sequence split over a `context` mesh axis gives one device's loss and
+raw gradients (all-gather and ring, load balancing on and off, composed with tensor + SP, data and
+remat), stores what the formula says, and balances causal work across ranks."""
+
+import dataclasses
+import json
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from helpers import logged_losses, random_batches, tiny_config
+from meshlm import accounting
+from meshlm.config import ConfigError, ParallelConfig, RematConfig, RunConfig, validate
+from meshlm.data.loader import WindowLoader, document_segments
+from meshlm.model.params import init_params, param_specs
+from meshlm.parallel.mesh import make_layout
+from meshlm.parallel.rules import context_order, reorder_sequence, restore_sequence, sequence_index
+from meshlm.step import make_grad_step
+from meshlm.train_state import state_shardings
+from test_gradients import STEP, assert_same_grads
+
+EOT = 0
+
+
+def config(
+    family: str, mesh: dict | None = None, *, document_mask=True, policy="elementwise", microbatches=1, **model
+) -> RunConfig:
+    """The tiny model (s=32) with the blockwise kernel at block 4 - under CP at most one context
+    chunk (2 tokens at c=8 balanced), so ranks run several blocks at c <= 4."""
+    cfg = tiny_config(family, microbatches=microbatches)
+    mesh = dict(mesh or {})
+    par = dataclasses.replace(ParallelConfig(), **mesh, sequence_parallel=mesh.get("tensor", 1) > 1)
+    return validate(
+        dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, attention="blockwise", attention_block=4, **model),
+            parallel=par,
+            remat=RematConfig(policy),
+            data=dataclasses.replace(cfg.data, document_mask=document_mask),
+        )
+    )
+
+
+def batch_for(cfg: RunConfig) -> dict[str, np.ndarray]:
+    batch = random_batches(cfg, 1, seed=3)[0]
+    if cfg.data.document_mask:  # several documents per row, so the masks really cut attention
+        batch["inputs"][:, ::7] = EOT
+        batch |= document_segments(batch["inputs"], EOT)
+    return batch
+
+
+@pytest.fixture(scope="module")
+def params():
+    out = {}
+    for family in ("gpt", "llama"):
+        p = init_params(param_specs(config(family).model), jax.random.key(0))
+        leaves, tree = jax.tree.flatten(p)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        out[family] = jax.tree.unflatten(
+            tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+        )
+    return jax.device_get(out)
+
+
+def grads(cfg: RunConfig, params: dict, reorder: bool = True) -> dict:
+    """Raw gradients of the train step's gradient path; the batch put in the layout's storage order
+    as the loader does (or not, with `reorder=False`)."""
+    layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
+    shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
+    batch = batch_for(cfg)
+    if reorder and layout.context_size > 1:
+        batch = {k: reorder_sequence(v, layout.context_order) for k, v in batch.items()}
+    fn = make_grad_step(cfg, layout, shardings)
+    return jax.device_get(fn(jax.device_put(params, shardings), batch, STEP))
+
+
+_REFERENCE: dict = {}
+
+
+def reference(family: str, params, **model) -> dict:
+    key = (family, tuple(sorted(model.items())))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = grads(config(family, **model), params[family])
+    return _REFERENCE[key]
+
+
+# gpt keeps dropout 0.1 at every site: with load balancing its masks are drawn by original position
+# (`positional_bernoulli` for the residual stream, per block of original positions in attention).
+CASES = {
+    "llama ring c=8 balanced": ("llama", dict(context=8, context_strategy="ring"), {}),
+    "llama all_gather c=4 balanced": ("llama", dict(context=4, context_strategy="all_gather"), {}),
+    "llama ring c=2 x tensor=2+SP x data=2": ("llama", dict(context=2, tensor=2, data=2), {}),
+    "gpt ring c=4 unbalanced, dropout": ("gpt", dict(context=4, context_load_balance=False), {}),
+    "gpt all_gather c=2 x tensor=2+SP x data=2 unbalanced, dropout": (
+        "gpt",
+        dict(context=2, tensor=2, data=2, context_strategy="all_gather", context_load_balance=False),
+        {},
+    ),
+    "gpt ring c=4 x tensor=2+SP balanced, dropout": ("gpt", dict(context=4, tensor=2), {}),
+    "gpt all_gather c=2 x fsdp=2 x tensor=2 balanced, dropout": (
+        "gpt",
+        dict(context=2, fsdp=2, tensor=2, context_strategy="all_gather"),
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_context_parallel_gradients_equal_one_device(case, params, devices):
+    family, mesh, model = CASES[case]
+    assert_same_grads(grads(config(family, mesh, **model), params[family]), reference(family, params, **model))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_the_attention_core_equals_one_device_with_balanced_dropout(strategy, devices):
+    """The core alone, load-balanced c=4 with GQA, documents and attention dropout: outputs and
+    input gradients equal the single-device blockwise kernel's (same dropout blocks, by original
+    position) and, without dropout, explicit attention's - a reference that shares no code."""
+    from meshlm.model.blockwise import blockwise_attention
+    from meshlm.model.layers import causal_attention
+    from meshlm.parallel.context import context_attention
+
+    b, t, n, kv, h, block = 2, 32, 4, 2, 8, 4
+    keys = jax.random.split(jax.random.key(3), 5)
+    q = jax.random.normal(keys[0], (b, t, n, h))
+    k, v = (jax.random.normal(x, (b, t, kv, h)) for x in keys[1:3])
+    d_out = jax.random.normal(keys[3], (b, t, n, h))
+    seg = jnp.asarray(np.cumsum(np.random.default_rng(0).random((b, t)) < 0.1, axis=1), jnp.int32)
+    layout = make_layout(ParallelConfig(context=4, context_strategy=strategy), jax.devices()[:4])
+    idx = jnp.asarray(layout.seq_index(t))
+    back = jnp.asarray(np.argsort(layout.seq_index(t)))
+
+    def split(q, k, v, rate):
+        r = lambda x: jnp.take(x, idx, axis=1)
+        out = context_attention(layout, r(q), r(k), r(v), r(seg), block=block, dropout_rate=rate, key=keys[4])
+        return jnp.take(out, back, axis=1)
+
+    @partial(jax.jit, static_argnums=0)
+    def value_and_grads(fn):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(d_out)
+
+    for rate in (0.0, 0.2):
+        got = value_and_grads(partial(split, rate=rate))
+        ref = value_and_grads(
+            lambda q, k, v, rate=rate: blockwise_attention(q, k, v, seg, block=block, dropout_rate=rate, key=keys[4])
+        )
+        for a, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-5)
+    explicit = value_and_grads(lambda q, k, v: causal_attention(q, k, v, seg))
+    no_dropout = value_and_grads(partial(split, rate=0.0))
+    for a, r in zip(jax.tree.leaves(no_dropout), jax.tree.leaves(explicit), strict=True):
+        np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-5)
+
+
+def test_context_parallel_with_recomputation_and_accumulation(params, devices):
+    """`full` re-runs the attention forward (the ring included) in backward; 2 microbatches
+    accumulate to the whole batch's gradient."""
+    cfg = config("llama", dict(context=4, tensor=2), policy="full", microbatches=2)
+    assert_same_grads(grads(cfg, params["llama"]), reference("llama", params))
+
+
+def test_a_batch_left_in_original_order_is_caught(params, devices):
+    """Break it on purpose: the layout expects the load-balanced order; a batch the loader did not
+    reorder gives other gradients, and the comparison says so."""
+    cfg = config("llama", dict(context=4))
+    with pytest.raises(AssertionError, match="differ from one device"):
+        assert_same_grads(grads(cfg, params["llama"], reorder=False), reference("llama", params))
+
+
+def test_dropout_bits_by_original_position_are_jax_bits():
+    """`positional_bernoulli` is jax.random.bernoulli bit for bit (identity positions) and its
+    permutation (permuted positions); its 64-bit flat index is exact past 2^32 elements."""
+    from meshlm.model.layers import flat_index_2x32, positional_bernoulli
+
+    key = jax.random.key(7)
+    for shape in [(3, 40, 24), (2, 16), (5, 8, 3, 4)]:
+        perm = np.random.default_rng(0).permutation(shape[1])
+        for p in (0.9, 0.5):
+            ref = np.asarray(jax.random.bernoulli(key, p, shape))
+            assert np.array_equal(positional_bernoulli(key, p, shape, jnp.arange(shape[1])), ref)
+            assert np.array_equal(positional_bernoulli(key, p, shape, jnp.asarray(perm)), np.take(ref, perm, axis=1))
+    shape = (4096, 131072, 16384)  # 2^43 elements: the high word matters
+    rng = np.random.default_rng(1)
+    coords = [rng.integers(0, s, 50, dtype=np.uint64) for s in shape]
+    hi, lo = flat_index_2x32([jnp.asarray(c.astype(np.uint32)) for c in coords], shape)
+    want = (coords[0] * np.uint64(shape[1]) + coords[1]) * np.uint64(shape[2]) + coords[2]
+    got = (np.asarray(hi).astype(np.uint64) << np.uint64(32)) + np.asarray(lo).astype(np.uint64)
+    assert np.array_equal(got, want)
+
+
+def test_reorder_round_trip_and_the_loader():
+    assert context_order(4, True) == (0, 7, 1, 6, 2, 5, 3, 4)
+    assert context_order(4, False) == (0, 1, 2, 3)
+    idx = sequence_index(16, context_order(2, True))
+    assert idx.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+    x = np.arange(3 * 32).reshape(3, 32)
+    for c, balanced in [(2, True), (4, True), (8, True), (4, False)]:
+        order = context_order(c, balanced)
+        assert np.array_equal(restore_sequence(reorder_sequence(x, order), order), x)
+        assert not balanced or not np.array_equal(reorder_sequence(x, order), x)
+    # the loader cuts documents in the original order, then reorders every array the same way
+    tokens = np.random.default_rng(0).integers(0, 9, 4000).astype(np.uint16)
+    order = context_order(4, True)
+    plain, cp = (
+        WindowLoader(tokens, 32, 4, seed=1, eot_id=0),
+        WindowLoader(tokens, 32, 4, seed=1, eot_id=0, order=order),
+    )
+    a, b = plain.batch(3), cp.batch(3)
+    assert a.keys() == b.keys() == {"inputs", "targets", "segment_ids", "positions"}
+    for k in a:
+        assert np.array_equal(reorder_sequence(a[k], order), b[k]), k
+
+
+def test_load_balancing_equalises_causal_work():
+    """Per-rank (query block, key block) pairs the kernel runs: equal under load balancing, in
+    total the single-device count nb(nb+1)/2 either way; unbalanced, the last rank does most."""
+    s, block = 4096, 128
+    nb = s // block
+    for c in (2, 4, 8):
+        balanced = accounting.context_block_pairs(s, c, True, block)
+        assert max(balanced) - min(balanced) <= 1 and sum(balanced) == nb * (nb + 1) // 2
+        unbalanced = accounting.context_block_pairs(s, c, False, block)
+        assert sum(unbalanced) == nb * (nb + 1) // 2 and unbalanced[-1] > 2 * unbalanced[0]
+
+
+@pytest.mark.parametrize(
+    "family, mesh, policy",
+    [
+        ("llama", dict(context=2, tensor=4, context_strategy="ring"), "elementwise"),
+        ("gpt", dict(context=4, tensor=2, context_strategy="all_gather"), "selective"),
+        ("llama", dict(context=8, context_strategy="ring"), "dots"),
+    ],
+)
+def test_context_parallel_stores_what_the_formula_says(family, mesh, policy, devices):
+    """Measured residual bytes per device (compiled program) = the formula with s/c tokens per
+    rank: only this rank's Q, K, V, output and log-sum-exp, never a gathered K/V or an s x s tensor."""
+    from test_memory import _measure, paper_config
+
+    base = paper_config(2, 1, False, policy, family)
+    sp = mesh.get("tensor", 1) > 1
+    par = dataclasses.replace(base.parallel, **mesh, sequence_parallel=sp)
+    cfg = validate(
+        dataclasses.replace(base, model=dataclasses.replace(base.model, attention="blockwise"), parallel=par)
+    )
+    measured, formula = _measure(cfg).activation_bytes, accounting.activation_memory(cfg)["total"]
+    assert measured == pytest.approx(formula, rel=5e-3)
+    one = validate(dataclasses.replace(cfg, parallel=dataclasses.replace(par, context=1)))
+    assert formula < accounting.activation_memory(one)["total"]  # splitting the sequence saves memory
+
+
+def test_context_accounting():
+    cfg = config("llama", dict(context=2, tensor=2, data=2), dtype="bfloat16")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2))
+    comm = accounting.context_comm_bytes(cfg)
+    m, t = cfg.model, cfg.train
+    local = t.seq_len // 2 * (t.global_batch // 2 // 2) * m.kv_heads * m.dim_head / 2  # one rank's K, one microbatch
+    n = m.n_layers * 2  # layers x microbatches
+    assert comm["forward"] == n * 1 * 2 * 2 * local  # 1 hop of bf16 K and V
+    assert comm["backward"] == n * (1 * 2 * 2 * local + 2 * 2 * 4 * local)  # 1 K/V hop, 2 hops of fp32 dK/dV
+    full = dataclasses.replace(cfg, remat=RematConfig("full"))
+    assert accounting.context_comm_bytes(full)["forward"] == 2 * comm["forward"]  # attention forward runs twice
+    gathered = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context_strategy="all_gather"))
+    assert accounting.context_comm_bytes(gathered)["backward"] == n * (2 * 2 * local + 2 * 4 * local)
+    assert accounting.context_comm_bytes(config("llama")) == {}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(model=dict(attention="explicit")), "context parallelism (parallel.context > 1) runs the blockwise"),
+        (dict(train=dict(seq_len=36)), "train.seq_len=36 is not divisible by 2 x context"),
+        (dict(parallel=dict(context_strategy="ulysses")), "parallel.context_strategy='ulysses' unknown"),
+        (dict(model=dict(attention_block=3)), "model.attention_block=3 does not divide the context chunk of 4"),
+    ],
+)
+def test_bad_context_configs_are_refused(change, message):
+    cfg = config("llama", dict(context=4))
+    sections = {k: dataclasses.replace(getattr(cfg, k), **v) for k, v in change.items()}
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(dataclasses.replace(cfg, **sections))
+
+
+def test_train_on_a_context_mesh_logs_the_one_device_losses(corpus_dir, tmp_path, devices):
+    """End to end through the trainer and its loader (document masking, load balancing,
+    validation): the same run on context=2 x tensor=2 + SP and on one device logs the same losses."""
+    from meshlm.cli import main
+
+    def run(name: str, *mesh: str) -> dict:
+        args = ["train", "--recipe", "llama-tiny", "--steps", "3", "--run-dir", str(tmp_path / name), *mesh]
+        for kv in (
+            f"data.paths={corpus_dir}",
+            "data.document_mask=true",
+            "model.vocab_size=320",
+            "model.attention=blockwise",
+            "model.attention_block=8",
+            "train.seq_len=64",
+            "train.global_batch=4",
+            "train.log_every=1",
+            "train.eval_every=3",
+        ):
+            args += ["--set", kv]
+        assert main(args) == 0
+        return logged_losses(tmp_path / name)
+
+    one = run("one")
+    split = run("split", "--mesh", "context=2,tensor=2", "--set", "parallel.sequence_parallel=true")
+    assert one.keys() == split.keys() == {1, 2, 3}
+    np.testing.assert_allclose([split[k] for k in one], [one[k] for k in one], rtol=2e-5)
+    val = [
+        [
+            json.loads(line)["val_loss"]
+            for line in (tmp_path / n / "metrics.jsonl").read_text().splitlines()
+            if "val_loss" in line
+        ]
+        for n in ("one", "split")
+    ]
+    assert len(val[0]) == 1 and val[0] == pytest.approx(val[1], rel=2e-5)
+    info = json.loads((tmp_path / "split" / "run.json").read_text())
+    assert info["mesh"]["context"] == 2
+
+
+def test_generation_refuses_a_context_mesh():
+    from meshlm.inference import _inference_config
+
+    with pytest.raises(ConfigError, match="do not split the sequence over 'context'"):
+        _inference_config(config("llama"), ParallelConfig(context=2))
+
+
+def test_the_planner_splits_long_sequences_over_context():
+    """llama-1b at 32k tokens, 4 sequences per step, on 8 H100s: the best plan uses context (with
+    the blockwise kernel the recipe did not ask for) and says why; at 2k tokens it does not."""
+    from meshlm import plan, recipes
+    from meshlm.hardware import ACCELERATORS
+
+    def best(seq_len: int, batch: int):
+        cfg = recipes.get("llama-1b")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len, global_batch=batch))
+        plans = plan.enumerate_plans(cfg, 8, ACCELERATORS["h100"])
+        return plans[0], plan.explain_choice(plans)
+
+    long, why = best(32768, 4)
+    assert not long.rejected and long.cfg.parallel.context > 1 and long.cfg.model.attention == "blockwise"
+    assert why.startswith(f"context={long.cfg.parallel.context}: at s=32768") and "faster than" in why
+    exchange = "context-parallel K/V exchange"
+    gathered = dataclasses.replace(long.cfg.parallel, context_strategy="all_gather")
+    gathered = plan.estimate(dataclasses.replace(long.cfg, parallel=gathered), ACCELERATORS["h100"])
+    assert gathered.time[exchange] > 0 and long.time[exchange] < gathered.time[exchange]  # the ring overlaps
+    short, why = best(2048, 256)
+    assert short.cfg.parallel.context == 1 and why.startswith("no context parallelism")

@@ -144,13 +144,16 @@ def test_the_attention_core_equals_one_device_with_balanced_dropout(strategy, de
         out, vjp = jax.vjp(fn, q, k, v)
         return out, vjp(d_out)
 
+    outputs = []
     for rate in (0.0, 0.2):
         got = value_and_grads(partial(split, rate=rate))
+        outputs.append(got[0])
         ref = value_and_grads(
             lambda q, k, v, rate=rate: blockwise_attention(q, k, v, seg, block=block, dropout_rate=rate, key=keys[4])
         )
         for a, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-5)
+    assert not np.allclose(outputs[0], outputs[1])  # dropout really ran
     explicit = value_and_grads(lambda q, k, v: causal_attention(q, k, v, seg))
     no_dropout = value_and_grads(partial(split, rate=0.0))
     for a, r in zip(jax.tree.leaves(no_dropout), jax.tree.leaves(explicit), strict=True):
@@ -162,6 +165,22 @@ def test_context_parallel_with_recomputation_and_accumulation(params, devices):
     accumulate to the whole batch's gradient."""
     cfg = config("llama", dict(context=4, tensor=2), policy="full", microbatches=2)
     assert_same_grads(grads(cfg, params["llama"]), reference("llama", params))
+
+
+def test_policies_that_recompute_attention_rerun_the_ring_forward(params, devices):
+    """What `context_comm_bytes` assumes: full, dots and offload re-run the attention forward -
+    its K/V hops included - in backward; elementwise and selective do not (ppermutes in the
+    traced gradient: forward K, V, positions; backward K, V, positions and dK, dV twice)."""
+    from meshlm.step import gradients
+
+    counts = {}
+    for policy in ("elementwise", "selective", "full", "dots", "offload"):
+        cfg = config("llama", dict(context=2), policy=policy, document_mask=False)
+        layout = make_layout(cfg.parallel, jax.devices()[:2])
+        shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
+        fn = lambda p, b, cfg=cfg, layout=layout, sh=shardings: gradients(p, b, None, cfg, layout, sh)[0]
+        counts[policy] = str(jax.make_jaxpr(fn)(params["llama"], batch_for(cfg))).count("ppermute")
+    assert counts == dict(elementwise=10, selective=10, full=13, dots=13, offload=13)
 
 
 def test_a_batch_left_in_original_order_is_caught(params, devices):
@@ -217,15 +236,18 @@ def test_reorder_round_trip_and_the_loader():
 
 
 def test_load_balancing_equalises_causal_work():
-    """Per-rank (query block, key block) pairs the kernel runs: equal under load balancing, in
-    total the single-device count nb(nb+1)/2 either way; unbalanced, the last rank does most."""
+    """Per-rank (query block, key block) pairs the kernel's skip rule admits: equal under load
+    balancing, in total the single-device count nb(nb+1)/2 either way; unbalanced, rank r runs r
+    full chunks and a diagonal one (the last about 2c-1 times the first)."""
     s, block = 4096, 128
     nb = s // block
     for c in (2, 4, 8):
         balanced = accounting.context_block_pairs(s, c, True, block)
         assert max(balanced) - min(balanced) <= 1 and sum(balanced) == nb * (nb + 1) // 2
         unbalanced = accounting.context_block_pairs(s, c, False, block)
-        assert sum(unbalanced) == nb * (nb + 1) // 2 and unbalanced[-1] > 2 * unbalanced[0]
+        m = nb // c  # blocks per rank: rank r sees r full chunks before its own diagonal chunk
+        assert unbalanced == [r * m * m + m * (m + 1) // 2 for r in range(c)]
+        assert sum(unbalanced) == nb * (nb + 1) // 2
 
 
 @pytest.mark.parametrize(
@@ -249,8 +271,6 @@ def test_context_parallel_stores_what_the_formula_says(family, mesh, policy, dev
     )
     measured, formula = _measure(cfg).activation_bytes, accounting.activation_memory(cfg)["total"]
     assert measured == pytest.approx(formula, rel=5e-3)
-    one = validate(dataclasses.replace(cfg, parallel=dataclasses.replace(par, context=1)))
-    assert formula < accounting.activation_memory(one)["total"]  # splitting the sequence saves memory
 
 
 def test_context_accounting():
@@ -349,6 +369,9 @@ def test_the_planner_splits_long_sequences_over_context():
     exchange = "context-parallel K/V exchange"
     gathered = dataclasses.replace(long.cfg.parallel, context_strategy="all_gather")
     gathered = plan.estimate(dataclasses.replace(long.cfg, parallel=gathered), ACCELERATORS["h100"])
-    assert gathered.time[exchange] > 0 and long.time[exchange] < gathered.time[exchange]  # the ring overlaps
+    # all-gather's exchange is timed whole; the ring's is reduced by the attention it may overlap
+    # (the planner's assumption, unmeasured without a GPU)
+    assert gathered.time[exchange] > 0 and long.time[exchange] < gathered.time[exchange]
+    assert long.cfg.parallel.describe() == "data=2 fsdp=2 context=2 tensor=1"  # docs/long-sequences.md
     short, why = best(2048, 256)
     assert short.cfg.parallel.context == 1 and why.startswith("no context parallelism")

@@ -101,7 +101,7 @@ def test_plan_cli_json_and_verify(capsys, devices):
     out = json.loads(capsys.readouterr().out)
     best = out["plans"][0]
     assert not best["rejected"] and best["total_memory_bytes"] <= 2**30
-    assert best["data"] * best["fsdp"] * best["tensor"] == 8
+    assert best["data"] * best["fsdp"] * best["context"] * best["tensor"] == 8
     ratio = float(out["verified"].split("ratio ")[1].rstrip(")"))
     assert ratio == pytest.approx(1.0, rel=0.01)  # predicted activations = what the compiled plan stores
 

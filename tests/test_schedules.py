@@ -27,8 +27,10 @@ def test_interleaved(p, m, v):
     s = build("interleaved", p, m, v)
     assert s.ticks == 2 * (m * v + p - 1)
     assert s.bubble_fraction == pytest.approx((p - 1) / (v * m))  # v times smaller than 1F1B's
-    # Megatron's warm-up: (p - s - 1) * 2 + (v - 1) * p forwards, then one more before the first backward
-    assert [s.peak_in_flight(i) for i in range(p)] == [min((p - i - 1) * 2 + (v - 1) * p + 1, m * v) for i in range(p)]
+    # Megatron's warm-up: (p - s - 1) * 2 + (v - 1) * p forwards, then one more before the first
+    # backward; with m == p every forward first
+    want = [m * v if m == p else min((p - i - 1) * 2 + (v - 1) * p + 1, m * v) for i in range(p)]
+    assert [s.peak_in_flight(i) for i in range(p)] == want
 
 
 def test_1f1b_memory_is_flat_in_m_and_gpipe_grows():
@@ -61,7 +63,17 @@ def test_the_validator_catches_broken_tables():
         t[0][1] = t[1][1]
         t[1][1] = None
 
+    def extra_chunk(t):  # a forward of a chunk that does not exist, in an idle slot of stage 0
+        i = next(i for i, r in enumerate(t) if r[0] is None)
+        t[i][0] = Action("F", 0, 4)
+
+    def renumbered(t):
+        i = next(i for i, r in enumerate(t) if r[1] is not None)
+        t[i][1] = Action(t[i][1].kind, 9, t[i][1].chunk)
+
     for edit, message in [
+        (extra_chunk, "outside 8 microbatches x 4 chunks"),
+        (renumbered, "outside"),
         (swap_first_backward_earlier, "before"),
         (drop_one, "runs 7"),
         (wrong_stage, "lives on"),

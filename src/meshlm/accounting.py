@@ -107,15 +107,18 @@ def attention_executed_fraction(m: ModelConfig, seq_len: int, context_chunk: int
 
 def context_block_pairs(seq_len: int, context: int, load_balance: bool, block: int) -> list[int]:
     """(query block, key block) pairs each context rank's kernel executes: those with some key at
-    or before some query in the original order - the kernel's own skip rule
+    or before some query in the original order - the kernel's skip rule
     (`blockwise.blocks_visible`), on the positions the loader's reordering gives each rank.
     Load-balanced, every rank executes the same number."""
-    from meshlm.model.blockwise import blocks_visible
+    import numpy as np
+
     from meshlm.parallel.rules import context_order, sequence_index
 
     blocks = sequence_index(seq_len, context_order(context, load_balance)).reshape(context, -1, block)
-    keys = blocks.reshape(-1, block)  # every rank's key blocks (ring and all-gather see all of them)
-    return [sum(bool(blocks_visible(q, k)) for q in blocks[r] for k in keys) for r in range(context)]
+    key_first = np.sort(blocks.min(-1).reshape(-1))  # every rank's key blocks (ring and all-gather see all)
+    last = blocks.max(-1)  # [rank, query block]
+    # pairs with key.min() <= query.max(): `blocks_visible`, counted by binary search
+    return [int(np.searchsorted(key_first, last[r], side="right").sum()) for r in range(context)]
 
 
 def context_comm_bytes(cfg: RunConfig) -> dict[str, float]:

@@ -145,7 +145,8 @@ class Layout:
     @property
     def reordered(self) -> bool:
         """The sequence is stored in another order than the original (load-balanced CP)."""
-        return self.context_size > 1 and tuple(self.context_order) != tuple(sorted(self.context_order))
+        order = self.context_order
+        return self.context_size > 1 and order is not None and tuple(order) != tuple(sorted(order))
 
     def seq_index(self, length: int) -> np.ndarray:
         """The original position of each stored sequence position (identity without CP)."""

@@ -8,7 +8,8 @@ takes one tick; stages run in lockstep and a result sent at one tick is usable a
 
 Each schedule is a per-stage *order* of actions (GPipe: all forwards, then all backwards; 1F1B:
 p-s-1 warm-up forwards, then one forward / one backward alternately, then the remaining backwards;
-interleaved 1F1B: Megatron's order over virtual chunks with (p-s-1)*2 + (v-1)*p warm-up forwards).
+interleaved 1F1B: Megatron's order over virtual chunks with (p-s-1)*2 + (v-1)*p warm-up forwards,
+all of them when m = p).
 `build` turns an order into a table by simulation: at every tick each stage runs its next action
 if the action it depends on finished at an earlier tick, else idles. `validate` checks a table
 independently: every stage runs m forwards and m backwards of each of its chunks, a forward
@@ -17,7 +18,8 @@ before its backward, every dependency one tick earlier. A schedule whose orders 
 
 Derived numbers (`Schedule`): ticks, bubble fraction (idle over busy time: (p-1)/m for GPipe and
 1F1B, (p-1)/(v m) interleaved) and the peak number of microbatch-chunks in flight per stage (whose
-inputs must be kept: m for GPipe, min(p-s, m) for 1F1B, Megatron's warm-up + 1 interleaved).
+inputs must be kept: m for GPipe, min(p-s, m) for 1F1B, Megatron's warm-up + 1 interleaved, m v
+when m = p).
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ def orders(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[
 
             fwd = [Action("F", micro_of(k), chunk_of(k, True)) for k in range(total)]
             bwd = [Action("B", micro_of(k), chunk_of(k, False)) for k in range(total)]
-            warm = min((p - s - 1) * 2 + (v - 1) * p, total)
+            # Megatron: with m == p every forward runs first ("all warm-up")
+            warm = total if m == p else min((p - s - 1) * 2 + (v - 1) * p, total)
             order = fwd[:warm]
             for i in range(total - warm):
                 order += [fwd[warm + i], bwd[i]]
@@ -198,6 +201,8 @@ def validate(schedule: Schedule) -> None:
         for stage, action in enumerate(row):
             if action is None:
                 continue
+            if not (0 <= action.microbatch < m and 0 <= action.chunk < chunks):
+                raise ScheduleError(f"{action} is outside {m} microbatches x {chunks} chunks")
             if action.chunk % p != stage:
                 where = f"chunk {action.chunk} lives on stage {action.chunk % p}"
                 raise ScheduleError(f"{action} runs on stage {stage}, but {where}")
@@ -211,9 +216,17 @@ def validate(schedule: Schedule) -> None:
                 if got != m:
                     raise ScheduleError(f"stage {stage} runs {got} {kind} of chunk {c}, not {m}")
     for action, (tick, _) in ran.items():
-        need = _dependency(action, p, chunks)
-        if need is not None and not ran[need][0] < tick:
-            raise ScheduleError(f"{action} at tick {tick} runs before {need} (tick {ran[need][0]}) has finished")
+        # the data flow, restated here rather than shared with `build`: a forward needs the previous
+        # chunk's forward, the last chunk's backward its own forward (the loss), any other backward
+        # the next chunk's backward
+        mb, c = action.microbatch, action.chunk
+        if action.kind == "F":
+            need = Action("F", mb, c - 1) if c > 0 else None
+        else:
+            need = Action("F", mb, c) if c == chunks - 1 else Action("B", mb, c + 1)
+        if need is not None and not (need in ran and ran[need][0] < tick):
+            when = f"tick {ran[need][0]}" if need in ran else "never"
+            raise ScheduleError(f"{action} at tick {tick} runs before {need} ({when}) has finished")
         if action.kind == "B" and not ran[Action("F", action.microbatch, action.chunk)][0] < tick:
             raise ScheduleError(f"{action} runs before its forward")
 

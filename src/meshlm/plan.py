@@ -6,6 +6,8 @@ optimizer state from the exact shardings; activations from `accounting.activatio
 gathered layer weights) and step time from a roofline (GEMMs at peak, plus tensor-parallel,
 context-parallel and data/FSDP collectives at the device kind's link bandwidths, not overlapped -
 except the ring's K/V hops, which overlap the attention they feed), then rank the layouts that fit.
+Where a device kind has measured rates (`CALIBRATIONS`: A100, from P2 Table 4), a calibrated step
+time is shown beside the roofline (`calibrated_time`; within 7% of P2 Table 5 for its four models).
 
 For a model configured with explicit attention, every layout is also planned with
 `model.attention=blockwise` (which context parallelism needs); such plans say so.
@@ -51,6 +53,7 @@ class Plan:
     time: dict[str, float] = field(default_factory=dict)  # seconds per step by part
     mfu: float = 0.0
     rejected: str = ""  # why it does not fit or cannot run; empty when feasible
+    calibrated: dict[str, float] | None = None  # seconds per step by part, where the device is calibrated
 
     @property
     def total_memory(self) -> float:
@@ -59,6 +62,11 @@ class Plan:
     @property
     def step_time(self) -> float:
         return sum(self.time.values())
+
+    @property
+    def expected_time(self) -> float:
+        """The calibrated step time where the device kind has one, else the roofline's."""
+        return sum(self.calibrated.values()) if self.calibrated else self.step_time
 
     def describe(self) -> str:
         p, r = self.cfg.parallel, self.cfg.remat.policy
@@ -106,16 +114,10 @@ def estimate(
     n = par.n_devices * pipeline
     peak = device_peak(device, cfg)
     plan.time["compute"] = accounting.hardware_flops_per_step(cfg) / (n * peak)
-    b = t.global_batch // t.microbatches // par.batch_shards
     group_bw = device.intra_bw if par.tensor <= device.per_node else device.inter_bw
-    s = t.seq_len // par.context
     if par.tensor > 1:
-        # per layer: 4 all-reduces (TP) or 4 all-gathers + 4 reduce-scatters (SP, same bytes) of
-        # s*b*h, plus SP's 2 backward re-gathers; ring cost (t-1)/t per gather or scatter
-        volume = s * b * m.d_model * e * (par.tensor - 1) / par.tensor
-        per_layer = (8 + (2 if par.sequence_parallel else 0)) * volume
         layers_here = m.n_layers / pipeline
-        plan.time["tensor-parallel collectives"] = t.microbatches * layers_here * per_layer / group_bw
+        plan.time["tensor-parallel collectives"] = t.microbatches * layers_here * tp_layer_bytes(cfg) / group_bw
     if par.context > 1:
         span = par.context * par.tensor
         bw = device.intra_bw if span <= device.per_node else device.inter_bw
@@ -135,6 +137,7 @@ def estimate(
             comm += 2 * t.microbatches * e * replica * (par.fsdp - 1) / par.fsdp
         plan.time["data/FSDP collectives"] = comm / bw
     plan.mfu = accounting.model_flops_per_step(cfg) / (plan.step_time * n * peak)
+    plan.calibrated = calibrated_time(cfg, device, plan.time, pipeline, interleave, bytes_per_param)
     if plan.total_memory > limit:
         states = plan.memory["parameters, gradients, optimizer"]
         plan.rejected = (
@@ -142,6 +145,84 @@ def estimate(
             f"(activations {act['total'] / GiB:.1f} GiB, states {states / GiB:.1f} GiB)"
         )
     return plan
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Achieved (not datasheet) rates of one device kind in a Megatron-style run: dense GEMMs at
+    `gemm_efficiency` of peak, tensor-parallel collectives at `tp_bandwidth` bytes/s per device
+    (busbw, element-wise kernels folded in), pipeline sends over the inter-node link, and the
+    optimizer update memory-bound at `hbm_bandwidth`."""
+
+    gemm_efficiency: float
+    tp_bandwidth: float
+    hbm_bandwidth: float
+    source: str
+
+
+# A100 SXM4 80 GB: the two unknowns solved from P2 Table 4 (one 22B layer, s=2048, b=4, t=8, bf16):
+# SP forward 7.2 ms and SP + selective forward+backward 20.3 ms = GEMM FLOPs / (312 TFLOP/s x e) +
+# TP bytes / bw (tests/test_plan.py re-derives them); HBM from the datasheet (2,039 GB/s).
+CALIBRATIONS = {
+    "a100": Calibration(0.72, 124e9, 2.039e12, "P2 Table 4 (22B layer: SP forward 7.2 ms, SP+selective 20.3 ms)"),
+}
+
+
+def tp_layer_bytes(cfg: RunConfig, forward_only: bool = False) -> float:
+    """Bytes one device sends in one layer's tensor-parallel collectives for one microbatch: per
+    pass 2 all-reduces (TP: 2 x reduce-scatter + all-gather volume) or 2 all-gathers + 2
+    reduce-scatters (SP) of s*b*h, ring cost (t-1)/t each; backward the same plus SP's 2 re-gathers."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    if par.tensor == 1:
+        return 0.0
+    b = t.global_batch // t.microbatches // par.batch_shards
+    volume = t.seq_len // par.context * b * m.d_model * accounting.dtype_bytes(m.dtype) * (par.tensor - 1) / par.tensor
+    forward = 4 * volume
+    return forward if forward_only else forward + 4 * volume + (2 * volume if par.sequence_parallel else 0)
+
+
+def calibrated_time(
+    cfg: RunConfig,
+    device: Accelerator,
+    roofline: dict[str, float],
+    pipeline: int = 1,
+    interleave: int = 1,
+    bytes_per_param: float = MESHLM_BYTES_PER_PARAM,
+) -> dict | None:
+    """Predicted seconds per step by part, from achieved rates (`CALIBRATIONS`) instead of the
+    roofline: GEMMs at the calibrated efficiency (the output layer on the last pipeline stage's
+    critical path); every collective of the roofline (`roofline`: tensor-parallel, context-parallel,
+    data/FSDP, each at its own link) slowed by the calibrated link efficiency (achieved TP bandwidth
+    / NVLink datasheet); the pipeline bubble (p-1)/(v m) of a stage's work; pipeline sends (1/t of
+    each activation per device over the inter-node link, Megatron's scatter-gather); the optimizer
+    update memory-bound. Never faster than the roofline. None for an uncalibrated device kind.
+    Checked against P2 Table 5 for its four models (tests/test_plan.py)."""
+    cal = CALIBRATIONS.get(device.name)
+    if cal is None:
+        return None
+    link_efficiency = cal.tp_bandwidth / device.intra_bw
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    n = par.n_devices * pipeline
+    rate = device_peak(device, cfg) * cal.gemm_efficiency
+    logits = 6 * t.global_batch * t.seq_len * m.d_model * m.vocab_size  # forward + backward output layer
+    layers = accounting.hardware_flops_per_step(cfg) - logits
+    out: dict[str, float] = {"GEMMs": layers / (n * rate)}
+    tp = roofline.get("tensor-parallel collectives", 0.0) / link_efficiency
+    if tp:
+        out["tensor-parallel collectives"] = tp
+    # the output layer: spread over every device without a pipeline, on the last stage's t devices with one
+    out["output layer"] = logits / (n * rate) if pipeline == 1 else logits / (par.n_devices * rate)
+    if pipeline > 1:
+        stage = out["GEMMs"] + tp
+        out["pipeline bubble"] = (pipeline - 1) / (interleave * t.microbatches) * stage
+        b = t.global_batch // t.microbatches // par.batch_shards
+        activation = t.seq_len * b * m.d_model * accounting.dtype_bytes(m.dtype) / par.tensor
+        out["pipeline sends"] = 2 * t.microbatches * interleave * activation / device.inter_bw
+    for part in ("context-parallel K/V exchange", "data/FSDP collectives"):
+        if roofline.get(part):
+            out[part] = roofline[part] / link_efficiency
+    out["optimizer update"] = 2 * bytes_per_param * sharded_params(cfg) / pipeline / cal.hbm_bandwidth  # read + write
+    return out
 
 
 def _attention_seconds(cfg: RunConfig) -> float:
@@ -197,9 +278,15 @@ def enumerate_plans(
                         plans.append(Plan(c, rejected=str(err).split(";")[0]))
                         continue
                     plans.append(estimate(c, device, memory_limit))
-    # fastest first; equal roofline times prefer fewer microbatches (bigger GEMMs), then less memory
+    # fastest first (calibrated where the device kind has rates, else roofline); equal times prefer
+    # fewer microbatches (bigger GEMMs), then less memory
     plans.sort(
-        key=lambda p: (bool(p.rejected), p.step_time if not p.rejected else 0, p.cfg.train.microbatches, p.total_memory)
+        key=lambda p: (
+            bool(p.rejected),
+            p.expected_time if not p.rejected else 0,
+            p.cfg.train.microbatches,
+            p.total_memory,
+        )
     )
     return plans
 
@@ -226,21 +313,22 @@ def explain_choice(plans: list[Plan]) -> str | None:
                 + f"; splitting the sequence {c} ways leaves {act / GiB:.1f} GiB of activations per device"
             )
         other = flat[0]
-        costs = {k: v for k, v in other.time.items() if k != "compute"}
+        parts = other.calibrated or other.time
+        costs = {k: v for k, v in parts.items() if k not in ("compute", "GEMMs")}
         if other.cfg.remat.policy == "full":
             why = "it recomputes every layer in backward"
         elif costs:
             part, seconds = max(costs.items(), key=lambda kv: kv[1])
-            why = f"its {part} take {seconds / other.step_time:.0%} of the step"
+            why = f"its {part} take {seconds / other.expected_time:.0%} of the step"
         else:
             why = "it runs more GEMM FLOPs"
         hidden = "; the ring's K/V hops hide behind attention" if best.cfg.parallel.context_strategy == "ring" else ""
         return (
-            f"context={c}: at s={s} it is {other.step_time / best.step_time:.2f}x faster than the best layout "
+            f"context={c}: at s={s} it is {other.expected_time / best.expected_time:.2f}x faster than the best layout "
             f"without it ({other.describe()}: {why}){hidden}"
         )
     if split:
-        ratio = split[0].step_time / best.step_time
+        ratio = split[0].expected_time / best.expected_time
         pace = "as fast" if ratio < 1.0005 else f"{ratio:.3f}x slower"
         rows = best.cfg.parallel.batch_shards
         instead = f"; the batch splits over data x fsdp = {rows} instead" if rows > 1 else ""
@@ -279,6 +367,11 @@ def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float)
         f"(peak {peak} matmuls; {links}); MFU here is the roofline bound",
         f"{'#':>3}  {'layout':68s} {'memory GiB':>10s} {'step s':>9s} {'MFU':>6s}  time split",
     ]
+    calibrated = any(p.calibrated for p in feasible[:top])
+    if calibrated:
+        cal = CALIBRATIONS[device.name]
+        lines[1] = lines[1].replace("  time split", f" {'calib. s':>9s} {'MFU':>6s}  time split")
+        lines.insert(1, f"calibrated columns: achieved rates from {cal.source}; 'step s' / first MFU: roofline")
     if any(p.mfu > 1 for p in feasible[:top]):
         lines.insert(
             1,
@@ -288,6 +381,11 @@ def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float)
     for i, p in enumerate(feasible[:top], 1):
         split = ", ".join(f"{k} {v / p.step_time:.0%}" for k, v in p.time.items())
         row = f"{p.describe():68s} {p.total_memory / GiB:10.2f} {p.step_time:9.4f} {p.mfu:6.1%}"
+        if calibrated:
+            seconds = sum(p.calibrated.values())
+            mfu = p.mfu * p.step_time / seconds
+            row += f" {seconds:9.4f} {mfu:6.1%}"
+            split = ", ".join(f"{k} {v / seconds:.0%}" for k, v in p.calibrated.items())
         lines.append(f"{i:>3}  {row}  {split}")
     groups: dict[str, list[Plan]] = {}
     for p in plans:
@@ -318,6 +416,7 @@ def to_json(plans: list[Plan], verified: str | None = None) -> dict:
             "memory_bytes": p.memory,
             "total_memory_bytes": p.total_memory,
             "step_time_s": p.time,
+            "calibrated_step_time_s": p.calibrated,
             "mfu": p.mfu,
             "rejected": p.rejected,
         }

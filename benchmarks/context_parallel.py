@@ -17,21 +17,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax
-import numpy as np
 
 from _markdown import write_section
+from _timing import median_step_seconds
 from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, validate
 from meshlm.memory import measure_activations
 from meshlm.parallel.mesh import make_layout
-from meshlm.step import make_train_step
-from meshlm.train_state import init_state, setup
 
 LENGTHS = (8192, 16384, 32768, 65536, 131072)
 MEMORY_MODES = {  # name: (attention, context)
@@ -87,32 +84,17 @@ def memory_rows(budget: float) -> list[str]:
 
 def speed_rows(rounds: int, tokens: int = 8192) -> list[str]:
     lengths = (512, 1024, 2048, 4096)
-    steps = {}
+    variants = {}
     for s in lengths:
         for name, (attention, mesh, strategy) in SPEED_MODES.items():
             cfg = config(attention, s, 256, 4, "float32", tokens // s, mesh, strategy)
-            layout = make_layout(cfg.parallel, jax.devices()[:2])
-            specs, tx, shardings = setup(cfg, layout)
-            state = init_state(specs, layout, tx, 0)
-            rng = np.random.default_rng(0)
-            batch = {k: rng.integers(0, 4096, (tokens // s, s)).astype(np.int32) for k in ("inputs", "targets")}
-            fn = make_train_step(cfg, layout, tx, shardings)
-            state, m = fn(state, batch)  # compile
-            jax.block_until_ready(m)
-            steps[(s, name)] = [fn, state, batch, []]
-    for _ in range(rounds):
-        for entry in steps.values():
-            fn, state, batch, times = entry
-            t0 = time.perf_counter()
-            state, m = fn(state, batch)
-            jax.block_until_ready(m)
-            times.append(time.perf_counter() - t0)
-            entry[1] = state
+            variants[(s, name)] = (cfg, make_layout(cfg.parallel, jax.devices()[:2]))
+    seconds = median_step_seconds(variants, rounds)  # random tokens: storage order does not matter
     names = list(SPEED_MODES)
     lines = ["| s | batch | " + " | ".join(f"{n} tok/s" for n in names) + " | ring / blockwise |"]
     lines.append("|---:|---:|" + "---:|" * (len(names) + 1))
     for s in lengths:
-        rate = {n: tokens / statistics.median(steps[(s, n)][3]) for n in names}
+        rate = {n: tokens / seconds[(s, n)] for n in names}
         lines.append(
             f"| {s:,} | {tokens // s} | "
             + " | ".join(f"{rate[n]:,.0f}" for n in names)

@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
-import numpy as np
 
 from _markdown import write_section
+from _timing import median_step_seconds
 from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, validate
 from meshlm.memory import measure_activations
 from meshlm.parallel.mesh import make_layout
-from meshlm.step import make_train_step
-from meshlm.train_state import init_state, setup
 
 MODES = {"explicit": ("explicit", 128), "blockwise-128": ("blockwise", 128), "blockwise-256": ("blockwise", 256)}
 
@@ -72,31 +69,16 @@ def memory_rows(budget: float) -> list[str]:
 
 
 def speed_rows(rounds: int, tokens: int = 4096) -> list[str]:
-    steps = {}
+    variants = {}
     for s in (256, 512, 1024, 2048):
         for mode in MODES:
             cfg = config(mode, s, 256, 4, 8, "float32", tokens // s)
-            layout = make_layout(cfg.parallel)
-            specs, tx, shardings = setup(cfg, layout)
-            state = init_state(specs, layout, tx, 0)
-            rng = np.random.default_rng(0)
-            batch = {k: rng.integers(0, 4096, (tokens // s, s)).astype(np.int32) for k in ("inputs", "targets")}
-            fn = make_train_step(cfg, layout, tx, shardings)
-            state, m = fn(state, batch)  # compile
-            jax.block_until_ready(m)
-            steps[(s, mode)] = [fn, state, batch, []]
-    for _ in range(rounds):
-        for entry in steps.values():
-            fn, state, batch, times = entry
-            t0 = time.perf_counter()
-            state, m = fn(state, batch)
-            jax.block_until_ready(m)
-            times.append(time.perf_counter() - t0)
-            entry[1] = state
+            variants[(s, mode)] = (cfg, make_layout(cfg.parallel))
+    seconds = median_step_seconds(variants, rounds)
     lines = ["| s | batch | " + " | ".join(f"{m} tok/s" for m in MODES) + " | blockwise-128 / explicit |"]
     lines.append("|---:|---:|" + "---:|" * (len(MODES) + 1))
     for s in (256, 512, 1024, 2048):
-        rate = {m: tokens / statistics.median(steps[(s, m)][3]) for m in MODES}
+        rate = {m: tokens / seconds[(s, m)] for m in MODES}
         lines.append(
             f"| {s:,} | {tokens // s} | "
             + " | ".join(f"{rate[m]:,.0f}" for m in MODES)

@@ -12,18 +12,16 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import logged_losses, random_batches, tiny_config
+import test_gradients
+from helpers import logged_losses, tiny_config
 from meshlm import accounting
 from meshlm.config import ConfigError, ParallelConfig, RematConfig, RunConfig, validate
-from meshlm.data.loader import WindowLoader, document_segments
-from meshlm.model.params import init_params, param_specs
+from meshlm.data.loader import WindowLoader
+from meshlm.model.params import param_specs
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.rules import context_order, reorder_sequence, restore_sequence, sequence_index
-from meshlm.step import make_grad_step
 from meshlm.train_state import state_shardings
-from test_gradients import STEP, assert_same_grads
-
-EOT = 0
+from test_gradients import assert_same_grads, batch_for, grads
 
 
 def config(
@@ -45,37 +43,7 @@ def config(
     )
 
 
-def batch_for(cfg: RunConfig) -> dict[str, np.ndarray]:
-    batch = random_batches(cfg, 1, seed=3)[0]
-    if cfg.data.document_mask:  # several documents per row, so the masks really cut attention
-        batch["inputs"][:, ::7] = EOT
-        batch |= document_segments(batch["inputs"], EOT)
-    return batch
-
-
-@pytest.fixture(scope="module")
-def params():
-    out = {}
-    for family in ("gpt", "llama"):
-        p = init_params(param_specs(config(family).model), jax.random.key(0))
-        leaves, tree = jax.tree.flatten(p)
-        keys = jax.random.split(jax.random.key(1), len(leaves))
-        out[family] = jax.tree.unflatten(
-            tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
-        )
-    return jax.device_get(out)
-
-
-def grads(cfg: RunConfig, params: dict, reorder: bool = True) -> dict:
-    """Raw gradients of the train step's gradient path; the batch put in the layout's storage order
-    as the loader does (or not, with `reorder=False`)."""
-    layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
-    shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
-    batch = batch_for(cfg)
-    if reorder and layout.context_size > 1:
-        batch = {k: reorder_sequence(v, layout.context_order) for k, v in batch.items()}
-    fn = make_grad_step(cfg, layout, shardings)
-    return jax.device_get(fn(jax.device_put(params, shardings), batch, STEP))
+params = test_gradients.params  # the same perturbed parameters (the attention mode adds none)
 
 
 _REFERENCE: dict = {}

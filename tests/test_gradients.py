@@ -22,6 +22,7 @@ from meshlm.data.loader import document_segments
 from meshlm.model.params import init_params, named_leaves, param_specs
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.remat import POLICIES
+from meshlm.parallel.rules import reorder_sequence
 from meshlm.step import make_grad_step, make_train_step
 from meshlm.train_state import init_state, state_shardings
 
@@ -74,11 +75,16 @@ def params():
     return jax.device_get(out)
 
 
-def grads(cfg: RunConfig, params: dict) -> dict:
+def grads(cfg: RunConfig, params: dict, reorder: bool = True) -> dict:
+    """Raw gradients of the train step's gradient path at STEP. With context parallelism the batch
+    is put in the layout's storage order, as the loader does (not with `reorder=False`)."""
     layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
     shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
+    batch = batch_for(cfg)
+    if reorder and layout.context_size > 1:
+        batch = {k: reorder_sequence(v, layout.context_order) for k, v in batch.items()}
     fn = make_grad_step(cfg, layout, shardings)
-    return jax.device_get(fn(jax.device_put(params, shardings), batch_for(cfg), STEP))
+    return jax.device_get(fn(jax.device_put(params, shardings), batch, STEP))
 
 
 @pytest.fixture(scope="module")

@@ -65,20 +65,39 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
       (4*B*s^2*h); attention-over-V's output is not needed by backward, so it is not recomputed.
     - full: the layer's forward GEMMs except the last MLP projection, whose output only feeds the
       residual add and is needed by nothing in backward.
-    - dots / offload: matmul outputs are kept, no GEMM is recomputed; elementwise: none.
+    - dots / offload: the weight-GEMM outputs are kept, but not the attention core's batched
+      matmuls (QK^T and attention over V, or the O(s) kernel's forward): those run again, as
+      backward needs the core's output; elementwise: none.
     """
     m, t = cfg.model, cfg.train
     terms = layer_forward_flops_per_token(m, t.seq_len)
     tokens_layers = t.global_batch * t.seq_len * m.n_layers
     policy = cfg.remat.policy
     frac = attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
+    attn = terms["attn_scores"] + terms["attn_values"]
     if policy == "full":
         last_mlp = terms["mlp"] // (2 if m.family == "gpt" else 3)
-        attn = terms["attn_scores"] + terms["attn_values"]
         return round(tokens_layers * (sum(terms.values()) - last_mlp - attn + frac * attn))
+    if policy in ("dots", "offload"):
+        return round(tokens_layers * frac * attn)
     if policy == "selective" and m.attention == "explicit":  # the O(s) kernels are never checkpointed
         return tokens_layers * terms["attn_scores"]
     return 0
+
+
+def attention_core_flops(cfg: RunConfig) -> int:
+    """FLOPs the attention core (QK^T, attention over V, their backward) executes per step,
+    recomputation included: 6 s x s matmul passes explicit, 7 over the executed blocks for the O(s)
+    kernels, plus whatever of it the policy re-runs (`recompute_flops_per_step`)."""
+    m, t = cfg.model, cfg.train
+    one = layer_forward_flops_per_token(m, t.seq_len)["attn_scores"] * t.global_batch * t.seq_len * m.n_layers
+    frac = attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
+    kernel = 6 * one if m.attention == "explicit" else 7 * one * frac
+    policy = cfg.remat.policy
+    rerun = {"full": 2 * frac, "dots": 2 * frac, "offload": 2 * frac}.get(policy, 0.0)
+    if policy == "selective" and m.attention == "explicit":
+        rerun = 1.0
+    return round(kernel + one * rerun)
 
 
 def attention_block(m: ModelConfig, seq_len: int, context_chunk: int | None = None) -> int:

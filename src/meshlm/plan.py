@@ -123,7 +123,7 @@ def estimate(
         bw = device.intra_bw if span <= device.per_node else device.inter_bw
         comm = sum(accounting.context_comm_bytes(cfg).values()) / bw / pipeline
         if par.context_strategy == "ring":  # each hop overlaps the attention on the block in hand
-            attention = _attention_seconds(cfg) / (n * peak)
+            attention = accounting.attention_core_flops(cfg) / (n * peak)
             comm = max(0.0, comm - attention)
         plan.time["context-parallel K/V exchange"] = comm
     dp = par.data * par.fsdp * par.context  # gradients are reduced over every replica of a weight
@@ -223,16 +223,6 @@ def calibrated_time(
             out[part] = roofline[part] / link_efficiency
     out["optimizer update"] = 2 * bytes_per_param * sharded_params(cfg) / pipeline / cal.hbm_bandwidth  # read + write
     return out
-
-
-def _attention_seconds(cfg: RunConfig) -> float:
-    """Hardware FLOPs of the attention core per step (what a ring's transfers can hide behind):
-    7 block matmuls (forward 2, backward 5), 9 when the policy re-runs the forward."""
-    m, t = cfg.model, cfg.train
-    terms = accounting.layer_forward_flops_per_token(m, t.seq_len)
-    frac = accounting.attention_executed_fraction(m, t.seq_len, accounting.context_chunk(cfg))
-    matmuls = 9 if cfg.remat.policy in ("full", "dots", "offload") else 7
-    return t.global_batch * t.seq_len * m.n_layers * terms["attn_scores"] * matmuls * frac
 
 
 def _divisors(n: int) -> list[int]:

@@ -85,6 +85,18 @@ def _block_range(diagonal: bool, lo: int | jax.Array, hi: int | jax.Array, n: in
     return jax.lax.fori_loop(0, n, skip_or_run, init)
 
 
+def _block_operands(q, k, v, seg_q, seg_k, pos_q, pos_k, block: int):
+    """Operands cut into blocks: q [b, nq, B, kv, g, h], k and v [b, nk, B, kv, h], document ids
+    [b, n, B] (padding: -1), positions [n, B] (see `_positions`)."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    qb = _blocked(q.reshape(b, t, kv, n // kv, h), block)
+    segq = None if seg_q is None else _blocked(seg_q, block, -1)
+    segk = None if seg_k is None else _blocked(seg_k, block, -1)
+    pq, pk = _positions(pos_q, t, block), _positions(pos_k, k.shape[1], block)
+    return qb, _blocked(k, block), _blocked(v, block), segq, segk, pq, pk
+
+
 def forward_blocks(q, k, v, seg_q, seg_k, pos_q, pos_k, key, block: int, rate: float):
     """(out [b, t, n, h] fp32, lse [b, t, n] fp32) of queries q against keys k, v.
 
@@ -96,11 +108,7 @@ def forward_blocks(q, k, v, seg_q, seg_k, pos_q, pos_k, key, block: int, rate: f
     g = n // kv
     scale = 1.0 / math.sqrt(h)
     diagonal = pos_q is None
-    qb = _blocked(q.reshape(b, t, kv, g, h), block)
-    kb, vb = _blocked(k, block), _blocked(v, block)
-    segq = None if seg_q is None else _blocked(seg_q, block, -1)
-    segk = None if seg_k is None else _blocked(seg_k, block, -1)
-    pq, pk = _positions(pos_q, t, block), _positions(pos_k, k.shape[1], block)
+    qb, kb, vb, segq, segk, pq, pk = _block_operands(q, k, v, seg_q, seg_k, pos_q, pos_k, block)
     nq, nk = qb.shape[1], kb.shape[1]
     dropout = key is not None and rate > 0
 
@@ -147,11 +155,7 @@ def backward_blocks(q, k, v, seg_q, seg_k, pos_q, pos_k, key, lse, delta, d_out,
     g = n // kv
     scale = 1.0 / math.sqrt(h)
     diagonal = pos_q is None
-    qb = _blocked(q.reshape(b, t, kv, g, h), block)
-    kb, vb = _blocked(k, block), _blocked(v, block)
-    segq = None if seg_q is None else _blocked(seg_q, block, -1)
-    segk = None if seg_k is None else _blocked(seg_k, block, -1)
-    pq, pk = _positions(pos_q, t, block), _positions(pos_k, k.shape[1], block)
+    qb, kb, vb, segq, segk, pq, pk = _block_operands(q, k, v, seg_q, seg_k, pos_q, pos_k, block)
     nq, nk = qb.shape[1], kb.shape[1]
     dob = _blocked(d_out.reshape(b, t, kv, g, h), block)
     # [b, nq, B, kv, g] -> [nq, b, kv, g, B]; a row that sees nothing (lse -inf) has p = 0 anyway

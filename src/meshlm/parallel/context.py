@@ -89,9 +89,10 @@ def _merge(out, lse, out_s, lse_s):
 
 
 def _hop(tree, size: int):
-    """Send to the next rank of the ring (rank r receives from r-1)."""
+    """Send every array of `tree` to the next rank of the ring (rank r receives from r-1; a None
+    leaf, e.g. absent document ids, stays None)."""
     perm = [(r, (r + 1) % size) for r in range(size)]
-    return jax.tree.map(lambda x: None if x is None else jax.lax.ppermute(x, AXIS, perm), tree)
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, AXIS, perm), tree)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))

@@ -19,12 +19,12 @@ MESHES = {
 }
 
 
-def tiny_config(family: str = "gpt", mesh: dict | None = None, **train) -> RunConfig:
+def tiny_config(family: str = "gpt", mesh: dict | None = None, n_layers: int = 2, **train) -> RunConfig:
     model = ModelConfig(
         family=family,
         vocab_size=256,
         d_model=64,
-        n_layers=2,
+        n_layers=n_layers,
         n_heads=4 if family == "gpt" else 8,
         n_kv_heads=4,  # llama: 8 query heads share 4 kv heads (GQA), still divisible by tensor=4
         max_seq_len=32,

@@ -47,6 +47,35 @@ def test_paper_layouts_fit_only_with_sp_and_selective(name):
     assert fits(True, "selective")
 
 
+@pytest.mark.parametrize("name", [n for n in TABLE3 if TABLE3[n][4] > 1])
+def test_paper_layouts_as_meshlm_pipelines(name):
+    """The same conclusion for meshlm's own pipelines (a `stage` axis, the executor's exact memory:
+    stage-sharded layers, embeddings on every stage, stage 0's in-flight residuals and buffers),
+    1F1B or interleaved as P2 ran them, with 2p microbatches."""
+    h, a, L, t, p, v, b = TABLE3[name]
+    model = ModelConfig(
+        d_model=h, n_heads=a, n_layers=L, vocab_size=51200, max_seq_len=2048, dropout=0.1, dtype="bfloat16"
+    )
+    a100 = ACCELERATORS["a100"]
+
+    def fits(sp: bool, policy: str) -> bool:
+        par = ParallelConfig(
+            tensor=t,
+            stage=p,
+            sequence_parallel=sp,
+            pipeline_schedule="interleaved" if v > 1 else "1f1b",
+            virtual_stages=v,
+        )
+        train = TrainConfig(global_batch=2 * p * b, microbatches=2 * p, seq_len=2048)
+        cfg = RunConfig(model=model, parallel=par, train=train, remat=RematConfig(policy))
+        plan = planner.estimate(cfg, a100, bytes_per_param=18)
+        assert plan.pipeline == p and "pipeline bubble" in plan.calibrated
+        return not plan.rejected
+
+    assert not fits(False, "elementwise")
+    assert fits(True, "selective")
+
+
 def test_sharded_state_bytes_are_exact(devices):
     """The planner's per-device parameter count (from the rules table alone) equals the real
     shard sizes of the initialised state."""
@@ -101,8 +130,8 @@ def test_plan_cli_json_and_verify(capsys, devices):
     out = json.loads(capsys.readouterr().out)
     best = out["plans"][0]
     assert not best["rejected"] and best["total_memory_bytes"] <= 2**30
-    assert best["data"] * best["fsdp"] * best["context"] * best["tensor"] == 8
-    ratio = float(out["verified"].split("ratio ")[1].rstrip(")"))
+    assert best["stage"] * best["data"] * best["fsdp"] * best["context"] * best["tensor"] == 8
+    ratio = float(out["verified"].split("ratio ")[1].split(")")[0])
     assert ratio == pytest.approx(1.0, rel=0.01)  # predicted activations = what the compiled plan stores
 
 
@@ -174,12 +203,12 @@ def test_the_a100_calibration_is_solved_from_p2_table4():
 def test_calibrated_step_time_predicts_p2_table5(name):
     """Out of sample (Table 4 calibrates one 22B layer): whole iterations of all four models at their
     Table 3 layouts (pipelines, interleaving for 175B/530B) within 20% of Table 5 (observed: -6%,
-    -2%, +2%, +7%), while the roofline, kept beside it, is 40-47% too fast."""
+    -2%, +2%, +7%), while the roofline, kept beside it (bubble included), is 32-45% too fast."""
     p, v = TABLE3[name][4:6]
     plan = planner.estimate(_paper_step(name), ACCELERATORS["a100"], pipeline=p, interleave=v, bytes_per_param=18)
     measured = TABLE5[name][0]
     assert sum(plan.calibrated.values()) == pytest.approx(measured, rel=0.2)
-    assert plan.step_time < 0.65 * measured  # the roofline bound stays a bound
+    assert plan.step_time < 0.7 * measured  # the roofline bound (bubble included) stays a bound
     assert (p > 1) == ("pipeline bubble" in plan.calibrated)
     assert planner.estimate(_paper_step(name), ACCELERATORS["h100"], pipeline=p).calibrated is None  # no rates
 

@@ -5,7 +5,15 @@ import dataclasses
 
 import pytest
 
-from meshlm.parallel.schedules import Action, ScheduleError, build, check_sizes, orders, validate
+from meshlm.parallel.schedules import (
+    Action,
+    ScheduleError,
+    build,
+    check_sizes,
+    first_stage_in_flight,
+    orders,
+    validate,
+)
 
 GRID = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
 
@@ -18,6 +26,7 @@ def test_gpipe_and_1f1b(p, m):
         assert s.bubble_fraction == pytest.approx((p - 1) / m)
         peaks = [s.peak_in_flight(i) for i in range(p)]
         assert peaks == ([m] * p if name == "gpipe" else [min(p - i, m) for i in range(p)])
+        assert first_stage_in_flight(name, p, m) == peaks[0] == max(peaks)
         assert all(x == 0 for x in [s.in_flight(i)[-1] for i in range(p)])  # everything drained
 
 
@@ -31,6 +40,7 @@ def test_interleaved(p, m, v):
     # backward; with m == p every forward first
     want = [m * v if m == p else min((p - i - 1) * 2 + (v - 1) * p + 1, m * v) for i in range(p)]
     assert [s.peak_in_flight(i) for i in range(p)] == want
+    assert first_stage_in_flight("interleaved", p, m, v) == want[0] == max(want)
 
 
 def test_1f1b_memory_is_flat_in_m_and_gpipe_grows():

@@ -12,7 +12,11 @@ projections, SwiGLU has three d x d_ff matrices instead of two.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from meshlm.config import ModelConfig, RunConfig
+from meshlm.parallel.schedules import first_stage_in_flight
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -307,18 +311,64 @@ def outside_activation_terms(
     return terms
 
 
+def pipeline_in_flight(cfg: RunConfig, pipeline: int | None = None, interleave: int | None = None) -> int:
+    """Microbatch-chunks whose stored activations stage 0 holds at its peak (1 without a pipeline).
+    A run's own pipeline (`parallel.stage`) by its schedule; an explicit `pipeline` (P2's Table 3
+    layouts) as Megatron runs it: 1F1B, interleaved when `interleave` > 1."""
+    par, micro = cfg.parallel, cfg.train.microbatches
+    if pipeline is None:
+        pipeline, interleave, name = par.stage, par.virtual_stages, par.pipeline_schedule
+    else:  # P2's Eq. 5 assumes a full pipeline: more microbatches than stages
+        interleave = interleave or 1
+        name = "interleaved" if interleave > 1 else "1f1b"
+        micro = max(micro, 2 * pipeline)
+    if pipeline == 1:
+        return 1
+    return first_stage_in_flight(name, pipeline, micro, interleave)
+
+
+def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
+    """What meshlm's executor keeps besides the stash (`parallel.pipeline`): every microbatch's
+    token ids and targets, and the inboxes of arrived activations and cotangents ([b, s, d] each,
+    sequence-sharded under SP) with their spare slots, sized by the schedule's table."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    act_slots, grad_slots = _inbox_slots(par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages)
+    b = t.global_batch // t.microbatches // par.batch_shards
+    r = par.tensor if par.sequence_parallel else 1
+    slot = dtype_bytes(m.dtype) * t.seq_len * b * m.d_model / r
+    return {
+        "token_ids_and_targets": 8 * t.seq_len * b * t.microbatches,
+        "activation_inbox": act_slots * slot,
+        "cotangent_inbox": grad_slots * slot,
+    }
+
+
+@functools.lru_cache(maxsize=256)
+def _inbox_slots(name: str, stages: int, microbatches: int, virtual: int) -> tuple[int, int]:
+    from meshlm.parallel.pipeline import tables  # imports JAX; only for a real pipeline
+    from meshlm.parallel.schedules import build
+
+    tab = tables(build(name, stages, microbatches, virtual))
+    return tab.act_slots, tab.grad_slots
+
+
 def activation_memory(
     cfg: RunConfig,
     *,
     policy: str | None = None,
     sequence_parallel: bool | None = None,
-    pipeline: int = 1,
-    interleave: int = 1,
+    pipeline: int | None = None,
+    interleave: int | None = None,
 ) -> dict[str, object]:
     """Per-device activation bytes of a whole model: {'per_layer': {term: bytes}, 'layer_total',
-    'layers': L x layer_total x interleave penalty (P2 5: the first pipeline stage holds L layers'
-    worth, times 1 + (p-1)/(p m) when interleaved), 'outside': {term: bytes}, 'total' (device),
-    'host_per_layer', 'host_total' (pinned host memory, offload policy)}."""
+    'layers', 'outside': {term: bytes}, 'total' (device), 'host_per_layer', 'host_total' (pinned
+    host memory, offload policy)}.
+
+    'layers' without a pipeline: L x layer_total. With one, stage 0's: the microbatch-chunks it
+    holds at its peak (`pipeline_in_flight`) x L/(p v) layers each - P2's Eq. 5 (L layers' worth,
+    x (1 + (p-1)/(p v)) interleaved) when m >= p, but m/p of it for GPipe's m > p and less when
+    m < p. A run's own pipeline (`parallel.stage`) lists its executor's buffers outside the
+    layers; an explicit `pipeline` (P2's layouts) follows P2 4.3's outside terms."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     policy = cfg.remat.policy if policy is None else policy
     sp = par.sequence_parallel if sequence_parallel is None else sequence_parallel
@@ -328,9 +378,17 @@ def activation_memory(
     # offload: the dot outputs `dots` would keep live in pinned host memory instead
     host_per_layer = _dot_output_terms(m, s, b, par.tensor, par.tensor if sp else 1) if policy == "offload" else {}
     layer_total = sum(per_layer.values())
-    penalty = 1 + (pipeline - 1) / (pipeline * interleave) if interleave > 1 else 1.0
-    layers = m.n_layers * layer_total * penalty
-    outside = outside_activation_terms(m, s, b, par.tensor, sp, pipeline)
+    own = pipeline is None and par.stage > 1
+    p = par.stage if pipeline is None else pipeline
+    v = par.virtual_stages if pipeline is None else (interleave or 1)
+    held = pipeline_in_flight(cfg, pipeline, interleave) * m.n_layers / (p * v)
+    layers = held * layer_total
+    if own:
+        outside = pipeline_buffer_terms(
+            dataclasses.replace(cfg, parallel=dataclasses.replace(par, sequence_parallel=sp))
+        )
+    else:
+        outside = outside_activation_terms(m, s, b, par.tensor, sp, p)
     return {
         "per_layer": per_layer,
         "layer_total": layer_total,
@@ -338,5 +396,5 @@ def activation_memory(
         "outside": outside,
         "total": layers + sum(outside.values()),
         "host_per_layer": host_per_layer,
-        "host_total": m.n_layers * sum(host_per_layer.values()),
+        "host_total": held * sum(host_per_layer.values()),
     }

@@ -329,9 +329,11 @@ def _mib(x: float) -> str:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     cfg = _prepare(args)
+    from meshlm import accounting
     from meshlm.memory import memory_table
 
-    rows = memory_table(cfg, measure=not args.no_measure)
+    pipelined = cfg.parallel.stage > 1  # the measurement is of an unpipelined forward/backward
+    rows = memory_table(cfg, measure=not args.no_measure and not pipelined)
     if args.json:
         out = []
         for r in rows:
@@ -361,6 +363,17 @@ def cmd_memory(args: argparse.Namespace) -> int:
     for col in ("policy", "SP", "per layer MiB", "formula MiB", "measured MiB", "ratio", "host MiB (f/m)"):
         table.add_column(col, justify="left" if col in ("policy", "SP") else "right")
     table.add_column("largest per-layer terms (MiB)")
+    if pipelined:
+        par = cfg.parallel
+        per = m.n_layers // (par.stage * par.virtual_stages)
+        held = accounting.pipeline_in_flight(cfg)
+        print(
+            f"pipeline: {par.pipeline_schedule}, {par.stage} stages x {par.virtual_stages} chunks of {per} layers, "
+            f"{t.microbatches} microbatches; stage 0 (the largest) holds {held} microbatch-chunks' stored "
+            f"activations = {held * per} layers' worth, plus its buffers (formula = stage 0). Not measured here "
+            "(the measurement is an unpipelined program); tests/test_pipeline.py checks stage 0 against the "
+            "compiled pipeline."
+        )
     for r in rows:
         terms = sorted(r.formula["per_layer"].items(), key=lambda kv: -kv[1])[: args.terms]
         table.add_row(
@@ -398,7 +411,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     limit = device.memory if limit is None else limit
     plans = planner.enumerate_plans(cfg, args.devices, device, limit)
     feasible = [p for p in plans if not p.rejected]
-    verified = planner.verify(feasible[0]) if args.verify and feasible else None
+    verified = planner.verify(feasible) if args.verify and feasible else None
     miss = None if feasible else planner.closest_miss(cfg, plans, args.devices, device, limit)
     why = planner.explain_choice(plans)
     if args.json:

@@ -25,6 +25,7 @@ OnNonFinite = Literal["stop", "skip"]
 # Recomputation policies: the names are owned here, their meaning by meshlm.parallel.remat.POLICIES
 # (a test keeps the two equal), so validating a config imports no JAX.
 ContextStrategy = Literal["all_gather", "ring"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 RematPolicy = Literal["elementwise", "selective", "full", "dots", "offload"]
 
 
@@ -114,8 +115,13 @@ class ParallelConfig:
     attention core either all-gathers K/V over `context` (`context_strategy=all_gather`) or passes
     K/V blocks around the ring (`ring`). `context_load_balance` (causal): rank i holds the
     sequence chunks i and 2c-1-i, so every rank does the same attention work (docs/long-sequences.md).
+
+    `stage` (pipeline parallelism) splits the layers into `stage` x `virtual_stages` equal chunks;
+    stage s holds chunks s, s+p, ... and `train.microbatches` microbatches flow through them in the
+    order of `pipeline_schedule` (docs/pipeline.md).
     """
 
+    stage: int = 1
     data: int = 1
     fsdp: int = 1
     context: int = 1
@@ -123,14 +129,17 @@ class ParallelConfig:
     sequence_parallel: bool = False
     context_strategy: ContextStrategy = "ring"
     context_load_balance: bool = True
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    virtual_stages: int = 1  # model chunks per stage (interleaved schedule)
 
     @property
     def n_devices(self) -> int:
-        return self.data * self.fsdp * self.context * self.tensor
+        return self.stage * self.data * self.fsdp * self.context * self.tensor
 
     def describe(self, sep: str = " ") -> str:
-        """`data=2 fsdp=1 tensor=4` (context only when > 1)."""
-        axes = ["data", "fsdp"] + (["context"] if self.context > 1 else []) + ["tensor"]
+        """`data=2 fsdp=1 tensor=4` (stage and context only when > 1)."""
+        axes = (["stage"] if self.stage > 1 else []) + ["data", "fsdp"]
+        axes += (["context"] if self.context > 1 else []) + ["tensor"]
         return sep.join(f"{a}={getattr(self, a)}" for a in axes)
 
     @property
@@ -356,12 +365,12 @@ def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> R
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
-    """`data=2,fsdp=1,tensor=4` -> {'data': 2, 'fsdp': 1, 'context': 1, 'tensor': 4} (missing axes are 1)."""
-    sizes = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}
+    """`data=2,tensor=4` -> {'stage': 1, 'data': 2, 'fsdp': 1, 'context': 1, 'tensor': 4} (missing axes are 1)."""
+    sizes = {"stage": 1, "data": 1, "fsdp": 1, "context": 1, "tensor": 1}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, value = part.partition("=")
         if name not in sizes:
-            raise ConfigError(f"unknown mesh axis {name!r}; axes: data, fsdp, context, tensor")
+            raise ConfigError(f"unknown mesh axis {name!r}; axes: stage, data, fsdp, context, tensor")
         try:
             sizes[name] = int(value)
         except ValueError:
@@ -390,7 +399,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "scan_unroll", "attention_block"):
         _need(getattr(m, name) > 0, f"model.{name} must be positive")
-    for name in ("data", "fsdp", "context", "tensor"):
+    for name in ("stage", "data", "fsdp", "context", "tensor"):
         _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
     _need(m.n_heads % m.kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of n_kv_heads={m.kv_heads}")
     _need(
@@ -441,6 +450,19 @@ def validate(cfg: RunConfig) -> RunConfig:
         )
         if p.sequence_parallel:
             _divides(t.seq_len // p.context, "the per-rank sequence train.seq_len/context", p.tensor, "tensor")
+    if p.stage > 1 or p.virtual_stages > 1:
+        from meshlm.parallel.schedules import ScheduleError, check_sizes  # plain Python, no JAX
+
+        _need(p.stage > 1, f"parallel.virtual_stages={p.virtual_stages} needs a pipeline (parallel.stage > 1)")
+        try:
+            check_sizes(p.pipeline_schedule, p.stage, t.microbatches, p.virtual_stages, m.n_layers)
+        except ScheduleError as e:
+            raise ConfigError(str(e)) from None
+        _need(
+            p.context == 1,
+            "pipeline parallelism (parallel.stage > 1) does not compose with context parallelism yet; "
+            "use parallel.context=1 (docs/pipeline.md)",
+        )
     if m.family == "gpt":
         _need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     policies = typing.get_args(RematPolicy)

@@ -18,6 +18,7 @@ from meshlm.config import RunConfig
 from meshlm.memory import device_bytes
 from meshlm.model.layers import fused_implementation
 from meshlm.model.params import named_leaves
+from meshlm.parallel.pipeline import schedule_for
 from meshlm.parallel.rules import Layout
 from meshlm.train_state import TrainState
 
@@ -39,11 +40,27 @@ def startup_report(
     param_bytes = sum(p["device_bytes"] for p in params)
     opt_bytes = _treedevice_bytes(abstract.opt_state, shardings.opt_state)
     act = accounting.activation_memory(cfg)
+    par = cfg.parallel
+    activations = "activations (per microbatch)"
+    pipeline = None
+    if par.stage > 1:
+        schedule = schedule_for(cfg)
+        held = accounting.pipeline_in_flight(cfg)
+        activations = f"activations (stage 0, {held} in flight)"
+        pipeline = {
+            "schedule": par.pipeline_schedule,
+            "stages": par.stage,
+            "virtual_stages": par.virtual_stages,
+            "microbatches": cfg.train.microbatches,
+            "ticks": schedule.ticks,
+            "bubble_fraction": schedule.bubble_fraction,
+            "peak_in_flight": [schedule.peak_in_flight(s) for s in range(par.stage)],
+        }
     predicted = {
         "parameters (fp32)": param_bytes,
         "gradients (fp32)": param_bytes,
         "optimizer state": opt_bytes,
-        "activations (per microbatch)": act["total"],
+        activations: act["total"],
     }
     if act["host_total"]:
         predicted["activations offloaded to host"] = act["host_total"]
@@ -64,7 +81,6 @@ def startup_report(
         kind, why = fused_implementation(m.dtype, m.dim_head, cfg.data.document_mask)
         attention["fused"] = "fused -> cuDNN flash attention" if kind == "cudnn" else f"fused -> blockwise ({why})"
     context = None
-    par = cfg.parallel
     if par.context > 1:
         chunk = accounting.context_chunk(cfg)
         block = accounting.attention_block(m, cfg.train.seq_len, chunk)
@@ -82,6 +98,7 @@ def startup_report(
         "mesh": dict(layout.mesh.shape),
         "attention": attention[m.attention],
         "context": context,
+        "pipeline": pipeline,
         "sequence_parallel": layout.sequence_parallel,
         "remat": cfg.remat.policy,
         "parameters": params,
@@ -116,6 +133,14 @@ def format_report(r: dict[str, Any]) -> list[str]:
             f"{', load-balanced (chunks i and 2c-1-i)' if c['load_balance'] else ''}; attention block pairs per "
             f"rank {min(pairs)}..{max(pairs)}; K/V received per device per step "
             f"{_size(c['kv_bytes_received_per_step'])}"
+        )
+    if r.get("pipeline"):
+        p = r["pipeline"]
+        chunks = f" x {p['virtual_stages']} chunks each" if p["virtual_stages"] > 1 else ""
+        lines.append(
+            f"pipeline: {p['schedule']} over {p['stages']} stages{chunks}, {p['microbatches']} microbatches in "
+            f"{p['ticks']} ticks, bubble {p['bubble_fraction']:.1%} of the busy time; microbatch-chunks in flight "
+            f"per stage {p['peak_in_flight']}"
         )
     lines.append(f"parameters: {r['param_count'] / 1e6:.2f}M; per-device shards:")
     for p in r["parameters"]:

@@ -26,6 +26,7 @@ from meshlm.config import RunConfig
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.transformer import forward
 from meshlm.optim import lr_schedule
+from meshlm.parallel.pipeline import pipeline_gradients
 from meshlm.parallel.rules import Layout
 from meshlm.train_state import TrainState
 
@@ -96,6 +97,11 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
     the equivalence tests compare what it returns across layouts.
     """
     k = cfg.train.microbatches
+    if layout.stage_size > 1:  # the microbatches flow through the pipeline's stages instead
+        split = lambda b, m: _split_microbatches(b, m, layout)
+        grads, loss_sum, count = pipeline_gradients(params, batch, key, cfg, layout, split)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        return jax.tree.map(lambda g: g / count, grads), loss_sum / count, count
     grad_fn = jax.value_and_grad(lambda p, b, key: _loss_sum(p, b, cfg, layout, key), has_aux=True)
     if k == 1:
         (loss_sum, count), grads = grad_fn(params, batch, key)

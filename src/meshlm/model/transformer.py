@@ -228,6 +228,80 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
 BLOCKS = {"gpt": gpt_block, "llama": llama_block}
 
 
+def embed(
+    params: dict,
+    tokens_bt: jax.Array,
+    cfg: ModelConfig,
+    layout: Layout | None = None,
+    key: jax.Array | None = None,
+    positions: jax.Array | None = None,
+) -> jax.Array:
+    """Token (+ learned position) embedding and its dropout: the residual stream entering layer 0.
+    The embedding dropout uses fold_in(key, n_layers) (layers use 0..L-1)."""
+    dtype = jnp.dtype(cfg.dtype)
+    t = tokens_bt.shape[1]
+    x = vocab_parallel_embed(layout, params["wte"].astype(dtype), weight_axes(cfg)["wte"], tokens_bt, RESIDUAL)
+    if positions is None and _context(layout):  # stored in context order: each token's original position
+        positions = jnp.asarray(layout.seq_index(t))[None]
+    if cfg.family == "gpt":
+        wpe = params["wpe"].astype(dtype)
+        x = x + (wpe[:t][None] if positions is None else jnp.take(wpe, positions, axis=0))
+    x = constrain(layout, x, RESIDUAL)
+    embed_key = None if key is None else jax.random.fold_in(key, cfg.n_layers)
+    return layers.dropout(x, cfg.dropout, embed_key, _drop_positions(layout, t))
+
+
+def run_layers(
+    x_btd: jax.Array,
+    stacked: dict,
+    layer_ids: jax.Array,
+    cfg: ModelConfig,
+    layout: Layout | None = None,
+    key: jax.Array | None = None,
+    remat_policy: str = "elementwise",
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """`lax.scan` of the layer over stacked fp32 weights [n, ...]; layer j draws its dropout from
+    fold_in(key, layer_ids[j]) (its index in the whole model), so a pipeline chunk of layers
+    draws what the whole model would."""
+    dtype = jnp.dtype(cfg.dtype)
+    cast = partial(jax.tree.map, lambda w: w.astype(dtype))
+    block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
+
+    def body(x_btd, layer):
+        p, i = layer
+        layer_key = None if key is None else jax.random.fold_in(key, i)
+        return block(x_btd, cast(p), layer_key, segments=segment_ids), None
+
+    n = layer_ids.shape[0]
+    x, _ = jax.lax.scan(
+        remat.wrap_layer(body, remat_policy), x_btd, (stacked, layer_ids), unroll=min(cfg.scan_unroll, n)
+    )
+    return x
+
+
+def logits(
+    params: dict, x_btd: jax.Array, cfg: ModelConfig, layout: Layout | None = None, remat_policy: str = "elementwise"
+):
+    """Final norm and the vocabulary-parallel output layer: fp32 logits [b, t, v]."""
+    dtype = jnp.dtype(cfg.dtype)
+    if cfg.family == "gpt":
+        final_norm = partial(layers.layer_norm, eps=cfg.norm_eps)
+        x = remat.wrap_elementwise(final_norm, remat_policy)(x_btd, params["ln_f_scale"], params["ln_f_bias"])
+    else:
+        final_norm = partial(layers.rms_norm, eps=cfg.norm_eps)
+        x = remat.wrap_elementwise(final_norm, remat_policy)(x_btd, params["final_norm"])
+    out_name, equation = ("wte", "btd,vd->btv") if cfg.tied_embeddings else ("lm_head", "btd,dv->btv")
+    w_out, w_axes = params[out_name], weight_axes(cfg)[out_name]
+
+    def unembed(x_btd, w):  # vocabulary-parallel output layer, fp32 logits
+        return (jnp.einsum(equation, x_btd, w, preferred_element_type=jnp.float32),)
+
+    logits_axes = (ax.BATCH, ax.SEQ, ax.ACT_VOCAB)
+    (out,) = column_parallel(layout, unembed, x, [w_out.astype(dtype)], [w_axes], (logits_axes,), RESIDUAL)
+    return out
+
+
 def forward(
     params: dict,
     tokens_bt: jax.Array,
@@ -241,7 +315,7 @@ def forward(
     cache: KVCache | None = None,
     prefill: bool = False,
 ) -> jax.Array | tuple[jax.Array, KVCache]:
-    """Logits [b, t, v] in fp32 for int tokens [b, t].
+    """Logits [b, t, v] in fp32 for int tokens [b, t]: `embed` -> `run_layers` -> `logits`.
 
     `params` are fp32 masters; each layer casts its slice to `cfg.dtype` just before use. `key`
     enables dropout (gpt family); None is the deterministic eval path. Packed rows: `segment_ids`
@@ -252,59 +326,28 @@ def forward(
     `prefill`: the cache is empty (index 0), so a blockwise/fused model attends among the new
     tokens with its O(s) kernel instead of over the whole cache.
     """
-    dtype = jnp.dtype(cfg.dtype)
-    cast = partial(jax.tree.map, lambda w: w.astype(dtype))
     t = tokens_bt.shape[1]
     if cache is not None:
         positions = jnp.maximum(cache.index + jnp.arange(t)[None, :] - cache.start[:, None], 0)
-    x = vocab_parallel_embed(layout, params["wte"].astype(dtype), weight_axes(cfg)["wte"], tokens_bt, RESIDUAL)
-    if positions is None and _context(layout):  # stored in context order: each token's original position
-        positions = jnp.asarray(layout.seq_index(t))[None]
-    if cfg.family == "gpt":
-        wpe = params["wpe"].astype(dtype)
-        x = x + (wpe[:t][None] if positions is None else jnp.take(wpe, positions, axis=0))
-    x = constrain(layout, x, RESIDUAL)
-    # Layers use fold_in(key, 0..L-1); the embedding dropout takes the next index.
-    embed_key = None if key is None else jax.random.fold_in(key, cfg.n_layers)
-    x = layers.dropout(x, cfg.dropout, embed_key, _drop_positions(layout, t))
+    x = embed(params, tokens_bt, cfg, layout, key, positions)
+    ids = jnp.arange(cfg.n_layers)
+    if cache is None:
+        x = run_layers(x, params["layers"], ids, cfg, layout, key, remat_policy, segment_ids)
+        return logits(params, x, cfg, layout, remat_policy)
 
+    dtype = jnp.dtype(cfg.dtype)
+    cast = partial(jax.tree.map, lambda w: w.astype(dtype))
     block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
 
-    def body(x_btd, layer):
+    def decode_body(carry, layer):
+        x_btd, k_all, v_all = carry
         p, i = layer
-        layer_key = None if key is None else jax.random.fold_in(key, i)
-        return block(x_btd, cast(p), layer_key, segments=segment_ids), None
+        dec = ((k_all, v_all, i), cache, positions, prefill)
+        x_btd, (k_all, v_all) = block(x_btd, cast(p), None, dec=dec)
+        return (x_btd, k_all, v_all), None
 
     unroll = min(cfg.scan_unroll, cfg.n_layers)
-    if cache is None:
-        body = remat.wrap_layer(body, remat_policy)
-        x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(cfg.n_layers)), unroll=unroll)
-    else:
-
-        def decode_body(carry, layer):
-            x_btd, k_all, v_all = carry
-            p, i = layer
-            dec = ((k_all, v_all, i), cache, positions, prefill)
-            x_btd, (k_all, v_all) = block(x_btd, cast(p), None, dec=dec)
-            return (x_btd, k_all, v_all), None
-
-        layers_in = (params["layers"], jnp.arange(cfg.n_layers))
-        (x, k_all, v_all), _ = jax.lax.scan(decode_body, (x, cache.k, cache.v), layers_in, unroll=unroll)
-        cache = KVCache(k_all, v_all, cache.index + t, cache.start)
-        x = x[:, -1:]  # only the last position's logits are used: never build [b, t, vocab]
-
-    if cfg.family == "gpt":
-        final_norm = partial(layers.layer_norm, eps=cfg.norm_eps)
-        x = remat.wrap_elementwise(final_norm, remat_policy)(x, params["ln_f_scale"], params["ln_f_bias"])
-    else:
-        final_norm = partial(layers.rms_norm, eps=cfg.norm_eps)
-        x = remat.wrap_elementwise(final_norm, remat_policy)(x, params["final_norm"])
-    out_name, equation = ("wte", "btd,vd->btv") if cfg.tied_embeddings else ("lm_head", "btd,dv->btv")
-    w_out, w_axes = params[out_name], weight_axes(cfg)[out_name]
-
-    def unembed(x_btd, w):  # vocabulary-parallel output layer, fp32 logits
-        return (jnp.einsum(equation, x_btd, w, preferred_element_type=jnp.float32),)
-
-    logits_axes = (ax.BATCH, ax.SEQ, ax.ACT_VOCAB)
-    (logits,) = column_parallel(layout, unembed, x, [w_out.astype(dtype)], [w_axes], (logits_axes,), RESIDUAL)
-    return logits if cache is None else (logits, cache)
+    (x, k_all, v_all), _ = jax.lax.scan(decode_body, (x, cache.k, cache.v), (params["layers"], ids), unroll=unroll)
+    cache = KVCache(k_all, v_all, cache.index + t, cache.start)
+    x = x[:, -1:]  # only the last position's logits are used: never build [b, t, vocab]
+    return logits(params, x, cfg, layout, remat_policy), cache

@@ -44,6 +44,12 @@ def _tensor_spec(layout: Layout, logical_axes: Sequence[str | None]) -> P:
 
 
 def _manual(layout: Layout, fn, in_specs, out_specs):
+    """Manual over every mesh axis - or, inside another manual region (a pipeline stage), over
+    every axis that region left automatic."""
+    outer = jax.sharding.get_abstract_mesh()
+    if outer.manual_axes:
+        rest = set(outer.axis_names) - set(outer.manual_axes)
+        return jax.shard_map(fn, mesh=outer, in_specs=in_specs, out_specs=out_specs, axis_names=rest, check_vma=False)
     return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 

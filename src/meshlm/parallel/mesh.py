@@ -1,6 +1,6 @@
 """Build the device mesh from `ParallelConfig`, and join a multi-process group.
 
-Axes are always (data, fsdp, context, tensor); an axis of size 1 shards nothing, so every strategy is a
+Axes are always (stage, data, fsdp, context, tensor); an axis of size 1 shards nothing, so every strategy is a
 choice of sizes, never a different code path. Axis types are `Auto`: shardings are declared with
 `NamedSharding`/`with_sharding_constraint` and GSPMD propagates the rest (the FAX model: declared
 partitioning, compiler-inserted collectives).
@@ -27,7 +27,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from meshlm.config import ConfigError, ParallelConfig
 from meshlm.parallel.rules import Layout, context_order, rules_for
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "MESHLM_COORDINATOR", "MESHLM_NUM_PROCESSES", "MESHLM_PROCESS_ID"
 
 
@@ -226,11 +226,13 @@ def init_distributed(group: ProcessGroup) -> None:
 
 
 def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
-    """A `Mesh` of shape (data, fsdp, context, tensor) over `devices` (default: the global devices).
+    """A `Mesh` of shape (stage, data, fsdp, context, tensor) over `devices` (default: the global devices).
 
     `tensor` is the innermost (fastest-varying) axis so that it maps onto the closest devices
     (same host / NVLink / ICI neighbours), as both papers require of the model-parallel group;
-    `context` comes next (its ring exchanges K/V every layer, as Megatron places CP inside DP).
+    `context` comes next (its ring exchanges K/V every layer, as Megatron places CP inside DP);
+    `stage` is the outermost (pipeline sends are point-to-point, once per microbatch: the axis
+    that tolerates the slowest links, P2 and Megatron's inter-node placement).
     """
     shape = mesh_shape(parallel)
     if devices is None:

@@ -11,6 +11,8 @@ combinations, because the mesh always has all three axes and an axis of size 1 s
   and MLP-out row-parallel, the embedding and output layer vocabulary-parallel (Megatron, P2 4.2.1);
 - with sequence parallelism (P2 4.2.2), `act_seq` - the sequence axis of the LayerNorm, dropout and
   residual regions - is also sharded over tensor (`rules_for`);
+- with pipeline parallelism the stacked layer axis is split over `stage` (contiguous blocks of
+  L/p layers; `parallel.pipeline` regroups them per schedule chunk inside the step);
 - with context parallelism the sequence of the whole layer is sharded over `context` (`seq`,
   `act_seq`); under SP the residual's sequence is then split over (context, tensor). The rows are
   stored in the order `context_order` gives (load balancing), which `Layout.seq_index` names.
@@ -32,7 +34,7 @@ MeshAxes = str | tuple[str, ...] | None
 
 RULES: dict[str, MeshAxes] = {
     # parameters
-    ax.LAYERS: None,
+    ax.LAYERS: "stage",
     ax.VOCAB: "tensor",
     ax.EMBED: "fsdp",
     ax.POS: None,
@@ -137,6 +139,10 @@ class Layout:
     @property
     def tensor_size(self) -> int:
         return self.mesh.shape["tensor"]
+
+    @property
+    def stage_size(self) -> int:
+        return self.mesh.shape["stage"]
 
     @property
     def context_size(self) -> int:

@@ -114,6 +114,18 @@ def check_sizes(name: str, stages: int, microbatches: int, virtual: int = 1, lay
         )
 
 
+def first_stage_in_flight(name: str, stages: int, microbatches: int, virtual: int = 1) -> int:
+    """Stage 0's peak microbatch-chunks in flight (the most of any stage), in closed form - what
+    `Schedule.peak_in_flight(0)` counts on the table (tests keep the two equal): GPipe m, 1F1B
+    min(p, m), interleaved Megatron's warm-up + 1 = 2(p-1) + (v-1)p + 1 (all m v when m = p)."""
+    p, m, v = stages, microbatches, virtual
+    if name == "gpipe":
+        return m
+    if name == "1f1b":
+        return min(p, m)
+    return m * v if m == p else min(2 * (p - 1) + (v - 1) * p + 1, m * v)
+
+
 def orders(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
     """Each stage's actions in the order it runs them."""
     p, m, v = stages, microbatches, virtual

@@ -1,0 +1,299 @@
+"""Pipeline parallelism: the executor routes every value where the schedule says, gives one
+device's loss and raw gradients for every schedule on stage x tensor x data (+SP) and stage x
+tensor meshes, with every remat policy, document masks and dropout; bubbles are inert; stage 0
+stores what the formula says (GPipe grows with m, 1F1B does not); checkpoints move between
+pipelined and unpipelined meshes; bad pipelines are refused before compiling."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from helpers import logged_losses, random_batches, tiny_config
+from meshlm import accounting
+from meshlm.config import ConfigError, DataConfig, RematConfig, RunConfig, validate
+from meshlm.model.params import init_params, param_specs
+from meshlm.parallel import pipeline
+from meshlm.parallel.mesh import make_layout
+from meshlm.parallel.schedules import build
+from meshlm.step import _split_microbatches, abstract_batch, dropout_key, make_grad_step, make_train_step
+from meshlm.train_state import init_state, state_shardings
+from test_gradients import STEP, assert_leaves_close, assert_same_grads, batch_for
+
+LAYERS = 8  # stage=4 x 2 virtual stages: one layer per chunk
+MICRO = 4
+LAYOUTS = {
+    "stage2_tensor2_data2+sp": dict(stage=2, tensor=2, data=2, sequence_parallel=True),
+    "stage4_tensor2": dict(stage=4, tensor=2),
+}
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+
+
+def config(family: str, mesh: dict | None = None, schedule: str = "1f1b", *, policy="elementwise", **data) -> RunConfig:
+    """The tiny model with 8 layers, batch 8 in 4 microbatches (gpt: dropout 0.1 everywhere)."""
+    cfg = tiny_config(family, n_layers=LAYERS, microbatches=MICRO)
+    par = dataclasses.replace(
+        cfg.parallel, **(mesh or {}), pipeline_schedule=schedule, virtual_stages=SCHEDULES[schedule]
+    )
+    if par.stage == 1:
+        par = dataclasses.replace(par, pipeline_schedule="1f1b", virtual_stages=1)
+    return validate(
+        dataclasses.replace(cfg, parallel=par, remat=RematConfig(policy), data=dataclasses.replace(cfg.data, **data))
+    )
+
+
+@pytest.fixture(scope="module")
+def params():
+    out = {}
+    for family in ("gpt", "llama"):
+        p = init_params(param_specs(config(family).model), jax.random.key(0))
+        leaves, tree = jax.tree.flatten(p)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        out[family] = jax.tree.unflatten(
+            tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+        )
+    return jax.device_get(out)
+
+
+def grads(cfg: RunConfig, params: dict) -> dict:
+    layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
+    shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
+    fn = make_grad_step(cfg, layout, shardings)
+    return jax.device_get(fn(jax.device_put(params, shardings), batch_for(cfg), STEP))
+
+
+_REFERENCE: dict = {}
+
+
+def reference(family: str, params: dict, document_mask: bool = False) -> dict:
+    """One device, the same 4 microbatches accumulated (dropout key i for microbatch i)."""
+    key = (family, document_mask)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = grads(config(family, document_mask=document_mask), params[family])
+    return _REFERENCE[key]
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def run_tables(schedule) -> None:
+    """Interpret the tables in plain Python, with values that say what they are: every read must
+    find exactly the microbatch-chunk the action needs, written by the action that made it."""
+    tab = pipeline.tables(schedule)
+    p, chunks, r = schedule.stages, schedule.stages * schedule.virtual, tab.rows
+    act = [dict() for _ in range(p)]
+    grad = [dict() for _ in range(p)]
+    stash = [dict() for _ in range(p)]
+    for t in range(schedule.ticks):
+        send_act, send_grad = [None] * p, [None] * p
+        for s in range(p):
+            a = schedule.table[t][s]
+            kind = int(r["kind"][t, s])
+            assert kind == (0 if a is None else 1 if a.kind == "F" else 2)
+            if a is None:
+                continue
+            i, c = a.microbatch, a.chunk
+            assert (r["micro"][t, s], r["chunk"][t, s] * p + s) == (i, c)
+            assert (bool(r["first"][t, s]), bool(r["last"][t, s])) == (c == 0, c == chunks - 1)
+            if a.kind == "F":
+                if c > 0:
+                    assert act[s].pop(int(r["act_read"][t, s])) == ("y", i, c - 1)
+                stash[s][int(r["stash_write"][t, s])] = ("res", i, c)
+                if c == chunks - 1:
+                    grad[s][int(r["grad_write"][t, s])] = ("dy", i, c)
+                else:
+                    send_act[s] = ("y", i, c)
+            else:
+                assert stash[s].pop(int(r["stash_read"][t, s])) == ("res", i, c)
+                assert grad[s].pop(int(r["grad_read"][t, s])) == ("dy", i, c)
+                if c > 0:
+                    send_grad[s] = ("dy", i, c - 1)
+        for s in range(p):  # end of tick: what was sent lands where the receiver's row says
+            got_a, got_g = send_act[(s - 1) % p], send_grad[(s + 1) % p]
+            slot_a, slot_g = int(r["recv_act"][t, s]), int(r["recv_grad"][t, s])
+            assert (got_a is None) == (slot_a == tab.act_slots - 1), (t, s)
+            assert (got_g is None) == (slot_g == tab.grad_slots - 1), (t, s)
+            if got_a is not None:
+                assert slot_a not in act[s]
+                act[s][slot_a] = got_a
+            if got_g is not None:
+                assert slot_g not in grad[s]
+                grad[s][slot_g] = got_g
+            for buf, n in ((act[s], tab.act_slots), (grad[s], tab.grad_slots), (stash[s], tab.stash_slots)):
+                assert all(0 <= k < n - 1 for k in buf)  # never the spare slot
+    assert not any(act + grad + stash)  # everything made was used
+    assert tab.stash_slots - 1 == max(schedule.peak_in_flight(s) for s in range(p))
+
+
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("factor", [1, 2, 4])
+def test_tables_route_every_value(name, v, p, factor):
+    run_tables(build(name, p, p * factor, v))
+
+
+def test_table_interpreter_catches_a_misrouted_slot():
+    schedule = build("1f1b", 4, 8)
+    tab = pipeline.tables(schedule)
+    broken = dict(tab.rows, recv_act=np.roll(tab.rows["recv_act"], 1, axis=0))
+    original = pipeline.tables
+    try:
+        pipeline.tables = lambda s: dataclasses.replace(tab, rows=broken)
+        with pytest.raises(AssertionError):
+            run_tables(schedule)
+    finally:
+        pipeline.tables = original
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_every_schedule_gives_the_one_device_gradients(family, schedule, layout, params):
+    cfg = config(family, LAYOUTS[layout], schedule)
+    assert_same_grads(grads(cfg, params[family]), reference(family, params))
+
+
+@pytest.mark.parametrize("policy", ["selective", "full", "dots"])
+def test_every_remat_policy_under_the_pipeline(policy, params):
+    """The stash holds what the policy keeps (full: layer inputs only), and B re-runs the rest;
+    gpt's dropout masks are replayed exactly."""
+    cfg = config("gpt", LAYOUTS["stage2_tensor2_data2+sp"], "interleaved", policy=policy)
+    assert_same_grads(grads(cfg, params["gpt"]), reference("gpt", params))
+
+
+def test_document_masks_under_the_pipeline(params):
+    cfg = config("llama", LAYOUTS["stage2_tensor2_data2+sp"], "1f1b", document_mask=True)
+    assert_same_grads(grads(cfg, params["llama"]), reference("llama", params, document_mask=True))
+
+
+def test_bubbles_are_inert(params):
+    """Idle stages send NaN and every empty slot holds NaN: none of it reaches a gradient."""
+    cfg = config("gpt", LAYOUTS["stage4_tensor2"], "interleaved")
+    layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
+    shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
+    split = lambda b, m: _split_microbatches(b, m, layout)
+
+    @jax.jit
+    def run(p, batch):
+        g, loss, count = pipeline.pipeline_gradients(p, batch, dropout_key(cfg, STEP), cfg, layout, split, jnp.nan)
+        return jax.tree.map(lambda x: x / count, g), loss / count
+
+    g, loss = jax.device_get(run(jax.device_put(params["gpt"], shardings), batch_for(cfg)))
+    ref = reference("gpt", params)
+    assert np.isfinite(loss) and all(np.all(np.isfinite(x)) for x in jax.tree.leaves(g))
+    assert_leaves_close(g, ref["grads"], 1e-5, "gradients with NaN bubbles")
+
+
+def test_sgd_steps_equal_one_device(params):
+    """Five steps of plain SGD through the train step (1F1B, stage x tensor x data + SP)."""
+    tx = optax.sgd(1.0)
+    batches = random_batches(config("llama"), 1, seed=4) * 5
+
+    def train(cfg):
+        layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
+        shardings = state_shardings(param_specs(cfg.model), layout, tx)
+        state = init_state(param_specs(cfg.model), layout, tx, 0)
+        state = state._replace(params=jax.device_put(params["llama"], shardings.params))
+        step = make_train_step(cfg, layout, tx, shardings)
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        return losses, jax.device_get(state.params)
+
+    ref_losses, ref_params = train(config("llama"))
+    losses, got = train(config("llama", LAYOUTS["stage2_tensor2_data2+sp"], "1f1b"))
+    assert ref_losses[-1] < ref_losses[0] - 0.2, ref_losses
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    moved = lambda p: jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), p, params["llama"])
+    assert_leaves_close(moved(got), moved(ref_params), 1e-4, "parameter changes after 5 SGD steps")
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def compiled_temp_bytes(schedule: str, m: int, p: int = 4) -> tuple[int, RunConfig]:
+    """XLA's temp bytes per device of the compiled gradient step at microbatch size 2 (llama, s=32)."""
+    cfg = tiny_config(
+        "llama", dict(stage=p, pipeline_schedule=schedule), n_layers=LAYERS, global_batch=2 * m, microbatches=m
+    )
+    layout = make_layout(cfg.parallel, jax.devices()[:p])
+    shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), param_specs(cfg.model))
+    fn = make_grad_step(cfg, layout, shardings)
+    compiled = fn.lower(abstract, abstract_batch(cfg, layout), 0).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, cfg
+
+
+def test_stage_zero_memory_follows_the_formula():
+    """GPipe keeps every microbatch's residuals until the backward: each extra microbatch costs
+    stage 0 its L/p layers' stored activations (the per-layer formula, exact elsewhere) plus the
+    loss cotangent waiting for it - within 5%. 1F1B keeps at most p in flight: flat in m."""
+    gpipe = {m: compiled_temp_bytes("gpipe", m) for m in (4, 8)}
+    cfg = gpipe[4][1]
+    per_layer = accounting.activation_memory(cfg)["layer_total"]
+    cotangent = 2 * 32 * cfg.model.d_model * 4  # [b, s, d] fp32, one per microbatch (GPipe)
+    expected = (LAYERS // 4) * per_layer + cotangent
+    measured = (gpipe[8][0] - gpipe[4][0]) / 4
+    assert measured == pytest.approx(expected, rel=0.05)
+    one_f_one_b = {m: compiled_temp_bytes("1f1b", m) for m in (4, 16)}
+    assert abs(one_f_one_b[16][0] - one_f_one_b[4][0]) < 0.02 * expected  # token ids only
+    assert accounting.pipeline_in_flight(gpipe[8][1]) == 8
+    assert accounting.pipeline_in_flight(one_f_one_b[16][1]) == 4
+
+
+# ----------------------------------------------------------------------------- configs and runs
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(stage=3), "model.n_layers=8 does not split into stage x virtual_stages = 3"),
+        (dict(stage=2, virtual_stages=2, pipeline_schedule="gpipe"), "needs pipeline_schedule=interleaved"),
+        (dict(stage=4, virtual_stages=2, pipeline_schedule="interleaved", data=1), "not a multiple of stage=4"),
+        (dict(virtual_stages=2), "needs a pipeline"),
+        (dict(stage=2, pipeline_schedule="zb"), "unknown pipeline schedule 'zb'"),
+        (dict(stage=2, context=2), "does not compose with context parallelism"),
+    ],
+)
+def test_bad_pipeline_configs_are_refused(change, message):
+    cfg = config("llama")
+    train = dataclasses.replace(cfg.train, microbatches=6 if change.get("virtual_stages") == 2 else 4, global_batch=12)
+    model = dataclasses.replace(cfg.model, attention="blockwise") if "context" in change else cfg.model
+    bad = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **change), train=train, model=model)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(bad)
+
+
+def test_train_moves_between_pipelined_and_unpipelined_meshes(corpus_dir, tmp_path):
+    """Through the trainer: steps 1-2 on stage=2 x tensor=2 (1F1B) with a validation pass, 3 on
+    fsdp=2 (resumed from the pipeline's checkpoint), 4 on stage=2 (GPipe, resumed from fsdp's):
+    the losses are one device's."""
+    from meshlm.trainer import train
+
+    def cfg_for(mesh: dict, schedule: str = "1f1b") -> RunConfig:
+        cfg = config("gpt", mesh, schedule)
+        return validate(
+            dataclasses.replace(
+                cfg,
+                model=dataclasses.replace(cfg.model, vocab_size=320),
+                train=dataclasses.replace(cfg.train, steps=4, log_every=1, eval_every=2),
+                data=DataConfig(paths=(str(corpus_dir),), cache_dir=str(tmp_path / "cache")),
+            )
+        )
+
+    train(cfg_for({}), tmp_path / "one", quiet=True)
+    run = tmp_path / "moved"
+    train(cfg_for(dict(stage=2, tensor=2)), run, quiet=True, stop_after=2)
+    train(cfg_for(dict(fsdp=2)), run, quiet=True, stop_after=3)
+    result = train(cfg_for(dict(stage=2), "gpipe"), run, quiet=True)
+    assert result.final_step == 4
+    one, moved = logged_losses(tmp_path / "one"), logged_losses(run)
+    assert sorted(one) == sorted(moved) == [1, 2, 3, 4]
+    np.testing.assert_allclose([moved[k] for k in one], [one[k] for k in one], rtol=2e-5)

@@ -40,7 +40,8 @@ def test_bad_override_is_named(override, message):
 
 
 def test_parse_mesh():
-    assert parse_mesh("data=2,tensor=4") == {"data": 2, "fsdp": 1, "context": 1, "tensor": 4}
+    assert parse_mesh("data=2,tensor=4") == {"stage": 1, "data": 2, "fsdp": 1, "context": 1, "tensor": 4}
+    assert parse_mesh("stage=4,tensor=2")["stage"] == 4
     assert parse_mesh("context=4,tensor=2")["context"] == 4
     with pytest.raises(ConfigError, match="unknown mesh axis 'pipe'"):
         parse_mesh("pipe=2")

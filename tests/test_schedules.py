@@ -43,6 +43,22 @@ def test_interleaved(p, m, v):
     assert first_stage_in_flight("interleaved", p, m, v) == want[0] == max(want)
 
 
+@pytest.mark.parametrize("p, m", GRID)
+def test_lockstep_time(p, m):
+    """Ticks last as long as their slowest action: GPipe's forward and backward phases are
+    (m + p - 1) ticks each; 1F1B's steady ticks each hold a backward, so it costs more."""
+    gpipe, one = build("gpipe", p, m), build("1f1b", p, m)
+    assert gpipe.lockstep_time(1.0, 2.0) == (m + p - 1) * 3.0
+    assert gpipe.lockstep_overhead(2.0) == pytest.approx((p - 1) / m)
+    assert one.lockstep_time(1.0, 1.0) == one.ticks  # equal costs: the tick count
+    assert one.lockstep_time(1.0, 2.0) > gpipe.lockstep_time(1.0, 2.0)
+
+
+def test_lockstep_1f1b_example():
+    # p = 4, m = 8, b = 2f: 4 forward-only warm-up ticks + 18 ticks holding a backward (the picture)
+    assert build("1f1b", 4, 8).lockstep_time(1.0, 2.0) == 4 * 1.0 + 18 * 2.0
+
+
 def test_1f1b_memory_is_flat_in_m_and_gpipe_grows():
     assert [build("1f1b", 4, m).peak_in_flight(0) for m in (4, 8, 16, 32)] == [4, 4, 4, 4]
     assert [build("gpipe", 4, m).peak_in_flight(0) for m in (4, 8, 16, 32)] == [4, 8, 16, 32]

@@ -11,7 +11,7 @@ from meshlm.train_state import TrainState
 # Numerical equivalence across layouts (raw gradients, SGD steps): tests/test_gradients.py.
 
 # Golden specs: what the rules table must produce for each strategy (size-1 axes dropped).
-T, F = "tensor", "fsdp"
+T, F, S = "tensor", "fsdp", "stage"
 GOLDEN = {
     "data8": {},  # everything replicated
     "fsdp8": {
@@ -67,7 +67,28 @@ GOLDEN = {
         "ln_f_scale": P(F),
         "ln_f_bias": P(F),
     },
+    # pipeline: the stacked layer axis over `stage` (contiguous blocks); embeddings replicated over it
+    "stage2_tensor4": {
+        "wte": P(T),
+        "layers/wq": P(S, None, T),
+        "layers/wk": P(S, None, T),
+        "layers/wv": P(S, None, T),
+        "layers/bq": P(S, T),
+        "layers/bk": P(S, T),
+        "layers/bv": P(S, T),
+        "layers/wo": P(S, T),
+        "layers/w_fc": P(S, None, T),
+        "layers/b_fc": P(S, T),
+        "layers/w_proj": P(S, T),
+        "layers/ln1_scale": P(S),
+        "layers/ln1_bias": P(S),
+        "layers/ln2_scale": P(S),
+        "layers/ln2_bias": P(S),
+        "layers/bo": P(S),
+        "layers/b_proj": P(S),
+    },
 }
+MESHES = MESHES | {"stage2_tensor4": dict(stage=2, tensor=4)}
 
 
 @pytest.mark.parametrize("mesh", list(GOLDEN))
@@ -80,7 +101,7 @@ def test_param_and_optimizer_shardings_match_golden(mesh, devices):
         want = GOLDEN[mesh].get(name, P())
         assert arr.sharding.spec == want, f"{mesh}: {name} is {arr.sharding.spec}, want {want}"
         assert arr.sharding.mesh.shape == MESHES[mesh] | {
-            k: 1 for k in ("data", "fsdp", "context", "tensor") if k not in MESHES[mesh]
+            k: 1 for k in ("stage", "data", "fsdp", "context", "tensor") if k not in MESHES[mesh]
         }
     # AdamW moments mirror the parameters leaf for leaf (ZeRO: sharded exactly like them).
     adam = state.opt_state[1][0]

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 
 from meshlm.config import ModelConfig, RunConfig
-from meshlm.parallel.schedules import first_stage_in_flight
+from meshlm.parallel.schedules import build, first_stage_in_flight, tables
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -345,9 +345,6 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
 
 @functools.lru_cache(maxsize=256)
 def _inbox_slots(name: str, stages: int, microbatches: int, virtual: int) -> tuple[int, int]:
-    from meshlm.parallel.pipeline import tables  # imports JAX; only for a real pipeline
-    from meshlm.parallel.schedules import build
-
     tab = tables(build(name, stages, microbatches, virtual))
     return tab.act_slots, tab.grad_slots
 

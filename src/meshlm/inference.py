@@ -69,6 +69,11 @@ def _inference_config(cfg: RunConfig, parallel: ParallelConfig | None) -> RunCon
             "generation and evaluation do not split the sequence over 'context'; use data, fsdp or tensor "
             "(a model trained with context parallelism loads on any mesh)"
         )
+    if parallel.stage > 1:
+        raise ConfigError(
+            "generation and evaluation do not run a pipeline over 'stage'; use data, fsdp or tensor "
+            "(a model trained with pipeline parallelism loads on any mesh)"
+        )
     seq_len = cfg.train.seq_len if cfg.model.family != "gpt" else min(cfg.train.seq_len, cfg.model.max_seq_len)
     train = dataclasses.replace(cfg.train, global_batch=parallel.batch_shards, microbatches=1, seq_len=seq_len)
     parallel = dataclasses.replace(parallel, sequence_parallel=False)

@@ -19,6 +19,7 @@ Pure arithmetic on the config: nothing is compiled unless `verify` is asked for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from meshlm.config import ConfigError, RematConfig, RunConfig, validate
 from meshlm.hardware import Accelerator, matmul_precision, peak_for
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel.mesh import abstract_layout
+from meshlm.parallel.schedules import build as build_schedule
 
 GiB = 2**30
 
@@ -72,6 +74,8 @@ class Plan:
         p, r = self.cfg.parallel, self.cfg.remat.policy
         sp = "+SP" if p.sequence_parallel else ""
         pp = f" pipe={self.pipeline}" if self.pipeline > 1 and p.stage == 1 else ""
+        if p.stage > 1:
+            pp = f" {p.pipeline_schedule}" + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else "")
         cp = f" {p.context_strategy}" if p.context > 1 else ""
         kernel = " blockwise" if self.cfg.model.attention == "blockwise" else ""
         return f"{p.describe()}{sp}{cp}{pp}{kernel} remat={r} micro={self.cfg.train.microbatches}"
@@ -97,11 +101,14 @@ def estimate(
     """Predicted memory and step time of one layout. A run's own pipeline (`parallel.stage`) is
     counted exactly (stage-sharded layers, replicated embeddings, the executor's first-stage
     activations). An explicit `pipeline` > 1 on an unpipelined config models P2's Table 3 layouts
-    as Megatron runs them: states split p ways, P2's first-stage formula. Both add the schedule's
-    bubble, (p-1)/(v m) of a stage's work, to the bound (idle ticks are structure, not efficiency)."""
+    as Megatron runs them: states split p ways, P2's first-stage formula. Both add the pipeline's
+    idle time (`pipeline_overhead`: Megatron's bubble, or meshlm's lockstep ticks) and its sends to
+    the bound (idle ticks are the schedule's structure, not an efficiency)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     own = par.stage > 1
     if own:
+        if pipeline != 1:
+            raise ValueError("estimate: an explicit pipeline models an unpipelined config (parallel.stage == 1)")
         pipeline, interleave = par.stage, par.virtual_stages
     plan = Plan(cfg, pipeline)
     limit = device.memory if memory_limit is None else memory_limit
@@ -143,14 +150,18 @@ def estimate(
         span = par.tensor * dp
         bw = device.intra_bw if span <= device.per_node else device.inter_bw
         replica = params * par.fsdp  # parameters of one tensor shard, summed over the data group
-        # fp32 gradients: all-reduce (2x a reduce-scatter) without FSDP, reduce-scatter with it
-        comm = (2 if par.fsdp == 1 else 1) * 4 * replica * (dp - 1) / dp
-        if par.fsdp > 1:  # FSDP re-gathers weights (compute dtype) forward and backward, per microbatch
-            comm += 2 * t.microbatches * e * replica * (par.fsdp - 1) / par.fsdp
+        if own:  # the executor all-reduces each backward tick's chunk gradients (fp32), m per step
+            comm = t.microbatches * 2 * 4 * replica * (dp - 1) / dp
+            if par.fsdp > 1:  # and gathers a stage's fp32 weights once per step
+                comm += 4 * replica * (par.fsdp - 1) / par.fsdp
+        else:  # fp32 gradients: all-reduce (2x a reduce-scatter) without FSDP, reduce-scatter with it
+            comm = (2 if par.fsdp == 1 else 1) * 4 * replica * (dp - 1) / dp
+            if par.fsdp > 1:  # FSDP re-gathers weights (compute dtype) forward and backward, per microbatch
+                comm += 2 * t.microbatches * e * replica * (par.fsdp - 1) / par.fsdp
         plan.time["data/FSDP collectives"] = comm / bw
     if pipeline > 1:
         stage_work = plan.time["compute"] + plan.time.get("tensor-parallel collectives", 0.0)
-        plan.time["pipeline bubble"] = (pipeline - 1) / (interleave * t.microbatches) * stage_work
+        plan.time["pipeline bubble"] = pipeline_overhead(cfg, pipeline, interleave) * stage_work
         bw = device.intra_bw if n <= device.per_node else device.inter_bw
         plan.time["pipeline sends"] = pipeline_send_bytes(cfg, interleave) / bw
     plan.mfu = accounting.model_flops_per_step(cfg) / (plan.step_time * n * peak)
@@ -210,8 +221,8 @@ def calibrated_time(
     roofline: GEMMs at the calibrated efficiency (the output layer on the last pipeline stage's
     critical path); every collective of the roofline (`roofline`: tensor-parallel, context-parallel,
     data/FSDP, each at its own link) slowed by the calibrated link efficiency (achieved TP bandwidth
-    / NVLink datasheet); the pipeline bubble (p-1)/(v m) of a stage's work; pipeline sends (1/t of
-    each activation per device over the inter-node link, Megatron's scatter-gather); the optimizer
+    / NVLink datasheet); the pipeline's idle time (`pipeline_overhead`) of a stage's work; pipeline
+    sends (`pipeline_send_bytes`) over the inter-node link; the optimizer
     update memory-bound. Never faster than the roofline. None for an uncalibrated device kind.
     Checked against P2 Table 5 for its four models (tests/test_plan.py)."""
     cal = CALIBRATIONS.get(device.name)
@@ -235,7 +246,7 @@ def calibrated_time(
     out["output layer"] = logits / (last_stage * rate)
     if pipeline > 1:
         stage = out["GEMMs"] + tp
-        out["pipeline bubble"] = (pipeline - 1) / (interleave * t.microbatches) * stage
+        out["pipeline bubble"] = pipeline_overhead(cfg, pipeline, interleave) * stage
         out["pipeline sends"] = pipeline_send_bytes(cfg, interleave) / device.inter_bw
     for part in ("context-parallel K/V exchange", "data/FSDP collectives"):
         if roofline.get(part):
@@ -246,12 +257,36 @@ def calibrated_time(
 
 
 def pipeline_send_bytes(cfg: RunConfig, interleave: int = 1) -> float:
-    """Bytes one device sends per step between pipeline stages: an activation forward and a
-    cotangent backward per microbatch and chunk, 1/t of each (Megatron's scatter-gather)."""
+    """Bytes one device sends per step between pipeline stages. Megatron (an explicit `pipeline`):
+    an activation forward and a cotangent backward per microbatch and chunk, 1/t of each
+    (scatter-gather). meshlm's executor (`parallel.stage`): both directions on every tick, idle ones
+    included (a filler), each device its own copy of the [b, s, d] activation (1/t under SP)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     b = t.global_batch // t.microbatches // par.batch_shards
-    activation = t.seq_len * b * m.d_model * accounting.dtype_bytes(m.dtype) / par.tensor
-    return 2 * t.microbatches * interleave * activation
+    activation = t.seq_len * b * m.d_model * accounting.dtype_bytes(m.dtype)
+    if par.stage > 1:
+        ticks = 2 * (t.microbatches * par.virtual_stages + par.stage - 1)
+        return 2 * ticks * activation / (par.tensor if par.sequence_parallel else 1)
+    return 2 * t.microbatches * interleave * activation / par.tensor
+
+
+def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> float:
+    """Time a pipeline adds, as a fraction of a stage's work. Megatron's asynchronous schedules (an
+    explicit `pipeline`): the bubble (p-1)/(v m). meshlm's executor (`parallel.stage`) runs in
+    lockstep, every tick as long as its slowest action: the schedule table's lockstep time with
+    backward/forward = the step's hardware FLOPs over its forward FLOPs, minus 1 (recomputation
+    included), which is the bubble for GPipe and more for 1F1B (`Schedule.lockstep_overhead`)."""
+    par, micro = cfg.parallel, cfg.train.microbatches
+    if par.stage == 1:
+        return (pipeline - 1) / (interleave * micro)
+    forward = accounting.model_flops_per_step(cfg) / 3
+    ratio = round(accounting.hardware_flops_per_step(cfg) / forward - 1, 3)
+    return _lockstep_overhead(par.pipeline_schedule, par.stage, micro, par.virtual_stages, ratio)
+
+
+@functools.lru_cache(maxsize=1024)
+def _lockstep_overhead(name: str, stages: int, micro: int, virtual: int, ratio: float) -> float:
+    return build_schedule(name, stages, micro, virtual).lockstep_overhead(ratio)
 
 
 def _divisors(n: int) -> list[int]:
@@ -269,7 +304,7 @@ def enumerate_plans(
     rejected ones with their reason."""
     plans = []
     base = cfg.parallel
-    # pipelines (1F1B) over stage counts that split the layers; not combined with context (unsupported)
+    # pipelines over stage counts that split the layers; not combined with context (unsupported)
     stages = [p for p in _divisors(n_devices) if cfg.model.n_layers % p == 0]
     layouts = [
         (stage, tensor, context, fsdp, n_devices // stage // tensor // context // fsdp)
@@ -283,7 +318,10 @@ def enumerate_plans(
     choices = [(lay, kernel) for lay in layouts for kernel in kernels if lay[2] == 1 or kernel != "explicit"]
     for (stage, tensor, context, fsdp, data), kernel in choices:
         model = dataclasses.replace(cfg.model, attention=kernel)
-        for sp in (False, True) if tensor > 1 else (False,):
+        # pipelines: 1F1B (p in flight) or GPipe (m in flight, but shorter in lockstep)
+        schedules = ("1f1b", "gpipe") if stage > 1 else ("1f1b",)
+        variants = [(sp, sched) for sp in ((False, True) if tensor > 1 else (False,)) for sched in schedules]
+        for sp, schedule in variants:
             par = dataclasses.replace(
                 base,
                 stage=stage,
@@ -292,7 +330,7 @@ def enumerate_plans(
                 context=context,
                 tensor=tensor,
                 sequence_parallel=sp,
-                pipeline_schedule="1f1b",
+                pipeline_schedule=schedule,
                 virtual_stages=1,
             )
             for policy in policies:

@@ -70,7 +70,8 @@ def gpt_22b() -> RunConfig:
 
 def gpt_175b() -> RunConfig:
     """P2 Table 3 (GPT-3): a=96, h=12288, L=96, TP=8, 64 GPUs, global batch 64. P2 uses 8-way
-    pipeline parallelism; meshlm has none, so the other factor of 8 goes to FSDP."""
+    pipeline parallelism; this recipe gives that factor of 8 to FSDP instead (for P2's layout:
+    --mesh stage=8,tensor=8 --set train.microbatches=16, docs/pipeline.md)."""
     return _paper_gpt(12288, 96, 96, 51200, 64, ParallelConfig(fsdp=8, tensor=8))
 
 

@@ -15,7 +15,8 @@ block's matmuls once - GSPMD all-reduces the Q, K and V partials separately - an
 GPU and TPU pipelines fuse that pair back), which would hide exactly what P2 is about. JAX
 differentiates `all_gather` into `psum_scatter` and back, giving the conjugates for free.
 
-The shard_maps are manual over every mesh axis. Activations enter with their full logical spec;
+The shard_maps are manual over every mesh axis (inside a pipeline stage, which is already manual over
+`stage`, over every remaining one). Activations enter with their full logical spec;
 weights with their `tensor` spec only, so an FSDP-sharded weight is gathered by GSPMD on entry, as
 it would be for any matmul. (Manual over `tensor` alone would be tidier, but XLA 0.10's CPU
 all-reduce promotion aborts on a bf16 reduce-scatter in a partially manual computation.)

@@ -24,19 +24,21 @@ At each tick every stage takes one branch of a `lax.switch` on its own action:
 Then every stage, whatever it did, sends its outgoing activation to the next stage and its
 outgoing cotangent to the previous one (two `ppermute`s, entered by all devices on every tick,
 outside any branch); the receiver files them into the slot the table names. Collectives inside
-a branch (tensor parallelism, GSPMD's data-parallel reductions) are those of one stage's devices,
-which all take the same branch.
+a branch (tensor parallelism, GSPMD's data-parallel reduction of each backward tick's chunk
+gradients) are those of one stage's devices, which all take the same branch.
 
 Buffers are slot arrays whose sizes come from the table: the stash holds the schedule's peak
-number of microbatch-chunks in flight (GPipe m, 1F1B p on stage 0), the inboxes what has
+number of microbatch-chunks in flight (GPipe m, 1F1B min(p, m) on stage 0), the inboxes what has
 arrived and not yet been used. Slots are assigned in Python by interval colouring, so nothing
-is searched at run time. A spare last slot takes what an idle neighbour sends.
+is searched at run time. Every buffer is read before the switch and written after it (in place);
+an inbox's spare last slot takes what an idle neighbour sends.
 
 Weights: the stacked layer axis [L, ...] is sharded over `stage` in contiguous blocks (the rules
 table), so checkpoints do not depend on the pipeline. Inside the step it is viewed as
 [v, p, L/(pv), ...] and regrouped to [p, v, L/(pv), ...], giving stage s its chunks s, s+p, ...
-(no data moves when v = 1; with v > 1 the regrouping moves (v-1)/v of the layer weights in and
-their gradients back once per step). Embedding, positions, final norm and output layer are
+(no data moves when v = 1; with v > 1 the chunks not already on their stage move in, and their
+gradients back, once per step: 6 of 8 at p = 4, v = 2). With FSDP, a stage's weights are gathered
+once per step before the region. Embedding, positions, final norm and output layer are
 replicated over `stage` (used by the first and last stages); their gradients are summed over it.
 
 Dropout: microbatch i draws from fold_in(key, i) and layer l from fold_in(that, l), as the
@@ -45,11 +47,8 @@ accumulation loop of `step.gradients` does, so a pipelined step equals the unpip
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -59,97 +58,9 @@ from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.params import param_specs
 from meshlm.model.transformer import RESIDUAL, embed, logits, run_layers
 from meshlm.parallel.rules import Layout, constrain
-from meshlm.parallel.schedules import Schedule, build
+from meshlm.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, build, tables
 
 AXIS = "stage"
-IDLE, FORWARD, BACKWARD = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class Tables:
-    """A schedule as int32 arrays [ticks, stages] plus the buffer sizes it needs (per stage: the
-    largest over stages, since every stage runs the same program)."""
-
-    rows: dict[str, np.ndarray]
-    stash_slots: int  # residuals of microbatch-chunks forwarded, not yet backwarded
-    act_slots: int  # activations arrived, not yet forwarded (+1 spare slot for idle sends)
-    grad_slots: int  # cotangents arrived (or made by the loss), not yet backwarded (+1 spare)
-
-
-def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
-    """Slots for (write time, read time, key) intervals: a slot is reused once its last read is
-    earlier than the next write. Greedy in write order, so the count is the peak overlap."""
-    free_at: list[int] = []
-    slot_of = {}
-    for write, read, key in sorted(intervals, key=lambda x: (x[0], x[1])):
-        for k, last_read in enumerate(free_at):
-            if last_read < write:
-                free_at[k] = read
-                slot_of[key] = k
-                break
-        else:
-            slot_of[key] = len(free_at)
-            free_at.append(read)
-    return slot_of, len(free_at)
-
-
-def tables(schedule: Schedule) -> Tables:
-    """The per-tick actions and slots of every stage. Times are half ticks: 2t is tick t's
-    branch (reads, the stash write, the loss's cotangent write), 2t+1 its end (receives).
-    Every buffer has a spare last slot: a tick that writes nothing real writes there."""
-    p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
-    chunks = p * v
-    when = {}  # (kind, microbatch, chunk) -> tick
-    for t, row in enumerate(schedule.table):
-        for a in row:
-            if a is not None:
-                when[a.kind, a.microbatch, a.chunk] = t
-    stash, act, grad = ([[] for _ in range(p)] for _ in range(3))
-    for i in range(m):
-        for c in range(chunks):
-            s, tf, tb = c % p, when["F", i, c], when["B", i, c]
-            stash[s].append((2 * tf, 2 * tb, (i, c)))
-            if c > 0:
-                act[s].append((2 * when["F", i, c - 1] + 1, 2 * tf, (i, c)))
-            written = 2 * tf if c == chunks - 1 else 2 * when["B", i, c + 1] + 1
-            grad[s].append((written, 2 * tb, (i, c)))
-    coloured = [[_colour(lists[s]) for s in range(p)] for lists in (stash, act, grad)]
-    n_stash, n_act, n_grad = (max(1, max(n for _, n in col)) for col in coloured)
-    names = ("kind", "micro", "chunk", "first", "last", "stash_read", "stash_write", "act_read", "grad_read")
-    names += ("grad_write", "recv_act", "recv_grad")
-    rows = {k: np.zeros((schedule.ticks, p), np.int32) for k in names}
-    for keys, spare in (
-        ("stash_read stash_write", n_stash),
-        ("act_read recv_act", n_act),
-        ("grad_read grad_write recv_grad", n_grad),
-    ):
-        for k in keys.split():
-            rows[k][:] = spare
-    slot = lambda which, s, i, c: coloured[which][s][0][i, c]
-    for t, row in enumerate(schedule.table):
-        for s, a in enumerate(row):
-            if a is None:
-                continue
-            i, c = a.microbatch, a.chunk
-            r = {"micro": i, "chunk": c // p, "first": c == 0, "last": c == chunks - 1}
-            if a.kind == "F":
-                r["kind"] = FORWARD
-                r["stash_write"] = slot(0, s, i, c)
-                if c > 0:
-                    r["act_read"] = slot(1, s, i, c)
-                if c == chunks - 1:
-                    r["grad_write"] = slot(2, s, i, c)
-                else:
-                    rows["recv_act"][t, (s + 1) % p] = slot(1, (s + 1) % p, i, c + 1)
-            else:
-                r["kind"] = BACKWARD
-                r["stash_read"] = slot(0, s, i, c)
-                r["grad_read"] = slot(2, s, i, c)
-                if c > 0:
-                    rows["recv_grad"][t, (s - 1) % p] = slot(2, (s - 1) % p, i, c - 1)
-            for k, val in r.items():
-                rows[k][t, s] = int(val)
-    return Tables(rows, n_stash + 1, n_act + 1, n_grad + 1)
 
 
 def schedule_for(cfg: RunConfig) -> Schedule:
@@ -280,9 +191,10 @@ def pipeline_gradients(
             w_leaves, it = jax.tree.leaves(chunk_weights(lc)), iter(res)
             return jax.tree.unflatten(treedef, [next(it) if j is None else w_leaves[j] for j in where])
 
+        inbox = lambda n: constrain(layout, jnp.full((n, *x_shape), idle_fill, dtype), (None, *RESIDUAL))
         carry = {
-            "act": jnp.full((tab.act_slots, *x_shape), idle_fill, dtype),
-            "grad": jnp.full((tab.grad_slots, *x_shape), idle_fill, dtype),
+            "act": inbox(tab.act_slots),
+            "grad": inbox(tab.grad_slots),
             "stash": [_zeros((tab.stash_slots,), leaf, idle_fill) for leaf in stashed],
             "g_layers": jax.tree.map(jnp.zeros_like, local),
             "g_top": jax.tree.map(jnp.zeros_like, top),
@@ -341,10 +253,11 @@ def pipeline_gradients(
             reads = (
                 _take(c["act"], r["act_read"]),
                 _take(c["grad"], r["grad_read"]),
-                [_take(buf, r["stash_read"]) for buf in c["stash"]],
+                [_take(buf, r["stash"]) for buf in c["stash"]],
             )
+            branches = {IDLE: idle, FORWARD: forward, BACKWARD: backward}
             res, send_act, send_grad, dy, dw, dtop, ls, cnt = jax.lax.switch(
-                r["kind"], [idle, forward, backward], *reads, r
+                r["kind"], [branches[k] for k in sorted(branches)], *reads, r
             )
             lc = r["chunk"]
             got_act = jax.lax.ppermute(send_act, AXIS, right)
@@ -353,7 +266,7 @@ def pipeline_gradients(
             return {
                 "act": _put(c["act"], r["recv_act"], got_act),
                 "grad": _put(grad, r["recv_grad"], got_grad),
-                "stash": [_put(buf, r["stash_write"], leaf) for buf, leaf in zip(c["stash"], res, strict=True)],
+                "stash": [_put(buf, r["stash"], leaf) for buf, leaf in zip(c["stash"], res, strict=True)],
                 "g_layers": jax.tree.map(lambda acc, g: _put(acc, lc, _take(acc, lc) + g), c["g_layers"], dw),
                 "g_top": jax.tree.map(jnp.add, c["g_top"], dtop),
                 "loss": c["loss"] + ls,

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 Kind = Literal["F", "B"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -70,6 +72,20 @@ class Schedule:
     def bubble_fraction(self) -> float:
         """Idle over busy time of a stage (P2 / Narayanan et al.'s bubble time fraction)."""
         return (self.ticks - self.busy_ticks) / self.busy_ticks
+
+    def lockstep_time(self, forward: float, backward: float) -> float:
+        """Wall time of the table when every tick lasts as long as its slowest action (stages
+        exchange results every tick, so none runs ahead): sum over ticks of the max cost. With
+        backward > forward, 1F1B's steady ticks pair a forward with a backward and each costs a
+        backward, so 1F1B is slower than GPipe in lockstep (GPipe: (m v + p - 1)(f + b) exactly)."""
+        cost = {"F": forward, "B": backward}
+        return sum(max((cost[a.kind] for a in row if a is not None), default=0.0) for row in self.table)
+
+    def lockstep_overhead(self, backward_over_forward: float) -> float:
+        """Lockstep time over the busy time of one stage (m v (f + b)), minus 1: what the executor
+        adds to a stage's work (the bubble (p-1)/(v m) for GPipe; more for 1F1B)."""
+        busy = self.microbatches * self.virtual * (1.0 + backward_over_forward)
+        return self.lockstep_time(1.0, backward_over_forward) / busy - 1.0
 
     def in_flight(self, stage: int) -> list[int]:
         """Microbatch-chunks forwarded but not yet backwarded on `stage`, after each tick."""
@@ -241,6 +257,99 @@ def validate(schedule: Schedule) -> None:
             raise ScheduleError(f"{action} at tick {tick} runs before {need} ({when}) has finished")
         if action.kind == "B" and not ran[Action("F", action.microbatch, action.chunk)][0] < tick:
             raise ScheduleError(f"{action} runs before its forward")
+
+
+# ----------------------------------------------------------------------------- executor tables
+
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Tables:
+    """A schedule as int32 arrays [ticks, stages] plus the buffer sizes it needs (per stage: the
+    largest over stages, since every stage runs the same program)."""
+
+    rows: dict[str, np.ndarray]
+    stash_slots: int  # residuals of microbatch-chunks forwarded, not yet backwarded (the peak)
+    act_slots: int  # activations arrived, not yet forwarded (+1 spare slot for idle sends)
+    grad_slots: int  # cotangents arrived (or made by the loss), not yet backwarded (+1 spare)
+
+
+def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
+    """Slots for (write time, read time, key) intervals: a slot is reused once its last read is
+    earlier than the next write. Greedy in write order, so the count is the peak overlap."""
+    free_at: list[int] = []
+    slot_of = {}
+    for write, read, key in sorted(intervals, key=lambda x: (x[0], x[1])):
+        for k, last_read in enumerate(free_at):
+            if last_read < write:
+                free_at[k] = read
+                slot_of[key] = k
+                break
+        else:
+            slot_of[key] = len(free_at)
+            free_at.append(read)
+    return slot_of, len(free_at)
+
+
+def tables(schedule: Schedule) -> Tables:
+    """The per-tick actions and slots of every stage. Times are half ticks: 2t is tick t's
+    branch (reads, the stash write, the loss's cotangent write), 2t+1 its end (receives).
+    The inboxes have a spare last slot: a receive of nothing real (an idle neighbour's filler)
+    and a forward that makes no loss cotangent write there."""
+    p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
+    chunks = p * v
+    when = {}  # (kind, microbatch, chunk) -> tick
+    for t, row in enumerate(schedule.table):
+        for a in row:
+            if a is not None:
+                when[a.kind, a.microbatch, a.chunk] = t
+    stash, act, grad = ([[] for _ in range(p)] for _ in range(3))
+    for i in range(m):
+        for c in range(chunks):
+            s, tf, tb = c % p, when["F", i, c], when["B", i, c]
+            stash[s].append((2 * tf, 2 * tb, (i, c)))
+            if c > 0:
+                act[s].append((2 * when["F", i, c - 1] + 1, 2 * tf, (i, c)))
+            written = 2 * tf if c == chunks - 1 else 2 * when["B", i, c + 1] + 1
+            grad[s].append((written, 2 * tb, (i, c)))
+    coloured = [[_colour(lists[s]) for s in range(p)] for lists in (stash, act, grad)]
+    n_stash, n_act, n_grad = (max(1, max(n for _, n in col)) for col in coloured)
+    names = ("kind", "micro", "chunk", "first", "last", "stash", "act_read", "grad_read")
+    names += ("grad_write", "recv_act", "recv_grad")
+    rows = {k: np.zeros((schedule.ticks, p), np.int32) for k in names}
+    rows["kind"][:] = IDLE
+    for keys, spare in (("act_read recv_act", n_act), ("grad_read grad_write recv_grad", n_grad)):
+        for k in keys.split():
+            rows[k][:] = spare
+    # the stash has no spare slot: each tick reads and writes its one "stash" slot, and a tick that
+    # stashes nothing writes back what it read (idle: slot 0, B: the slot it frees), so the buffer
+    # is exactly the peak in flight
+    slot = lambda which, s, i, c: coloured[which][s][0][i, c]
+    for t, row in enumerate(schedule.table):
+        for s, a in enumerate(row):
+            if a is None:
+                continue
+            i, c = a.microbatch, a.chunk
+            r = {"micro": i, "chunk": c // p, "first": c == 0, "last": c == chunks - 1}
+            if a.kind == "F":
+                r["kind"] = FORWARD
+                r["stash"] = slot(0, s, i, c)
+                if c > 0:
+                    r["act_read"] = slot(1, s, i, c)
+                if c == chunks - 1:
+                    r["grad_write"] = slot(2, s, i, c)
+                else:
+                    rows["recv_act"][t, (s + 1) % p] = slot(1, (s + 1) % p, i, c + 1)
+            else:
+                r["kind"] = BACKWARD
+                r["stash"] = slot(0, s, i, c)
+                r["grad_read"] = slot(2, s, i, c)
+                if c > 0:
+                    rows["recv_grad"][t, (s - 1) % p] = slot(2, (s - 1) % p, i, c - 1)
+            for k, val in r.items():
+                rows[k][t, s] = int(val)
+    return Tables(rows, n_stash, n_act + 1, n_grad + 1)
 
 
 def pictures(stages: int = 4, microbatches: int = 8) -> str:

@@ -463,11 +463,7 @@ def validate(cfg: RunConfig) -> RunConfig:
             "pipeline parallelism (parallel.stage > 1) does not compose with context parallelism yet; "
             "use parallel.context=1 (docs/pipeline.md)",
         )
-        _need(
-            cfg.remat.policy != "offload",
-            "remat.policy=offload does not apply inside a pipeline (stashed residuals stay on the device); "
-            "choose dots, selective, full or elementwise",
-        )
+
     if m.family == "gpt":
         _need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     policies = typing.get_args(RematPolicy)

@@ -68,9 +68,12 @@ def schedule_for(cfg: RunConfig) -> Schedule:
     return build(par.pipeline_schedule, par.stage, cfg.train.microbatches, par.virtual_stages)
 
 
-def _zeros(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, fill: float) -> jax.Array:
+def _zeros(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, fill: float, host: bool = False) -> jax.Array:
     """A slot buffer for residual leaves like `like`: floats hold `fill`, PRNG keys (the dropout
-    keys a recomputed region keeps) key(0)."""
+    keys a recomputed region keeps) key(0). `host`: the residual lives in host memory (the
+    `offload` policy), and so does its buffer."""
+    if host:
+        return jax.device_put(_zeros(shape, like, fill), jax.memory.Space.Host)
     if jax.dtypes.issubdtype(like.dtype, jax.dtypes.prng_key):
         keys = jnp.broadcast_to(jax.random.key(0), shape + like.shape)
         if keys.dtype != like.dtype:
@@ -169,18 +172,19 @@ def pipeline_gradients(
             where = tuple(next((j for j, q in enumerate(w_leaves) if q is r), None) for r in jax.tree.leaves(vjp_fn))
             return y, vjp_fn, where
 
-        probe = {}
+        probe = {}  # what eval_shape's trace saw: which residuals are weights, and where each lives
 
         def residual_shapes(w, x):
             _, vjp_fn, probe["where"] = vjp_parts(
                 w, x, mb_key(0), jnp.arange(per_chunk), pick(micro, 0).get("segment_ids")
             )
+            probe["host"] = [jax.typeof(r).memory_space == jax.memory.Space.Host for r in jax.tree.leaves(vjp_fn)]
             return vjp_fn
 
         w0 = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], dtype), local)
         leaves, treedef = jax.tree.flatten(jax.eval_shape(residual_shapes, w0, jax.ShapeDtypeStruct(x_shape, dtype)))
         where = probe["where"]
-        stashed = [leaf for leaf, j in zip(leaves, where, strict=True) if j is None]
+        stashed = [(leaf, host) for leaf, j, host in zip(leaves, where, probe["host"], strict=True) if j is None]
 
         def stash_of(vjp_fn, w_where):
             if w_where != where:
@@ -195,7 +199,7 @@ def pipeline_gradients(
         carry = {
             "act": inbox(tab.act_slots),
             "grad": inbox(tab.grad_slots),
-            "stash": [_zeros((tab.stash_slots,), leaf, idle_fill) for leaf in stashed],
+            "stash": [_zeros((tab.stash_slots,), leaf, idle_fill, host) for leaf, host in stashed],
             "g_layers": jax.tree.map(jnp.zeros_like, local),
             "g_top": jax.tree.map(jnp.zeros_like, top),
             "loss": jnp.zeros((), jnp.float32),

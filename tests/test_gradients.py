@@ -183,18 +183,18 @@ def test_an_injected_factor_of_two_fails(monkeypatch, params, reference):
         assert_same_grads(got, ref)
 
 
-@pytest.mark.parametrize("family, layout", [("gpt", "fsdp2_tensor4+sp"), ("llama", "data2_tensor4")])
-def test_sgd_steps_equal_one_device(family, layout, params):
-    """Five steps of plain SGD (no warmup, no clipping, no Adam normalisation): the update is
-    proportional to each leaf's gradient, so the parameters see any scale error, compounded."""
+def assert_sgd_steps_equal(reference_cfg: RunConfig, cfg: RunConfig, params: dict) -> None:
+    """Five steps of plain SGD (no warmup, no clipping, no Adam normalisation) from `params` on one
+    memorised batch: the losses and parameter changes of `cfg` equal `reference_cfg`'s. The update
+    is proportional to each leaf's gradient, so the parameters see any scale error, compounded."""
     tx = optax.sgd(1.0)
-    batches = random_batches(config(family), 1, seed=4) * 5  # one batch, memorised
+    batches = random_batches(reference_cfg, 1, seed=4) * 5
 
     def train(cfg):
         layout_ = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
         shardings = state_shardings(param_specs(cfg.model), layout_, tx)
         state = init_state(param_specs(cfg.model), layout_, tx, 0)
-        state = state._replace(params=jax.device_put(params[family], shardings.params))
+        state = state._replace(params=jax.device_put(params, shardings.params))
         step = make_train_step(cfg, layout_, tx, shardings)
         losses = []
         for b in batches:
@@ -202,12 +202,17 @@ def test_sgd_steps_equal_one_device(family, layout, params):
             losses.append(float(m["loss"]))
         return losses, jax.device_get(state.params)
 
-    ref_losses, ref_params = train(config(family))
-    losses, got = train(config(family, layout))
+    ref_losses, ref_params = train(reference_cfg)
+    losses, got = train(cfg)
     assert ref_losses[-1] < ref_losses[0] - 0.2, ref_losses  # the steps really train
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    moved = lambda p: jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), p, params[family])
+    moved = lambda p: jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), p, params)
     assert_leaves_close(moved(got), moved(ref_params), 1e-4, "parameter changes after 5 SGD steps")
+
+
+@pytest.mark.parametrize("family, layout", [("gpt", "fsdp2_tensor4+sp"), ("llama", "data2_tensor4")])
+def test_sgd_steps_equal_one_device(family, layout, params):
+    assert_sgd_steps_equal(config(family), config(family, layout), params[family])
 
 
 def test_step_and_grad_step_share_one_gradient(params):

@@ -76,6 +76,27 @@ def test_paper_layouts_as_meshlm_pipelines(name):
     assert fits(True, "selective")
 
 
+def test_pipeline_overhead_is_the_lockstep_time_of_the_schedule():
+    """meshlm's stages run in lockstep: GPipe loses exactly its bubble; 1F1B loses the table's
+    lockstep time at backward/forward = 2 (between 2 and 3 when the layers' forward is recomputed:
+    the output layer is not)."""
+    from meshlm.parallel.schedules import build
+
+    base = recipes.get("llama-tiny")
+
+    def overhead(schedule: str, policy: str) -> float:
+        par = ParallelConfig(stage=4, pipeline_schedule=schedule)
+        train = dataclasses.replace(base.train, global_batch=16, microbatches=8)
+        cfg = dataclasses.replace(base, parallel=par, train=train, remat=RematConfig(policy))
+        return planner.pipeline_overhead(cfg, 4)
+
+    assert overhead("gpipe", "elementwise") == pytest.approx(3 / 8)
+    assert overhead("1f1b", "elementwise") == pytest.approx(build("1f1b", 4, 8).lockstep_overhead(2.0))
+    one_f_one_b = build("1f1b", 4, 8)
+    assert one_f_one_b.lockstep_overhead(2.0) < overhead("1f1b", "full") < one_f_one_b.lockstep_overhead(3.0)
+    assert overhead("1f1b", "elementwise") > 3 / 8
+
+
 def test_sharded_state_bytes_are_exact(devices):
     """The planner's per-device parameter count (from the rules table alone) equals the real
     shard sizes of the initialised state."""

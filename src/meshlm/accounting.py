@@ -181,6 +181,20 @@ def _attention_kernel_flops_adjustment(cfg: RunConfig) -> int:
     return round(tokens_layers * one * (7 * attention_executed_fraction(m, t.seq_len, context_chunk(cfg)) - 6))
 
 
+def forward_flops_per_step(cfg: RunConfig) -> int:
+    """GEMM FLOPs the forward pass executes (once; recomputation is backward work): a third of the
+    model FLOPs, with the O(s) kernels' attention over the blocks they run instead of the full s x s."""
+    m, t = cfg.model, cfg.train
+    forward = model_flops_per_step(cfg) // 3
+    if m.attention == "explicit":
+        return forward
+    one = layer_forward_flops_per_token(m, t.seq_len)["attn_scores"]
+    tokens_layers = t.global_batch * t.seq_len * m.n_layers
+    return forward + round(
+        tokens_layers * one * 2 * (attention_executed_fraction(m, t.seq_len, context_chunk(cfg)) - 1)
+    )
+
+
 def hardware_flops_per_step(cfg: RunConfig) -> int:
     """GEMM FLOPs actually executed per step: model FLOPs plus the policy's recomputation, and for
     blockwise/fused attention what their kernels execute instead of the counted s x s terms. HFU

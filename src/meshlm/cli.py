@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from meshlm import xla_flags  # jax-free
 from meshlm.config import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, RunConfig, apply_overrides, parse_mesh
 from meshlm.hardware import ACCELERATORS  # a jax-free table
 
@@ -259,9 +260,11 @@ def _adopt_source(cfg: RunConfig, init_from: str) -> RunConfig:
 
 
 def _set_device_count(n: int, explicit: bool) -> None:
-    """Simulated host devices; must run before jax is imported."""
+    """Simulated host devices and the backend's XLA flags (`meshlm.xla_flags`); must run before jax
+    is imported."""
     if "jax" in sys.modules:
         return
+    xla_flags.apply()
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
     if explicit:

@@ -247,7 +247,9 @@ def calibrated_time(
     if pipeline > 1:
         stage = out["GEMMs"] + tp
         out["pipeline bubble"] = pipeline_overhead(cfg, pipeline, interleave) * stage
-        out["pipeline sends"] = pipeline_send_bytes(cfg, interleave) / device.inter_bw
+        # inside one node over NVLink at the calibrated link efficiency, else over the network
+        bw = device.intra_bw * link_efficiency if n <= device.per_node else device.inter_bw
+        out["pipeline sends"] = pipeline_send_bytes(cfg, interleave) / bw
     for part in ("context-parallel K/V exchange", "data/FSDP collectives"):
         if roofline.get(part):
             out[part] = roofline[part] / link_efficiency
@@ -274,12 +276,13 @@ def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> flo
     """Time a pipeline adds, as a fraction of a stage's work. Megatron's asynchronous schedules (an
     explicit `pipeline`): the bubble (p-1)/(v m). meshlm's executor (`parallel.stage`) runs in
     lockstep, every tick as long as its slowest action: the schedule table's lockstep time with
-    backward/forward = the step's hardware FLOPs over its forward FLOPs, minus 1 (recomputation
-    included), which is the bubble for GPipe and more for 1F1B (`Schedule.lockstep_overhead`)."""
+    backward/forward = the step's executed FLOPs over its executed forward FLOPs, minus 1
+    (recomputation included), which is the bubble for GPipe and more for 1F1B
+    (`Schedule.lockstep_overhead`)."""
     par, micro = cfg.parallel, cfg.train.microbatches
     if par.stage == 1:
         return (pipeline - 1) / (interleave * micro)
-    forward = accounting.model_flops_per_step(cfg) / 3
+    forward = accounting.forward_flops_per_step(cfg)
     ratio = round(accounting.hardware_flops_per_step(cfg) / forward - 1, 3)
     return _lockstep_overhead(par.pipeline_schedule, par.stage, micro, par.virtual_stages, ratio)
 

@@ -342,7 +342,7 @@ def pipeline_in_flight(cfg: RunConfig, pipeline: int | None = None, interleave: 
 
 
 def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
-    """What meshlm's executor keeps besides the stash (`parallel.pipeline`): every microbatch's
+    """What meshlm's executor (`parallel/pipeline.py`) keeps besides the stash: every microbatch's
     token ids and targets, and the inboxes of arrived activations and cotangents ([b, s, d] each,
     sequence-sharded under SP) with their spare slots, sized by the schedule's table."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
@@ -377,9 +377,9 @@ def activation_memory(
 
     'layers' without a pipeline: L x layer_total. With one, stage 0's: the microbatch-chunks it
     holds at its peak (`pipeline_in_flight`) x L/(p v) layers each - P2's Eq. 5 (L layers' worth,
-    x (1 + (p-1)/(p v)) interleaved) when m >= p, but m/p of it for GPipe's m > p and less when
-    m < p. A run's own pipeline (`parallel.stage`) lists its executor's buffers outside the
-    layers; an explicit `pipeline` (P2's layouts) follows P2 4.3's outside terms."""
+    x (1 + (p-1)/(p v)) interleaved) when m > p, m/p of it for GPipe and less when m < p. A run's
+    own pipeline (`parallel.stage`) lists its executor's buffers outside the layers; an explicit
+    `pipeline` (P2's layouts) follows P2 4.3's outside terms."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     policy = cfg.remat.policy if policy is None else policy
     sp = par.sequence_parallel if sequence_parallel is None else sequence_parallel

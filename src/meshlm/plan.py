@@ -121,9 +121,11 @@ def estimate(
     params = sharded_params(cfg) if own else sharded_params(cfg) / pipeline
     plan.memory["parameters, gradients, optimizer"] = bytes_per_param * params
     plan.memory["activations"] = act["total"]
-    if own and par.fsdp > 1:  # the executor gathers a stage's fp32 weights once per step
+    if own and par.fsdp > 1:  # the executor gathers a stage's fp32 weights once per step, and
+        # accumulates their gradients unsharded until the step's end
         gathered = sharded_params(dataclasses.replace(cfg, parallel=dataclasses.replace(par, fsdp=1)))
         plan.memory["FSDP gathered weights"] = 4 * gathered
+        plan.memory["unsharded gradient accumulators"] = 4 * (gathered - params)
     elif par.fsdp > 1:  # one layer's weights gathered in the compute dtype, forward and backward
         layer = accounting.param_count(dataclasses.replace(m, n_layers=1)) - accounting.param_count(
             dataclasses.replace(m, n_layers=0)
@@ -222,8 +224,8 @@ def calibrated_time(
     critical path); every collective of the roofline (`roofline`: tensor-parallel, context-parallel,
     data/FSDP, each at its own link) slowed by the calibrated link efficiency (achieved TP bandwidth
     / NVLink datasheet); the pipeline's idle time (`pipeline_overhead`) of a stage's work; pipeline
-    sends (`pipeline_send_bytes`) over the inter-node link; the optimizer
-    update memory-bound. Never faster than the roofline. None for an uncalibrated device kind.
+    sends (`pipeline_send_bytes`) over NVLink at that efficiency inside a node, else the inter-node
+    link; the optimizer update memory-bound. Never faster than the roofline. None for an uncalibrated device kind.
     Checked against P2 Table 5 for its four models (tests/test_plan.py)."""
     cal = CALIBRATIONS.get(device.name)
     if cal is None:

@@ -16,16 +16,21 @@ from meshlm.step import make_train_step
 from meshlm.train_state import init_state, setup
 
 
+def prepared_step(cfg: RunConfig, layout: Layout) -> tuple:
+    """(jitted train step, initial state, a batch of random tokens) for one config and layout."""
+    specs, tx, shardings = setup(cfg, layout)
+    state = init_state(specs, layout, tx, 0)
+    rng = np.random.default_rng(0)
+    shape = (cfg.train.global_batch, cfg.train.seq_len)
+    batch = {k: rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32) for k in ("inputs", "targets")}
+    return make_train_step(cfg, layout, tx, shardings), state, batch
+
+
 def median_step_seconds(variants: dict[Hashable, tuple[RunConfig, Layout]], rounds: int) -> dict[Hashable, float]:
     """{key: median seconds of one train step} for each (config, layout), on random tokens."""
     steps = {}
     for key, (cfg, layout) in variants.items():
-        specs, tx, shardings = setup(cfg, layout)
-        state = init_state(specs, layout, tx, 0)
-        rng = np.random.default_rng(0)
-        shape = (cfg.train.global_batch, cfg.train.seq_len)
-        batch = {k: rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32) for k in ("inputs", "targets")}
-        fn = make_train_step(cfg, layout, tx, shardings)
+        fn, state, batch = prepared_step(cfg, layout)
         state, m = fn(state, batch)  # compile
         jax.block_until_ready(m)
         steps[key] = [fn, state, batch, []]

@@ -27,15 +27,13 @@ from meshlm import xla_flags
 os.environ["XLA_FLAGS"] = xla_flags.flags_for()  # before JAX starts a backend
 
 import jax
-import numpy as np
 
 from _markdown import write_section
+from _timing import prepared_step
 from meshlm import accounting, hardware, recipes
 from meshlm import plan as planner
 from meshlm.config import RunConfig, validate
 from meshlm.parallel.mesh import make_layout
-from meshlm.step import make_train_step
-from meshlm.train_state import init_state, setup
 
 
 def planned(cfg: RunConfig, n: int) -> tuple[RunConfig, str]:
@@ -60,13 +58,8 @@ def measure(name: str, steps: int, seq_len: int | None) -> dict:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len))
     n = len(jax.devices())
     cfg, how = planned(cfg, n)
-    layout = make_layout(cfg.parallel)
-    specs, tx, shardings = setup(cfg, layout)
-    state = init_state(specs, layout, tx, 0)
-    rng = np.random.default_rng(0)
+    fn, state, batch = prepared_step(cfg, make_layout(cfg.parallel))
     shape = (cfg.train.global_batch, cfg.train.seq_len)
-    batch = {k: rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32) for k in ("inputs", "targets")}
-    fn = make_train_step(cfg, layout, tx, shardings)
     t0 = time.perf_counter()
     compiled = fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0

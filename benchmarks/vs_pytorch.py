@@ -38,8 +38,10 @@ import torch
 import transformers
 
 from _markdown import write_section
+from meshlm.accounting import model_flops_per_step
 from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, validate
 from meshlm.data.loader import WindowLoader, process_batch
+from meshlm.hardware import probe_matmul_flops
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.transformer import forward
 from meshlm.parallel.mesh import make_layout
@@ -260,14 +262,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 2)
     command = " ".join(["python benchmarks/vs_pytorch.py", *sys.argv[1:]])
+    peak = probe_matmul_flops("float32")  # this host's matmul peak, measured in this run
     lines = [
         f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, jax {jax.__version__}; vocab {VOCAB}, seq {SEQ}, batch {BATCH}, "
-        f"fp32, AdamW + clipping; median of {args.rounds} alternating rounds of {args.steps} steps; tokens/s)",
+        f"fp32, AdamW + clipping; median of {args.rounds} alternating rounds of {args.steps} steps; tokens/s; "
+        f"MFU = P2 Eq. 7 model FLOPs / step time / this host's fp32 1024^3 matmul probe, {peak / 1e9:.0f} GFLOP/s)",
         "",
         "| family | size | PyTorch eager | PyTorch compiled | minimal JAX | meshlm 1 device | meshlm data=2 "
-        "| meshlm data=2 unrolled | meshlm best / PyTorch best |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| meshlm data=2 unrolled | meshlm best / PyTorch best | MFU meshlm best | MFU PyTorch best |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     tokens = BATCH * SEQ
     for family in args.families.split(","):
@@ -287,7 +291,11 @@ def main() -> None:
             best_torch = max(rate["torch eager"], rate["torch compiled"])
             best_meshlm = max(v for k, v in rate.items() if k.startswith("meshlm"))
             cells = " | ".join(f"{rate[k]:.0f}" for k in variants)
-            lines.append(f"| {family} | {size} | {cells} | {best_meshlm / best_torch:.2f}x |")
+            mfu_per_token_s = model_flops_per_step(run) / tokens / peak  # MFU of 1 token/s
+            lines.append(
+                f"| {family} | {size} | {cells} | {best_meshlm / best_torch:.2f}x "
+                f"| {100 * mfu_per_token_s * best_meshlm:.0f}% | {100 * mfu_per_token_s * best_torch:.0f}% |"
+            )
             print(lines[-1], flush=True)
     table = "\n".join(lines)
     print(table)

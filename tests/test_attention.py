@@ -206,3 +206,58 @@ def test_blockwise_hardware_flops_count_the_blocks_the_kernel_runs():
         got = accounting.hardware_flops_per_step(blockwise) - accounting.hardware_flops_per_step(explicit)
         assert got == kernel - counted
         assert accounting.model_flops_per_step(blockwise) == accounting.model_flops_per_step(explicit)
+
+
+def test_mha_scores_without_a_group_axis_are_the_grouped_computation(monkeypatch):
+    """MHA computes [b, k, t, s] scores, GQA [b, k, g, t, s]: for MHA both layouts give the same
+    outputs, gradients and dropout bits (same elements in the same order), with document masks."""
+    ks = jax.random.split(jax.random.key(3), 4)
+    q, k, v, d_out = (jax.random.normal(kk, (B, 32, N, H)) for kk in ks)  # N kv heads: MHA
+    segments = _segments(32)
+
+    def run():
+        fn = lambda q, k, v: layers.causal_attention(q, k, v, segments, dropout_rate=0.3, key=jax.random.key(5))
+        return _value_and_grads(fn, q, k, v, d_out)
+
+    squeezed = run()
+    monkeypatch.setattr(layers, "_grouped", lambda n, kv: True)  # the group axis kept, as GQA does
+    grouped = run()
+    for a, b in zip(jax.tree.leaves(squeezed), jax.tree.leaves(grouped), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert float(jnp.abs(squeezed[0]).max()) > 0
+
+
+def test_dense_weight_gradient_is_one_contraction_over_rows():
+    """`layers.dense_shared` = the einsums (values and gradients), but its backward contracts the
+    weight gradient over one b*t axis (XLA:CPU's GEMM takes it with a transposed operand), reshapes
+    x once for all its weights, and keeps the einsum where asked (`flat=False`)."""
+    x = jax.random.normal(jax.random.key(0), (3, 8, 16))
+    ws = [jax.random.normal(jax.random.key(i), (16, 4, 6)) for i in (1, 2)]
+    g = jax.random.normal(jax.random.key(3), (3, 8, 4, 6))
+    eq = "btd,dnh->btnh"
+
+    def grads(fn):
+        return jax.vjp(lambda x, ws: sum((y * g).sum() for y in fn(x, ws)), x, ws)[1](1.0)
+
+    einsums = lambda x, ws: [jnp.einsum(eq, x, w) for w in ws]
+    for flat in (True, False):
+        ours = lambda x, ws, flat=flat: layers.dense_shared(eq, x, ws, flat)
+        want = jax.tree.leaves((einsums(x, ws), grads(einsums)))
+        for a, b in zip(jax.tree.leaves((ours(x, ws), grads(ours))), want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+    def weight_grad_contractions(fn):  # contracting dims of each weight-gradient dot in backward
+        jaxpr = jax.make_jaxpr(lambda x, ws: jax.vjp(fn, x, ws)[1]((g, g)))(x, ws)
+        eqns = jaxpr.jaxpr.eqns
+        dots = [
+            e
+            for e in eqns
+            if e.primitive.name == "dot_general" and sorted(e.outvars[0].aval.shape) == sorted(ws[0].shape)
+        ]
+        return [len(e.params["dimension_numbers"][0][0]) for e in dots], eqns
+
+    rows, eqns = weight_grad_contractions(lambda x, ws: layers.dense_shared(eq, x, ws))
+    assert rows == [1, 1], rows  # b*t as one axis
+    assert sum(e.primitive.name == "reshape" and e.outvars[0].aval.shape == (24, 16) for e in eqns) == 1
+    plain, _ = weight_grad_contractions(lambda x, ws: layers.dense_shared(eq, x, ws, flat=False))
+    assert plain == [2, 2], plain  # the einsum's weight gradient contracts over b and t

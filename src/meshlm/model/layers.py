@@ -44,6 +44,33 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+def dense(equation: str, x: jax.Array, w: jax.Array, flat: bool = True, **kwargs) -> jax.Array:
+    """`jnp.einsum(equation, x, w, **kwargs)` of an activation x [b, t, ...] and a weight, the output
+    [b, t, ...] too; see `dense_shared`."""
+    return dense_shared(equation, x, [w], flat, **kwargs)[0]
+
+
+def dense_shared(equation: str, x: jax.Array, ws: list[jax.Array], flat: bool = True, **kwargs) -> tuple:
+    """`jnp.einsum(equation, x, w)` for each weight w, the output [b, t, ...] like x. With `flat`
+    the einsums run on x's b*t rows as one axis (x reshaped once, so backward stores one array for
+    all the weights): then the weight gradient in backward is one 2-D contraction over the rows,
+    which XLA:CPU hands to its GEMM with a transposed operand. Over separate b and t axes, XLA
+    instead writes the activation gradient transposed inside the element-wise fusion that makes it,
+    at a small fraction of memory bandwidth (BENCHMARKS.md, "Where the step's time goes").
+
+    Backward stores the rows view in place of x, so pass `flat=False` where x itself is stored for
+    another consumer (it would be kept twice), or where the b*t rows are not one contiguous block
+    per device (the sequence sharded over `context` under GSPMD: the reshape would move data)."""
+    lhs, out = equation.split("->")
+    x_axes, w_axes = lhs.split(",")
+    if not flat or x_axes[:2] != "bt" or out[:2] != "bt":
+        return tuple(jnp.einsum(equation, x, w, **kwargs) for w in ws)
+    rows_eq = f"r{x_axes[2:]},{w_axes}->r{out[2:]}"
+    x_rows = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    ys = (jnp.einsum(rows_eq, x_rows, w, **kwargs) for w in ws)
+    return tuple(y.reshape(*x.shape[:2], *y.shape[1:]) for y in ys)
+
+
 def dropout(
     x: jax.Array, rate: float, key: jax.Array | None, positions: jax.Array | None = None, axis: int = 1
 ) -> jax.Array:
@@ -171,7 +198,24 @@ def same_document(segment_ids_bt: jax.Array) -> jax.Array:
     return segment_ids_bt[:, None, None, :, None] == segment_ids_bt[:, None, None, None, :]
 
 
-_AV = "bkgts,bskh->btkgh"  # attention over V
+def _attention_equations(grouped: bool) -> tuple[str, str]:
+    """(scores, attention over V) einsums: with query groups (GQA, g > 1) the scores are
+    [b, k, g, t, s]; for MHA (g = 1) [b, k, t, s] - the same elements in the same order (so the
+    same dropout bits), without a unit axis that makes XLA:CPU copy and transpose around its GEMMs."""
+    if grouped:
+        return "btkgh,bskh->bkgts", "bkgts,bskh->btkgh"
+    return "btkh,bskh->bkts", "bkts,bskh->btkh"
+
+
+def _grouped(n_heads: int, kv_heads: int) -> bool:
+    """Whether the scores carry a query-group axis g: only under GQA (a benchmark patches it)."""
+    return n_heads != kv_heads
+
+
+def _operands(eq: str) -> tuple[str, str, str]:
+    lhs, out = eq.split("->")
+    a, b = lhs.split(",")
+    return a, b, out
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -188,14 +232,16 @@ def _softmax_dropout_av(
 def _softmax_dropout_av_fwd(scores, v, keep, same_doc, rate):
     probs = _causal_softmax(scores, same_doc)
     dropped = probs if keep is None else _apply_keep_mask(probs, keep, rate)
-    return jnp.einsum(_AV, dropped, v), (probs, keep, None if keep is None else dropped, v)
+    av = _attention_equations(scores.ndim == 5)[1]
+    return jnp.einsum(av, dropped, v), (probs, keep, None if keep is None else dropped, v)
 
 
 def _softmax_dropout_av_bwd(rate, res, g):
     probs, keep, dropped, v = res
     dropped = probs if dropped is None else dropped
-    d_dropped = jnp.einsum("btkgh,bskh->bkgts", g, v)
-    dv = jnp.einsum("bkgts,btkgh->bskh", dropped, g)
+    p_axes, v_axes, o_axes = _operands(_attention_equations(probs.ndim == 5)[1])
+    d_dropped = jnp.einsum(f"{o_axes},{v_axes}->{p_axes}", g, v)
+    dv = jnp.einsum(f"{p_axes},{o_axes}->{v_axes}", dropped, g)
     d_probs = d_dropped if keep is None else _mask_bwd(rate, keep, d_dropped)[0]
     p, gp = probs.astype(jnp.float32), d_probs.astype(jnp.float32)
     d_scores = (p * (gp - jnp.sum(gp * p, axis=-1, keepdims=True))).astype(probs.dtype)
@@ -222,14 +268,18 @@ def causal_attention(
     """
     b, t, n, h = q_btnh.shape
     k = k_bskh.shape[2]
-    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh) * jnp.asarray(1 / math.sqrt(h), q_btnh.dtype)
+    grouped = _grouped(n, k)
+    q = q_btnh.reshape(b, t, k, n // k, h) if grouped else q_btnh
+    scores_eq = _attention_equations(grouped)[0]
+    scores = jnp.einsum(scores_eq, q, k_bskh) * jnp.asarray(1 / math.sqrt(h), q_btnh.dtype)
     keep = None
     if key is not None and dropout_rate > 0:
         keep = jax.random.bernoulli(key, 1.0 - dropout_rate, scores.shape)
     same_doc = None if segment_ids_bt is None else same_document(segment_ids_bt)
-    out_btkgh = _softmax_dropout_av(scores, v_bskh, keep, same_doc, dropout_rate)
-    return out_btkgh.reshape(b, t, n, h)
+    if same_doc is not None and not grouped:
+        same_doc = same_doc[:, :, 0]  # [b, 1, t, s]
+    out = _softmax_dropout_av(scores, v_bskh, keep, same_doc, dropout_rate)
+    return out.reshape(b, t, n, h)
 
 
 def fused_implementation(dtype: str, head_dim: int, document_mask: bool, device=None) -> tuple[str, str]:

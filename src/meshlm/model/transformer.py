@@ -68,12 +68,10 @@ class KVCache(NamedTuple):
 CACHE_AXES = (None, ax.BATCH, None, ax.ACT_KV_HEADS, None)  # k/v of one layer (all layers: LAYERS first)
 
 
-def _project(h_btd, wq, wk, wv, *biases):
+def _project(h_btd, wq, wk, wv, *biases, flat: bool = True):
     """Column-parallel QKV projections (+ gpt's biases). Runs per tensor rank on its heads (inside
     `column_parallel`), so it must not name mesh axes."""
-    q = jnp.einsum("btd,dnh->btnh", h_btd, wq)
-    k = jnp.einsum("btd,dkh->btkh", h_btd, wk)
-    v = jnp.einsum("btd,dkh->btkh", h_btd, wv)
+    q, k, v = layers.dense_shared("btd,dnh->btnh", h_btd, [wq, wk, wv], flat)
     if biases:
         bq, bk, bv = biases
         return q + bq, k + bk, v + bv
@@ -92,7 +90,7 @@ def _qkv(h_btd, *args, cfg: ModelConfig, context: bool = False):
     """Projections, then RoPE (llama) at positions 0..t-1 - or, under context parallelism, at the
     original positions of this rank's tokens, passed first in `args`."""
     positions = args[0] if context else jnp.arange(h_btd.shape[1])
-    q, k, v = _project(h_btd, *args[1 if context else 0 :])
+    q, k, v = _project(h_btd, *args[1 if context else 0 :], flat=not context)
     if cfg.family == "gpt":
         return q, k, v
     return (*_rope_qk(q, k, positions, cfg), v)
@@ -169,9 +167,11 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
     else:
         core = remat.wrap_attention_core(partial(layers.causal_attention, dropout_rate=cfg.dropout), remat_policy)
         a = core(q, k, v, segments, key=_site_key(key, _ATTN_PROBS))
-    if cfg.attention == "explicit":  # the O(s) kernels keep their output for their own backward
-        a = constrain(layout, a, HEADS_ACT)  # pass: a constrained copy would be stored a second time
-    return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, weight_axes(cfg)["wo"], RESIDUAL), None
+    explicit = cfg.attention == "explicit" and not context
+    if explicit:  # the O(s) kernels keep their output for their own backward
+        a = constrain(layout, a, HEADS_ACT)  # pass: a constrained copy (or a rows view) would be stored twice
+    out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, weight_axes(cfg)["wo"], RESIDUAL, explicit)
+    return out, None
 
 
 def _drop_positions(layout: Layout | None, t: int) -> jax.Array | None:
@@ -191,7 +191,8 @@ def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_poli
     x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _ATTN_OUT), at), RESIDUAL)
 
     h = norm(x_btd, p["ln2_scale"], p["ln2_bias"])
-    fc1 = lambda h, w, b: (jnp.einsum("btd,df->btf", h, w) + b,)
+    flat = not _context(layout)
+    fc1 = lambda h, w, b: (layers.dense("btd,df->btf", h, w, flat) + b,)
     axes = weight_axes(cfg)
     (f,) = column_parallel(layout, fc1, h, [p["w_fc"], p["b_fc"]], [axes["w_fc"], axes["b_fc"]], (MLP_ACT,), RESIDUAL)
     f = remat.wrap_elementwise(layers.gelu, remat_policy)(f)
@@ -209,9 +210,10 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
     x_btd = constrain(layout, x_btd + o, RESIDUAL)
 
     h = norm(x_btd, p["mlp_norm"])
+    flat = not _context(layout)
     gate, up = column_parallel(
         layout,
-        lambda h, wg, wu: (jnp.einsum("btd,df->btf", h, wg), jnp.einsum("btd,df->btf", h, wu)),
+        lambda h, wg, wu: layers.dense_shared("btd,df->btf", h, [wg, wu], flat),
         h,
         [p["w_gate"], p["w_up"]],
         [weight_axes(cfg)["w_gate"], weight_axes(cfg)["w_up"]],
@@ -294,8 +296,10 @@ def logits(
     out_name, equation = ("wte", "btd,vd->btv") if cfg.tied_embeddings else ("lm_head", "btd,dv->btv")
     w_out, w_axes = params[out_name], weight_axes(cfg)[out_name]
 
+    flat = not _context(layout)
+
     def unembed(x_btd, w):  # vocabulary-parallel output layer, fp32 logits
-        return (jnp.einsum(equation, x_btd, w, preferred_element_type=jnp.float32),)
+        return (layers.dense(equation, x_btd, w, flat, preferred_element_type=jnp.float32),)
 
     logits_axes = (ax.BATCH, ax.SEQ, ax.ACT_VOCAB)
     (out,) = column_parallel(layout, unembed, x, [w_out.astype(dtype)], [w_axes], (logits_axes,), RESIDUAL)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
+from meshlm.model.layers import dense
 from meshlm.parallel.rules import Layout, constrain
 
 
@@ -113,17 +114,22 @@ def row_parallel(
     x_axes: Sequence[str | None],
     w_axes: Sequence[str | None],
     out_axes: Sequence[str | None],
+    flat: bool = True,
 ) -> jax.Array:
     """f-bar / g-bar: a row-parallel matmul (contraction over a tensor-sharded axis) leaving the block.
 
     TP only: the einsum, constrained to the residual layout; GSPMD all-reduces the partial sums.
     TP + SP: local partial sums reduce-scattered along the sequence (axis 1 of the output).
+    `flat`: `layers.dense` may run it on the b*t rows - not under GSPMD with the sequence split over
+    `context` (the reshape would move data) nor with a tensor axis (GSPMD would all-reduce the rows
+    view: the same bytes, but no longer the [b, t, d] activation that the HLO checks recognise).
     """
     if layout is None or not layout.sequence_parallel:
-        return constrain(layout, jnp.einsum(equation, x, w), out_axes)
+        flat = flat and (layout is None or (layout.context_size == 1 and layout.tensor_size == 1))
+        return constrain(layout, dense(equation, x, w, flat), out_axes)
     return _manual(
         layout,
-        lambda xl, wl: jax.lax.psum_scatter(jnp.einsum(equation, xl, wl), "tensor", scatter_dimension=1, tiled=True),
+        lambda xl, wl: jax.lax.psum_scatter(dense(equation, xl, wl, flat), "tensor", scatter_dimension=1, tiled=True),
         in_specs=(layout.spec(x_axes), _tensor_spec(layout, w_axes)),
         out_specs=layout.spec(out_axes),
     )(x, w)

@@ -91,10 +91,16 @@ def main() -> None:
     for i in range(3):  # warm up
         state, m = compiled(state, process_batch(loader, i, sharding))
     jax.block_until_ready(m)
+    t0, cpu0 = time.perf_counter(), time.process_time()  # unprofiled: how many cores the step keeps busy
+    for i in range(args.steps):
+        state, m = compiled(state, process_batch(loader, 3 + i, sharding))
+    jax.block_until_ready(m)
+    plain_wall = (time.perf_counter() - t0) / args.steps * 1e3
+    cores = (time.process_time() - cpu0) / args.steps * 1e3 / plain_wall
     t0 = time.perf_counter()
     with jax.profiler.trace(str(out / "trace"), create_perfetto_trace=True):
         for i in range(args.steps):
-            state, m = compiled(state, process_batch(loader, 3 + i, sharding))
+            state, m = compiled(state, process_batch(loader, 3 + args.steps + i, sharding))
         jax.block_until_ready(m)
     wall = (time.perf_counter() - t0) / args.steps * 1e3
     with gzip.open(next((out / "trace").rglob("*.trace.json.gz"))) as f:
@@ -116,7 +122,8 @@ def main() -> None:
         f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; {args.family}, 4 layers, "
         f"d=256, vocab 8192, seq 256, batch 8, fp32, 1 device; {args.steps} profiled steps)",
         "",
-        f"Step wall time {wall:.0f} ms; XLA's {len(busy)} worker threads busy "
+        f"Unprofiled: {plain_wall:.0f} ms per step, process CPU time {cores:.2f} cores per wall second. "
+        f"Profiled: step wall time {wall:.0f} ms; XLA's {len(busy)} worker threads busy "
         + ", ".join(f"{b:.0f} ms ({100 * b / wall:.0f}%)" for b in busy)
         + f"; operations' thread time {sum(per_op.values()):.0f} ms per step.",
         "",

@@ -10,8 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import tiny_config
 from meshlm import accounting
+from meshlm import axes as ax
 from meshlm.cli import main
+from meshlm.config import ParallelConfig, validate
 from meshlm.model import layers
 from meshlm.model.blockwise import blockwise_attention, keep_mask
 from meshlm.parallel.remat import POLICIES
@@ -219,12 +222,17 @@ def test_mha_scores_without_a_group_axis_are_the_grouped_computation(monkeypatch
         fn = lambda q, k, v: layers.causal_attention(q, k, v, segments, dropout_rate=0.3, key=jax.random.key(5))
         return _value_and_grads(fn, q, k, v, d_out)
 
-    squeezed = run()
+    def score_ranks():  # ranks of the [.., t, s] score GEMMs' outputs
+        jaxpr = jax.make_jaxpr(lambda q, k, v: layers.causal_attention(q, k, v, segments))(q, k, v)
+        dots = [e.outvars[0].aval.shape for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+        return [len(shape) for shape in dots if np.prod(shape) == B * N * 32 * 32]
+
+    squeezed, ranks = run(), score_ranks()
     monkeypatch.setattr(layers, "_grouped", lambda n, kv: True)  # the group axis kept, as GQA does
     grouped = run()
     for a, b in zip(jax.tree.leaves(squeezed), jax.tree.leaves(grouped), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-    assert float(jnp.abs(squeezed[0]).max()) > 0
+    assert ranks == [4] and score_ranks() == [5], (ranks, score_ranks())
 
 
 def test_dense_weight_gradient_is_one_contraction_over_rows():
@@ -261,3 +269,36 @@ def test_dense_weight_gradient_is_one_contraction_over_rows():
     assert sum(e.primitive.name == "reshape" and e.outvars[0].aval.shape == (24, 16) for e in eqns) == 1
     plain, _ = weight_grad_contractions(lambda x, ws: layers.dense_shared(eq, x, ws, flat=False))
     assert plain == [2, 2], plain  # the einsum's weight gradient contracts over b and t
+
+
+@pytest.mark.parametrize("mesh", [{"data": 2, "fsdp": 2}, {"data": 2, "context": 2}, {"data": 2, "tensor": 2}])
+def test_dense_rows_move_no_data(mesh, monkeypatch, devices):
+    """The whole model's gradient program has the same collectives with dense layers on b*t rows as
+    with plain 3-D einsums: the rows view is local wherever `layers.dense` is used flat (under
+    context it must not be: the sequence is split, and a reshape would gather it)."""
+    from meshlm import hlo
+    from meshlm.model.loss import cross_entropy_sum
+    from meshlm.model.params import abstract_params, param_specs
+    from meshlm.model.transformer import forward
+    from meshlm.parallel import collectives
+    from meshlm.parallel.mesh import make_layout
+    from meshlm.train_state import param_shardings
+
+    cfg = _with(tiny_config("llama"), attention="blockwise" if "context" in mesh else "explicit")
+    cfg = validate(dataclasses.replace(cfg, parallel=ParallelConfig(**mesh)))
+    layout = make_layout(cfg.parallel, jax.devices()[:4])
+    specs = param_specs(cfg.model)
+
+    def counts():
+        loss = lambda p, t: cross_entropy_sum(forward(p, t, cfg.model, layout), t)[0]
+        shardings = (param_shardings(specs, layout), layout.sharding((ax.BATCH, ax.SEQ)))
+        tokens = jax.ShapeDtypeStruct((8, 32), jnp.int32)
+        lowered = jax.jit(jax.grad(loss), in_shardings=shardings).lower(abstract_params(specs), tokens)
+        return hlo.collectives(lowered.compile().as_text())
+
+    rows = counts()
+    plain = lambda equation, x, w, flat=True, **kw: jnp.einsum(equation, x, w, **kw)
+    monkeypatch.setattr(layers, "dense", plain)
+    monkeypatch.setattr(collectives, "dense", plain)
+    monkeypatch.setattr(layers, "dense_shared", lambda eq, x, ws, flat=True, **kw: tuple(plain(eq, x, w) for w in ws))
+    assert rows == counts() and sum(rows.values()) > 0, (rows, counts())

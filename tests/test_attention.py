@@ -271,7 +271,7 @@ def test_dense_weight_gradient_is_one_contraction_over_rows():
     assert plain == [2, 2], plain  # the einsum's weight gradient contracts over b and t
 
 
-@pytest.mark.parametrize("mesh", [{"data": 2, "fsdp": 2}, {"data": 2, "context": 2}, {"data": 2, "tensor": 2}])
+@pytest.mark.parametrize("mesh", [{"data": 2, "fsdp": 2}, {"data": 2, "context": 2}])
 def test_dense_rows_move_no_data(mesh, monkeypatch, devices):
     """The whole model's gradient program has the same collectives with dense layers on b*t rows as
     with plain 3-D einsums: the rows view is local wherever `layers.dense` is used flat (under

@@ -105,11 +105,9 @@ def estimate(
     idle time (`pipeline_overhead`: Megatron's bubble, or meshlm's lockstep ticks) and its sends to
     the bound (idle ticks are the schedule's structure, not an efficiency)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
-    own = par.stage > 1
-    if own:
-        if pipeline != 1:
-            raise ValueError("estimate: an explicit pipeline models an unpipelined config (parallel.stage == 1)")
-        pipeline, interleave = par.stage, par.virtual_stages
+    if par.stage > 1 and pipeline != 1:
+        raise ValueError("estimate: an explicit pipeline models an unpipelined config (parallel.stage == 1)")
+    own, pipeline, interleave, n = _pipeline_shape(cfg, pipeline, interleave)
     plan = Plan(cfg, pipeline)
     limit = device.memory if memory_limit is None else memory_limit
     e = accounting.dtype_bytes(m.dtype)
@@ -132,7 +130,6 @@ def estimate(
         )
         plan.memory["FSDP gathered weights"] = 2 * layer / par.tensor * e
 
-    n = par.n_devices if own else par.n_devices * pipeline
     peak = device_peak(device, cfg)
     plan.time["compute"] = accounting.hardware_flops_per_step(cfg) / (n * peak)
     group_bw = device.intra_bw if par.tensor <= device.per_node else device.inter_bw
@@ -211,6 +208,15 @@ def tp_layer_bytes(cfg: RunConfig, forward_only: bool = False) -> float:
     return forward if forward_only else forward + 4 * volume + (2 * volume if par.sequence_parallel else 0)
 
 
+def _pipeline_shape(cfg: RunConfig, pipeline: int, interleave: int) -> tuple[bool, int, int, int]:
+    """(own pipeline?, stages, virtual stages, devices in all): a run's own pipeline
+    (`parallel.stage`) is part of its mesh; an explicit `pipeline` (P2's layouts) multiplies it."""
+    par = cfg.parallel
+    if par.stage > 1:
+        return True, par.stage, par.virtual_stages, par.n_devices
+    return False, pipeline, interleave, par.n_devices * pipeline
+
+
 def calibrated_time(
     cfg: RunConfig,
     device: Accelerator,
@@ -231,11 +237,8 @@ def calibrated_time(
     if cal is None:
         return None
     link_efficiency = cal.tp_bandwidth / device.intra_bw
-    m, par, t = cfg.model, cfg.parallel, cfg.train
-    own = par.stage > 1
-    if own:
-        pipeline, interleave = par.stage, par.virtual_stages
-    n = par.n_devices if own else par.n_devices * pipeline
+    m, t = cfg.model, cfg.train
+    own, pipeline, interleave, n = _pipeline_shape(cfg, pipeline, interleave)
     last_stage = n // pipeline
     rate = device_peak(device, cfg) * cal.gemm_efficiency
     logits = 6 * t.global_batch * t.seq_len * m.d_model * m.vocab_size  # forward + backward output layer

@@ -16,3 +16,11 @@ def write_section(name: str, table: str) -> None:
     head, _, rest = text.partition(start)
     _, _, tail = rest.partition(end)
     BENCHMARKS.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+
+
+def publish(name: str, lines: list[str], write: bool) -> None:
+    """Print a benchmark's table (its lines joined), and with `write` put it into its section."""
+    table = "\n".join(lines)
+    print(table)
+    if write:
+        write_section(name, table)

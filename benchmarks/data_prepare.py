@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _markdown import write_section
+from _markdown import publish
 from meshlm.data.corpus import builtin_corpus_files
 
 
@@ -60,10 +60,7 @@ def main() -> None:
         s = statistics.median(times[w])
         row = f"| tokenize with a given tokenizer, --workers {w} | {s:.1f} | {args.mb / s:.1f} | {one / s:.2f}x |"
         lines.append(row)
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        write_section("data_prepare", table)
+    publish("data_prepare", lines, args.write)
 
 
 if __name__ == "__main__":

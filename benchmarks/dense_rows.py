@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import vs_pytorch as vs
-from _markdown import write_section
+from _markdown import publish
 from meshlm.model import layers
 from meshlm.parallel import collectives
 
@@ -77,10 +77,7 @@ def main() -> None:
             cells = " | ".join(f"{1e3 * t[k]:.0f}" for k in VARIANTS)
             lines.append(f"| {family} | {size} | {cells} | {t[last] / t[first]:.2f}x |")
             print(lines[-1], flush=True)
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        write_section("dense_rows", table)
+    publish("dense_rows", lines, args.write)
 
 
 if __name__ == "__main__":

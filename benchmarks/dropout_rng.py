@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _markdown import write_section
+from _markdown import publish
 from meshlm.config import ParallelConfig
 from meshlm.model import layers
 from meshlm.model.transformer import RESIDUAL
@@ -71,10 +71,7 @@ def main() -> None:
     for impl in IMPLS:
         t = float(np.median(times[impl]))
         lines.append(f"| {impl} | {1e3 * t:.1f} | {t / base:.2f}x | {'yes' if layout_invariant(impl) else 'no'} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        write_section("dropout_rng", table)
+    publish("dropout_rng", lines, args.write)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import numpy as np
 
-from _markdown import write_section
+from _markdown import publish
 from meshlm.config import ModelConfig, OptimConfig, RunConfig, TrainConfig
 from meshlm.memory import measure_activations
 from meshlm.parallel import remat
@@ -94,10 +94,7 @@ def main() -> None:
             row = f"| {family} | {name} | {1e3 * dt:.1f} | {tokens / dt:.0f} | {act / 2**20:.1f} |"
             lines.append(f"{row} {dt / base:.2f}x time |")
             print(lines[-1], flush=True)
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        write_section("elementwise_remat", table)
+    publish("elementwise_remat", lines, args.write)
 
 
 if __name__ == "__main__":

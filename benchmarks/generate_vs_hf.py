@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import transformers
 
-from _markdown import write_section
+from _markdown import publish
 from meshlm import hf, recipes
 from meshlm.config import ParallelConfig, RunConfig
 from meshlm.inference import Generator, Model
@@ -129,10 +129,7 @@ def main() -> None:
             f"{r['h_prefill']:,.0f} | {r['m_prefill'] / r['h_prefill']:.2f}x | {r['m_decode']:,.1f} | "
             f"{r['h_decode']:,.1f} | {r['m_decode'] / r['h_decode']:.2f}x |"
         )
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        write_section("generate-vs-hf", table)
+    publish("generate-vs-hf", lines, args.write)
 
 
 if __name__ == "__main__":

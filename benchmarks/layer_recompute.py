@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from _markdown import write_section
+from _markdown import publish
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -107,10 +107,7 @@ def main() -> None:
     for (name, f, bw, fb), p2 in zip(rows, paper, strict=True):
         overhead = "-" if fb == base else f"{100 * (fb / base - 1):+.0f}%"
         lines.append(f"| {name} | {1e3 * f:.1f} | {1e3 * bw:.1f} | {1e3 * fb:.1f} | {overhead} | {p2} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        write_section(f"layer_recompute_dropout{args.dropout:g}", table)
+    publish(f"layer_recompute_dropout{args.dropout:g}", lines, args.write)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _markdown import write_section
+from _markdown import publish
 
 MESH = "data=2,tensor=4"
 
@@ -64,10 +64,7 @@ def main() -> None:
     for p in variants:
         r = statistics.median(rates[p])
         lines.append(f"| {p} x {8 // p} | {r:,.0f} | {r / base:.2f}x |")
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        write_section("multiprocess_throughput", table)
+    publish("multiprocess_throughput", lines, args.write)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from _markdown import write_section
+from _markdown import publish
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -64,10 +64,7 @@ def main() -> None:
             f"{100 * measured / baseline:.1f}% | {fig7} | {time.time() - t0:.1f} |"
         )
         print(lines[-1], flush=True)
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        write_section("paper_scale_memory", table)
+    publish("paper_scale_memory", lines, args.write)
 
 
 if __name__ == "__main__":

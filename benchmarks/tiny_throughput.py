@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _markdown import write_section
+from _markdown import publish
 
 LAYOUTS = ["data=1", "data=2", "fsdp=2", "tensor=2", "data=2,tensor=2", "data=8", "data=2,fsdp=2,tensor=2"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,10 +69,7 @@ def main() -> None:
             f"| {r['mesh']} | {r['tokens_per_s']:.0f} | {1e3 * r['step_time_s']:.1f} | {100 * r['mfu']:.1f}% | "
             f"{r['tokens_per_s'] / base:.2f}x | {r['final_loss']:.3f} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        write_section("tiny_throughput", table)
+    publish("tiny_throughput", lines, args.write)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import optax
 import torch
 import transformers
 
-from _markdown import write_section
+from _markdown import publish
 from meshlm.accounting import model_flops_per_step
 from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, validate
 from meshlm.data.loader import WindowLoader, process_batch
@@ -297,10 +297,7 @@ def main() -> None:
                 f"| {100 * mfu_per_token_s * best_meshlm:.0f}% | {100 * mfu_per_token_s * best_torch:.0f}% |"
             )
             print(lines[-1], flush=True)
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        write_section("vs_pytorch", table)
+    publish("vs_pytorch", lines, args.write)
 
 
 if __name__ == "__main__":

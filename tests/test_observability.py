@@ -100,6 +100,35 @@ def test_tensorboard_equals_metrics_jsonl_without_duplicates(runs, name):
     assert any(t.startswith("startup_report") for t in acc.Tags()["tensors"])
 
 
+def test_step_time_excludes_evaluation_and_checkpoint_saves(corpus_dir, tmp_path, monkeypatch):
+    """The rate of a log window counts every step in it and none of the evaluation or save time:
+    on a clock that moves 1 s per training step, 100 s per evaluation and 10 s per save, every
+    window reports exactly 1 s per step (windows 3-6 and 6-9 hold saves at 4 and 8, an evaluation at 5)."""
+    import meshlm.trainer as trainer_mod
+    from meshlm.checkpoint import Checkpointer
+
+    clock = [0.0]
+
+    def advancing(fn, seconds):
+        def wrapped(*args, **kwargs):
+            clock[0] += seconds
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(trainer_mod, "_clock", lambda: clock[0])
+    monkeypatch.setattr(trainer_mod, "process_batch", advancing(trainer_mod.process_batch, 1.0))  # once per step
+    monkeypatch.setattr(trainer_mod, "evaluate", advancing(trainer_mod.evaluate, 100.0))
+    monkeypatch.setattr(Checkpointer, "save", advancing(Checkpointer.save, 10.0))
+    cfg = _cfg(corpus_dir, tmp_path / "cache", steps=10, log_every=3)
+    train(cfg, tmp_path / "run", quiet=True)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    times = {r["step"]: r["step_time_s"] for r in records if "step_time_s" in r}
+    saves = [r["step"] for r in records if "checkpoint_save_s" in r]
+    assert saves == [4, 8] and [r["step"] for r in records if "val_loss" in r] == [5, 10]
+    assert times == {3: 1.0, 6: 1.0, 9: 1.0, 10: 1.0}
+
+
 def test_wandb_sink_offline(tmp_path, monkeypatch):
     """The W&B sink records what it is given, offline (no network here), under <run_dir>/wandb."""
     from meshlm.sinks import WandbSink

@@ -35,6 +35,8 @@ from meshlm.startup_report import format_report, startup_report
 from meshlm.step import abstract_batch, batch_sharding, make_eval_step, make_train_step
 from meshlm.train_state import TrainState, abstract_state, init_state, setup
 
+_clock = time.perf_counter  # the training loop's rate clock (monotonic; tests replace it)
+
 
 class TrainingError(RuntimeError):
     """Training cannot continue (e.g. a non-finite loss); the message says where and why."""
@@ -467,7 +469,7 @@ class _Loop:
             last = step + 1 == tc.steps
             if step == start:  # warm-up: throughput is measured from the end of the first step
                 jax.block_until_ready(metrics)
-                t_last, step_last = time.time(), step + 1
+                t_last, step_last = _clock(), step + 1
             logged = (step + 1) % tc.log_every == 0 or last
             evaluated = tc.eval_every and ((step + 1) % tc.eval_every == 0 or last)
             saving = every and (step + 1) % every == 0 and not last
@@ -480,7 +482,7 @@ class _Loop:
                 if not m["applied"]:  # a skipped step (on_nonfinite=skip): NaN and inf are not JSON
                     record |= {"loss": None, "grad_norm": None}
                 record["skipped"] = int(m["skipped"])  # non-finite steps skipped so far (on_nonfinite=skip)
-                now = time.time()
+                now = _clock()
                 n = step + 1 - step_last
                 if n > 0:  # the first step of an attempt compiles and warms up: no rate for it
                     dt = (now - t_last) / n
@@ -490,16 +492,21 @@ class _Loop:
                     record |= {"tokens_per_s": tokens_per_s, "step_time_s": dt, "mfu": mfu, "hfu": hfu}
                     t_last, step_last = now, step + 1
                 self.log.log(record, eta_s=dt * (tc.steps - step - 1) if n > 0 else None)
+            # Evaluation and checkpoint saves are not training time: the rate window keeps the steps
+            # it already ran and moves its start forward by the pause (the pending steps were read
+            # at the sync point above, so the pause holds no training).
             if evaluated:
+                t_eval = _clock()
                 val_loss = evaluate(self.eval_fn, state.params, val_loader, tc.eval_batches, self.bsharding)
                 self.log.log({"step": step + 1, "val_loss": val_loss})
                 self.log.print(f"step {step + 1}: validation loss {val_loss:.4f}")
-                t_last = time.time()  # do not charge evaluation to training throughput
+                t_last += _clock() - t_eval
             if saving:
-                t_save = time.time()
+                t_save = _clock()
                 ckpt.save(state, identity)  # returns once the arrays are off the devices
-                t_last = time.time()
-                self.log.log({"step": step + 1, "checkpoint_save_s": t_last - t_save})
+                save_s = _clock() - t_save
+                t_last += save_s
+                self.log.log({"step": step + 1, "checkpoint_save_s": save_s})
             self.heartbeat.beat(step + 1, force=step == start)
             if jax.process_count() == 1 or logged:
                 self.stopped_by = _any_process(stop.signum)

@@ -161,3 +161,34 @@ def test_peak_is_the_precision_that_runs_on_the_exact_device(monkeypatch):
     assert peak("NVIDIA H100 80GB HBM3", "float32", precision="F32_F32_F32").label == "h100 fp32"
     assert hardware.matmul_precision("float32", "tpu", "BF16_BF16_F32_X3") == "bf16x3"
     assert hardware.matmul_precision("float32", "gpu", "TF32_TF32_F32") == "tf32"
+
+
+def test_cpu_peak_probes_under_a_lock_and_a_faster_run_raises_it(monkeypatch, tmp_path):
+    """The probe runs holding the cache's lock (processes starting together probe one at a time),
+    is cached, and is only ever raised - by a run that computed faster - never lowered; datasheet
+    peaks are never touched."""
+    import fcntl
+
+    from meshlm import hardware
+
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
+    probes = []
+
+    def probe(dtype):
+        # what a second process would try
+        with open(tmp_path / "peak_flops.json.lock", "w") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        probes.append(dtype)
+        return 100e9
+
+    monkeypatch.setattr(hardware, "probe_matmul_flops", probe)
+    peak = hardware.peak_flops("float32", 8)
+    assert (peak.flops, peak.label, probes) == (100e9, "CPU probe", ["float32"])
+    assert hardware.peak_flops("float32", 8) == peak and probes == ["float32"]  # cached
+    assert hardware.raise_cpu_peak(peak, 90e9, "float32") is peak
+    raised = hardware.raise_cpu_peak(peak, 150e9, "float32")
+    assert raised.flops == 150e9 and "150 GFLOP/s" in raised.source
+    assert hardware.peak_flops("float32", 8).flops == 150e9 and probes == ["float32"]
+    assert hardware.raise_cpu_peak(peak, 120e9, "float32").flops == 150e9  # the cache keeps the highest
+    h100 = hardware.Peak(8 * 494.5e12, "datasheet", "h100 tf32")
+    assert hardware.raise_cpu_peak(h100, 1e16, "float32") is h100

@@ -129,6 +129,22 @@ def test_step_time_excludes_evaluation_and_checkpoint_saves(corpus_dir, tmp_path
     assert times == {3: 1.0, 6: 1.0, 9: 1.0, 10: 1.0}
 
 
+def test_a_low_cpu_probe_is_raised_so_mfu_stays_below_one(corpus_dir, tmp_path, monkeypatch, capsys):
+    """A probe cached while the host was busy (here 1 MFLOP/s) would put MFU far above 100%: the
+    first measured window raises the peak to the run's own rate, says so, and caches it."""
+    from meshlm import hardware
+
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "peak"))
+    (tmp_path / "peak").mkdir()
+    (tmp_path / "peak" / "peak_flops.json").write_text(json.dumps({hardware._cpu_key("float32"): 1e6}))
+    train(_cfg(corpus_dir, tmp_path / "cache", steps=5, log_every=2, eval_every=0), tmp_path / "run")
+    assert "above the cached CPU peak probe (0 GFLOP/s, taken while the host was busy)" in capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rates = [r for r in records if "mfu" in r]
+    assert len(rates) == 3 and all(0 < r["mfu"] <= r["hfu"] <= 1 for r in rates)
+    assert hardware.peak_flops("float32", 8).flops > 1e9
+
+
 def test_wandb_sink_offline(tmp_path, monkeypatch):
     """The W&B sink records what it is given, offline (no network here), under <run_dir>/wandb."""
     from meshlm.sinks import WandbSink

@@ -11,7 +11,9 @@ bfloat16 pass on TPUs unless `jax_default_matmul_precision` asks for more (`matm
 
 On CPU there is no datasheet number worth quoting, so the peak is a jitted square matmul timed on
 this machine (best of several runs), cached per (CPU, dtype). All simulated CPU devices share the
-same cores, so the probe measures the whole host and MFU is quoted against the host.
+same cores, so the probe measures the whole host and MFU is quoted against the host. A probe taken
+on a busy host reads low; when a run then computes faster than it, the run's rate replaces it
+(`raise_cpu_peak`), so MFU never passes 100%.
 
 JAX is imported inside the functions that need a device, so the CLI can read the table before
 it sets the simulated device count.
@@ -19,10 +21,12 @@ it sets the simulated device count.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,11 +174,41 @@ def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 20) -> float:
     return 2 * n**3 / best
 
 
+def _cpu_key(dtype: str) -> str:
+    return f"{_cpu_name()}|{os.cpu_count()}|{dtype}"
+
+
+def _update_cache(key: str, update: Callable[[float | None], float]) -> float:
+    """Sets the cached CPU peak under `key` to `update(cached value or None)` and returns it. The
+    cache is read and written under an exclusive file lock, so processes that start together on one
+    host (`meshlm launch --processes N`) probe one at a time: two probes side by side would each
+    see half the cores, and the halved figure would be cached for every later run."""
+    path = _cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        value = update(cache.get(key))
+        if value != cache.get(key):
+            cache[key] = value
+            tmp = path.with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=2))
+            os.replace(tmp, path)  # atomic: a reader without the lock never sees half a file
+    return value
+
+
 @dataclass(frozen=True)
 class Peak:
     flops: float  # FLOP/s of the whole run (0: unknown, no MFU)
     source: str  # where it comes from, for the startup line and run.json
     label: str  # short tag for the progress line, e.g. "h100 tf32" or "CPU probe"
+
+
+def _cpu_peak(flops: float, dtype: str) -> Peak:
+    return Peak(flops, f"CPU matmul probe {flops / 1e9:.0f} GFLOP/s ({dtype}, host)", "CPU probe")
 
 
 def peak_flops(dtype: str, n_devices: int) -> Peak:
@@ -193,16 +227,15 @@ def peak_flops(dtype: str, n_devices: int) -> Peak:
         precision = matmul_precision(dtype, acc.platform)
         source = f"{acc.source}, {precision} matmuls, x{n_devices} devices"
         return Peak(peak_for(acc, precision) * n_devices, source, f"{acc.name} {precision}")
-    key = f"{_cpu_name()}|{os.cpu_count()}|{dtype}"
-    path = _cache_file()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key not in cache:
-        cache[key] = probe_matmul_flops(dtype)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=2))
-        os.replace(tmp, path)  # atomic: concurrent processes never read half a file
-    return Peak(cache[key], f"CPU matmul probe {cache[key] / 1e9:.0f} GFLOP/s ({dtype}, host)", "CPU probe")
+    flops = _update_cache(_cpu_key(dtype), lambda cached: probe_matmul_flops(dtype) if cached is None else cached)
+    return _cpu_peak(flops, dtype)
+
+
+def raise_cpu_peak(peak: Peak, flops_per_s: float, dtype: str) -> Peak:
+    """`peak`, or - when it is a CPU probe and a run has just computed faster (`flops_per_s`, its
+    hardware FLOPs over its step time) - that rate, which is a measured lower bound of the host's
+    peak: the probe ran while the host was busy. The raised figure is cached for later runs, so a
+    probe taken on a loaded machine never inflates MFU past 100%."""
+    if peak.label != "CPU probe" or flops_per_s <= peak.flops:
+        return peak
+    return _cpu_peak(_update_cache(_cpu_key(dtype), lambda cached: max(cached or 0.0, flops_per_s)), dtype)

@@ -4,9 +4,10 @@ private cache directory so tests never read or write the user's ~/.cache."""
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count", "--ignored")
-    + " --xla_force_host_platform_device_count=8"
+# any device count already set (the user's, or pytest-xdist's controller's, which workers inherit) is replaced
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    + ["--xla_force_host_platform_device_count=8"]
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("MESHLM_CACHE", tempfile.mkdtemp(prefix="meshlm-test-cache-"))
@@ -41,18 +42,27 @@ def corpus_dir(tmp_path_factory):
 def default_run(tmp_path_factory):
     """The README's main job, run once as a user runs it (`meshlm train`, the default `tiny`
     recipe on the built-in corpus, in a subprocess): its run directory, shared by the tests that
-    check what it learned and what is done with it afterwards (export, generate, eval)."""
+    check what it learned and what is done with it afterwards (export, generate, eval). Under
+    pytest-xdist the workers share it: the first to ask trains, the others wait on a lock."""
+    import fcntl
     import subprocess
     import sys
 
-    run = tmp_path_factory.mktemp("default-job") / "tiny"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own XLA_FLAGS
-    r = subprocess.run(
-        [sys.executable, "-m", "meshlm", "train", "--run-dir", str(run)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's directory, above each worker's own
+    run, done, failed = root / "default-job" / "tiny", root / "default-job.done", root / "default-job.failed"
+    with open(root / "default-job.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists() and not failed.exists():
+            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own XLA_FLAGS
+            r = subprocess.run(
+                [sys.executable, "-m", "meshlm", "train", "--run-dir", str(run)],
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env=env,
+            )
+            (done if r.returncode == 0 else failed).write_text(r.stderr[-3000:])
+    assert not failed.exists(), failed.read_text()
     return run

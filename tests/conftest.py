@@ -11,6 +11,8 @@ os.environ["XLA_FLAGS"] = " ".join(
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("MESHLM_CACHE", tempfile.mkdtemp(prefix="meshlm-test-cache-"))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # each pytest-xdist worker its own cache, below the controller's
+    os.environ["MESHLM_CACHE"] = os.path.join(os.environ["MESHLM_CACHE"], os.environ["PYTEST_XDIST_WORKER"])
 
 import jax
 import pytest
@@ -56,13 +58,17 @@ def default_run(tmp_path_factory):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists() and not failed.exists():
             env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own XLA_FLAGS
-            r = subprocess.run(
-                [sys.executable, "-m", "meshlm", "train", "--run-dir", str(run)],
-                capture_output=True,
-                text=True,
-                timeout=900,
-                env=env,
-            )
-            (done if r.returncode == 0 else failed).write_text(r.stderr[-3000:])
+            try:
+                r = subprocess.run(
+                    [sys.executable, "-m", "meshlm", "train", "--run-dir", str(run)],
+                    capture_output=True,
+                    text=True,
+                    timeout=900,
+                    env=env,
+                )
+                (done if r.returncode == 0 else failed).write_text(r.stderr[-3000:])
+            except BaseException as e:  # a timeout: the other workers must not train it again
+                failed.write_text(repr(e))
+                raise
     assert not failed.exists(), failed.read_text()
     return run

@@ -359,6 +359,23 @@ def test_progress_bar_and_single_document(tmp_path, capsys):
     assert data.meta["documents"] == {"train": 1, "val": 1} and data.meta["val_tokens"] > 0
 
 
+def test_a_cache_entry_prepared_meanwhile_is_kept_not_replaced(tmp_path):
+    """Two processes preparing one cache entry (same fingerprinted sources): the one that finishes
+    second keeps the first's dataset - another process may be reading it - and discards its own.
+    A preparation without a source fingerprint (an explicit --out) still replaces what is there."""
+    from meshlm.data.prepare import write_dataset
+
+    texts = [" ".join(WORDS[i:] + WORDS[:i]) * 20 for i in range(len(WORDS))]
+    out, quiet = tmp_path / "entry", (lambda _: None)
+    first = write_dataset(lambda: iter(texts), out, vocab_size=300, source_fingerprint="key", log=quiet)
+    (out / "a-reader-has-this-open").write_text("")
+    second = write_dataset(lambda: iter(texts), out, vocab_size=300, source_fingerprint="key", log=quiet)
+    assert (out / "a-reader-has-this-open").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
+    np.testing.assert_array_equal(np.asarray(second.tokens("train")), np.asarray(first.tokens("train")))
+    write_dataset(lambda: iter(texts), out, vocab_size=300, log=quiet)
+    assert not (out / "a-reader-has-this-open").exists()
+
+
 def test_a_dataset_of_another_format_is_a_clear_error(mixed_inputs, tmp_path):
     assert _prepare_cli(mixed_inputs[1:2], tmp_path / "ds", "--vocab-size", "300") == 0
     index = json.loads((tmp_path / "ds" / "index.json").read_text())

@@ -2,6 +2,7 @@
 program JAX lowers and the program XLA compiles."""
 
 import dataclasses
+import json
 import math
 import re
 
@@ -165,8 +166,9 @@ def test_peak_is_the_precision_that_runs_on_the_exact_device(monkeypatch):
 
 def test_cpu_peak_probes_under_a_lock_and_a_faster_run_raises_it(monkeypatch, tmp_path):
     """The probe runs holding the cache's lock (processes starting together probe one at a time),
-    is cached, and is only ever raised - by a run that computed faster - never lowered; datasheet
-    peaks are never touched."""
+    is cached, and is only ever raised - by a run that computed faster, and said so in the source -
+    never lowered; datasheet peaks are never touched; a cache directory that cannot be written is
+    read and left alone; a bare number from an older meshlm reads as a probe."""
     import fcntl
 
     from meshlm import hardware
@@ -175,20 +177,32 @@ def test_cpu_peak_probes_under_a_lock_and_a_faster_run_raises_it(monkeypatch, tm
     probes = []
 
     def probe(dtype):
-        # what a second process would try
-        with open(tmp_path / "peak_flops.json.lock", "w") as other, pytest.raises(BlockingIOError):
-            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not probes:  # the first probe, in a writable cache: what a second process would try
+            with open(tmp_path / "peak_flops.json.lock", "w") as other, pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         probes.append(dtype)
         return 100e9
 
     monkeypatch.setattr(hardware, "probe_matmul_flops", probe)
     peak = hardware.peak_flops("float32", 8)
     assert (peak.flops, peak.label, probes) == (100e9, "CPU probe", ["float32"])
+    assert peak.source == "CPU peak 100 GFLOP/s (matmul probe; float32, host)"
     assert hardware.peak_flops("float32", 8) == peak and probes == ["float32"]  # cached
     assert hardware.raise_cpu_peak(peak, 90e9, "float32") is peak
     raised = hardware.raise_cpu_peak(peak, 150e9, "float32")
-    assert raised.flops == 150e9 and "150 GFLOP/s" in raised.source
-    assert hardware.peak_flops("float32", 8).flops == 150e9 and probes == ["float32"]
+    assert raised.flops == 150e9 and "a run's model FLOP rate, above the matmul probe" in raised.source
+    assert hardware.peak_flops("float32", 8) == raised and probes == ["float32"]
     assert hardware.raise_cpu_peak(peak, 120e9, "float32").flops == 150e9  # the cache keeps the highest
     h100 = hardware.Peak(8 * 494.5e12, "datasheet", "h100 tf32")
     assert hardware.raise_cpu_peak(h100, 1e16, "float32") is h100
+
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "peak_flops.json").write_text(json.dumps({hardware._cpu_key("float32"): 80e9}))
+    monkeypatch.setenv("MESHLM_CACHE", str(legacy))
+    assert hardware.peak_flops("float32", 8).source == "CPU peak 80 GFLOP/s (matmul probe; float32, host)"
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "a-file" / "cache"))  # cannot be created, even by root
+    unwritable = hardware.peak_flops("float32", 8)
+    assert unwritable.flops == 100e9 and hardware.raise_cpu_peak(unwritable, 110e9, "float32").flops == 110e9
+    assert probes == ["float32", "float32"]  # probed again: nothing could be cached

@@ -12,8 +12,8 @@ bfloat16 pass on TPUs unless `jax_default_matmul_precision` asks for more (`matm
 On CPU there is no datasheet number worth quoting, so the peak is a jitted square matmul timed on
 this machine (best of several runs), cached per (CPU, dtype). All simulated CPU devices share the
 same cores, so the probe measures the whole host and MFU is quoted against the host. A probe taken
-on a busy host reads low; when a run then computes faster than it, the run's rate replaces it
-(`raise_cpu_peak`), so MFU never passes 100%.
+on a busy host reads low; when a single-host run then computes more model FLOPs per second than
+it, the run's rate replaces it (`raise_cpu_peak`), so the trainer never reports MFU above 100%.
 
 JAX is imported inside the functions that need a device, so the CLI can read the table before
 it sets the simulated device count.
@@ -21,6 +21,7 @@ it sets the simulated device count.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -178,26 +179,43 @@ def _cpu_key(dtype: str) -> str:
     return f"{_cpu_name()}|{os.cpu_count()}|{dtype}"
 
 
-def _update_cache(key: str, update: Callable[[float | None], float]) -> float:
-    """Sets the cached CPU peak under `key` to `update(cached value or None)` and returns it. The
-    cache is read and written under an exclusive file lock, so processes that start together on one
-    host (`meshlm launch --processes N`) probe one at a time: two probes side by side would each
-    see half the cores, and the halved figure would be cached for every later run."""
+def _update_cache(key: str, update: Callable[[dict | None], dict]) -> dict:
+    """Sets the cached CPU peak under `key` to `update(cached entry or None)` and returns it; an
+    entry is {"flops": FLOP/s, "from": "probe" | "run"}. The cache is read and written under an
+    exclusive file lock, so processes that start together on one host (`meshlm launch --processes
+    N`) probe one at a time rather than side by side. A cache directory this process cannot write
+    is read without the lock and left as it is."""
     path = _cache_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    lock_path = path.with_name(path.name + ".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o666)  # flock needs no write access
+    except OSError:
+        lock = None
+    try:
+        if lock is not None:
+            with contextlib.suppress(OSError):  # a file system without locks: go on unlocked
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the descriptor closes
         try:
             cache = json.loads(path.read_text())
         except (OSError, ValueError):
             cache = {}
-        value = update(cache.get(key))
-        if value != cache.get(key):
-            cache[key] = value
+        old = cache.get(key)
+        if isinstance(old, float | int):  # written by an older meshlm: a bare probe result
+            old = {"flops": float(old), "from": "probe"}
+        entry = update(old)
+        if lock is not None and entry != old:
+            cache[key] = entry
             tmp = path.with_suffix(f".tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(cache, indent=2))
-            os.replace(tmp, path)  # atomic: a reader without the lock never sees half a file
-    return value
+            try:
+                tmp.write_text(json.dumps(cache, indent=2))
+                os.replace(tmp, path)  # atomic: a reader never sees half a file
+            except OSError:
+                tmp.unlink(missing_ok=True)
+        return entry
+    finally:
+        if lock is not None:
+            os.close(lock)
 
 
 @dataclass(frozen=True)
@@ -207,8 +225,10 @@ class Peak:
     label: str  # short tag for the progress line, e.g. "h100 tf32" or "CPU probe"
 
 
-def _cpu_peak(flops: float, dtype: str) -> Peak:
-    return Peak(flops, f"CPU matmul probe {flops / 1e9:.0f} GFLOP/s ({dtype}, host)", "CPU probe")
+def _cpu_peak(entry: dict, dtype: str) -> Peak:
+    flops = entry["flops"]
+    how = "matmul probe" if entry["from"] == "probe" else "a run's model FLOP rate, above the matmul probe"
+    return Peak(flops, f"CPU peak {flops / 1e9:.0f} GFLOP/s ({how}; {dtype}, host)", "CPU probe")
 
 
 def peak_flops(dtype: str, n_devices: int) -> Peak:
@@ -227,15 +247,26 @@ def peak_flops(dtype: str, n_devices: int) -> Peak:
         precision = matmul_precision(dtype, acc.platform)
         source = f"{acc.source}, {precision} matmuls, x{n_devices} devices"
         return Peak(peak_for(acc, precision) * n_devices, source, f"{acc.name} {precision}")
-    flops = _update_cache(_cpu_key(dtype), lambda cached: probe_matmul_flops(dtype) if cached is None else cached)
-    return _cpu_peak(flops, dtype)
+    entry = _update_cache(
+        _cpu_key(dtype),
+        lambda cached: {"flops": probe_matmul_flops(dtype), "from": "probe"} if cached is None else cached,
+    )
+    return _cpu_peak(entry, dtype)
 
 
 def raise_cpu_peak(peak: Peak, flops_per_s: float, dtype: str) -> Peak:
-    """`peak`, or - when it is a CPU probe and a run has just computed faster (`flops_per_s`, its
-    hardware FLOPs over its step time) - that rate, which is a measured lower bound of the host's
-    peak: the probe ran while the host was busy. The raised figure is cached for later runs, so a
-    probe taken on a loaded machine never inflates MFU past 100%."""
+    """`peak`, or - when it is a CPU probe and a run has just computed faster - that rate, cached for
+    later runs. `flops_per_s` is the run's model FLOPs (P2 Eq. 7) over its step time: at most the
+    FLOPs that ran (hardware FLOPs can be more, where XLA merges recomputation; the one excess is
+    causal attention, counted in full while the blockwise kernel skips its masked blocks), so it is
+    a measured lower bound of this host's peak. Call it from single-host runs only: a run over
+    several hosts computes more than one host's peak."""
     if peak.label != "CPU probe" or flops_per_s <= peak.flops:
         return peak
-    return _cpu_peak(_update_cache(_cpu_key(dtype), lambda cached: max(cached or 0.0, flops_per_s)), dtype)
+
+    def higher(cached: dict | None) -> dict:
+        if cached is not None and cached["flops"] >= flops_per_s:
+            return cached
+        return {"flops": flops_per_s, "from": "run"}
+
+    return _cpu_peak(_update_cache(_cpu_key(dtype), higher), dtype)

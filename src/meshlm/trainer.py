@@ -373,7 +373,7 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         if first:
             _attach_sinks(log, cfg, run_dir, start, report)
         eval_fn = make_eval_step(cfg, layout, shardings.params)
-        loop = _Loop(cfg, log, step_fn, eval_fn, bsharding, report, run_peak, profiler)
+        loop = _Loop(cfg, log, step_fn, eval_fn, bsharding, report, run_peak, profiler, run_dir)
         try:
             state, result = loop.run(state, start, train_loader, val_loader, ckpt, identity, stop_after, stop)
         finally:
@@ -443,7 +443,10 @@ class _Loop:
     run (`step.make_train_step` explains the contract) - without a per-step sync.
     """
 
-    def __init__(self, cfg, log, step_fn, eval_fn, bsharding, report, peak: hardware.Peak, profiler: Profiler):
+    def __init__(
+        self, cfg, log, step_fn, eval_fn, bsharding, report, peak: hardware.Peak, profiler: Profiler, run_dir: Path
+    ):
+        self.run_dir = run_dir
         self.cfg, self.log, self.step_fn, self.eval_fn, self.bsharding = cfg, log, step_fn, eval_fn, bsharding
         self.model_flops, self.hw_flops = report["model_flops_per_step"], report["hardware_flops_per_step"]
         self.peak = peak
@@ -487,7 +490,7 @@ class _Loop:
                 if n > 0:  # the first step of an attempt compiles and warms up: no rate for it
                     dt = (now - t_last) / n
                     tokens_per_s = tc.global_batch * tc.seq_len / dt
-                    self._check_peak(self.hw_flops / dt)
+                    self._check_peak(self.model_flops / dt)
                     mfu = accounting.utilisation(self.model_flops, dt, self.peak.flops)
                     hfu = accounting.utilisation(self.hw_flops, dt, self.peak.flops)
                     record |= {"tokens_per_s": tokens_per_s, "step_time_s": dt, "mfu": mfu, "hfu": hfu}
@@ -525,14 +528,24 @@ class _Loop:
         return state, result
 
     def _check_peak(self, flops_per_s: float) -> None:
+        """A CPU peak below this run's model FLOP rate is wrong (`hardware.raise_cpu_peak`): quote
+        utilisation against the rate from here, say so, and record it in run.json. Single-process
+        runs only: the processes of a multi-process run may sit on several hosts."""
+        if jax.process_count() > 1:
+            return
         raised = hardware.raise_cpu_peak(self.peak, flops_per_s, self.cfg.model.dtype)
-        if raised is not self.peak:
-            self.log.print(
-                f"warning: this run computes {flops_per_s / 1e9:.0f} GFLOP/s, above the cached CPU peak probe "
-                f"({self.peak.flops / 1e9:.0f} GFLOP/s, taken while the host was busy): MFU is quoted against "
-                f"{raised.flops / 1e9:.0f} GFLOP/s from here, and later runs start from it"
-            )
-            self.peak = raised
+        if raised is self.peak:
+            return
+        self.log.print(
+            f"warning: this run computes {flops_per_s / 1e9:.0f} GFLOP/s of model FLOPs, above the CPU peak "
+            f"estimate ({self.peak.flops / 1e9:.0f} GFLOP/s; a matmul probe reads low on a busy host): MFU and "
+            f"HFU are quoted against {raised.flops / 1e9:.0f} GFLOP/s from here, and later runs on this host "
+            "start from it"
+        )
+        self.peak = raised
+        path = self.run_dir / "run.json"
+        info = json.loads(path.read_text())
+        path.write_text(json.dumps(info | {"peak_flops_per_s": raised.flops, "peak_source": raised.source}, indent=2))
 
     def _settle(self, state, pending, ckpt, identity) -> dict | None:
         """Read the pending steps' metrics; report skipped steps; on a halted run, checkpoint its

@@ -130,6 +130,19 @@ def is_prepared(path: str | Path) -> bool:
     return (Path(path).expanduser() / INDEX).is_file()
 
 
+def _same_preparation(out: Path, meta: dict) -> bool:
+    """`out` holds a finished preparation of the same sources (a cache entry, whose key fingerprints
+    them) with the same tokenizer and split."""
+    if not meta["source_fingerprint"] or not is_prepared(out):
+        return False
+    try:
+        theirs = json.loads((out / INDEX).read_text())
+    except (OSError, ValueError):
+        return False
+    keys = ("format", "source_fingerprint", "tokenizer_fingerprint", "val_fraction", "train_tokens", "val_tokens")
+    return all(theirs.get(k) == meta[k] for k in keys)
+
+
 class _ShardWriter:
     """Appends token arrays to `<split>-NNNNN.bin` files of at most `shard_tokens` tokens each."""
 
@@ -269,14 +282,17 @@ def write_dataset(
             "splits": splits,
         }
         (tmp / INDEX).write_text(json.dumps(meta, indent=2))
-        if out.exists():
-            if not is_prepared(out) and any(out.iterdir()):
-                raise ConfigError(f"{out} exists and is not a meshlm dataset; choose another --out")
-            shutil.rmtree(out)  # replacing an older preparation (or an empty directory)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process prepared the same cache entry first; use theirs
-            shutil.rmtree(tmp, ignore_errors=True)
+        if _same_preparation(out, meta):  # another process prepared the same thing meanwhile: use theirs
+            shutil.rmtree(tmp, ignore_errors=True)  # (never delete a dataset someone may be reading)
+        else:
+            if out.exists():
+                if not is_prepared(out) and any(out.iterdir()):
+                    raise ConfigError(f"{out} exists and is not a meshlm dataset; choose another --out")
+                shutil.rmtree(out)  # replacing an older preparation (or an empty directory)
+            try:
+                tmp.rename(out)
+            except OSError:  # another process prepared the same cache entry first; use theirs
+                shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

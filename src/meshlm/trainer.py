@@ -544,8 +544,10 @@ class _Loop:
         )
         self.peak = raised
         path = self.run_dir / "run.json"
-        info = json.loads(path.read_text())
-        path.write_text(json.dumps(info | {"peak_flops_per_s": raised.flops, "peak_source": raised.source}, indent=2))
+        info = json.loads(path.read_text()) | {"peak_flops_per_s": raised.flops, "peak_source": raised.source}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(info, indent=2))
+        os.replace(tmp, path)  # a kill mid-write never leaves half a run.json
 
     def _settle(self, state, pending, ckpt, identity) -> dict | None:
         """Read the pending steps' metrics; report skipped steps; on a halted run, checkpoint its

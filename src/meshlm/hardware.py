@@ -13,7 +13,7 @@ On CPU there is no datasheet number worth quoting, so the peak is a jitted squar
 this machine (best of several runs), cached per (CPU, dtype). All simulated CPU devices share the
 same cores, so the probe measures the whole host and MFU is quoted against the host. A probe taken
 on a busy host reads low; when a single-host run then computes more model FLOPs per second than
-it, the run's rate replaces it (`raise_cpu_peak`), so the trainer never reports MFU above 100%.
+it, the run's rate replaces it (`raise_cpu_peak`), so such a run never reports MFU above 100%.
 
 JAX is imported inside the functions that need a device, so the CLI can read the table before
 it sets the simulated device count.

@@ -29,6 +29,7 @@ def tiny_config(family: str = "gpt", mesh: dict | None = None, n_layers: int = 2
         n_kv_heads=4,  # llama: 8 query heads share 4 kv heads (GQA), still divisible by tensor=4
         max_seq_len=32,
         dropout=0.1 if family == "gpt" else 0.0,
+        attention_chunk=16,  # explicit attention in two query chunks at seq_len 32, as longer runs go
     )
     tc = dict(steps=3, global_batch=8, seq_len=32, microbatches=1) | train
     return validate(RunConfig(model=model, parallel=ParallelConfig(**(mesh or {})), train=TrainConfig(**tc)))

@@ -55,6 +55,39 @@ def test_blockwise_equals_explicit(t, block, docs):
         np.testing.assert_allclose(g, w, atol=5e-6, rtol=0)
 
 
+@pytest.mark.parametrize("kv", [KV, N])
+@pytest.mark.parametrize("docs", [False, True])
+def test_chunked_explicit_equals_the_whole_score_matrix(kv, docs):
+    """Explicit attention in query chunks = over the whole s x s at once: outputs and gradients of
+    Q, K and V, fp32, with dropout (the same bits: each chunk reads its block of the whole mask),
+    packed documents, GQA and MHA; chunks that do not divide t, one row, and longer than t."""
+    t, rate = 37, 0.3
+    q, k, v, d_out = _qkv(t, seed=2)
+    k, v = k[:, :, :1].repeat(kv, 2), v[:, :, :1].repeat(kv, 2)  # kv heads
+    seg = _segments(t) if docs else None
+
+    def run(chunk):
+        fn = lambda q, k, v: layers.causal_attention(q, k, v, seg, rate, jax.random.key(4), chunk=chunk)
+        return _value_and_grads(fn, q, k, v, d_out)
+
+    def reference(q, k, v):  # plain jnp, JAX's autodiff
+        scores = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, t, kv, N // kv, H), k) / np.sqrt(H)
+        allowed = jnp.tril(jnp.ones((t, t), bool)) & (True if seg is None else layers.same_document(seg))
+        probs = jax.nn.softmax(jnp.where(allowed, scores, -jnp.inf), axis=-1)
+        keep = jax.random.bernoulli(jax.random.key(4), 1 - rate, probs.shape)
+        return jnp.einsum("bkgts,bskh->btkgh", jnp.where(keep, probs / (1 - rate), 0), v).reshape(B, t, N, H)
+
+    want, want_grads = _value_and_grads(reference, q, k, v, d_out)
+    for chunk in (0, 1, 5, 8, 36, 37, 64):
+        got, got_grads = run(chunk)
+        np.testing.assert_allclose(got, want, atol=2e-6, rtol=0, err_msg=f"chunk {chunk}")
+        for g, w in zip(got_grads, want_grads, strict=True):
+            np.testing.assert_allclose(g, w, atol=5e-6, rtol=0, err_msg=f"chunk {chunk}")
+    assert layers.query_chunks(t, 5) == ((0, 5), (5, 10), (10, 15), (15, 20), (20, 25), (25, 30), (30, 35), (35, 37))
+    capped = layers.query_chunks(t, 1)  # at most MAX_QUERY_CHUNKS: rows of ceil(37 / 16) = 3
+    assert capped[0] == (0, 3) and len(capped) == 13 <= accounting.MAX_QUERY_CHUNKS
+
+
 @pytest.mark.parametrize("docs", [False, True])
 def test_blockwise_dropout_replays_its_masks(docs):
     """With dropout, blockwise = explicit attention given the mask blockwise draws (so the backward
@@ -66,9 +99,8 @@ def test_blockwise_dropout_replays_its_masks(docs):
     mask = keep_mask(key, rate, (B, KV, N // KV, t, t), block)
 
     def explicit(q, k, v):
-        scores = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, t, KV, N // KV, H), k) / np.sqrt(H)
         same = None if seg is None else layers.same_document(seg)
-        return layers._softmax_dropout_av(scores, v, mask, same, rate).reshape(B, t, N, H)
+        return layers.masked_causal_attention(q, k, v, mask, same, rate)
 
     fn = lambda q, k, v: blockwise_attention(q, k, v, seg, block=block, dropout_rate=rate, key=key)
     want, want_grads = _value_and_grads(explicit, q, k, v, d_out)
@@ -200,7 +232,8 @@ def test_blockwise_hardware_flops_count_the_blocks_the_kernel_runs():
     base = paper_config(2, T, False, "elementwise")
     for s, block in ((S, 128), (S - 32, 128), (S, 512), (300, 64)):
         cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, seq_len=s))
-        blockwise, explicit = _with(cfg, attention="blockwise", attention_block=block), _with(cfg, attention="explicit")
+        blockwise = _with(cfg, attention="blockwise", attention_block=block)
+        explicit = _with(cfg, attention="explicit", attention_chunk=0)  # the whole s x s
         m, t = cfg.model, cfg.train
         nb = -(-s // block)
         pairs = sum(1 for i in range(nb) for j in range(nb) if j <= i)
@@ -209,6 +242,35 @@ def test_blockwise_hardware_flops_count_the_blocks_the_kernel_runs():
         got = accounting.hardware_flops_per_step(blockwise) - accounting.hardware_flops_per_step(explicit)
         assert got == kernel - counted
         assert accounting.model_flops_per_step(blockwise) == accounting.model_flops_per_step(explicit)
+
+
+def test_chunked_explicit_hardware_flops_count_the_score_blocks_it_runs():
+    """Chunked explicit attention runs its 6 matmuls (2 forward, 4 backward; selective adds QK^T
+    once more) over each query chunk's rows x the keys up to its last row, not over s x s; at most
+    MAX_QUERY_CHUNKS chunks (longer ones beyond)."""
+    for policy, passes in (("elementwise", 6), ("selective", 7)):
+        base = paper_config(2, T, False, policy)
+        for s, chunk, rows in ((S, 64, [64] * 8), (300, 64, [64] * 4 + [44]), (S, 16, [32] * 16), (S, 512, [S])):
+            cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, seq_len=s))
+            chunked, whole = _with(cfg, attention_chunk=chunk), _with(cfg, attention_chunk=0)
+            ends = np.cumsum(rows)
+            assert [e - a for a, e in accounting.query_chunks(s, chunk)] == rows
+            m, t = cfg.model, cfg.train
+            per_pass = t.global_batch * m.n_layers * m.n_heads * 2 * m.dim_head
+            got = accounting.hardware_flops_per_step(chunked) - accounting.hardware_flops_per_step(whole)
+            assert got == passes * per_pass * (int(np.dot(rows, ends)) - s * s), (policy, s, chunk)
+            assert accounting.model_flops_per_step(chunked) == accounting.model_flops_per_step(whole)
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
 
 
 def test_mha_scores_without_a_group_axis_are_the_grouped_computation(monkeypatch):
@@ -222,9 +284,9 @@ def test_mha_scores_without_a_group_axis_are_the_grouped_computation(monkeypatch
         fn = lambda q, k, v: layers.causal_attention(q, k, v, segments, dropout_rate=0.3, key=jax.random.key(5))
         return _value_and_grads(fn, q, k, v, d_out)
 
-    def score_ranks():  # ranks of the [.., t, s] score GEMMs' outputs
+    def score_ranks():  # ranks of the [.., t, s] score GEMMs' outputs (the core is a custom VJP)
         jaxpr = jax.make_jaxpr(lambda q, k, v: layers.causal_attention(q, k, v, segments))(q, k, v)
-        dots = [e.outvars[0].aval.shape for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+        dots = [e.outvars[0].aval.shape for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
         return [len(shape) for shape in dots if np.prod(shape) == B * N * 32 * 32]
 
     squeezed, ranks = run(), score_ranks()

@@ -49,7 +49,14 @@ def test_model_flops_is_eq7_and_generalises():
 
 def _step_programs(family: str, policy: str, n_layers: int = 1):
     model = ModelConfig(
-        family=family, vocab_size=256, d_model=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, max_seq_len=64
+        family=family,
+        vocab_size=256,
+        d_model=64,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=64,
+        attention_chunk=24,  # query chunks of 24, 24, 16 rows
     )
     cfg = RunConfig(model=model, remat=RematConfig(policy), train=TrainConfig(global_batch=4, seq_len=64, steps=3))
     layout = make_layout(ParallelConfig(), jax.devices()[:1])
@@ -82,14 +89,16 @@ def test_gemm_flops_match_the_programs(family, policy):
     Lowered (JAX's program) and compiled (XLA's): exactly hardware FLOPs (the cross-entropy picks
     the target logit with a compare-and-sum, not a dot); for selective, XLA may merge the
     recomputed QK^T with the forward one in a one-layer program, so its compiled count lies between
-    model and hardware FLOPs (likewise the attention core that dots and offload re-run). XLA's own
-    cost_analysis adds the non-GEMM work (a few percent)."""
+    hardware FLOPs without and with the recomputation (likewise the attention core that dots and
+    offload re-run). XLA's own cost_analysis adds the non-GEMM work (a few percent). Explicit
+    attention runs in query chunks here, so hardware FLOPs are below model FLOPs."""
     cfg, lowered, compiled = _step_programs(family, policy)
-    model, hardware = accounting.model_flops_per_step(cfg), accounting.hardware_flops_per_step(cfg)
+    hardware = accounting.hardware_flops_per_step(cfg)
+    assert hardware < accounting.model_flops_per_step(cfg) or policy == "full"
     assert _lowered_dot_flops(lowered.as_text()) == hardware
     compiled_dots = hlo.dot_flops(compiled.as_text())
     if policy in ("selective", "dots", "offload"):  # attention recomputation XLA may merge (see above)
-        assert model <= compiled_dots <= hardware
+        assert hardware - accounting.recompute_flops_per_step(cfg) <= compiled_dots <= hardware
     else:
         assert compiled_dots == hardware
     xla = compiled.cost_analysis()["flops"]

@@ -112,7 +112,11 @@ def test_two_processes_equal_one_process(reference, dataset, tmp_path):
     step1, params1 = _final_state(single)
     assert step2 == step1 == STEPS
     for k in params1:
-        np.testing.assert_allclose(params2[k], params1[k], rtol=1e-4, atol=1e-6, err_msg=k)
+        # the key bias's gradient is zero up to rounding (q . b_k adds one constant to a whole row
+        # of scores, which softmax ignores): its values are rounding noise, which the two sum
+        # orders draw differently; they stay tiny (Adam's eps keeps the noise's steps small)
+        atol = 1e-5 if k.endswith("/bk") else 1e-6
+        np.testing.assert_allclose(params2[k], params1[k], rtol=1e-4, atol=atol, err_msg=k)
     info = json.loads((run / "run.json").read_text())
     assert info["processes"] == 2 and len(info["devices"]) == 8
     # only process 0 writes metrics (one record per step); each process writes its own shards

@@ -199,7 +199,14 @@ def _paper_step(name: str, layers: int | None = None, batch: int | None = None) 
     global_batch = batch or TABLE5[name][1]
     micro = 1 if p > 1 else global_batch  # Table 3: micro batch 1 with a pipeline, 4 for the 22B
     model = ModelConfig(
-        d_model=h, n_heads=a, n_layers=layers or L, vocab_size=51200, max_seq_len=2048, dropout=0.1, dtype="bfloat16"
+        d_model=h,
+        n_heads=a,
+        n_layers=layers or L,
+        vocab_size=51200,
+        max_seq_len=2048,
+        dropout=0.1,
+        dtype="bfloat16",
+        attention_chunk=0,  # P2's whole s x s score matrix
     )
     return RunConfig(
         model=model,

@@ -65,8 +65,9 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     checked against the lowered program (tests/test_flops.py). JAX recomputes only what backward
     needs, so this is less than P2 assumes:
 
-    - selective: QK^T once more (2*B*s^2*h per layer). P2 counts QK^T *and* attention over V
-      (4*B*s^2*h); attention-over-V's output is not needed by backward, so it is not recomputed.
+    - selective: QK^T once more (2*B*s^2*h per layer, over the query chunks' score blocks). P2
+      counts QK^T *and* attention over V (4*B*s^2*h); attention-over-V's output is not needed by
+      backward, so it is not recomputed.
     - full: the layer's forward GEMMs except the last MLP projection, whose output only feeds the
       residual add and is needed by nothing in backward.
     - dots / offload: the weight-GEMM outputs are kept, but not the attention core's batched
@@ -85,22 +86,22 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     if policy in ("dots", "offload"):
         return round(tokens_layers * frac * attn)
     if policy == "selective" and m.attention == "explicit":  # the O(s) kernels are never checkpointed
-        return tokens_layers * terms["attn_scores"]
+        return round(tokens_layers * frac * terms["attn_scores"])
     return 0
 
 
 def attention_core_flops(cfg: RunConfig) -> int:
     """FLOPs the attention core (QK^T, attention over V, their backward) executes per step,
-    recomputation included: 6 s x s matmul passes explicit, 7 over the executed blocks for the O(s)
-    kernels, plus whatever of it the policy re-runs (`recompute_flops_per_step`)."""
+    recomputation included: 6 matmul passes explicit, 7 for the O(s) kernels, each over the executed
+    score blocks, plus whatever of it the policy re-runs (`recompute_flops_per_step`)."""
     m, t = cfg.model, cfg.train
     one = layer_forward_flops_per_token(m, t.seq_len)["attn_scores"] * t.global_batch * t.seq_len * m.n_layers
     frac = attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
-    kernel = 6 * one if m.attention == "explicit" else 7 * one * frac
+    kernel = (6 if m.attention == "explicit" else 7) * one * frac
     policy = cfg.remat.policy
     rerun = {"full": 2 * frac, "dots": 2 * frac, "offload": 2 * frac}.get(policy, 0.0)
     if policy == "selective" and m.attention == "explicit":
-        rerun = 1.0
+        rerun = frac
     return round(kernel + one * rerun)
 
 
@@ -116,13 +117,35 @@ def context_chunk(cfg: RunConfig) -> int | None:
     return cfg.train.seq_len // par.context_chunks if par.context > 1 else None
 
 
+MAX_QUERY_CHUNKS = 16  # the chunks are unrolled: beyond this, longer chunks keep the program small
+
+
+def query_chunks(t: int, chunk: int) -> tuple[tuple[int, int], ...]:
+    """(start, end) of the query chunks explicit attention computes one after another: `chunk`
+    rows each (the last one shorter if `chunk` does not divide t), or t / MAX_QUERY_CHUNKS rows
+    (rounded up) if that is more; one chunk of all t rows when `chunk` is 0 or at least t (P2's
+    whole s x s score matrix)."""
+    if chunk <= 0 or chunk >= t:
+        return ((0, t),)
+    chunk = max(chunk, -(-t // MAX_QUERY_CHUNKS))
+    return tuple((a, min(a + chunk, t)) for a in range(0, t, chunk))
+
+
+def chunked_score_elements(t: int, chunk: int) -> int:
+    """Score elements per row of the batch and head that chunked explicit attention computes and
+    stores: each chunk's rows against the keys up to its last query, sum(rows x keys) - t*t for one
+    chunk, t(t + chunk)/2 when `chunk` divides t."""
+    return sum((e - a) * e for a, e in query_chunks(t, chunk))
+
+
 def attention_executed_fraction(m: ModelConfig, seq_len: int, context_chunk: int | None = None) -> float:
-    """Of the s x s score (and probs @ V) FLOPs the model counts, the share a kernel executes: 1 for
-    explicit attention; for blockwise (and fused: cuDNN's flash kernel skips the same blocks) the
+    """Of the s x s score (and probs @ V) FLOPs the model counts, the share a kernel executes: for
+    explicit attention the score blocks of its query chunks (`chunked_score_elements` / s^2; 1 with
+    `attention_chunk` = 0); for blockwise (and fused: cuDNN's flash kernel skips the same blocks) the
     query/key block pairs on or below the diagonal, nb(nb+1)/2 blocks of B x B with nb = ceil(s/B).
     Context parallelism skips the same pairs, spread over its ranks (`context_block_pairs`)."""
     if m.attention == "explicit":
-        return 1.0
+        return chunked_score_elements(seq_len, m.attention_chunk) / seq_len**2
     block = attention_block(m, seq_len, context_chunk)
     nb = -(-seq_len // block)
     return nb * (nb + 1) / 2 * block * block / seq_len**2
@@ -169,25 +192,23 @@ def context_comm_bytes(cfg: RunConfig) -> dict[str, float]:
 
 
 def _attention_kernel_flops_adjustment(cfg: RunConfig) -> int:
-    """Executed minus counted attention FLOPs of the O(s) kernels: they run QK^T and P @ V forward,
-    and backward recompute QK^T then form dP, dV, dK and dQ (7 matmuls where the model counts 6),
-    each over the blocks `attention_executed_fraction` says."""
+    """Executed minus counted attention FLOPs of the attention core, over the score blocks
+    `attention_executed_fraction` says: explicit attention runs the 6 matmuls the model counts
+    (QK^T and P @ V forward; dP, dV, dK, dQ backward) on its chunks' blocks; the O(s) kernels also
+    recompute QK^T in backward (7)."""
     m, t = cfg.model, cfg.train
-    if m.attention == "explicit":
-        return 0
+    passes = 6 if m.attention == "explicit" else 7
     terms = layer_forward_flops_per_token(m, t.seq_len)
     one = terms["attn_scores"]  # one s x s matmul per token (attn_values is the same size)
     tokens_layers = t.global_batch * t.seq_len * m.n_layers
-    return round(tokens_layers * one * (7 * attention_executed_fraction(m, t.seq_len, context_chunk(cfg)) - 6))
+    return round(tokens_layers * one * (passes * attention_executed_fraction(m, t.seq_len, context_chunk(cfg)) - 6))
 
 
 def forward_flops_per_step(cfg: RunConfig) -> int:
     """GEMM FLOPs the forward pass executes (once; recomputation is backward work): a third of the
-    model FLOPs, with the O(s) kernels' attention over the blocks they run instead of the full s x s."""
+    model FLOPs, with attention over the score blocks the kernel runs instead of the full s x s."""
     m, t = cfg.model, cfg.train
     forward = model_flops_per_step(cfg) // 3
-    if m.attention == "explicit":
-        return forward
     one = layer_forward_flops_per_token(m, t.seq_len)["attn_scores"]
     tokens_layers = t.global_batch * t.seq_len * m.n_layers
     return forward + round(
@@ -196,8 +217,9 @@ def forward_flops_per_step(cfg: RunConfig) -> int:
 
 
 def hardware_flops_per_step(cfg: RunConfig) -> int:
-    """GEMM FLOPs actually executed per step: model FLOPs plus the policy's recomputation, and for
-    blockwise/fused attention what their kernels execute instead of the counted s x s terms. HFU
+    """GEMM FLOPs actually executed per step: model FLOPs plus the policy's recomputation, with what
+    the attention kernel executes (chunked explicit, blockwise, fused) instead of the counted s x s
+    terms. HFU
     uses this. (For P2's own HFU numbers, which assume more recomputation, see `p2_eq8_flops`.)"""
     return model_flops_per_step(cfg) + recompute_flops_per_step(cfg) + _attention_kernel_flops_adjustment(cfg)
 
@@ -266,10 +288,11 @@ def layer_activation_terms(
     if m.attention != "explicit":  # flash/blockwise: Q, K, V, the output (below) and an fp32 lse per row
         terms["attn_logsumexp"] = 4 * s * b * n / t
     elif policy != "selective":  # selective recomputes these from Q, K, V
-        terms["attn_probs"] = e * n * s * s * b / t
+        scores = chunked_score_elements(s, m.attention_chunk)  # s * s unchunked (P2)
+        terms["attn_probs"] = e * n * scores * b / t
         if dropout:
-            terms["attn_dropout_mask"] = MASK_BYTES * n * s * s * b / t
-            terms["attn_probs_dropped"] = e * n * s * s * b / t
+            terms["attn_dropout_mask"] = MASK_BYTES * n * scores * b / t
+            terms["attn_probs_dropped"] = e * n * scores * b / t
     terms["out_proj_input"] = e * s * b * n * hd / t
     if dropout:
         terms["attn_out_dropout_mask"] = MASK_BYTES * s * b * d / r

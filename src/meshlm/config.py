@@ -66,6 +66,11 @@ class ModelConfig:
     # VJP that keeps only the output and an fp32 log-sum-exp per row (no s x s tensor; any backend)
     attention: Attention = "explicit"
     attention_block: int = 128
+    # explicit attention: queries `attention_chunk` rows at a time, each chunk against the keys up
+    # to its last query, so only the score blocks on and below the diagonal are computed and kept
+    # (t(t + chunk)/2 of the t^2 per head; at most 16 chunks, longer ones past 16 * chunk tokens);
+    # 0: the whole s x s matrix at once, as P2's Table 2 assumes
+    attention_chunk: int = 64
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # Llama 3's RoPE frequency scaling ("llama3"): wavelengths longer than original_len /
@@ -401,6 +406,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         _need(getattr(m, name) > 0, f"model.{name} must be positive")
     for name in ("stage", "data", "fsdp", "context", "tensor"):
         _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
+    _need(m.attention_chunk >= 0, "model.attention_chunk must be >= 0 (0: the whole sequence at once)")
     _need(m.n_heads % m.kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of n_kv_heads={m.kv_heads}")
     _need(
         m.head_dim > 0 or m.d_model % m.n_heads == 0,

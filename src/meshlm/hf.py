@@ -661,5 +661,8 @@ def hf_path(ref: str) -> Path:
 def with_model(cfg_run, model: ModelConfig):
     """A run config whose model section is `model`, keeping the run's compute dtype, attention
     kind and layer unrolling (how to run the model, not what it is)."""
-    keep = {k: getattr(cfg_run.model, k) for k in ("dtype", "attention", "attention_block", "scan_unroll")}
+    keep = {
+        k: getattr(cfg_run.model, k)
+        for k in ("dtype", "attention", "attention_block", "attention_chunk", "scan_unroll")
+    }
     return dataclasses.replace(cfg_run, model=dataclasses.replace(model, **keep))

@@ -23,6 +23,14 @@ from meshlm.parallel.rules import Layout
 from meshlm.train_state import TrainState
 
 
+def _explicit_label(m, seq_len: int) -> str:
+    chunks = accounting.query_chunks(seq_len, m.attention_chunk)
+    if len(chunks) == 1:
+        return "explicit (the s x s scores are stored)"
+    rows = chunks[0][1]
+    return f"explicit in {len(chunks)} query chunks of {rows} (the score blocks on and below the diagonal are stored)"
+
+
 def _treedevice_bytes(abstract_tree, sharding_tree) -> int:
     leaves = jax.tree.leaves(abstract_tree)
     shardings = jax.tree.leaves(sharding_tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
@@ -74,7 +82,7 @@ def startup_report(
     hardware_flops = accounting.hardware_flops_per_step(cfg)
     m = cfg.model
     attention = {
-        "explicit": "explicit (the s x s scores are stored)",
+        "explicit": _explicit_label(m, cfg.train.seq_len),
         "blockwise": f"blockwise (block {m.attention_block})",
     }
     if m.attention == "fused":

@@ -18,6 +18,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from meshlm.accounting import query_chunks
+
 
 def layer_norm(x_btd: jax.Array, scale_d: jax.Array, bias_d: jax.Array, eps: float) -> jax.Array:
     """LayerNorm with statistics in fp32; output in x's dtype."""
@@ -199,12 +201,13 @@ def same_document(segment_ids_bt: jax.Array) -> jax.Array:
 
 
 def _attention_equations(grouped: bool) -> tuple[str, str]:
-    """(scores, attention over V) einsums: with query groups (GQA, g > 1) the scores are
-    [b, k, g, t, s]; for MHA (g = 1) [b, k, t, s] - the same elements in the same order (so the
-    same dropout bits), without a unit axis that makes XLA:CPU copy and transpose around its GEMMs."""
+    """(scores, attention over V) einsums on head-major operands (Q [b, k, (g,) t, h], K and V
+    [b, k, s, h]): with query groups (GQA, g > 1) the scores are [b, k, g, t, s]; for MHA (g = 1)
+    [b, k, t, s] - the same elements in the same order (so the same dropout bits), without a unit
+    axis that makes XLA:CPU copy and transpose around its GEMMs."""
     if grouped:
-        return "btkgh,bskh->bkgts", "bkgts,bskh->btkgh"
-    return "btkh,bskh->bkts", "bkts,bskh->btkh"
+        return "bkgth,bksh->bkgts", "bkgts,bksh->bkgth"
+    return "bkth,bksh->bkts", "bkts,bksh->bkth"
 
 
 def _grouped(n_heads: int, kv_heads: int) -> bool:
@@ -218,37 +221,91 @@ def _operands(eq: str) -> tuple[str, str, str]:
     return a, b, out
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _softmax_dropout_av(
-    scores: jax.Array, v_bskh: jax.Array, keep: jax.Array | None, same_doc: jax.Array | None, rate: float
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _chunked_core(q, k, v, keep, same_doc, rate: float, chunks: tuple) -> jax.Array:
+    """Causal softmax attention on head-major operands, one query chunk at a time: chunk [a, e)
+    against keys [0, e + s - t) (queries are the last t of s positions). Each chunk's QK^T,
+    softmax, softmax dropout and attention over V are P2's attention core restricted to the score
+    blocks on and below the diagonal; everything above is masked to exactly zero anyway.
+
+    One VJP for the whole core, so that backward keeps P2's tensors and no more: Q, K and V once
+    (not a slice of K and V per chunk), and per chunk the softmax output, the dropout mask and its
+    output (the probabilities once without dropout). The document mask needs no residual: masked
+    probabilities are zero, so backward ignores them. `keep`/`same_doc` cover the whole
+    [.., t, s] score matrix; each chunk reads its block, so the dropout bits are those of the
+    unchunked computation."""
+    return _chunked_core_fwd(q, k, v, keep, same_doc, rate, chunks)[0]
+
+
+def _chunk_block(x, a, e, end):
+    return None if x is None else x[..., a:e, :end]
+
+
+def _chunked_core_fwd(q, k, v, keep, same_doc, rate, chunks):
+    scores_eq, av_eq = _attention_equations(q.ndim == 5)
+    off = k.shape[-2] - q.shape[-2]
+    outs, saved = [], []
+    for a, e in chunks:
+        end = e + off
+        scores = jnp.einsum(scores_eq, q[..., a:e, :], k[..., :end, :])
+        probs = _causal_softmax(scores, _chunk_block(same_doc, a, e, end))
+        kept = _chunk_block(keep, a, e, end)
+        dropped = probs if kept is None else _apply_keep_mask(probs, kept, rate)
+        outs.append(jnp.einsum(av_eq, dropped, v[..., :end, :]))
+        saved.append((probs, kept, None if kept is None else dropped))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)
+    return out, (q, k, v, tuple(saved))
+
+
+def _chunked_core_bwd(rate, chunks, res, g):
+    q, k, v, saved = res
+    scores_eq, av_eq = _attention_equations(q.ndim == 5)
+    p_axes, v_axes, o_axes = _operands(av_eq)
+    q_axes, k_axes, _ = _operands(scores_eq)
+    off = k.shape[-2] - q.shape[-2]
+    dq, dks, dvs = [], [], []
+    pad = lambda x, end: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, k.shape[-2] - end), (0, 0)])
+    for (a, e), (probs, kept, dropped) in zip(chunks, saved, strict=True):
+        end = e + off
+        g_c, k_c, v_c = g[..., a:e, :], k[..., :end, :], v[..., :end, :]
+        d_dropped = jnp.einsum(f"{o_axes},{v_axes}->{p_axes}", g_c, v_c)
+        dvs.append(pad(jnp.einsum(f"{p_axes},{o_axes}->{v_axes}", probs if kept is None else dropped, g_c), end))
+        d_probs = d_dropped if kept is None else _mask_bwd(rate, kept, d_dropped)[0]
+        p, gp = probs.astype(jnp.float32), d_probs.astype(jnp.float32)
+        d_scores = (p * (gp - jnp.sum(gp * p, axis=-1, keepdims=True))).astype(probs.dtype)
+        dq.append(jnp.einsum(f"{p_axes},{k_axes}->{q_axes}", d_scores, k_c))
+        dks.append(pad(jnp.einsum(f"{p_axes},{q_axes}->{k_axes}", d_scores, q[..., a:e, :]), end))
+    return (dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=-2)), sum(dks), sum(dvs), None, None
+
+
+_chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
+
+
+def masked_causal_attention(
+    q_btnh: jax.Array,
+    k_bskh: jax.Array,
+    v_bskh: jax.Array,
+    keep: jax.Array | None,
+    same_doc: jax.Array | None,
+    rate: float = 0.0,
+    chunk: int = 0,
 ) -> jax.Array:
-    """softmax -> dropout -> @V as one VJP that keeps exactly P2's tensors: the softmax output
-    (2as^2b), the dropout mask (as^2b) and its output (2as^2b), and V; without dropout the softmax
-    output once. (Separate VJPs for softmax and @V would each keep their own copy of it.) The
-    document mask needs no residual: masked probabilities are zero, so backward ignores them."""
-    return _softmax_dropout_av_fwd(scores, v_bskh, keep, same_doc, rate)[0]
-
-
-def _softmax_dropout_av_fwd(scores, v, keep, same_doc, rate):
-    probs = _causal_softmax(scores, same_doc)
-    dropped = probs if keep is None else _apply_keep_mask(probs, keep, rate)
-    av = _attention_equations(scores.ndim == 5)[1]
-    return jnp.einsum(av, dropped, v), (probs, keep, None if keep is None else dropped, v)
-
-
-def _softmax_dropout_av_bwd(rate, res, g):
-    probs, keep, dropped, v = res
-    dropped = probs if dropped is None else dropped
-    p_axes, v_axes, o_axes = _operands(_attention_equations(probs.ndim == 5)[1])
-    d_dropped = jnp.einsum(f"{o_axes},{v_axes}->{p_axes}", g, v)
-    dv = jnp.einsum(f"{p_axes},{o_axes}->{v_axes}", dropped, g)
-    d_probs = d_dropped if keep is None else _mask_bwd(rate, keep, d_dropped)[0]
-    p, gp = probs.astype(jnp.float32), d_probs.astype(jnp.float32)
-    d_scores = (p * (gp - jnp.sum(gp * p, axis=-1, keepdims=True))).astype(probs.dtype)
-    return d_scores, dv, None, None
-
-
-_softmax_dropout_av.defvjp(_softmax_dropout_av_fwd, _softmax_dropout_av_bwd)
+    """`causal_attention` with the dropout keep mask given ([b, k, t, s] for MHA, [b, k, g, t, s]
+    under GQA; None: no dropout) and the document mask broadcastable to the scores."""
+    b, t, n, h = q_btnh.shape
+    kv = k_bskh.shape[2]
+    grouped = _grouped(n, kv)
+    # 1/sqrt(h) on Q rather than on the scores: an element-wise pass over [b, t, n, h] instead of
+    # two over the t x s scores (forward and backward), which also kept XLA:CPU from fusing them
+    q_btnh = q_btnh * jnp.asarray(1 / math.sqrt(h), q_btnh.dtype)
+    if grouped:
+        q = q_btnh.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [b, k, g, t, h]
+    else:
+        q = q_btnh.transpose(0, 2, 1, 3)  # [b, k, t, h]
+    k, v = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)  # [b, k, s, h]
+    out = _chunked_core(q, k, v, keep, same_doc, rate, query_chunks(t, chunk))
+    out = out.transpose(0, 3, 1, 2, 4) if grouped else out.transpose(0, 2, 1, 3)
+    return out.reshape(b, t, n, h)
 
 
 def causal_attention(
@@ -258,28 +315,31 @@ def causal_attention(
     segment_ids_bt: jax.Array | None = None,
     dropout_rate: float = 0.0,
     key: jax.Array | None = None,
+    chunk: int = 0,
 ) -> jax.Array:
     """Explicit softmax attention with grouped KV heads (n = k*g; MHA is g = 1); with
     `segment_ids_bt`, no attention across documents of a packed row.
 
     The score matrix is materialised on purpose: P2's memory model and selective recomputation
-    are about exactly these tensors (QK^T, softmax, softmax dropout, attention over V). The dropout
-    bits depend only on `key` and the element's position, so recomputation replays them exactly.
+    are about exactly these tensors (QK^T, softmax, softmax dropout, attention over V). With
+    `chunk` > 0 the queries go `chunk` rows at a time, each chunk against the keys up to its last
+    query: only the score blocks on and below the diagonal are computed and stored
+    (`chunked_score_elements`; t(t + chunk)/2 of the t^2 per head). The dropout bits depend only
+    on `key` and the element's position in the whole [.., t, s] matrix, so recomputation replays
+    them exactly and every chunk size draws the same bits.
     """
-    b, t, n, h = q_btnh.shape
-    k = k_bskh.shape[2]
-    grouped = _grouped(n, k)
-    q = q_btnh.reshape(b, t, k, n // k, h) if grouped else q_btnh
-    scores_eq = _attention_equations(grouped)[0]
-    scores = jnp.einsum(scores_eq, q, k_bskh) * jnp.asarray(1 / math.sqrt(h), q_btnh.dtype)
+    b, t, n, _ = q_btnh.shape
+    kv = k_bskh.shape[2]
+    grouped = _grouped(n, kv)
+    s = k_bskh.shape[1]
     keep = None
     if key is not None and dropout_rate > 0:
-        keep = jax.random.bernoulli(key, 1.0 - dropout_rate, scores.shape)
+        shape = (b, kv, n // kv, t, s) if grouped else (b, kv, t, s)
+        keep = jax.random.bernoulli(key, 1.0 - dropout_rate, shape)
     same_doc = None if segment_ids_bt is None else same_document(segment_ids_bt)
     if same_doc is not None and not grouped:
         same_doc = same_doc[:, :, 0]  # [b, 1, t, s]
-    out = _softmax_dropout_av(scores, v_bskh, keep, same_doc, dropout_rate)
-    return out.reshape(b, t, n, h)
+    return masked_causal_attention(q_btnh, k_bskh, v_bskh, keep, same_doc, dropout_rate, chunk)
 
 
 def fused_implementation(dtype: str, head_dim: int, document_mask: bool, device=None) -> tuple[str, str]:

@@ -165,7 +165,8 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
         drop_key = _site_key(key, _ATTN_PROBS)
         a = blockwise_attention(q, k, v, segments, block=cfg.attention_block, dropout_rate=cfg.dropout, key=drop_key)
     else:
-        core = remat.wrap_attention_core(partial(layers.causal_attention, dropout_rate=cfg.dropout), remat_policy)
+        explicit = partial(layers.causal_attention, dropout_rate=cfg.dropout, chunk=cfg.attention_chunk)
+        core = remat.wrap_attention_core(explicit, remat_policy)
         a = core(q, k, v, segments, key=_site_key(key, _ATTN_PROBS))
     explicit = cfg.attention == "explicit" and not context
     if explicit:  # the O(s) kernels keep their output for their own backward

@@ -1,4 +1,5 @@
-"""Long sequences on CPU: explicit attention (stores the s x s scores) vs blockwise (stores O(s)).
+"""Long sequences on CPU: explicit attention (stores s x s scores, or their causal blocks in query
+chunks) vs blockwise (stores O(s)).
 
 1. Memory: for a llama model of d=512, 8 layers, 8 heads (4 kv), bf16, batch 1, the activation
    bytes the compiled program keeps for backward (`meshlm.memory.measure_activations`: compiled,

@@ -55,37 +55,88 @@ def test_blockwise_equals_explicit(t, block, docs):
         np.testing.assert_allclose(g, w, atol=5e-6, rtol=0)
 
 
+def _causal(q, k, v, segs, rate, chunk):
+    """`causal_attention` for queries that are the last t of s positions, with (query, key)
+    segment ids; the dropout mask is drawn over the whole [.., t, s], as `causal_attention` does."""
+    b, t, n, _ = q.shape
+    kv, s = k.shape[2], k.shape[1]
+    shape = (b, kv, n // kv, t, s) if n != kv else (b, kv, t, s)
+    keep = jax.random.bernoulli(jax.random.key(4), 1 - rate, shape)
+    same = None if segs is None else segs[0][:, None, None, :, None] == segs[1][:, None, None, None, :]
+    if same is not None and n == kv:
+        same = same[:, :, 0]
+    return layers.masked_causal_attention(q, k, v, keep, same, rate, chunk)
+
+
 @pytest.mark.parametrize("kv", [KV, N])
 @pytest.mark.parametrize("docs", [False, True])
 def test_chunked_explicit_equals_the_whole_score_matrix(kv, docs):
     """Explicit attention in query chunks = over the whole s x s at once: outputs and gradients of
     Q, K and V, fp32, with dropout (the same bits: each chunk reads its block of the whole mask),
-    packed documents, GQA and MHA; chunks that do not divide t, one row, and longer than t."""
-    t, rate = 37, 0.3
-    q, k, v, d_out = _qkv(t, seed=2)
-    k, v = k[:, :, :1].repeat(kv, 2), v[:, :, :1].repeat(kv, 2)  # kv heads
-    seg = _segments(t) if docs else None
+    packed documents, GQA and MHA (distinct kv heads); chunks that do not divide t, one row, and
+    longer than t; and the last 20 queries of 37 keys (queries after the start of the keys)."""
+    s, rate = 37, 0.3
+    ks = jax.random.split(jax.random.key(2), 4)
+    q, d_out = (jax.random.normal(k, (B, s, N, H)) for k in ks[:2])
+    k, v = (jax.random.normal(kk, (B, s, kv, H)) for kk in ks[2:])
+    seg = _segments(s) if docs else None
 
-    def run(chunk):
-        fn = lambda q, k, v: layers.causal_attention(q, k, v, seg, rate, jax.random.key(4), chunk=chunk)
-        return _value_and_grads(fn, q, k, v, d_out)
+    def run(chunk, q, d_out, rows):
+        segs = None if seg is None else (seg[:, s - rows :], seg)
+        fn = lambda q, k, v: _causal(q, k, v, segs, rate, chunk)
+        if rows == s:  # the model's entry point, which draws the mask itself
+            fn = lambda q, k, v: layers.causal_attention(q, k, v, seg, rate, jax.random.key(4), chunk=chunk)
+        return jax.jit(_value_and_grads, static_argnums=0)(fn, q, k, v, d_out)
 
-    def reference(q, k, v):  # plain jnp, JAX's autodiff
+    def reference(q, k, v):  # plain jnp, JAX's autodiff; queries are the last t of s positions
+        t = q.shape[1]
         scores = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, t, kv, N // kv, H), k) / np.sqrt(H)
-        allowed = jnp.tril(jnp.ones((t, t), bool)) & (True if seg is None else layers.same_document(seg))
+        allowed = jnp.tril(jnp.ones((t, s), bool), k=s - t)
+        if seg is not None:
+            allowed = allowed & (seg[:, None, None, s - t :, None] == seg[:, None, None, None, :])
         probs = jax.nn.softmax(jnp.where(allowed, scores, -jnp.inf), axis=-1)
         keep = jax.random.bernoulli(jax.random.key(4), 1 - rate, probs.shape)
         return jnp.einsum("bkgts,bskh->btkgh", jnp.where(keep, probs / (1 - rate), 0), v).reshape(B, t, N, H)
 
-    want, want_grads = _value_and_grads(reference, q, k, v, d_out)
-    for chunk in (0, 1, 5, 8, 36, 37, 64):
-        got, got_grads = run(chunk)
-        np.testing.assert_allclose(got, want, atol=2e-6, rtol=0, err_msg=f"chunk {chunk}")
-        for g, w in zip(got_grads, want_grads, strict=True):
-            np.testing.assert_allclose(g, w, atol=5e-6, rtol=0, err_msg=f"chunk {chunk}")
+    for rows, chunks in ((s, (0, 1, 5, 8, 36, 37, 64)), (20, (0, 6))):
+        q_rows, d_rows = q[:, s - rows :], d_out[:, s - rows :]
+        want, want_grads = _value_and_grads(reference, q_rows, k, v, d_rows)
+        for chunk in chunks:
+            got, got_grads = run(chunk, q_rows, d_rows, rows)
+            np.testing.assert_allclose(got, want, atol=2e-6, rtol=0, err_msg=f"chunk {chunk}, {rows} rows")
+            for g, w in zip(got_grads, want_grads, strict=True):
+                np.testing.assert_allclose(g, w, atol=5e-6, rtol=0, err_msg=f"chunk {chunk}, {rows} rows")
+    t = s
     assert layers.query_chunks(t, 5) == ((0, 5), (5, 10), (10, 15), (15, 20), (20, 25), (25, 30), (30, 35), (35, 37))
     capped = layers.query_chunks(t, 1)  # at most MAX_QUERY_CHUNKS: rows of ceil(37 / 16) = 3
     assert capped[0] == (0, 3) and len(capped) == 13 <= accounting.MAX_QUERY_CHUNKS
+
+
+def test_chunked_explicit_bf16_sums_the_chunks_dk_dv_in_fp32():
+    """bf16, 16 query chunks: dK and dV, sums over the chunks, are accumulated in fp32 and rounded
+    once, so they are as close to the fp32 gradients as the unchunked bf16 computation's."""
+    t = 64
+    q, k, v, d_out = _qkv(t, seed=5)
+    want = jax.vjp(lambda q, k, v: layers.causal_attention(q, k, v), q, k, v)[1](d_out)
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v, d_out)]
+    errors = {}
+    for chunk in (0, 4):
+        fn = lambda q, k, v, chunk=chunk: layers.causal_attention(q, k, v, chunk=chunk)
+        got = jax.jit(lambda *x, fn=fn: jax.vjp(fn, *x[:3])[1](x[3]))(*bf)
+        errors[chunk] = [float(jnp.abs(g.astype(jnp.float32) - w).max()) for g, w in zip(got, want, strict=True)]
+    assert len(layers.query_chunks(t, 4)) == 16
+    for whole, chunked in zip(errors[0][1:], errors[4][1:], strict=True):  # dK, dV
+        assert chunked <= 1.5 * whole, errors
+
+
+def test_startup_report_names_the_query_chunks():
+    from meshlm.startup_report import _explicit_label
+
+    cfg = tiny_config()
+    assert _explicit_label(cfg.model, 32) == (
+        "explicit in 2 query chunks of 16 (the score blocks on and below the diagonal are stored)"
+    )
+    assert _explicit_label(dataclasses.replace(cfg.model, attention_chunk=0), 32).startswith("explicit (the s x s")
 
 
 @pytest.mark.parametrize("docs", [False, True])

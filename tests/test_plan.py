@@ -32,7 +32,14 @@ def test_paper_layouts_fit_only_with_sp_and_selective(name):
     parallelism alone fits none of the four models; SP + selective recomputation fits all four."""
     h, a, L, t, p, m, b = TABLE3[name]
     model = ModelConfig(
-        d_model=h, n_heads=a, n_layers=L, vocab_size=51200, max_seq_len=2048, dropout=0.1, dtype="bfloat16"
+        d_model=h,
+        n_heads=a,
+        n_layers=L,
+        vocab_size=51200,
+        max_seq_len=2048,
+        dropout=0.1,
+        dtype="bfloat16",
+        attention_chunk=0,  # P2's whole s x s score matrix
     )
     base = RunConfig(model=model, parallel=ParallelConfig(tensor=t), train=TrainConfig(global_batch=b, seq_len=2048))
     a100 = ACCELERATORS["a100"]
@@ -54,7 +61,14 @@ def test_paper_layouts_as_meshlm_pipelines(name):
     1F1B or interleaved as P2 ran them, with 2p microbatches."""
     h, a, L, t, p, v, b = TABLE3[name]
     model = ModelConfig(
-        d_model=h, n_heads=a, n_layers=L, vocab_size=51200, max_seq_len=2048, dropout=0.1, dtype="bfloat16"
+        d_model=h,
+        n_heads=a,
+        n_layers=L,
+        vocab_size=51200,
+        max_seq_len=2048,
+        dropout=0.1,
+        dtype="bfloat16",
+        attention_chunk=0,  # P2's whole s x s score matrix
     )
     a100 = ACCELERATORS["a100"]
 

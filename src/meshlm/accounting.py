@@ -133,8 +133,8 @@ def query_chunks(t: int, chunk: int) -> tuple[tuple[int, int], ...]:
 
 def chunked_score_elements(t: int, chunk: int) -> int:
     """Score elements per row of the batch and head that chunked explicit attention computes and
-    stores: each chunk's rows against the keys up to its last query, sum(rows x keys) - t*t for one
-    chunk, t(t + chunk)/2 when `chunk` divides t."""
+    stores: each chunk's rows against the keys up to its last query, the sum of rows x keys; t*t for
+    one chunk, t(t + chunk)/2 when `chunk` divides t (and no cap applies)."""
     return sum((e - a) * e for a, e in query_chunks(t, chunk))
 
 
@@ -244,7 +244,8 @@ def utilisation(flops_per_step: float, step_time_s: float, peak_flops_per_s: flo
 #
 # P2 section 4: bytes of forward tensors kept for the backward pass, per device. Each term is named
 # after the tensor it is, so a report can say which part is large. With the `gpt` family in P2's
-# setting (bf16, dropout on, explicit softmax) the per-layer sum is exactly Table 2:
+# setting (bf16, dropout on, explicit softmax over the whole s x s: attention_chunk=0) the per-layer
+# sum is exactly Table 2 (query chunks shrink its 5as/h term to the blocks they run):
 #   elementwise: sbh(34 + 5as/h)     TP: sbh(10 + 24/t + 5as/(ht))      TP+SP: sbh(34 + 5as/h)/t
 #   TP+selective: sbh(10 + 24/t)     TP+SP+selective: 34sbh/t           full: 2sbh (2sbh/t with SP)
 # and it extends term by term to GQA (smaller K and V), SwiGLU (gate, up and down-projection input

@@ -257,10 +257,12 @@ def peak_flops(dtype: str, n_devices: int) -> Peak:
 def raise_cpu_peak(peak: Peak, flops_per_s: float, dtype: str) -> Peak:
     """`peak`, or - when it is a CPU probe and a run has just computed faster - that rate, cached for
     later runs. `flops_per_s` is the run's model FLOPs (P2 Eq. 7) over its step time: at most the
-    FLOPs that ran (hardware FLOPs can be more, where XLA merges recomputation; the one excess is
-    causal attention, counted in full while the blockwise kernel skips its masked blocks), so it is
-    a measured lower bound of this host's peak. Call it from single-host runs only: a run over
-    several hosts computes more than one host's peak."""
+    FLOPs that ran (hardware FLOPs can be more, where XLA merges recomputation), so it is a measured
+    lower bound of this host's peak - but for one excess: causal attention, counted in full while
+    the attention kernels (explicit in query chunks, the default, and blockwise) skip masked score
+    blocks; a few percent of the model FLOPs at short sequences (3% for issue 11's small gpt at
+    s = 256), so a raised peak can read that much high, never MFU above 100%. Call it from
+    single-host runs only: a run over several hosts computes more than one host's peak."""
     if peak.label != "CPU probe" or flops_per_s <= peak.flops:
         return peak
 

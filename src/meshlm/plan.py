@@ -321,7 +321,8 @@ def enumerate_plans(
         for context in (_divisors(n_devices // stage // tensor) if stage == 1 else [1])
         for fsdp in _divisors(n_devices // stage // tensor // context)
     ]
-    # explicit attention stores s x s scores: offer the blockwise kernel next to it (CP needs it)
+    # explicit attention stores (causal blocks of) the s x s scores: offer the blockwise kernel next
+    # to it (CP needs it)
     kernels = ("explicit", "blockwise") if cfg.model.attention == "explicit" else (cfg.model.attention,)
     choices = [(lay, kernel) for lay in layouts for kernel in kernels if lay[2] == 1 or kernel != "explicit"]
     for (stage, tensor, context, fsdp, data), kernel in choices:

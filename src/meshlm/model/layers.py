@@ -263,19 +263,25 @@ def _chunked_core_bwd(rate, chunks, res, g):
     p_axes, v_axes, o_axes = _operands(av_eq)
     q_axes, k_axes, _ = _operands(scores_eq)
     off = k.shape[-2] - q.shape[-2]
-    dq, dks, dvs = [], [], []
+    dq, dks, dvs, f32 = [], [], [], jnp.float32
     pad = lambda x, end: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, k.shape[-2] - end), (0, 0)])
     for (a, e), (probs, kept, dropped) in zip(chunks, saved, strict=True):
         end = e + off
         g_c, k_c, v_c = g[..., a:e, :], k[..., :end, :], v[..., :end, :]
         d_dropped = jnp.einsum(f"{o_axes},{v_axes}->{p_axes}", g_c, v_c)
-        dvs.append(pad(jnp.einsum(f"{p_axes},{o_axes}->{v_axes}", probs if kept is None else dropped, g_c), end))
+        dv_c = jnp.einsum(
+            f"{p_axes},{o_axes}->{v_axes}", probs if kept is None else dropped, g_c, preferred_element_type=f32
+        )
+        dvs.append(pad(dv_c, end))
         d_probs = d_dropped if kept is None else _mask_bwd(rate, kept, d_dropped)[0]
         p, gp = probs.astype(jnp.float32), d_probs.astype(jnp.float32)
         d_scores = (p * (gp - jnp.sum(gp * p, axis=-1, keepdims=True))).astype(probs.dtype)
         dq.append(jnp.einsum(f"{p_axes},{k_axes}->{q_axes}", d_scores, k_c))
-        dks.append(pad(jnp.einsum(f"{p_axes},{q_axes}->{k_axes}", d_scores, q[..., a:e, :]), end))
-    return (dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=-2)), sum(dks), sum(dvs), None, None
+        dk_c = jnp.einsum(f"{p_axes},{q_axes}->{k_axes}", d_scores, q[..., a:e, :], preferred_element_type=f32)
+        dks.append(pad(dk_c, end))
+    # dK and dV are sums over the chunks: summed in fp32, rounded to the compute dtype once
+    dk, dv = sum(dks).astype(k.dtype), sum(dvs).astype(v.dtype)
+    return (dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=-2)), dk, dv, None, None
 
 
 _chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)

@@ -219,8 +219,8 @@ def forward_flops_per_step(cfg: RunConfig) -> int:
 def hardware_flops_per_step(cfg: RunConfig) -> int:
     """GEMM FLOPs actually executed per step: model FLOPs plus the policy's recomputation, with what
     the attention kernel executes (chunked explicit, blockwise, fused) instead of the counted s x s
-    terms. HFU
-    uses this. (For P2's own HFU numbers, which assume more recomputation, see `p2_eq8_flops`.)"""
+    terms. HFU uses this. (For P2's own HFU numbers, which assume more recomputation, see
+    `p2_eq8_flops`.)"""
     return model_flops_per_step(cfg) + recompute_flops_per_step(cfg) + _attention_kernel_flops_adjustment(cfg)
 
 

@@ -19,6 +19,21 @@ MESHES = {
 }
 
 
+def p2_gpt_model(d_model: int, n_heads: int, n_layers: int) -> ModelConfig:
+    """A GPT of P2's Table 3 as the paper ran it: bf16, dropout 0.1, s = 2048, v = 51200, explicit
+    attention over the whole s x s score matrix (`attention_chunk=0`)."""
+    return ModelConfig(
+        d_model=d_model,
+        n_heads=n_heads,
+        n_layers=n_layers,
+        vocab_size=51200,
+        max_seq_len=2048,
+        dropout=0.1,
+        dtype="bfloat16",
+        attention_chunk=0,
+    )
+
+
 def tiny_config(family: str = "gpt", mesh: dict | None = None, n_layers: int = 2, **train) -> RunConfig:
     model = ModelConfig(
         family=family,

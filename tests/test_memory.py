@@ -8,6 +8,7 @@ import json
 import jax
 import pytest
 
+from helpers import p2_gpt_model
 from meshlm import accounting
 from meshlm.cli import main
 from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig, validate
@@ -115,16 +116,7 @@ FIGURE7 = {
 @pytest.mark.parametrize("name", list(FIGURE7))
 def test_figure7_reproduced(name):
     (h, a, L, b, p, m), expected = FIGURE7[name]
-    model = ModelConfig(
-        d_model=h,
-        n_heads=a,
-        n_layers=L,
-        vocab_size=51200,
-        max_seq_len=2048,
-        dropout=0.1,
-        dtype="bfloat16",
-        attention_chunk=0,  # P2's whole s x s scores
-    )
+    model = p2_gpt_model(h, a, L)
     got = []
     for tensor, sp, policy, _ in TABLE2.values():
         cfg = RunConfig(

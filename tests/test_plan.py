@@ -8,10 +8,11 @@ import math
 import jax
 import pytest
 
+from helpers import p2_gpt_model
 from meshlm import plan as planner
 from meshlm import recipes
 from meshlm.cli import main
-from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
+from meshlm.config import ParallelConfig, RematConfig, RunConfig, TrainConfig
 from meshlm.hardware import ACCELERATORS
 from meshlm.model.params import abstract_params, param_specs
 from meshlm.parallel.mesh import make_layout
@@ -31,16 +32,7 @@ def test_paper_layouts_fit_only_with_sp_and_selective(name):
     """P2 Figures 1 and 7: on 80 GB A100s with mixed-precision Adam (18 bytes/parameter), tensor
     parallelism alone fits none of the four models; SP + selective recomputation fits all four."""
     h, a, L, t, p, m, b = TABLE3[name]
-    model = ModelConfig(
-        d_model=h,
-        n_heads=a,
-        n_layers=L,
-        vocab_size=51200,
-        max_seq_len=2048,
-        dropout=0.1,
-        dtype="bfloat16",
-        attention_chunk=0,  # P2's whole s x s score matrix
-    )
+    model = p2_gpt_model(h, a, L)
     base = RunConfig(model=model, parallel=ParallelConfig(tensor=t), train=TrainConfig(global_batch=b, seq_len=2048))
     a100 = ACCELERATORS["a100"]
 
@@ -60,16 +52,7 @@ def test_paper_layouts_as_meshlm_pipelines(name):
     stage-sharded layers, embeddings on every stage, stage 0's in-flight residuals and buffers),
     1F1B or interleaved as P2 ran them, with 2p microbatches."""
     h, a, L, t, p, v, b = TABLE3[name]
-    model = ModelConfig(
-        d_model=h,
-        n_heads=a,
-        n_layers=L,
-        vocab_size=51200,
-        max_seq_len=2048,
-        dropout=0.1,
-        dtype="bfloat16",
-        attention_chunk=0,  # P2's whole s x s score matrix
-    )
+    model = p2_gpt_model(h, a, L)
     a100 = ACCELERATORS["a100"]
 
     def fits(sp: bool, policy: str) -> bool:
@@ -212,16 +195,7 @@ def _paper_step(name: str, layers: int | None = None, batch: int | None = None) 
     h, a, L, t, p, _, _ = TABLE3[name]
     global_batch = batch or TABLE5[name][1]
     micro = 1 if p > 1 else global_batch  # Table 3: micro batch 1 with a pipeline, 4 for the 22B
-    model = ModelConfig(
-        d_model=h,
-        n_heads=a,
-        n_layers=layers or L,
-        vocab_size=51200,
-        max_seq_len=2048,
-        dropout=0.1,
-        dtype="bfloat16",
-        attention_chunk=0,  # P2's whole s x s score matrix
-    )
+    model = p2_gpt_model(h, a, layers or L)
     return RunConfig(
         model=model,
         parallel=ParallelConfig(tensor=t, sequence_parallel=True),

@@ -302,7 +302,8 @@ def masked_causal_attention(
     kv = k_bskh.shape[2]
     grouped = _grouped(n, kv)
     # 1/sqrt(h) on Q rather than on the scores: an element-wise pass over [b, t, n, h] instead of
-    # two over the t x s scores (forward and backward), which also kept XLA:CPU from fusing them
+    # two over the t x s scores (forward and backward); scaling the scores made the chunked core
+    # ~1.7x slower on XLA:CPU (BENCHMARKS.md, "Explicit attention in query chunks")
     q_btnh = q_btnh * jnp.asarray(1 / math.sqrt(h), q_btnh.dtype)
     if grouped:
         q = q_btnh.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [b, k, g, t, h]

@@ -348,16 +348,27 @@ def test_mha_scores_without_a_group_axis_are_the_grouped_computation(monkeypatch
     assert ranks == [4] and score_ranks() == [5], (ranks, score_ranks())
 
 
-def test_dense_weight_gradient_is_one_contraction_over_rows():
-    """`layers.dense_shared` = the einsums (values and gradients), but its backward contracts the
-    weight gradient over one b*t axis (XLA:CPU's GEMM takes it with a transposed operand), reshapes
-    x once for all its weights, and keeps the einsum where asked (`flat=False`)."""
-    x = jax.random.normal(jax.random.key(0), (3, 8, 16))
-    ws = [jax.random.normal(jax.random.key(i), (16, 4, 6)) for i in (1, 2)]
-    g = jax.random.normal(jax.random.key(3), (3, 8, 4, 6))
-    eq = "btd,dnh->btnh"
+@pytest.mark.parametrize(
+    ("eq", "x_shape", "w_shape"),
+    [
+        ("btd,dnh->btnh", (3, 8, 16), (16, 4, 6)),
+        ("btd,vd->btv", (3, 8, 16), (20, 16)),
+        ("btnh,nhd->btd", (3, 8, 4, 6), (4, 6, 16)),
+    ],
+)
+def test_dense_weight_gradient_is_one_contraction_over_rows(eq, x_shape, w_shape):
+    """`layers.dense_shared` = the einsums (values and gradients, up to summation order; in the
+    inputs' dtypes under bf16, fp32 logits too), but its backward contracts each weight gradient
+    over one b*t axis,
+    as a plain GEMM against the transpose of the smaller operand (x, or the output gradient),
+    written out; reshapes x once for all its weights, and keeps the einsum where asked
+    (`flat=False`). The weight's axes in any order (tied output layer: [v, d])."""
+    x = jax.random.normal(jax.random.key(0), x_shape)
+    ws = [jax.random.normal(jax.random.key(i), w_shape) for i in (1, 2)]
+    out_shape = jax.eval_shape(lambda: jnp.einsum(eq, x, ws[0])).shape
+    g = jax.random.normal(jax.random.key(3), out_shape)
 
-    def grads(fn):
+    def grads(fn, x=x, ws=ws):
         return jax.vjp(lambda x, ws: sum((y * g).sum() for y in fn(x, ws)), x, ws)[1](1.0)
 
     einsums = lambda x, ws: [jnp.einsum(eq, x, w) for w in ws]
@@ -366,10 +377,20 @@ def test_dense_weight_gradient_is_one_contraction_over_rows():
         want = jax.tree.leaves((einsums(x, ws), grads(einsums)))
         for a, b in zip(jax.tree.leaves((ours(x, ws), grads(ours))), want, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    bf16 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)
+    for kw in ({}, {"preferred_element_type": jnp.float32}):  # the output layer's fp32 logits
+        ours = lambda x, ws, kw=kw: layers.dense_shared(eq, x, ws, **kw)
+        theirs = lambda x, ws, kw=kw: [jnp.einsum(eq, x, w, **kw) for w in ws]
+        fx, fws = (jax.tree.map(lambda a: a.astype(jnp.float32), t) for t in (bf16(x), bf16(ws)))
+        got = jax.vjp(ours, bf16(x), bf16(ws))[1]((g.astype(jnp.float32 if kw else jnp.bfloat16),) * 2)
+        want = jax.vjp(theirs, fx, fws)[1]([g] * 2)
+        assert {a.dtype for a in jax.tree.leaves(got)} == {jnp.dtype(jnp.bfloat16)}
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0.05, atol=0.05 * np.abs(b).max())
 
     def weight_grad_contractions(fn):  # contracting dims of each weight-gradient dot in backward
         jaxpr = jax.make_jaxpr(lambda x, ws: jax.vjp(fn, x, ws)[1]((g, g)))(x, ws)
-        eqns = jaxpr.jaxpr.eqns
+        eqns = list(_equations(jaxpr.jaxpr))
         dots = [
             e
             for e in eqns
@@ -379,13 +400,49 @@ def test_dense_weight_gradient_is_one_contraction_over_rows():
 
     rows, eqns = weight_grad_contractions(lambda x, ws: layers.dense_shared(eq, x, ws))
     assert rows == [1, 1], rows  # b*t as one axis
-    assert sum(e.primitive.name == "reshape" and e.outvars[0].aval.shape == (24, 16) for e in eqns) == 1
+    x_rows = (x_shape[0] * x_shape[1], *x_shape[2:])
+    assert sum(e.primitive.name == "reshape" and e.outvars[0].aval.shape == x_rows for e in eqns) == 1
+    smaller = (*x_shape[2:], x_rows[0]) if np.prod(x_shape) <= np.prod(out_shape) else (*out_shape[2:], x_rows[0])
+    barriers = [e for e in eqns if e.primitive.name == "optimization_barrier"]
+    assert [v.aval.shape for v in barriers[0].outvars] == [smaller], barriers  # x^T or g^T, written out
     plain, _ = weight_grad_contractions(lambda x, ws: layers.dense_shared(eq, x, ws, flat=False))
     assert plain == [2, 2], plain  # the einsum's weight gradient contracts over b and t
 
 
-@pytest.mark.parametrize("mesh", [{"data": 2, "fsdp": 2}, {"data": 2, "context": 2}])
-def test_dense_rows_move_no_data(mesh, monkeypatch, devices):
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_weight_gradients_are_plain_gemms(family, monkeypatch):
+    """In the compiled gradient of the whole model (one device), no matmul without batch axes
+    reads its left operand across the contracted rows (lhs_contracting_dims={0}): every weight
+    gradient is a GEMM against a transposed copy, the form XLA:CPU runs at full speed (gpt ties its
+    output layer to the [v, d] embedding, llama's is [d, v]). Autodiff's own weight gradients, as
+    on GPUs (`layers.transposed_copy_gradients` False), are such matmuls."""
+    import re
+
+    from meshlm.model.loss import cross_entropy_sum
+    from meshlm.model.params import abstract_params, param_specs
+    from meshlm.model.transformer import forward
+
+    cfg = _with(tiny_config(family), dropout=0.0)
+
+    def transposed_lhs_dots():
+        loss = lambda p, t: cross_entropy_sum(forward(p, t, cfg.model), t)[0]
+        tokens = jax.ShapeDtypeStruct((8, 32), jnp.int32)
+        text = jax.jit(jax.grad(loss)).lower(abstract_params(param_specs(cfg.model)), tokens).compile().as_text()
+        dots = [line for line in text.splitlines() if re.search(r"= \S+ dot\(", line) and "lhs_batch_dims" not in line]
+        assert dots
+        return [line for line in dots if "lhs_contracting_dims={0}" in line]
+
+    assert transposed_lhs_dots() == []
+
+    monkeypatch.setattr(layers, "transposed_copy_gradients", lambda: False)  # autodiff's, as on GPUs
+    assert len(transposed_lhs_dots()) >= cfg.model.n_layers
+
+
+@pytest.mark.parametrize(
+    ("family", "mesh"),
+    [("llama", {"data": 2, "fsdp": 2}), ("gpt", {"data": 2, "fsdp": 2}), ("llama", {"data": 2, "context": 2})],
+)
+def test_dense_rows_move_no_data(family, mesh, monkeypatch, devices):
     """The whole model's gradient program has the same collectives with dense layers on b*t rows as
     with plain 3-D einsums: the rows view is local wherever `layers.dense` is used flat (under
     context it must not be: the sequence is split, and a reshape would gather it)."""
@@ -397,7 +454,7 @@ def test_dense_rows_move_no_data(mesh, monkeypatch, devices):
     from meshlm.parallel.mesh import make_layout
     from meshlm.train_state import param_shardings
 
-    cfg = _with(tiny_config("llama"), attention="blockwise" if "context" in mesh else "explicit")
+    cfg = _with(tiny_config(family), attention="blockwise" if "context" in mesh else "explicit")
     cfg = validate(dataclasses.replace(cfg, parallel=ParallelConfig(**mesh)))
     layout = make_layout(cfg.parallel, jax.devices()[:4])
     specs = param_specs(cfg.model)

@@ -12,6 +12,7 @@ n query heads, k kv heads, g query heads per kv head (n = k*g), h head_dim, f d_
 
 from __future__ import annotations
 
+import functools
 import math
 from functools import partial
 
@@ -55,10 +56,11 @@ def dense(equation: str, x: jax.Array, w: jax.Array, flat: bool = True, **kwargs
 def dense_shared(equation: str, x: jax.Array, ws: list[jax.Array], flat: bool = True, **kwargs) -> tuple:
     """`jnp.einsum(equation, x, w)` for each weight w, the output [b, t, ...] like x. With `flat`
     the einsums run on x's b*t rows as one axis (x reshaped once, so backward stores one array for
-    all the weights): then the weight gradient in backward is one 2-D contraction over the rows,
-    which XLA:CPU hands to its GEMM with a transposed operand. Over separate b and t axes, XLA
-    instead writes the activation gradient transposed inside the element-wise fusion that makes it,
-    at a small fraction of memory bandwidth (BENCHMARKS.md, "Where the step's time goes").
+    all the weights): then each weight gradient in backward is one 2-D contraction over the rows.
+    Over separate b and t axes, XLA instead writes the activation gradient transposed inside the
+    element-wise fusion that makes it, at a small fraction of memory bandwidth (BENCHMARKS.md,
+    "Where the step's time goes"). On XLA:CPU that contraction runs as a plain GEMM against a
+    transposed copy (`_dense_gradients`).
 
     Backward stores the rows view in place of x, so pass `flat=False` where x itself is stored for
     another consumer (it would be kept twice), or where the b*t rows are not one contiguous block
@@ -69,8 +71,73 @@ def dense_shared(equation: str, x: jax.Array, ws: list[jax.Array], flat: bool = 
         return tuple(jnp.einsum(equation, x, w, **kwargs) for w in ws)
     rows_eq = f"r{x_axes[2:]},{w_axes}->r{out[2:]}"
     x_rows = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-    ys = (jnp.einsum(rows_eq, x_rows, w, **kwargs) for w in ws)
+    # a plain matmul: every weight axis is contracted with x or kept in the output, not both
+    matmul = set(x_axes[2:]).isdisjoint(out[2:]) and sorted(w_axes) == sorted(x_axes[2:] + out[2:])
+    if not (matmul and transposed_copy_gradients()):  # autodiff's gradients
+        ys = [jnp.einsum(rows_eq, x_rows, w, **kwargs) for w in ws]
+    else:  # the GEMMs, not differentiated; their gradients come from the zero-valued terms added
+        # (recomputation policies see plain GEMMs; backward keeps x and the weights, as autodiff's)
+        frozen = [jnp.einsum(rows_eq, jax.lax.stop_gradient(x_rows), jax.lax.stop_gradient(w), **kwargs) for w in ws]
+        meta = tuple((y.shape, y.dtype, w.dtype) for y, w in zip(frozen, ws, strict=True))
+        zeros = _dense_gradients(rows_eq, meta, x_rows, tuple(ws))
+        ys = [y + z for y, z in zip(frozen, zeros, strict=True)]
     return tuple(y.reshape(*x.shape[:2], *y.shape[1:]) for y in ys)
+
+
+def transposed_copy_gradients() -> bool:
+    """Whether dense layers take their gradients from `_dense_gradients`: on XLA:CPU, whose GEMM
+    runs autodiff's weight-gradient form at about half speed. GPU GEMMs read transposed operands in
+    place, where a written-out copy would only add memory traffic. (Tests and a benchmark patch it.)"""
+    return jax.default_backend() == "cpu"
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dense_gradients(equation: str, meta: tuple, x_rows: jax.Array, ws: tuple) -> tuple:
+    """Zeros shaped like each output of the matmul `jnp.einsum(equation, x_rows, w)` (x's first
+    axis the b*t rows), whose backward is those einsums' gradients: x's summed over the weights,
+    and each weight's as a plain GEMM against the transpose of the smaller operand - x (once for
+    all the weights) or the output gradient - written out (`optimization_barrier` keeps XLA from
+    folding the transpose back into the GEMM). Autodiff's own weight gradient contracts the rows
+    of x and of the output gradient in place, which XLA:CPU's GEMM ran at half speed for the output
+    layer's shapes (BENCHMARKS.md, "Weight gradients against a transposed copy"). Kept for
+    backward: x and the weights themselves, as autodiff keeps (a pipeline recognises the weights
+    and does not stash them). `meta`: (output shape, output dtype, weight dtype) per weight.
+    Reverse mode only: forward-mode derivatives of these zeros are not defined."""
+    return tuple(jnp.zeros(shape, dtype) for shape, dtype, _ in meta)
+
+
+def _dense_gradients_fwd(equation, meta, x_rows, ws):
+    return _dense_gradients(equation, meta, x_rows, ws), (x_rows, ws)
+
+
+def _dense_gradients_bwd(equation, meta, res, gs):
+    x_rows, ws = res
+    lhs, out = equation.split("->")
+    x_axes, w_axes = lhs.split(",")
+    rows_last = lambda a: jax.lax.optimization_barrier(jnp.moveaxis(a, 0, -1))  # written out
+    x_t = rows_last(x_rows) if any(x_rows.size <= g.size for g in gs) else None
+
+    def weight_grad(g, dtype):
+        # transpose the smaller operand: x, or the output gradient (then the GEMM gives dW^T)
+        if x_rows.size <= g.size:
+            natural = "".join(a for a in x_axes[1:] + out[1:] if a in w_axes)
+            dw = jnp.einsum(f"{x_axes[1:]}{x_axes[0]},{out}->{natural}", x_t, g)
+        else:
+            natural = "".join(a for a in out[1:] + x_axes[1:] if a in w_axes)
+            dw = jnp.einsum(f"{out[1:]}{out[0]},{x_axes}->{natural}", rows_last(g), x_rows)
+        # the GEMM's output is in its own axis order; the weight's order is a small transpose after
+        # (asked for in the weight's order directly, XLA transposes the big operand instead)
+        order = [natural.index(a) for a in w_axes]
+        if order != sorted(order):
+            dw = jax.lax.optimization_barrier(dw).transpose(order)
+        return dw.astype(dtype)
+
+    dxs = [jnp.einsum(f"{out},{w_axes}->{x_axes}", g, w) for g, w in zip(gs, ws, strict=True)]
+    dws = tuple(weight_grad(g, dtype) for g, (_, _, dtype) in zip(gs, meta, strict=True))
+    return functools.reduce(jnp.add, dxs).astype(x_rows.dtype), dws
+
+
+_dense_gradients.defvjp(_dense_gradients_fwd, _dense_gradients_bwd)
 
 
 def dropout(

@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -63,16 +64,9 @@ def main() -> None:
     ]
     for family in args.families.split(","):
         for size in args.sizes.split(","):
-            run = vs.meshlm_config(family, size)
-            steppers = {}
-            for name, (rows, squeeze) in VARIANTS.items():
-                _configure(rows, squeeze, real_dense, real_grouped)
-                one, sync = vs.meshlm_stepper(run)
-                one()  # trace and compile under this variant's code paths
-                sync()
-                steppers[name] = (one, sync)
-            _configure(True, True, real_dense, real_grouped)
-            t = vs.time_variants(steppers, args.rounds, args.steps)
+            patches = {name: partial(_configure, *flags, real_dense, real_grouped) for name, flags in VARIANTS.items()}
+            restore = partial(_configure, True, True, real_dense, real_grouped)
+            t = vs.time_patched_steps(vs.meshlm_config(family, size), patches, restore, args.rounds, args.steps)
             first, last = next(iter(VARIANTS)), list(VARIANTS)[-1]
             cells = " | ".join(f"{1e3 * t[k]:.0f}" for k in VARIANTS)
             lines.append(f"| {family} | {size} | {cells} | {t[last] / t[first]:.2f}x |")

@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -122,16 +123,9 @@ def main() -> None:
     ]
     for family in args.families.split(","):
         for size in args.sizes.split(","):
-            run = vs.meshlm_config(family, size)
-            steppers = {}
-            for name, transposed in VARIANTS.items():
-                _configure(transposed)
-                one, sync = vs.meshlm_stepper(run)
-                one()  # trace and compile under this variant's code paths
-                sync()
-                steppers[name] = (one, sync)
-            _configure(True)
-            t = vs.time_variants(steppers, args.rounds, args.steps)
+            patches = {name: partial(_configure, transposed) for name, transposed in VARIANTS.items()}
+            restore = partial(_configure, True)
+            t = vs.time_patched_steps(vs.meshlm_config(family, size), patches, restore, args.rounds, args.steps)
             cells = " | ".join(f"{1e3 * t[k]:.0f}" for k in VARIANTS)
             lines.append(f"| {family} | {size} | {cells} | {t[AFTER] / t[BEFORE]:.2f}x |")
             print(lines[-1], flush=True)

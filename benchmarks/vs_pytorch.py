@@ -236,6 +236,21 @@ def check_minimal_model(run: RunConfig) -> dict:
     return params
 
 
+def time_patched_steps(run: RunConfig, patches: dict, restore, rounds: int, steps: int) -> dict[str, float]:
+    """Median seconds per step of meshlm's step for `run`, traced and compiled once under each
+    variant's code paths (`patches`: name -> a callable that installs them), timed side by side;
+    `restore()` puts the real code paths back before timing."""
+    steppers = {}
+    for name, install in patches.items():
+        install()
+        one, sync = meshlm_stepper(run)
+        one()  # trace and compile under this variant's code paths
+        sync()
+        steppers[name] = (one, sync)
+    restore()
+    return time_variants(steppers, rounds, steps)
+
+
 def time_variants(variants: dict, rounds: int, steps: int) -> dict[str, float]:
     for one, sync in variants.values():  # compile / warm up
         for _ in range(2):

@@ -11,6 +11,8 @@ fp32, no dropout, AdamW with global-norm clipping) it trains:
   what `meshlm train` runs) on one device, as data=2 over two simulated devices, and as data=2
   with the layer loop unrolled (`model.scan_unroll` = layers).
 
+The process runs under meshlm's host allocator settings (`meshlm.host_memory`, as `meshlm train`
+on CPU), PyTorch included: `benchmarks/host_memory.py` measures both frameworks with and without.
 Variants run in alternating rounds of a few steps each and report the median step time, so the
 ratios within a row are comparable on a shared, noisy machine. The minimal JAX model is checked
 against meshlm's forward on the same parameters before timing (same loss to 1e-5).
@@ -25,6 +27,13 @@ import math
 import os
 import sys
 import time
+
+from meshlm import host_memory  # jax-free
+
+# Before JAX and PyTorch start threads: the host allocator settings `meshlm train` uses on CPU
+# (meshlm.host_memory). PyTorch runs in this process too, so it runs under them as well.
+host_memory.apply()
+host_memory.keep_freed(None)
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # data=2 needs 2 devices
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"

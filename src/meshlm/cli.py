@@ -1,8 +1,8 @@
 """`meshlm` command line: train | launch | data | memory | plan | bench | report | recipes | convert |
 generate | eval.
 
-Only this entry point touches process-wide state (XLA_FLAGS, JAX_PLATFORMS), and it does so
-before jax is imported: jax reads the device count once, at import.
+Only this entry point touches process-wide state (XLA_FLAGS, JAX_PLATFORMS, glibc's allocator
+settings), and it does so before jax is imported: jax reads the device count once, at import.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshlm import xla_flags  # jax-free
+from meshlm import host_memory, xla_flags  # jax-free
 from meshlm.config import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, RunConfig, apply_overrides, parse_mesh
 from meshlm.hardware import ACCELERATORS  # a jax-free table
 
@@ -260,11 +260,12 @@ def _adopt_source(cfg: RunConfig, init_from: str) -> RunConfig:
 
 
 def _set_device_count(n: int, explicit: bool) -> None:
-    """Simulated host devices and the backend's XLA flags (`meshlm.xla_flags`); must run before jax
-    is imported."""
+    """Simulated host devices, the backend's XLA flags (`meshlm.xla_flags`) and host allocator
+    (`meshlm.host_memory`); must run before jax is imported."""
     if "jax" in sys.modules:
         return
     xla_flags.apply()
+    host_memory.apply()
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
     if explicit:

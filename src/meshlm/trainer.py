@@ -18,11 +18,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 
-from meshlm import __version__, accounting, hardware, hf
+from meshlm import __version__, accounting, hardware, hf, host_memory
 from meshlm.checkpoint import Checkpointer, resolve_checkpoint
 from meshlm.config import ConfigError, RunConfig, validate
 from meshlm.data import tokenizer as toks
@@ -303,6 +304,8 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     run_peak = hardware.peak_flops(cfg.model.dtype, cfg.parallel.n_devices)
     peak, peak_source = run_peak.flops, run_peak.source
     log.peak_label = run_peak.label
+    analysis = step_fn.memory_analysis()
+    host_memory.keep_freed(None if analysis is None else int(analysis.temp_size_in_bytes))  # CPU only
     report = startup_report(cfg, layout, abstract, shardings, step_fn, peak)
     log.print(
         f"meshlm {code_version()} | {cfg.model.family} | {tc.global_batch}x{tc.seq_len} tokens/step | "
@@ -395,6 +398,14 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     return result
 
 
+def wait_for_room(pending: list[tuple[int, Any]], limit: int | None) -> None:
+    """Block until fewer than `limit` of the dispatched steps (`pending`: (step, metrics), oldest
+    first) are still running, so that dispatching one more keeps at most `limit` in flight (no limit
+    if None). Every step in flight holds its own temporary buffer; see `host_memory.steps_in_flight`."""
+    if limit is not None and len(pending) >= limit:
+        jax.block_until_ready(pending[-limit][1])
+
+
 class Profiler:
     """A `jax.profiler` trace of steps [first, end) (clipped to the run's steps) into `directory`
     (per process in a multi-process run), readable in TensorBoard's profile plugin and Perfetto.
@@ -462,8 +473,10 @@ class _Loop:
         loss = float("nan")
         val_loss = None
         pending: list[tuple[int, dict]] = []  # (step, metrics) the host has not read yet
+        limit = host_memory.steps_in_flight()
         for step in range(start, end):
-            batch = process_batch(train_loader, step, self.bsharding)
+            batch = process_batch(train_loader, step, self.bsharding)  # overlaps the steps still running
+            wait_for_room(pending, limit)
             self.profiler.before(step + 1, state)
             with self.profiler.annotate(step + 1):
                 state, metrics = self.step_fn(state, batch)

@@ -7,10 +7,14 @@ of steps while the others wait. Each worker reports its step times, its minor pa
 (`getrusage`), and its peak resident memory (`ru_maxrss`, compile included).
 
 Variants per config: meshlm's train step and data path on one device (`vs_pytorch.meshlm_stepper`,
-what `meshlm train` runs, one step in flight as the trainer keeps it under reuse) with glibc's
-defaults and with meshlm's settings, and `torch.compile`d
+what `meshlm train` runs; each step waited for before the next is dispatched, in both variants, which
+bounds resident memory as the trainer's one step in flight does but does not overlap the next batch's
+assembly) with glibc's defaults and with meshlm's settings, and `torch.compile`d
 `transformers` (`vs_pytorch.torch_stepper`) under both, since PyTorch shares the process's allocator
-when `vs_pytorch.py` runs both frameworks side by side.
+when `vs_pytorch.py` runs both frameworks side by side. Workers switch reuse on before JAX starts
+(compilation included, no memory guard), as `vs_pytorch.py` does; `meshlm train` switches it on
+after compiling. Rounds run the variants in this order, then in reverse, alternately. Peak RSS is
+the worker's lifetime peak (`ru_maxrss`), compilation included.
 
     python benchmarks/host_memory.py [--families gpt,llama] [--sizes small,medium] [--rounds 7] [--write]
 """

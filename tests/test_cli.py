@@ -114,7 +114,7 @@ def test_default_tiny_job_learns(default_run):
     entropy = info["unigram_entropy"]
     assert entropy > 5.0  # a real BPE vocabulary over real text
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":  # meshlm.host_memory, on by default
-        assert info["startup_report"]["host_allocator"].startswith("on"), info["startup_report"]["host_allocator"]
+        assert info["host_allocator"].startswith("on"), info["host_allocator"]
     assert val[-1] < entropy - 1.5, (val, entropy)
     assert val == sorted(val, reverse=True)  # validation loss falls at every evaluation
     print(f"tiny: val losses {val}, unigram entropy {entropy:.3f}")

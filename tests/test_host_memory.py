@@ -77,10 +77,18 @@ def test_reuse_stays_off_where_it_would_not_fit(monkeypatch):
     state = host_memory.keep_freed(temp_bytes=2**30, available=6 * 2**30)  # 4 GiB > half of 6 GiB
     assert state.startswith("off (4 x the step's 1024 MiB temporary buffer would not fit in half of the 6.0 GiB")
     assert not host_memory.reusing() and host_memory.steps_in_flight() is None
+    monkeypatch.setattr(host_memory, "_state", "ready (one arena; reuse not switched on yet)")
+    state = host_memory.keep_freed(temp_bytes=3 * 2**30, available=2**40)  # fits, but above the trim threshold
+    assert state.startswith("off (the step's 3.0 GiB temporary buffer is above the 2 GiB trim threshold")
 
 
 def test_reuse_is_skipped_off_glibc_cpu(monkeypatch):
     assert host_memory.reason_to_skip({"MESHLM_MALLOC_TUNING": "0"}) == "off (MESHLM_MALLOC_TUNING=0)"
+    monkeypatch.setattr(host_memory, "_libc", lambda: pytest.fail("mallopt must not be called"))
+    monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("musl", "1.2"))
+    assert host_memory.reason_to_skip({}).startswith("off (not glibc")
+    monkeypatch.undo()
+    monkeypatch.setattr(host_memory, "_libc", lambda: pytest.fail("mallopt must not be called"))
     monkeypatch.setattr(host_memory.xla_flags, "gpu_backend_expected", lambda env=None: True)
     assert "GPU backend" in host_memory.reason_to_skip({})
     monkeypatch.setattr(host_memory, "_state", "off (GPU backend: the step's buffers are device memory)")

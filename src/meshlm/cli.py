@@ -259,32 +259,33 @@ def _adopt_source(cfg: RunConfig, init_from: str) -> RunConfig:
     return cfg
 
 
-def _set_device_count(n: int, explicit: bool) -> None:
-    """Simulated host devices, the backend's XLA flags (`meshlm.xla_flags`) and host allocator
-    (`meshlm.host_memory`); must run before jax is imported."""
+def _set_device_count(n: int, explicit: bool, host_allocator: bool = False) -> None:
+    """Simulated host devices, the backend's XLA flags (`meshlm.xla_flags`) and, for training, the
+    host allocator's first half (`meshlm.host_memory.apply`); must run before jax is imported."""
     if "jax" in sys.modules:
         return
     xla_flags.apply()
-    host_memory.apply()
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
     if explicit:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if host_allocator:
+        host_memory.apply()  # after JAX_PLATFORMS: it decides CPU vs GPU
 
 
-def _prepare(args: argparse.Namespace) -> RunConfig:
+def _prepare(args: argparse.Namespace, host_allocator: bool = False) -> RunConfig:
     """Resolve and validate the config, and set the simulated device count before jax loads."""
     cfg = resolve_config(args)
     if args.devices is not None and args.devices < 1:
         raise ConfigError("--devices must be >= 1")
-    _set_device_count(args.devices or cfg.parallel.n_devices, explicit=args.devices is not None)
+    _set_device_count(args.devices or cfg.parallel.n_devices, args.devices is not None, host_allocator)
     from meshlm.config import validate
 
     return validate(cfg)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = _prepare(args)
+    cfg = _prepare(args, host_allocator=True)
     if args.print_config:
         print(cfg.to_json())
         return 0

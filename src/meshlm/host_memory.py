@@ -4,7 +4,7 @@ XLA:CPU allocates each execution's temporary buffer (one block holding every int
 step: 326 MiB for issue 11's small gpt config) with `malloc` and frees it when the step ends. glibc
 serves a block that large with a fresh `mmap` and returns it with `munmap`, so every step faults
 its whole temporary buffer in again, page by page, and the kernel zeroes each page: ~83k minor
-faults per step for that config (BENCHMARKS.md, "Host memory reuse"). Three `mallopt` settings make
+faults per step for that config (BENCHMARKS.md, "Host memory reuse on CPU"). Three `mallopt` settings make
 glibc keep and reuse that memory:
 
 - `M_ARENA_MAX=1` (`apply`, before JAX starts threads: glibc fixes the arena limit when a thread
@@ -15,11 +15,13 @@ glibc keep and reuse that memory:
   mapped, so later steps reuse pages that are already resident.
 
 The price is resident memory: the heap keeps its peak, and small allocations that land in a freed
-temporary buffer between steps push the next one higher (measured for the small gpt config: 1.8
-GiB resident instead of 0.9 GiB, flat after ~20 steps). So `keep_freed` turns reuse on only when
-`RESIDENT_FACTOR` times the temporary buffer fits in half of the memory available now, and the
-trainer keeps one step in flight (`steps_in_flight`). GPU runs and non-glibc platforms (macOS, musl)
-keep glibc's defaults; `MESHLM_MALLOC_TUNING=0` turns all of this off. Imports nothing from JAX.
+temporary buffer between steps push the next one higher (one-off measurement, `meshlm train` on the
+small gpt config, RSS sampled every 50 ms: 1.8 GiB resident instead of 0.9 GiB, flat from ~step 20
+of 40). So `keep_freed` turns reuse on only when `RESIDENT_FACTOR` times the temporary buffer fits
+in half of the memory available once the state and data are loaded (each process of a multi-process
+run judges for itself), and the trainer keeps one step in flight (`steps_in_flight`). Only
+`meshlm train` applies it. GPU runs and non-glibc platforms (macOS, musl) keep glibc's defaults;
+`MESHLM_MALLOC_TUNING=0` turns all of this off. Imports nothing from JAX.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def apply(env: dict[str, str] | None = None) -> str:
     """First half, before JAX (or PyTorch) starts threads: one malloc arena, unless `reason_to_skip`
     says not to. Returns this process's state (`status`)."""
     global _state
+    if _state.startswith(("ready", "on")):  # already applied in this process
+        return _state
     skip = reason_to_skip(env)
     if skip is not None:
         _state = skip
@@ -88,6 +92,9 @@ def keep_freed(temp_bytes: int | None, available: int | None = None) -> str:
     if not _state.startswith("ready"):
         return _state
     available = available_bytes() if available is None else available
+    if temp_bytes is not None and temp_bytes > TRIM_THRESHOLD:  # freed at the heap's top, it would be trimmed
+        _state = f"off (the step's {temp_bytes / 2**30:.1f} GiB temporary buffer is above the 2 GiB trim threshold)"
+        return _state
     if temp_bytes is not None and available is not None and RESIDENT_FACTOR * temp_bytes > available // 2:
         _state = (
             f"off ({RESIDENT_FACTOR} x the step's {temp_bytes / 2**20:.0f} MiB temporary buffer would not fit in "
@@ -113,8 +120,9 @@ def steps_in_flight() -> int | None:
     Each step in flight holds its own temporary buffer from the moment it is dispatched. With glibc's
     defaults the buffers of queued steps are fresh mappings, resident only while their step runs; with
     reuse, every buffer a step has touched stays resident, so a loop running ten steps ahead would
-    keep ten (measured: 2.4 GiB instead of 1.1 GiB for issue 11's small gpt). With one step in flight
-    the host still assembles the next batch while the step runs."""
+    keep ten (one-off measurement, issue 11's small gpt, ten steps dispatched at once: 2.4 GiB resident
+    against 1.1 GiB when each step is waited for). With one step in flight the host still assembles
+    the next batch while the step runs."""
     return 1 if reusing() else None
 
 

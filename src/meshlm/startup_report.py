@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from meshlm import accounting, host_memory
+from meshlm import accounting
 from meshlm.config import RunConfig
 from meshlm.memory import device_bytes
 from meshlm.model.layers import fused_implementation
@@ -118,7 +118,6 @@ def startup_report(
         "hardware_flops_per_step": hardware_flops,
         "peak_flops_per_s": peak,
         "min_step_time_s": hardware_flops / peak if peak else None,
-        "host_allocator": host_memory.status(),
     }
 
 
@@ -165,8 +164,6 @@ def format_report(r: dict[str, Any]) -> list[str]:
         f"FLOPs per step: model {r['model_flops_per_step']:.3e}, hardware {r['hardware_flops_per_step']:.3e} "
         "(GEMMs; P2 Eq. 7 + recomputation that runs)"
     )
-    if "host_allocator" in r:
-        lines.append(f"host allocator reuse (meshlm.host_memory): {r['host_allocator']}")
     if r["min_step_time_s"]:
         lines.append(
             f"expected bound: >= {1e3 * r['min_step_time_s']:.1f} ms/step at 100% of peak "

@@ -304,8 +304,6 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     run_peak = hardware.peak_flops(cfg.model.dtype, cfg.parallel.n_devices)
     peak, peak_source = run_peak.flops, run_peak.source
     log.peak_label = run_peak.label
-    analysis = step_fn.memory_analysis()
-    host_memory.keep_freed(None if analysis is None else int(analysis.temp_size_in_bytes))  # CPU only
     report = startup_report(cfg, layout, abstract, shardings, step_fn, peak)
     log.print(
         f"meshlm {code_version()} | {cfg.model.family} | {tc.global_batch}x{tc.seq_len} tokens/step | "
@@ -376,6 +374,12 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         if first:
             _attach_sinks(log, cfg, run_dir, start, report)
         eval_fn = make_eval_step(cfg, layout, shardings.params)
+        analysis = step_fn.memory_analysis()  # host memory reuse (CPU), judged with state and data loaded
+        allocator = host_memory.keep_freed(None if analysis is None else int(analysis.temp_size_in_bytes))
+        log.print(f"host allocator reuse (meshlm.host_memory): {allocator}")
+        run_info["host_allocator"] = allocator
+        if first:
+            (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
         loop = _Loop(cfg, log, step_fn, eval_fn, bsharding, report, run_peak, profiler, run_dir)
         try:
             state, result = loop.run(state, start, train_loader, val_loader, ckpt, identity, stop_after, stop)

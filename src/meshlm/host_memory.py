@@ -34,9 +34,9 @@ from meshlm import xla_flags
 
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's <malloc.h>
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int
-RESIDENT_FACTOR = 4  # resident growth under reuse, in temporary buffers, with margin (measured ~2.8)
+RESIDENT_FACTOR = 4  # peak RSS growth under reuse, in temporary buffers, with margin (measured 0.9-3.0, BENCHMARKS.md)
 
-_state: str = "not applied (glibc defaults)"  # what this process did, for the start-up report
+_state: str = "not applied (glibc defaults)"  # what this process did, for the run log and run.json
 
 
 def _libc() -> ctypes.CDLL:

@@ -379,7 +379,9 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         log.print(f"host allocator reuse (meshlm.host_memory): {allocator}")
         run_info["host_allocator"] = allocator
         if first:
-            (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
+            tmp = run_dir / "run.json.tmp"
+            tmp.write_text(json.dumps(run_info, indent=2))
+            os.replace(tmp, run_dir / "run.json")  # a kill mid-write never leaves half a run.json
         loop = _Loop(cfg, log, step_fn, eval_fn, bsharding, report, run_peak, profiler, run_dir)
         try:
             state, result = loop.run(state, start, train_loader, val_loader, ckpt, identity, stop_after, stop)

@@ -53,7 +53,7 @@ def worker(framework: str, family: str, size: str) -> None:
 
     vs.torch.set_num_threads(os.cpu_count() or 2)
     run = vs.meshlm_config(family, size)
-    if framework == "meshlm":  # one step in flight, as `meshlm train` runs it (host_memory.steps_in_flight)
+    if framework == "meshlm":  # each step waited for: bounds resident memory as the trainer's limit does
         step, sync = vs.meshlm_stepper(run)
 
         def one():
@@ -101,7 +101,7 @@ def measure(family: str, size: str, rounds: int, steps: int) -> dict[str, dict]:
             ready = reply(procs[name])["ready"]
             expected_on = tuning == "1"
             if ready.startswith("on") != expected_on:
-                raise RuntimeError(f"{name}: host_memory.apply() said {ready!r}")
+                raise RuntimeError(f"{name}: host_memory.keep_freed() said {ready!r}")
         rows: dict[str, list[dict]] = {name: [] for name in VARIANTS}
         for r in range(rounds):
             order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))

@@ -16,8 +16,8 @@ glibc keep and reuse that memory:
 
 The price is resident memory: the heap keeps its peak, and small allocations that land in a freed
 temporary buffer between steps push the next one higher (one-off measurement, `meshlm train` on the
-small gpt config, RSS sampled every 50 ms: 1.8 GiB resident instead of 0.9 GiB, flat from ~step 20
-of 40). So `keep_freed` turns reuse on only when `RESIDENT_FACTOR` times the temporary buffer fits
+small gpt config, RSS sampled every 50 ms: 1.5-1.8 GiB resident in two runs instead of 0.9 GiB,
+flat from about step 20-25 of 40). So `keep_freed` turns reuse on only when `RESIDENT_FACTOR` times the temporary buffer fits
 in half of the memory available once the state and data are loaded (each process of a multi-process
 run judges for itself), and the trainer keeps one step in flight (`steps_in_flight`). Only
 `meshlm train` applies it. GPU runs and non-glibc platforms (macOS, musl) keep glibc's defaults;
@@ -36,7 +36,7 @@ M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's <malloc.h>
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int
 RESIDENT_FACTOR = 4  # peak RSS growth under reuse, in temporary buffers, with margin (measured 0.9-3.0, BENCHMARKS.md)
 
-_state: str = "not applied (glibc defaults)"  # what this process did, for the run log and run.json
+_state: str = "not applied (glibc defaults)"  # "off (why)", "ready (...)" or "on (...)": run log, run.json
 
 
 def _libc() -> ctypes.CDLL:
@@ -57,7 +57,7 @@ def reason_to_skip(env: dict[str, str] | None = None) -> str | None:
 
 def apply(env: dict[str, str] | None = None) -> str:
     """First half, before JAX (or PyTorch) starts threads: one malloc arena, unless `reason_to_skip`
-    says not to. Returns this process's state (`status`)."""
+    says not to. Returns this process's state."""
     global _state
     if _state.startswith(("ready", "on")):  # already applied in this process
         return _state
@@ -87,7 +87,7 @@ def keep_freed(temp_bytes: int | None, available: int | None = None) -> str:
     """Second half, once the step is compiled: keep freed memory for reuse if `apply` got ready and
     `RESIDENT_FACTOR * temp_bytes` (the step's temporary buffer, from XLA's memory analysis) fits in
     half of `available` (default: MemAvailable now); `temp_bytes=None` skips that check. Returns
-    this process's state (`status`)."""
+    this process's state."""
     global _state
     if not _state.startswith("ready"):
         return _state
@@ -110,10 +110,6 @@ def keep_freed(temp_bytes: int | None, available: int | None = None) -> str:
     return _state
 
 
-def reusing() -> bool:
-    return _state.startswith("on")
-
-
 def steps_in_flight() -> int | None:
     """How many train steps the loop may have dispatched and unfinished at once (None: no limit).
 
@@ -123,9 +119,4 @@ def steps_in_flight() -> int | None:
     keep ten (one-off measurement, issue 11's small gpt, ten steps dispatched at once: 2.4 GiB resident
     against 1.1 GiB when each step is waited for). With one step in flight the host still assembles
     the next batch while the step runs."""
-    return 1 if reusing() else None
-
-
-def status() -> str:
-    """What this process did: 'off (why)', 'ready (...)', 'on (...)' or 'not applied'."""
-    return _state
+    return 1 if _state.startswith("on") else None

@@ -16,12 +16,12 @@ glibc keep and reuse that memory:
 
 The price is resident memory: the heap keeps its peak, and small allocations that land in a freed
 temporary buffer between steps push the next one higher (one-off measurement, `meshlm train` on the
-small gpt config, RSS sampled every 50 ms: 1.5-1.8 GiB resident in two runs instead of 0.9 GiB,
-flat from about step 20-25 of 40). So `keep_freed` turns reuse on only when `RESIDENT_FACTOR` times the temporary buffer fits
-in half of the memory available once the state and data are loaded (each process of a multi-process
-run judges for itself), and the trainer keeps one step in flight (`steps_in_flight`). Only
-`meshlm train` applies it. GPU runs and non-glibc platforms (macOS, musl) keep glibc's defaults;
-`MESHLM_MALLOC_TUNING=0` turns all of this off. Imports nothing from JAX.
+small gpt config, RSS sampled every 50 ms: 1.5-1.8 GiB resident in two runs instead of 0.9 GiB, flat
+from about step 20-25 of 40). So `keep_freed` turns reuse on only when `RESIDENT_FACTOR` times the
+temporary buffer fits in half of the memory available once the state and data are loaded (each
+process of a multi-process run judges for itself), and the trainer keeps one step in flight
+(`steps_in_flight`). Only `meshlm train` applies it. GPU runs and non-glibc platforms (macOS, musl)
+keep glibc's defaults; `MESHLM_MALLOC_TUNING=0` turns all of this off. Imports nothing from JAX.
 """
 
 from __future__ import annotations

@@ -25,6 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from meshlm import host_memory  # jax-free
+
+# Before JAX starts threads: the host allocator settings `meshlm train` uses on CPU.
+host_memory.apply()
+host_memory.keep_freed(None)
+
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
 os.environ["XLA_FLAGS"] += " --xla_cpu_enable_xprof_traceme=true"  # one trace event per XLA operation
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -39,10 +45,13 @@ from meshlm.parallel.mesh import make_layout
 from meshlm.step import abstract_batch, batch_sharding, make_train_step
 from meshlm.train_state import abstract_state, init_state, setup
 
+SIZES = {"small": (4, 256, 8), "medium": (6, 384, 6)}  # layers, d_model, heads (as benchmarks/vs_pytorch.py)
 
-def compiled_step(family: str):
-    """Issue 11's "small" config, as benchmarks/vs_pytorch.py trains it."""
-    model = ModelConfig(family=family, vocab_size=8192, d_model=256, n_layers=4, n_heads=8, max_seq_len=256)
+
+def compiled_step(family: str, size: str = "small"):
+    """Issue 11's "small" or "medium" config, as benchmarks/vs_pytorch.py trains it."""
+    layers, d, heads = SIZES[size]
+    model = ModelConfig(family=family, vocab_size=8192, d_model=d, n_layers=layers, n_heads=heads, max_seq_len=256)
     train = TrainConfig(global_batch=8, seq_len=256, steps=10_000)
     cfg = RunConfig(model=model, optim=OptimConfig(lr=3e-4, warmup_steps=0), train=train)
     layout = make_layout(cfg.parallel, jax.devices()[:1])
@@ -77,13 +86,15 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--family", default="gpt")
+    ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "meshlm-profile"))
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    compiled, state, loader, sharding = compiled_step(args.family)
-    out = Path(args.out) / args.family
+    compiled, state, loader, sharding = compiled_step(args.family, args.size)
+    name = args.family if args.size == "small" else f"{args.family}_{args.size}"
+    out = Path(args.out) / name
     shutil.rmtree(out, ignore_errors=True)  # one trace per directory: the parser reads the only one
     out.mkdir(parents=True)
     (out / "step.hlo.txt").write_text(compiled.as_text())
@@ -119,8 +130,9 @@ def main() -> None:
     busy = [busy_ms(v) / args.steps for v in workers.values()]
     command = " ".join(["python benchmarks/profile_step.py", *sys.argv[1:]])
     lines = [
-        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; {args.family}, 4 layers, "
-        f"d=256, vocab 8192, seq 256, batch 8, fp32, 1 device; {args.steps} profiled steps)",
+        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; {args.family}, "
+        f"{SIZES[args.size][0]} layers, d={SIZES[args.size][1]}, vocab 8192, seq 256, batch 8, fp32, 1 device; "
+        f"{args.steps} profiled steps)",
         "",
         f"Unprofiled: {plain_wall:.0f} ms per step, process CPU time {cores:.2f} cores per wall second. "
         f"Profiled: step wall time {wall:.0f} ms; XLA's {len(busy)} worker threads busy "
@@ -139,7 +151,7 @@ def main() -> None:
     print(table)
     print(f"trace and HLO in {out}")
     if args.write:
-        write_section(f"profile_step_{args.family}", table)
+        write_section(f"profile_step_{name}", table)
 
 
 if __name__ == "__main__":

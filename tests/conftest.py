@@ -18,12 +18,6 @@ import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
-# JAX's persistent compilation cache, shared by this session's tests (each xdist worker its own, in
-# its MESHLM_CACHE): many tests compile the same program again (a trainer run per test, the same
-# step on the same mesh), and a cache hit skips XLA. MESHLM_TEST_COMPILE_CACHE=0 turns it off.
-if os.environ.get("MESHLM_TEST_COMPILE_CACHE", "1") != "0":
-    jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["MESHLM_CACHE"], "xla-tests"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 @pytest.fixture(scope="session")

@@ -3,9 +3,11 @@ each XLA operation's time joined with the compiled HLO (shape, the JAX operation
 summed per step, and how busy XLA's worker threads were.
 
 The trace (open it in Perfetto or TensorBoard) and the compiled HLO stay in --out. The model is
-issue 11's "small" shape (4 layers, d=256, vocab 8192, seq 256, batch 8, fp32, one device).
+issue 11's "small" shape (4 layers, d=256, vocab 8192, seq 256, batch 8, fp32, one device), or with
+`--size medium` its "medium" one (6 layers, d=384, 6 heads). Under `taskset -c 0` XLA runs one worker
+thread, and the operation times add up to the step's.
 
-    python benchmarks/profile_step.py [--family gpt] [--steps 3] [--top 12] [--write]
+    python benchmarks/profile_step.py [--family gpt] [--size small] [--steps 3] [--top 12] [--write]
 
 Operation times are thread time: independent operations run concurrently on the two cores, so
 they add up to more than the step's wall time.

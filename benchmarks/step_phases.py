@@ -9,9 +9,14 @@ For each family and size, in alternating rounds (median step time):
   / PyTorch's `loss.backward()`;
 - the whole train step (AdamW with clipping): meshlm's `make_train_step` / PyTorch eager's.
 
-Backward is the difference of the last two of the first three; the optimizer the difference of the
-last two. With `--cores 1` the process (XLA's and PyTorch's threads alike) is pinned to one core
-first, which takes thread scheduling out of the comparison and leaves the work each framework does.
+Backward is the difference of the first two, the optimizer that of the last two. That optimizer
+column is rough: meshlm's train step also assembles each step's batch on the host, computes the
+gradient norm and its non-finite bookkeeping, and syncs once per round where the first two phases
+sync every call; PyTorch's forward + backward leaves out the clipping norm.
+
+With `--cores 1` the process (XLA's and PyTorch's threads alike) is pinned to one core first, which
+takes thread scheduling out of the comparison and leaves the work each framework does (its table
+goes to section `step_phases_1core`, appended to BENCHMARKS.md if it has no markers yet).
 
     python benchmarks/step_phases.py [--cores 2] [--sizes small,medium] [--families gpt,llama] [--write]
 """
@@ -29,13 +34,15 @@ if __name__ == "__main__":  # before JAX and PyTorch size their thread pools
     if _cores:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:_cores])
 
+import vs_pytorch as vs  # first: meshlm's host allocator settings and JAX_PLATFORMS=cpu, before JAX loads
+
+# isort: split
 import time
 
 import jax
 import numpy as np
 import torch
 
-import vs_pytorch as vs  # (applies meshlm's host allocator settings to this process)
 from _markdown import publish
 from meshlm.data.loader import WindowLoader, process_batch
 from meshlm.parallel.mesh import make_layout

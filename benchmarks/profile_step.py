@@ -27,35 +27,27 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshlm import host_memory  # jax-free
-
-# Before JAX starts threads: the host allocator settings `meshlm train` uses on CPU.
-host_memory.apply()
-host_memory.keep_freed(None)
-
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
 os.environ["XLA_FLAGS"] += " --xla_cpu_enable_xprof_traceme=true"  # one trace event per XLA operation
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# issue 11's configs, and (on import, before JAX starts threads) the host allocator settings `meshlm train` uses
+import vs_pytorch as vs
+
+# isort: split
 import jax
 import numpy as np
 
 from _markdown import write_section
-from meshlm.config import ModelConfig, OptimConfig, RunConfig, TrainConfig
 from meshlm.data.loader import WindowLoader, process_batch
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import abstract_batch, batch_sharding, make_train_step
 from meshlm.train_state import abstract_state, init_state, setup
 
-SIZES = {"small": (4, 256, 8), "medium": (6, 384, 6)}  # layers, d_model, heads (as benchmarks/vs_pytorch.py)
-
 
 def compiled_step(family: str, size: str = "small"):
-    """Issue 11's "small" or "medium" config, as benchmarks/vs_pytorch.py trains it."""
-    layers, d, heads = SIZES[size]
-    model = ModelConfig(family=family, vocab_size=8192, d_model=d, n_layers=layers, n_heads=heads, max_seq_len=256)
-    train = TrainConfig(global_batch=8, seq_len=256, steps=10_000)
-    cfg = RunConfig(model=model, optim=OptimConfig(lr=3e-4, warmup_steps=0), train=train)
+    """Issue 11's "small" or "medium" config, as benchmarks/vs_pytorch.py trains it, on one device."""
+    cfg = vs.meshlm_config(family, size)
     layout = make_layout(cfg.parallel, jax.devices()[:1])
     specs, tx, shardings = setup(cfg, layout)
     step = make_train_step(cfg, layout, tx, shardings)
@@ -88,7 +80,7 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--family", default="gpt")
-    ap.add_argument("--size", default="small", choices=sorted(SIZES))
+    ap.add_argument("--size", default="small", choices=sorted(vs.SIZES))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "meshlm-profile"))
@@ -133,7 +125,7 @@ def main() -> None:
     command = " ".join(["python benchmarks/profile_step.py", *sys.argv[1:]])
     lines = [
         f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; {args.family}, "
-        f"{SIZES[args.size][0]} layers, d={SIZES[args.size][1]}, vocab 8192, seq 256, batch 8, fp32, 1 device; "
+        f"{vs.SIZES[args.size][0]} layers, d={vs.SIZES[args.size][1]}, vocab 8192, seq 256, batch 8, fp32, 1 device; "
         f"{args.steps} profiled steps)",
         "",
         f"Unprofiled: {plain_wall:.0f} ms per step, process CPU time {cores:.2f} cores per wall second. "

@@ -27,12 +27,22 @@ import argparse
 import os
 import sys
 
-if __name__ == "__main__":  # before JAX and PyTorch size their thread pools
-    _cores = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--cores=")), None)
-    if _cores is None and "--cores" in sys.argv:
-        _cores = int(sys.argv[sys.argv.index("--cores") + 1])
-    if _cores:
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:_cores])
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cores", type=int, default=0, help="pin the process to this many cores (0: all)")
+    ap.add_argument("--sizes", default="small,medium")
+    ap.add_argument("--families", default="gpt,llama")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="steps per timed round")
+    ap.add_argument("--write", action="store_true")
+    return ap.parse_args()
+
+
+if __name__ == "__main__":  # pinned before JAX and PyTorch size their thread pools
+    ARGS = parse_args()
+    if ARGS.cores:
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: ARGS.cores])
 
 import vs_pytorch as vs  # first: meshlm's host allocator settings and JAX_PLATFORMS=cpu, before JAX loads
 
@@ -90,15 +100,7 @@ def torch_phases(family: str, size: str) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cores", type=int, default=0, help="pin the process to this many cores (0: all)")
-    ap.add_argument("--sizes", default="small,medium")
-    ap.add_argument("--families", default="gpt,llama")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="steps per timed round")
-    ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
+def main(args: argparse.Namespace) -> None:
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)
     command = " ".join(["python benchmarks/step_phases.py", *sys.argv[1:]])
@@ -129,4 +131,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -129,6 +129,37 @@ def test_chunked_explicit_bf16_sums_the_chunks_dk_dv_in_fp32():
         assert chunked <= 1.5 * whole, errors
 
 
+def test_chunked_dk_dv_are_summed_in_place(monkeypatch):
+    """Each query chunk's key and value gradients are added into one running sum in place: the
+    compiled backward of chunked attention holds no pad (padded parts, summed, were re-added and
+    transposed inside every consumer of the sum on XLA:CPU: BENCHMARKS.md, "dK and dV summed in
+    place"), and its gradients equal the padded sum's bit for bit (same additions, same order)."""
+    import re
+
+    q, k, v, d_out = _qkv(32)
+    fn = lambda q, k, v: layers.causal_attention(q, k, v, chunk=8)  # 4 chunks, GQA
+
+    def grads_and_pads():
+        step = jax.jit(lambda q, k, v, d: _value_and_grads(fn, q, k, v, d)[1])
+        text = step.lower(q, k, v, d_out).compile().as_text()
+        return step(q, k, v, d_out), len(re.findall(r"= \S+ pad\(", text))
+
+    in_place, pads = grads_and_pads()
+    assert pads == 0
+
+    def padded(total, part):  # the running sum padded to the chunk's keys, then added
+        if total is None:
+            return part
+        rows = part.shape[-2] - total.shape[-2]
+        return jnp.pad(total, [(0, 0)] * (part.ndim - 2) + [(0, rows), (0, 0)]) + part
+
+    monkeypatch.setattr(layers, "_add_rows", padded)
+    summed, pads = grads_and_pads()
+    assert pads > 0
+    for a, b in zip(in_place, summed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_startup_report_names_the_query_chunks():
     from meshlm.startup_report import _explicit_label
 

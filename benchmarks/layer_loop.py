@@ -7,8 +7,8 @@
 - the head: final norm, output layer and mean cross-entropy, meshlm's `logits` +
   `cross_entropy_sum` against the model's norm, `lm_head` and `cross_entropy`;
 - all layers: meshlm's `run_layers` (the `lax.scan` the model runs), the same scan fully unrolled
-  (`model.scan_unroll`), and the layers chained as plain calls on static slices of the stacked
-  weights (no scan).
+  (`lax.scan(unroll=n)`), and the layers chained as plain calls on static slices of the stacked
+  weights, no loop (`run_layers` with `model.scan_unroll` = layers).
 
     python benchmarks/layer_loop.py [--sizes medium] [--families gpt] [--rounds 5] [--write]
 """
@@ -52,16 +52,14 @@ def variants(family: str, size: str) -> dict:
     def layer_slice(i):
         return jax.tree.map(lambda a: a[i], stacked)
 
-    def chained(x, st):
-        for i in range(cfg.n_layers):
-            x = block(x, jax.tree.map(lambda a, i=i: a[i], st), None)
-        return x
+    def unrolled(x, st):  # the scan with every layer in one iteration
+        return jax.lax.scan(lambda x, p: (block(x, p, None), None), x, st, unroll=cfg.n_layers)[0]
 
-    unrolled = dataclasses.replace(cfg, scan_unroll=cfg.n_layers)
+    chain = dataclasses.replace(cfg, scan_unroll=cfg.n_layers)  # run_layers' no-loop path
     loops = {
         "scan": lambda x, st: transformer.run_layers(x, st, ids, cfg),
-        "unrolled": lambda x, st: transformer.run_layers(x, st, ids, unrolled),
-        "chained": chained,
+        "unrolled": unrolled,
+        "chained": lambda x, st: transformer.run_layers(x, st, ids, chain),
     }
 
     def grad_of(f, *args):

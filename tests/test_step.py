@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 
 from helpers import MESHES, random_batches, run_steps, tiny_config
 from meshlm.config import OptimConfig
@@ -55,3 +56,28 @@ def test_program_size_is_flat_in_depth_unless_unrolled(devices):
     scanned2, scanned8 = program_chars(2, 1), program_chars(8, 1)
     assert abs(scanned8 - scanned2) < 0.01 * scanned2
     assert program_chars(8, 8) > 1.2 * scanned8  # 8 calls of the layer (lowering outlines its body)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_unrolled_layers_are_the_scanned_layers(family):
+    """model.scan_unroll = n_layers chains the layers as calls on static slices of the stacked
+    weights (no loop, no stacked residual buffers): the same loss and raw gradients as the layer
+    scan, dropout included (layer j draws from fold_in(key, j) either way)."""
+    from meshlm.model.loss import cross_entropy_sum
+    from meshlm.model.params import init_params, param_specs
+    from meshlm.model.transformer import forward
+
+    cfg = tiny_config(family, n_layers=3).model
+    params = init_params(param_specs(cfg), jax.random.key(0))
+    tokens = random_batches(tiny_config(family), 1)[0]
+    key = jax.random.key(7) if cfg.dropout else None
+
+    def loss_and_grads(unroll: int):
+        m = dataclasses.replace(cfg, scan_unroll=unroll)
+        loss = lambda p: cross_entropy_sum(forward(p, tokens["inputs"], m, key=key), tokens["targets"])[0]
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    (scanned, g_scan), (chained, g_chain) = loss_and_grads(1), loss_and_grads(cfg.n_layers)
+    np.testing.assert_allclose(chained, scanned, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_chain), jax.tree.leaves(g_scan), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -83,8 +83,9 @@ class ModelConfig:
     rope_original_len: int = 8192
     # llama: share the token embedding with the output layer (Llama 3.2 1B/3B); gpt always ties (GPT-2)
     tie_embeddings: bool = False
-    # layers run in a lax.scan; unrolling k layers per iteration (n_layers: no loop at all) trades
-    # compile time, which grows with k, for speed on CPU (no stacked per-layer buffers to fill)
+    # layers run in a lax.scan; unrolling k layers per iteration trades compile time, which grows
+    # with k, for speed on CPU (fewer stacked per-layer buffers to fill); k >= n_layers: no loop at
+    # all, the layers called one after another on static slices of the stacked weights
     scan_unroll: int = 1
     init_std: float = 0.02
 

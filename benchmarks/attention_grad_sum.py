@@ -96,8 +96,7 @@ def one_layer(family: str, size: str) -> dict:
     return out
 
 
-def main() -> None:
-    args = ARGS
+def main(args: argparse.Namespace) -> None:
     cores = len(os.sched_getaffinity(0))
     command = " ".join(["python benchmarks/attention_grad_sum.py", *sys.argv[1:]])
     lines = [
@@ -126,4 +125,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

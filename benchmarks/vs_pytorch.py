@@ -9,7 +9,8 @@ fp32, no dropout, AdamW with global-norm clipping) it trains:
   one `jax.jit`, no meshlm code): what XLA:CPU does with this model, without the framework;
 - meshlm's own train step and data path (`WindowLoader` + `process_batch` + `make_train_step`,
   what `meshlm train` runs) on one device, as data=2 over two simulated devices, and as data=2
-  with the layer loop unrolled (`model.scan_unroll` = layers).
+  with no layer loop (`model.scan_unroll` = layers: the layers chained; `lax.scan(unroll=n)` in
+  runs before 2026-12-01's dK/dV change).
 
 The process runs under meshlm's host allocator settings (`meshlm.host_memory`, as `meshlm train`
 on CPU), PyTorch included: `benchmarks/host_memory.py` measures both frameworks with and without.

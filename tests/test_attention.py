@@ -2,6 +2,7 @@
 `fused` runs, and what each mode stores for the backward pass, measured against the formula."""
 
 import dataclasses
+import re
 from types import SimpleNamespace
 
 import jax
@@ -129,15 +130,20 @@ def test_chunked_explicit_bf16_sums_the_chunks_dk_dv_in_fp32():
         assert chunked <= 1.5 * whole, errors
 
 
-def test_chunked_dk_dv_are_summed_in_place(monkeypatch):
+@pytest.mark.parametrize(
+    ("kv", "t", "queries", "chunk", "rate"),
+    [(KV, 32, 32, 8, 0.0), (N, 37, 37, 5, 0.3), (N, 37, 20, 6, 0.3)],  # GQA; MHA, uneven; fewer queries
+)
+def test_chunked_dk_dv_are_summed_in_place(kv, t, queries, chunk, rate, monkeypatch):
     """Each query chunk's key and value gradients are added into one running sum in place: the
     compiled backward of chunked attention holds no pad (padded parts, summed, were re-added and
     transposed inside every consumer of the sum on XLA:CPU: BENCHMARKS.md, "dK and dV summed in
-    place"), and its gradients equal the padded sum's bit for bit (same additions, same order)."""
-    import re
-
-    q, k, v, d_out = _qkv(32)
-    fn = lambda q, k, v: layers.causal_attention(q, k, v, chunk=8)  # 4 chunks, GQA
+    place"), and its gradients equal a padded running sum's bit for bit (same additions, same
+    order), with dropout, chunks that do not divide t, and queries that are the last of the keys."""
+    q, k, v, d_out = _qkv(t)
+    k, v = (x[:, :, :kv] if kv <= KV else jnp.tile(x, (1, 1, kv // KV, 1)) for x in (k, v))
+    q, d_out = q[:, -queries:], d_out[:, -queries:]
+    fn = lambda q, k, v: _causal(q, k, v, None, rate, chunk)
 
     def grads_and_pads():
         step = jax.jit(lambda q, k, v, d: _value_and_grads(fn, q, k, v, d)[1])
@@ -447,7 +453,6 @@ def test_weight_gradients_are_plain_gemms(family, monkeypatch):
     gradient is a GEMM against a transposed copy, the form XLA:CPU runs at full speed (gpt ties its
     output layer to the [v, d] embedding, llama's is [d, v]). Autodiff's own weight gradients, as
     on GPUs (`layers.transposed_copy_gradients` False), are such matmuls."""
-    import re
 
     from meshlm.model.loss import cross_entropy_sum
     from meshlm.model.params import abstract_params, param_specs

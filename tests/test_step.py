@@ -4,11 +4,15 @@ layouts, remat and accumulation: test_gradients.py; non-finite steps: test_nonfi
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from helpers import MESHES, random_batches, run_steps, tiny_config
 from meshlm.config import OptimConfig
+from meshlm.model.loss import cross_entropy_sum
+from meshlm.model.params import init_params, param_specs
+from meshlm.model.transformer import forward, run_layers
 from meshlm.step import make_train_step
 
 
@@ -55,29 +59,48 @@ def test_program_size_is_flat_in_depth_unless_unrolled(devices):
 
     scanned2, scanned8 = program_chars(2, 1), program_chars(8, 1)
     assert abs(scanned8 - scanned2) < 0.01 * scanned2
-    assert program_chars(8, 8) > 1.2 * scanned8  # 8 calls of the layer (lowering outlines its body)
+    assert program_chars(8, 8) > 2 * scanned8  # no loop: 8 calls of the layer
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_unrolled_layers_are_the_scanned_layers(family):
-    """model.scan_unroll = n_layers chains the layers as calls on static slices of the stacked
-    weights (no loop, no stacked residual buffers): the same loss and raw gradients as the layer
-    scan, dropout included (layer j draws from fold_in(key, j) either way)."""
-    from meshlm.model.loss import cross_entropy_sum
-    from meshlm.model.params import init_params, param_specs
-    from meshlm.model.transformer import forward
-
+@pytest.mark.parametrize(("family", "policy"), [("gpt", "elementwise"), ("llama", "elementwise"), ("gpt", "full")])
+def test_unrolled_layers_are_the_scanned_layers(family, policy):
+    """model.scan_unroll = n_layers runs no loop: the layers are calls on static slices of the
+    stacked weights (no scan in the program, no stacked residual buffers), with the same loss and
+    raw gradients as the layer scan, dropout included (layer j draws from fold_in(key, j) either
+    way), under a per-layer checkpoint too (remat `full`)."""
     cfg = tiny_config(family, n_layers=3).model
     params = init_params(param_specs(cfg), jax.random.key(0))
     tokens = random_batches(tiny_config(family), 1)[0]
     key = jax.random.key(7) if cfg.dropout else None
 
-    def loss_and_grads(unroll: int):
+    def loss_fn(unroll: int):
         m = dataclasses.replace(cfg, scan_unroll=unroll)
-        loss = lambda p: cross_entropy_sum(forward(p, tokens["inputs"], m, key=key), tokens["targets"])[0]
-        return jax.jit(jax.value_and_grad(loss))(params)
+        return lambda p: cross_entropy_sum(
+            forward(p, tokens["inputs"], m, key=key, remat_policy=policy), tokens["targets"]
+        )[0]
 
-    (scanned, g_scan), (chained, g_chain) = loss_and_grads(1), loss_and_grads(cfg.n_layers)
+    scans = lambda unroll: str(jax.make_jaxpr(loss_fn(unroll))(params)).count(" scan[")
+    assert scans(1) == 1 and scans(2) == 1 and scans(cfg.n_layers) == 0
+    (scanned, g_scan), (chained, g_chain) = (jax.jit(jax.value_and_grad(loss_fn(u)))(params) for u in (1, 3))
     np.testing.assert_allclose(chained, scanned, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g_chain), jax.tree.leaves(g_scan), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(("n", "unroll"), [(1, 1), (2, 1), (2, 2)])
+def test_pipeline_chunk_keeps_its_weights_as_residuals(n, unroll):
+    """A pipeline chunk's layers (`run_layers` without `chain`, whatever model.scan_unroll says;
+    one layer per chunk under interleaved 1F1B) keep the chunk's weight arrays themselves among
+    their backward's residuals, which the pipeline recognises and does not stash. Chained, the
+    residuals would be slices: copies of the weights, stashed per microbatch."""
+    cfg = dataclasses.replace(tiny_config("llama").model, scan_unroll=unroll)
+    w = jax.tree.map(lambda a: a[:n], init_params(param_specs(cfg), jax.random.key(0))["layers"])
+    x = jax.random.normal(jax.random.key(1), (2, 32, cfg.d_model))
+
+    def weights_kept(chain: bool) -> int:
+        _, vjp_fn = jax.vjp(lambda w, x: run_layers(x, w, jnp.arange(n), cfg, chain=chain), w, x)
+        residuals = jax.tree.leaves(vjp_fn)
+        return sum(any(r is leaf for r in residuals) for leaf in jax.tree.leaves(w))
+
+    assert weights_kept(chain=False) == len(jax.tree.leaves(w))
+    assert weights_kept(chain=True) == 0

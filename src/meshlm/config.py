@@ -83,9 +83,10 @@ class ModelConfig:
     rope_original_len: int = 8192
     # llama: share the token embedding with the output layer (Llama 3.2 1B/3B); gpt always ties (GPT-2)
     tie_embeddings: bool = False
-    # layers run in a lax.scan; unrolling k layers per iteration trades compile time, which grows
-    # with k, for speed on CPU (fewer stacked per-layer buffers to fill); k >= n_layers: no loop at
-    # all, the layers called one after another on static slices of the stacked weights
+    # layers run in a lax.scan; unrolling k layers per iteration makes the program (and compile
+    # time) grow with k, and was not faster than the scan end to end on CPU (BENCHMARKS.md). In
+    # training and eval, k >= n_layers runs no loop at all: the layers called one after another on
+    # static slices of the stacked weights (decoding and pipeline chunks keep a scan)
     scan_unroll: int = 1
     init_std: float = 0.02
 

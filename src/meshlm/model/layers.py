@@ -353,9 +353,11 @@ def _chunked_core_bwd(rate, chunks, res, g):
 def _add_rows(total: jax.Array | None, part: jax.Array) -> jax.Array:
     """The running sum of the chunks' key (or value) gradients: `total` [.., r, h] over the first
     r keys (None before the first chunk) added onto the first r rows of this chunk's `part`
-    [.., r' >= r, h], in place. The sum then lives in one buffer, where padding each chunk to all
-    keys and summing made XLA:CPU re-add the padded copies inside every consumer (each a strided
-    transpose: about 2.4% of gpt medium's step). Same additions in the same order as that sum."""
+    [.., r' > r, h], in place (chunks end at increasing keys; the last at all of them, so the
+    final sum covers every key). The sum then lives in one buffer, where padding each chunk to all
+    keys and summing made XLA:CPU re-add the padded copies inside every consumer of the sum, each a
+    strided transpose (BENCHMARKS.md, "dK and dV summed in place"). Same additions in the same
+    order as that sum: the same fp32 result, bit for bit."""
     if total is None:
         return part
     r = total.shape[-2]

@@ -263,12 +263,15 @@ def run_layers(
     key: jax.Array | None = None,
     remat_policy: str = "elementwise",
     segment_ids: jax.Array | None = None,
+    chain: bool = False,
 ) -> jax.Array:
     """`lax.scan` of the layer over stacked fp32 weights [n, ...]; layer j draws its dropout from
     fold_in(key, layer_ids[j]) (its index in the whole model), so a pipeline chunk of layers
-    draws what the whole model would. With `cfg.scan_unroll` >= n there is no loop: the layers are
-    called one after another on static slices of the weights (no stacked residual buffers; faster
-    than `lax.scan(unroll=n)` on CPU, BENCHMARKS.md), and the program grows with n."""
+    draws what the whole model would. With `chain` there is no loop: the layers are called one
+    after another on static slices of the weights (no stacked residual buffers; the program grows
+    with n). `forward` chains when `model.scan_unroll` >= layers; a pipeline chunk never does: its
+    backward must keep the chunk's weight arrays themselves, which the scan passes through and a
+    slice would copy (the pipeline recognises them and does not stash them)."""
     dtype = jnp.dtype(cfg.dtype)
     cast = partial(jax.tree.map, lambda w: w.astype(dtype))
     block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
@@ -280,11 +283,11 @@ def run_layers(
 
     n = layer_ids.shape[0]
     layer = remat.wrap_layer(body, remat_policy)
-    if cfg.scan_unroll >= n:  # no loop: the layers chained on static slices, no stacked buffers
+    if chain:
         for j in range(n):
             x_btd, _ = layer(x_btd, jax.tree.map(lambda a, j=j: a[j], (stacked, layer_ids)))
         return x_btd
-    x, _ = jax.lax.scan(layer, x_btd, (stacked, layer_ids), unroll=cfg.scan_unroll)
+    x, _ = jax.lax.scan(layer, x_btd, (stacked, layer_ids), unroll=min(cfg.scan_unroll, n))
     return x
 
 
@@ -342,7 +345,8 @@ def forward(
     x = embed(params, tokens_bt, cfg, layout, key, positions)
     ids = jnp.arange(cfg.n_layers)
     if cache is None:
-        x = run_layers(x, params["layers"], ids, cfg, layout, key, remat_policy, segment_ids)
+        chain = cfg.scan_unroll >= cfg.n_layers > 1  # fully unrolled: no loop at all
+        x = run_layers(x, params["layers"], ids, cfg, layout, key, remat_policy, segment_ids, chain)
         return logits(params, x, cfg, layout, remat_policy)
 
     dtype = jnp.dtype(cfg.dtype)

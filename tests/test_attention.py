@@ -453,7 +453,6 @@ def test_weight_gradients_are_plain_gemms(family, monkeypatch):
     gradient is a GEMM against a transposed copy, the form XLA:CPU runs at full speed (gpt ties its
     output layer to the [v, d] embedding, llama's is [d, v]). Autodiff's own weight gradients, as
     on GPUs (`layers.transposed_copy_gradients` False), are such matmuls."""
-
     from meshlm.model.loss import cross_entropy_sum
     from meshlm.model.params import abstract_params, param_specs
     from meshlm.model.transformer import forward

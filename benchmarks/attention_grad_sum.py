@@ -60,7 +60,8 @@ IN_PLACE = layers._add_rows
 
 
 def add_rows_padded(total: jax.Array | None, part: jax.Array) -> jax.Array:
-    """The running sum padded with zeros to `part`'s keys, then added (the pre-change program's form)."""
+    """The running sum padded with zeros to `part`'s keys, then added: pads and adds that XLA fuses
+    into the sum's consumers, as it did the old code's sum of parts each padded to all keys."""
     if total is None:
         return part
     pad = [(0, 0)] * (part.ndim - 2) + [(0, part.shape[-2] - total.shape[-2]), (0, 0)]

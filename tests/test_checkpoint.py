@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import build, logged_losses, random_batches, tiny_config
+from meshlm import trainer
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, ConfigError, DataConfig, validate
 from meshlm.parallel.mesh import make_layout
@@ -251,6 +252,31 @@ def test_signal_saves_a_final_checkpoint_and_resume_finishes(corpus_dir, tmp_pat
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert f"resumed from {run / 'checkpoints'}/{saved_step}" in r.stdout and "done: 400 steps" in r.stdout
+
+
+def test_checkpoint_saves_and_the_end_of_a_run_beat_the_heartbeat(corpus_dir, tmp_path, monkeypatch):
+    """A supervisor's --hang-timeout bounds each phase alone: the heartbeat file is written after
+    every in-loop save and on each side of the final save and its commit (a slow save on a busy host
+    was read as a hang when the last beat was the last step's)."""
+    events = []
+    beat, save, wait = trainer.Heartbeat.beat, Checkpointer.save, Checkpointer.wait
+
+    def beat_spy(self, step, force=False):
+        last = self.last
+        beat(self, step, force)
+        if self.last != last:  # written
+            events.append(("beat", step))
+
+    monkeypatch.setenv("MESHLM_HEARTBEAT", str(tmp_path / "beat"))
+    monkeypatch.setattr(trainer.Heartbeat, "beat", beat_spy)
+    monkeypatch.setattr(Checkpointer, "save", lambda self, *a: events.append(("save",)) or save(self, *a))
+    monkeypatch.setattr(Checkpointer, "wait", lambda self: events.append(("wait",)) or wait(self))
+    cfg = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=2), steps=4)  # saves at 3 and 4 (final)
+    train(cfg, tmp_path / "run", quiet=True)
+    assert events[-5:] == [("beat", 4), ("save",), ("beat", 4), ("wait",), ("beat", 4)], events
+    saves = [i for i, e in enumerate(events) if e == ("save",)]
+    assert len(saves) == 2 and events[saves[0] + 1] == ("beat", 3), events
+    assert (tmp_path / "beat").read_text().split()[0] == "4"
 
 
 def test_starting_over_in_a_directory_with_checkpoints_is_refused(saved, corpus_dir, tmp_path):

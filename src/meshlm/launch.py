@@ -5,10 +5,10 @@
 starts N `meshlm train` processes that join one JAX distributed runtime (process 0 hosts the
 coordinator on a free port), prefixes and merges their output (also kept in <run_dir>/launch.log),
 and watches them. When one process dies, or stops making progress for `--hang-timeout` seconds
-(each process touches a heartbeat file every step), the launcher kills the whole group and starts it
-again; `meshlm train` resumes from the run's latest good checkpoint. Until a process has finished its
-first step (compilation, data, restore) `--startup-timeout` applies instead. After `--max-restarts` restarts
-it gives up and exits non-zero with a summary of every attempt.
+(each process touches a heartbeat file every step and around checkpoint saves), the launcher kills
+the whole group and starts it again; `meshlm train` resumes from the run's latest good checkpoint.
+Until a process has finished its first step (compilation, data, restore) `--startup-timeout` applies
+instead. After `--max-restarts` restarts it gives up and exits non-zero with a summary of every attempt.
 
 Processes run on this machine (simulated CPU devices, the same code path as a cluster), or with
 `--ray ADDRESS` one per node of an existing Ray cluster (`pip install 'meshlm[ray]'`).

@@ -387,8 +387,14 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
             state, result = loop.run(state, start, train_loader, val_loader, ckpt, identity, stop_after, stop)
         finally:
             profiler.stop()
+        # The final save and its commit are progress too: beat on each side of them, so that a
+        # supervisor's --hang-timeout bounds each phase alone, not the whole end of the run.
+        end = result["final_step"]
+        loop.heartbeat.beat(end, force=True)
         ckpt.save(state, identity)  # the final state (a no-op if this step was just saved)
+        loop.heartbeat.beat(end, force=True)
         ckpt.wait()
+        loop.heartbeat.beat(end, force=True)
     finally:
         ckpt.close()
     if loop.stopped_by is not None:
@@ -530,7 +536,7 @@ class _Loop:
                 save_s = _clock() - t_save
                 t_last += save_s
                 self.log.log({"step": step + 1, "checkpoint_save_s": save_s})
-            self.heartbeat.beat(step + 1, force=step == start)
+            self.heartbeat.beat(step + 1, force=step == start or bool(saving or evaluated))
             if jax.process_count() == 1 or logged:
                 self.stopped_by = _any_process(stop.signum)
             if self.stopped_by is not None:

@@ -2,6 +2,7 @@
 layouts, remat and accumulation: test_gradients.py; non-finite steps: test_nonfinite.py.)"""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,11 @@ def test_unrolled_layers_are_the_scanned_layers(family, policy):
 
     scans = lambda unroll: str(jax.make_jaxpr(loss_fn(unroll))(params)).count(" scan[")
     assert scans(1) == 1 and scans(2) == 1 and scans(cfg.n_layers) == 0
+    # the chained gradient of each stacked weight is one concatenate of the layers' parts, not a sum
+    # of zero-padded copies of the whole stack (what static slices of the stack would give)
+    grad_ops = str(jax.make_jaxpr(jax.grad(loss_fn(cfg.n_layers)))(params))
+    stacked = lambda op: len(re.findall(rf":f32\[{cfg.n_layers},[\d,]*\] = {op}\[", grad_ops))
+    assert stacked("pad") == 0 and stacked("concatenate") == len(jax.tree.leaves(params["layers"]))
     (scanned, g_scan), (chained, g_chain) = (jax.jit(jax.value_and_grad(loss_fn(u)))(params) for u in (1, 3))
     np.testing.assert_allclose(chained, scanned, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g_chain), jax.tree.leaves(g_scan), strict=True):

@@ -268,10 +268,10 @@ def run_layers(
     """`lax.scan` of the layer over stacked fp32 weights [n, ...]; layer j draws its dropout from
     fold_in(key, layer_ids[j]) (its index in the whole model), so a pipeline chunk of layers
     draws what the whole model would. With `chain` there is no loop: the layers are called one
-    after another on static slices of the weights (no stacked residual buffers; the program grows
+    after another on the parts of the split weights (no stacked residual buffers; the program grows
     with n). `forward` chains when `model.scan_unroll` >= layers; a pipeline chunk never does: its
     backward must keep the chunk's weight arrays themselves, which the scan passes through and a
-    slice would copy (the pipeline recognises them and does not stash them)."""
+    split would copy (the pipeline recognises them and does not stash them)."""
     dtype = jnp.dtype(cfg.dtype)
     cast = partial(jax.tree.map, lambda w: w.astype(dtype))
     block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
@@ -284,8 +284,13 @@ def run_layers(
     n = layer_ids.shape[0]
     layer = remat.wrap_layer(body, remat_policy)
     if chain:
+        # One split per stacked array, not n slices: the gradient of a split is one concatenate of
+        # the layers' parts; that of n slices is a sum of n zero-padded copies of the whole stacked
+        # array, each of which XLA:CPU writes out (n times the gradient's bytes, mostly zeros).
+        leaves, tree = jax.tree.flatten((stacked, layer_ids))
+        parts = [jax.lax.split(a, [1] * n) for a in leaves]
         for j in range(n):
-            x_btd, _ = layer(x_btd, jax.tree.map(lambda a, j=j: a[j], (stacked, layer_ids)))
+            x_btd, _ = layer(x_btd, jax.tree.unflatten(tree, [jnp.squeeze(p[j], 0) for p in parts]))
         return x_btd
     x, _ = jax.lax.scan(layer, x_btd, (stacked, layer_ids), unroll=min(cfg.scan_unroll, n))
     return x

@@ -8,9 +8,9 @@ fp32, no dropout, AdamW with global-norm clipping) it trains:
 - a minimal pure-JAX train step of the same model (plain jnp, `lax.scan` over layers, optax AdamW,
   one `jax.jit`, no meshlm code): what XLA:CPU does with this model, without the framework;
 - meshlm's own train step and data path (`WindowLoader` + `process_batch` + `make_train_step`,
-  what `meshlm train` runs) on one device, as data=2 over two simulated devices, and as data=2
-  with no layer loop (`model.scan_unroll` = layers: the layers chained; `lax.scan(unroll=n)` in
-  runs before 2026-12-01's dK/dV change).
+  what `meshlm train` runs) on one device and as data=2 over two simulated devices, each with the
+  layer scan (the default) and with no layer loop (`model.scan_unroll` = layers: the layers
+  chained; runs before 2026-12-01's dK/dV change had `lax.scan(unroll=n)` at data=2 only).
 
 The process runs under meshlm's host allocator settings (`meshlm.host_memory`, as `meshlm train`
 on CPU), PyTorch included: `benchmarks/host_memory.py` measures both frameworks with and without.
@@ -294,9 +294,9 @@ def main() -> None:
         f"fp32, AdamW + clipping; median of {args.rounds} alternating rounds of {args.steps} steps; tokens/s; "
         f"MFU = P2 Eq. 7 model FLOPs / step time / this host's fp32 1024^3 matmul probe, {peak / 1e9:.0f} GFLOP/s)",
         "",
-        "| family | size | PyTorch eager | PyTorch compiled | minimal JAX | meshlm 1 device | meshlm data=2 "
-        "| meshlm data=2 unrolled | meshlm best / PyTorch best | MFU meshlm best | MFU PyTorch best |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| family | size | PyTorch eager | PyTorch compiled | minimal JAX | meshlm 1 device | meshlm 1 device chained "
+        "| meshlm data=2 | meshlm data=2 chained | meshlm best / PyTorch best | MFU meshlm best | MFU PyTorch best |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     tokens = BATCH * SEQ
     for family in args.families.split(","):
@@ -308,8 +308,9 @@ def main() -> None:
                 "torch compiled": torch_stepper(run.model, compiled=True),
                 "minimal JAX": minimal_stepper(run, params),
                 "meshlm 1": meshlm_stepper(run),
+                "meshlm 1 chained": meshlm_stepper(meshlm_config(family, size, 1, SIZES[size][0])),
                 "meshlm data=2": meshlm_stepper(meshlm_config(family, size, data=2)),
-                "meshlm data=2 unrolled": meshlm_stepper(meshlm_config(family, size, 2, SIZES[size][0])),
+                "meshlm data=2 chained": meshlm_stepper(meshlm_config(family, size, 2, SIZES[size][0])),
             }
             t = time_variants(variants, args.rounds, args.steps)
             rate = {k: tokens / v for k, v in t.items()}

@@ -86,7 +86,8 @@ class ModelConfig:
     # layers run in a lax.scan; unrolling k layers per iteration makes the program (and compile
     # time) grow with k, and was not faster than the scan end to end on CPU (BENCHMARKS.md). In
     # training and eval, k >= n_layers runs no loop at all: the layers called one after another on
-    # static slices of the stacked weights (decoding and pipeline chunks keep a scan)
+    # the stacked weights split along the layer axis (decoding and pipeline chunks keep a scan);
+    # on CPU that is faster than the scan for gpt, not for llama (BENCHMARKS.md)
     scan_unroll: int = 1
     init_std: float = 0.02
 

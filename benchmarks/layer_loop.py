@@ -7,8 +7,8 @@
 - the head: final norm, output layer and mean cross-entropy, meshlm's `logits` +
   `cross_entropy_sum` against the model's norm, `lm_head` and `cross_entropy`;
 - all layers: meshlm's `run_layers` (the `lax.scan` the model runs), the same scan fully unrolled
-  (`lax.scan(unroll=n)`), and the layers chained as plain calls on static slices of the stacked
-  weights, no loop (`run_layers` with `model.scan_unroll` = layers).
+  (`lax.scan(unroll=n)`), and the layers chained as plain calls on the stacked weights split
+  along the layer axis, no loop (`run_layers(chain=True)`, what `model.scan_unroll` = layers runs).
 
     python benchmarks/layer_loop.py [--sizes medium] [--families gpt] [--rounds 5] [--write]
 """
@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from functools import partial
@@ -55,11 +54,10 @@ def variants(family: str, size: str) -> dict:
     def unrolled(x, st):  # the scan with every layer in one iteration
         return jax.lax.scan(lambda x, p: (block(x, p, None), None), x, st, unroll=cfg.n_layers)[0]
 
-    chain = dataclasses.replace(cfg, scan_unroll=cfg.n_layers)  # run_layers' no-loop path
     loops = {
         "scan": lambda x, st: transformer.run_layers(x, st, ids, cfg),
         "unrolled": unrolled,
-        "chained": lambda x, st: transformer.run_layers(x, st, ids, chain),
+        "chained": lambda x, st: transformer.run_layers(x, st, ids, cfg, chain=True),  # the no-loop path
     }
 
     def grad_of(f, *args):

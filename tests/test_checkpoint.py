@@ -255,9 +255,9 @@ def test_signal_saves_a_final_checkpoint_and_resume_finishes(corpus_dir, tmp_pat
 
 
 def test_checkpoint_saves_and_the_end_of_a_run_beat_the_heartbeat(corpus_dir, tmp_path, monkeypatch):
-    """A supervisor's --hang-timeout bounds each phase alone: the heartbeat file is written after
-    every in-loop save and on each side of the final save and its commit (a slow save on a busy host
-    was read as a hang when the last beat was the last step's)."""
+    """A supervisor's --hang-timeout bounds each phase alone: the heartbeat file is written (forced,
+    not left to the once-a-second throttle) on each side of every checkpoint save and of the final
+    commit (a slow save on a busy host was read as a hang when the last beat was the last step's)."""
     events = []
     beat, save, wait = trainer.Heartbeat.beat, Checkpointer.save, Checkpointer.wait
 
@@ -265,7 +265,7 @@ def test_checkpoint_saves_and_the_end_of_a_run_beat_the_heartbeat(corpus_dir, tm
         last = self.last
         beat(self, step, force)
         if self.last != last:  # written
-            events.append(("beat", step))
+            events.append(("beat", step, force))
 
     monkeypatch.setenv("MESHLM_HEARTBEAT", str(tmp_path / "beat"))
     monkeypatch.setattr(trainer.Heartbeat, "beat", beat_spy)
@@ -273,10 +273,11 @@ def test_checkpoint_saves_and_the_end_of_a_run_beat_the_heartbeat(corpus_dir, tm
     monkeypatch.setattr(Checkpointer, "wait", lambda self: events.append(("wait",)) or wait(self))
     cfg = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=2), steps=4)  # saves at 3 and 4 (final)
     train(cfg, tmp_path / "run", quiet=True)
-    assert events[-5:] == [("beat", 4), ("save",), ("beat", 4), ("wait",), ("beat", 4)], events
-    saves = [i for i, e in enumerate(events) if e == ("save",)]
-    assert len(saves) == 2 and events[saves[0] + 1] == ("beat", 3), events
-    assert (tmp_path / "beat").read_text().split()[0] == "4"
+    phases = [i for i, e in enumerate(events) if e[0] != "beat"]
+    assert [events[i] for i in phases] == [("save",), ("save",), ("wait",)], events
+    for i, step in zip(phases, (3, 4, 4), strict=True):
+        assert events[i - 1] == events[i + 1] == ("beat", step, True), events
+    assert events[-1] == ("beat", 4, True) and (tmp_path / "beat").read_text().split()[0] == "4"
 
 
 def test_starting_over_in_a_directory_with_checkpoints_is_refused(saved, corpus_dir, tmp_path):

@@ -150,17 +150,25 @@ def _state(cfg, run_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("poisonable", ["loss", "gradient"], indirect=True)
 def test_stop_names_the_step_checkpoints_the_last_good_state_and_resumes_exactly(
-    corpus_dir, tmp_path, poison_steps, poisonable
+    corpus_dir, tmp_path, poison_steps, poisonable, monkeypatch
 ):
     cfg = _cfg(corpus_dir, tmp_path / "cache")
     train(cfg, tmp_path / "ref", quiet=True)  # no poison: the reference run
 
+    beats = []  # forced heartbeats: the halt's save must not look like a hang to `meshlm launch`
+    beat = trainer.Heartbeat.beat
+    monkeypatch.setattr(
+        trainer.Heartbeat,
+        "beat",
+        lambda self, step, force=False: (beats.append((step, force)), beat(self, step, force)),
+    )
     poison_steps.add(6)  # the 7th step
     # a NaN loss (the poison selects it with `where`) has a zero gradient; a NaN gradient a finite loss
     values = r"loss=nan, grad_norm=0\.0" if poisonable == "loss" else r"loss=[0-9.]+, grad_norm=nan"
     with pytest.raises(NonFiniteStep, match=rf"non-finite loss or gradient at step 7 \({values}\)") as e:
         train(cfg, tmp_path / "a", quiet=True)
     assert "the state of step 6 is checkpointed" in str(e.value)
+    assert beats[-3:] == [(6, True)] * 3, beats  # on each side of the halt's save and of its commit
     saved, restored = _state(cfg, tmp_path / "a")
     assert saved == [4, 6] and int(restored.state.step) == 6  # halted before the periodic save at 8
 

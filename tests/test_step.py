@@ -65,8 +65,8 @@ def test_program_size_is_flat_in_depth_unless_unrolled(devices):
 
 @pytest.mark.parametrize(("family", "policy"), [("gpt", "elementwise"), ("llama", "elementwise"), ("gpt", "full")])
 def test_unrolled_layers_are_the_scanned_layers(family, policy):
-    """model.scan_unroll = n_layers runs no loop: the layers are calls on static slices of the
-    stacked weights (no scan in the program, no stacked residual buffers), with the same loss and
+    """model.scan_unroll = n_layers runs no loop: the layers are calls on the stacked weights split
+    along the layer axis (no scan in the program, no stacked residual buffers), with the same loss and
     raw gradients as the layer scan, dropout included (layer j draws from fold_in(key, j) either
     way), under a per-layer checkpoint too (remat `full`)."""
     cfg = tiny_config(family, n_layers=3).model

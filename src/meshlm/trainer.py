@@ -59,7 +59,9 @@ class Preempted(RuntimeError):
 
 class Heartbeat:
     """Tells a supervisor (`meshlm launch`) that this process makes progress: the file named by
-    $MESHLM_HEARTBEAT gets "step time pid", at most once a second."""
+    $MESHLM_HEARTBEAT gets "step time pid", at most once a second after steps; forced around the
+    phases that are not steps (evaluation, checkpoint saves, the end of the run), so that a
+    supervisor's --hang-timeout bounds each phase alone."""
 
     def __init__(self, path: str | None):
         self.path, self.last = path, 0.0
@@ -473,7 +475,7 @@ class _Loop:
         self.cfg, self.log, self.step_fn, self.eval_fn, self.bsharding = cfg, log, step_fn, eval_fn, bsharding
         self.model_flops, self.hw_flops = report["model_flops_per_step"], report["hardware_flops_per_step"]
         self.peak = peak
-        self.heartbeat = Heartbeat(os.environ.get("MESHLM_HEARTBEAT"))  # first beat after the first step
+        self.heartbeat = Heartbeat(os.environ.get("MESHLM_HEARTBEAT"))  # no beat before the first step ends
         self.stopped_by: int | None = None
         self.profiler = profiler
 
@@ -525,12 +527,14 @@ class _Loop:
             # it already ran and moves its start forward by the pause (the pending steps were read
             # at the sync point above, so the pause holds no training).
             if evaluated:
+                self.heartbeat.beat(step + 1, force=True)
                 t_eval = _clock()
                 val_loss = evaluate(self.eval_fn, state.params, val_loader, tc.eval_batches, self.bsharding)
                 self.log.log({"step": step + 1, "val_loss": val_loss})
                 self.log.print(f"step {step + 1}: validation loss {val_loss:.4f}")
                 t_last += _clock() - t_eval
             if saving:
+                self.heartbeat.beat(step + 1, force=True)
                 t_save = _clock()
                 ckpt.save(state, identity)  # returns once the arrays are off the devices
                 save_s = _clock() - t_save
@@ -594,8 +598,12 @@ class _Loop:
         return got[-1]
 
     def _halt(self, state, n: int, m: dict, ckpt, identity) -> None:
+        # beats on each side: a slow save here must not look like a hang (a restart would halt again)
+        self.heartbeat.beat(n - 1, force=True)
         ckpt.save(state, identity)  # the frozen state: exactly the state after step n - 1
+        self.heartbeat.beat(n - 1, force=True)
         ckpt.wait()
+        self.heartbeat.beat(n - 1, force=True)
         tc = self.cfg.train
         where = f"the update was not applied; the state of step {n - 1} is checkpointed in {ckpt.directory}"
         values = f"loss={float(m['loss'])}, grad_norm={float(m['grad_norm'])}"

@@ -5,8 +5,8 @@
 starts N `meshlm train` processes that join one JAX distributed runtime (process 0 hosts the
 coordinator on a free port), prefixes and merges their output (also kept in <run_dir>/launch.log),
 and watches them. When one process dies, or stops making progress for `--hang-timeout` seconds
-(each process touches a heartbeat file every step and around checkpoint saves), the launcher kills
-the whole group and starts it again; `meshlm train` resumes from the run's latest good checkpoint.
+(each process touches a heartbeat file every step and around evaluations and checkpoint saves), the
+launcher kills the whole group and starts it again; `meshlm train` resumes from the run's latest good checkpoint.
 Until a process has finished its first step (compilation, data, restore) `--startup-timeout` applies
 instead. After `--max-restarts` restarts it gives up and exits non-zero with a summary of every attempt.
 

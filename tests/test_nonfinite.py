@@ -168,7 +168,7 @@ def test_stop_names_the_step_checkpoints_the_last_good_state_and_resumes_exactly
     with pytest.raises(NonFiniteStep, match=rf"non-finite loss or gradient at step 7 \({values}\)") as e:
         train(cfg, tmp_path / "a", quiet=True)
     assert "the state of step 6 is checkpointed" in str(e.value)
-    assert beats[-3:] == [(6, True)] * 3, beats  # on each side of the halt's save and of its commit
+    assert beats[-4:] == [(6, True)] * 4, beats  # on each side of the halt's save and of its commit
     saved, restored = _state(cfg, tmp_path / "a")
     assert saved == [4, 6] and int(restored.state.step) == 6  # halted before the periodic save at 8
 

@@ -72,6 +72,14 @@ class Heartbeat:
             Path(self.path).write_text(f"{step} {now:.3f} {os.getpid()}\n")
             self.last = now
 
+    @contextlib.contextmanager
+    def phase(self, step: int):
+        """A phase that is not a step (evaluation, a checkpoint save or commit): forced beats on
+        each side, so that a supervisor's --hang-timeout bounds it alone."""
+        self.beat(step, force=True)
+        yield
+        self.beat(step, force=True)
+
 
 @contextlib.contextmanager
 def _cache_hits():
@@ -389,14 +397,10 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
             state, result = loop.run(state, start, train_loader, val_loader, ckpt, identity, stop_after, stop)
         finally:
             profiler.stop()
-        # The final save and its commit are progress too: beat on each side of them, so that a
-        # supervisor's --hang-timeout bounds each phase alone, not the whole end of the run.
-        end = result["final_step"]
-        loop.heartbeat.beat(end, force=True)
-        ckpt.save(state, identity)  # the final state (a no-op if this step was just saved)
-        loop.heartbeat.beat(end, force=True)
-        ckpt.wait()
-        loop.heartbeat.beat(end, force=True)
+        with loop.heartbeat.phase(result["final_step"]):
+            ckpt.save(state, identity)  # the final state (a no-op if this step was just saved)
+        with loop.heartbeat.phase(result["final_step"]):
+            ckpt.wait()
     finally:
         ckpt.close()
     if loop.stopped_by is not None:
@@ -527,20 +531,20 @@ class _Loop:
             # it already ran and moves its start forward by the pause (the pending steps were read
             # at the sync point above, so the pause holds no training).
             if evaluated:
-                self.heartbeat.beat(step + 1, force=True)
                 t_eval = _clock()
-                val_loss = evaluate(self.eval_fn, state.params, val_loader, tc.eval_batches, self.bsharding)
+                with self.heartbeat.phase(step + 1):
+                    val_loss = evaluate(self.eval_fn, state.params, val_loader, tc.eval_batches, self.bsharding)
                 self.log.log({"step": step + 1, "val_loss": val_loss})
                 self.log.print(f"step {step + 1}: validation loss {val_loss:.4f}")
                 t_last += _clock() - t_eval
             if saving:
-                self.heartbeat.beat(step + 1, force=True)
                 t_save = _clock()
-                ckpt.save(state, identity)  # returns once the arrays are off the devices
+                with self.heartbeat.phase(step + 1):
+                    ckpt.save(state, identity)  # returns once the arrays are off the devices
                 save_s = _clock() - t_save
                 t_last += save_s
                 self.log.log({"step": step + 1, "checkpoint_save_s": save_s})
-            self.heartbeat.beat(step + 1, force=step == start or bool(saving or evaluated))
+            self.heartbeat.beat(step + 1, force=step == start)
             if jax.process_count() == 1 or logged:
                 self.stopped_by = _any_process(stop.signum)
             if self.stopped_by is not None:
@@ -598,12 +602,11 @@ class _Loop:
         return got[-1]
 
     def _halt(self, state, n: int, m: dict, ckpt, identity) -> None:
-        # beats on each side: a slow save here must not look like a hang (a restart would halt again)
-        self.heartbeat.beat(n - 1, force=True)
-        ckpt.save(state, identity)  # the frozen state: exactly the state after step n - 1
-        self.heartbeat.beat(n - 1, force=True)
-        ckpt.wait()
-        self.heartbeat.beat(n - 1, force=True)
+        # a slow save here must not look like a hang: a restart would halt again
+        with self.heartbeat.phase(n - 1):
+            ckpt.save(state, identity)  # the frozen state: exactly the state after step n - 1
+        with self.heartbeat.phase(n - 1):
+            ckpt.wait()
         tc = self.cfg.train
         where = f"the update was not applied; the state of step {n - 1} is checkpointed in {ckpt.directory}"
         values = f"loss={float(m['loss'])}, grad_norm={float(m['grad_norm'])}"

@@ -87,7 +87,7 @@ class ModelConfig:
     # time) grow with k, and was not faster than the scan end to end on CPU (BENCHMARKS.md). In
     # training and eval, k >= n_layers runs no loop at all: the layers called one after another on
     # the stacked weights split along the layer axis (decoding and pipeline chunks keep a scan);
-    # on CPU that was faster than the scan for gpt medium only (BENCHMARKS.md)
+    # on CPU that helped gpt medium most (1.24x tokens/s), elsewhere mixed (BENCHMARKS.md)
     scan_unroll: int = 1
     init_std: float = 0.02
 

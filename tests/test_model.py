@@ -2,6 +2,7 @@
 and the parameter count against the initialised leaves."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -212,3 +213,38 @@ def test_paper_param_counts():
     assert round(accounting.param_count(recipes.get("gpt-175b").model) / 1e9, 1) == 174.6
     # Llama-3.2-1B as published (Hugging Face's parameter count of meta-llama/Llama-3.2-1B)
     assert accounting.param_count(recipes.get("llama-1b").model) == 1_235_814_400
+
+
+def test_rope_tables_are_constants_of_the_step(monkeypatch):
+    """In training, RoPE's cos and sin tables are computed when the step is traced (by XLA, as the
+    program would) and the compiled gradient evaluates no cos or sin at all. Computed in the
+    program, XLA:CPU fused them into every consumer of the rotated Q and K (each query chunk's
+    slice of K, the backward's rotation) and evaluated them once per element there
+    (BENCHMARKS.md, "RoPE's tables computed once"). The gradients are the same bit for bit."""
+    from helpers import random_batches, tiny_config
+    from meshlm.model import layers
+    from meshlm.model.loss import cross_entropy_sum
+
+    cfg = tiny_config("llama").model
+    tokens = random_batches(tiny_config("llama"), 1)[0]
+    params = init_params(param_specs(cfg), jax.random.key(0))
+    loss = lambda p: cross_entropy_sum(forward(p, tokens["inputs"], cfg), tokens["targets"])[0]
+
+    def grads_and_transcendentals():
+        step = jax.jit(jax.grad(loss))
+        hlo = step.lower(params).compile().as_text()
+        return step(params), len(re.findall(r"= f32\[[\d,]*\]\S* (?:sine|cosine)\(", hlo))
+
+    constants, count = grads_and_transcendentals()
+    assert count == 0
+
+    def traced_tables(positions_t, inv_freq):  # what rope_tables did before: cos and sin in the program
+        angles = jnp.asarray(positions_t).astype(jnp.float32)[..., None] * inv_freq
+        angles = jnp.concatenate([angles, angles], axis=-1)[None]
+        return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+    monkeypatch.setattr(layers, "rope_tables", traced_tables)
+    traced, count = grads_and_transcendentals()
+    assert count > 0
+    for a, b in zip(jax.tree.leaves(constants), jax.tree.leaves(traced), strict=True):
+        np.testing.assert_array_equal(a, b)

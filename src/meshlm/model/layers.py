@@ -229,23 +229,36 @@ def rope_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float
     high_freq_factor, original_len), Llama 3's scaling: wavelengths above original_len/low_freq_factor
     are divided by `factor`, those below original_len/high_freq_factor kept, and those between
     blended linearly in original_len/wavelength."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if llama3 is None:
-        return inv_freq
-    factor, low, high, original = llama3
-    wavelength = 2 * math.pi / inv_freq
-    blend = jnp.clip((original / wavelength - low) / (high - low), 0.0, 1.0)  # 0: long waves, 1: short
-    return (1 - blend) * inv_freq / factor + blend * inv_freq
+    with jax.ensure_compile_time_eval():  # constants of the traced program (see `rope_tables`)
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+        if llama3 is None:
+            return inv_freq
+        factor, low, high, original = llama3
+        wavelength = 2 * math.pi / inv_freq
+        blend = jnp.clip((original / wavelength - low) / (high - low), 0.0, 1.0)  # 0: long waves, 1: short
+        return (1 - blend) * inv_freq / factor + blend * inv_freq
+
+
+def rope_tables(positions_t: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """fp32 cos and sin of the rotary angles, [1 or b, t, 1, head_dim] for `positions_t` [t] or
+    [b, t]. Where the positions and frequencies are known when the step is traced (training and
+    evaluation: positions 0..t-1), they are computed then, by XLA as the program would, and the
+    program reads them as constants. Computed in the program, XLA:CPU fused cos and sin into every
+    consumer of the rotated Q and K (each query chunk's slice of K, the backward's rotation) and
+    evaluated them once per element there: [b, t, heads, h] transcendentals where the tables have
+    [t, h] (BENCHMARKS.md, "RoPE's tables computed once")."""
+    with jax.ensure_compile_time_eval():  # traced positions (decoding, context parallelism) stay traced
+        angles = jnp.asarray(positions_t).astype(jnp.float32)[..., None] * inv_freq
+        angles = jnp.concatenate([angles, angles], axis=-1)
+        angles_bth = angles if angles.ndim == 3 else angles[None]
+        return jnp.cos(angles_bth)[:, :, None, :], jnp.sin(angles_bth)[:, :, None, :]
 
 
 def rope(x_btnh: jax.Array, positions_t: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding, "rotate half" convention (first half of head_dim pairs with the second),
     as in Hugging Face Llama. Angles in fp32. `positions_t` is [t] (every row) or [b, t]."""
     h = x_btnh.shape[-1]
-    angles = positions_t.astype(jnp.float32)[..., None] * inv_freq
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    angles_bth = angles if angles.ndim == 3 else angles[None]
-    cos, sin = jnp.cos(angles_bth)[:, :, None, :], jnp.sin(angles_bth)[:, :, None, :]
+    cos, sin = rope_tables(positions_t, inv_freq)
     x = x_btnh.astype(jnp.float32)
     x1, x2 = x[..., : h // 2], x[..., h // 2 :]
     rotated = jnp.concatenate([-x2, x1], axis=-1)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
@@ -89,7 +90,7 @@ def _rope_qk(q, k, positions, cfg: ModelConfig):
 def _qkv(h_btd, *args, cfg: ModelConfig, context: bool = False):
     """Projections, then RoPE (llama) at positions 0..t-1 - or, under context parallelism, at the
     original positions of this rank's tokens, passed first in `args`."""
-    positions = args[0] if context else jnp.arange(h_btd.shape[1])
+    positions = args[0] if context else np.arange(h_btd.shape[1])  # known when traced: RoPE's tables are constants
     q, k, v = _project(h_btd, *args[1 if context else 0 :], flat=not context)
     if cfg.family == "gpt":
         return q, k, v

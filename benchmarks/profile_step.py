@@ -7,7 +7,7 @@ issue 11's "small" shape (4 layers, d=256, vocab 8192, seq 256, batch 8, fp32, o
 `--size medium` its "medium" one (6 layers, d=384, 6 heads). Under `taskset -c 0` XLA runs one worker
 thread, and the operation times add up to the step's.
 
-    python benchmarks/profile_step.py [--family gpt] [--size small] [--steps 3] [--top 12] [--write]
+    python benchmarks/profile_step.py [--family gpt] [--size small] [--chain] [--steps 3] [--top 12] [--write]
 
 Operation times are thread time: independent operations run concurrently on the two cores, so
 they add up to more than the step's wall time.
@@ -45,9 +45,10 @@ from meshlm.step import abstract_batch, batch_sharding, make_train_step
 from meshlm.train_state import abstract_state, init_state, setup
 
 
-def compiled_step(family: str, size: str = "small"):
-    """Issue 11's "small" or "medium" config, as benchmarks/vs_pytorch.py trains it, on one device."""
-    cfg = vs.meshlm_config(family, size)
+def compiled_step(family: str, size: str = "small", chain: bool = False):
+    """Issue 11's "small" or "medium" config, as benchmarks/vs_pytorch.py trains it, on one device
+    (with `chain`, its layers unrolled into one chain instead of the default scan)."""
+    cfg = vs.meshlm_config(family, size, unroll=vs.SIZES[size][0] if chain else 1)
     layout = make_layout(cfg.parallel, jax.devices()[:1])
     specs, tx, shardings = setup(cfg, layout)
     step = make_train_step(cfg, layout, tx, shardings)
@@ -84,10 +85,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "meshlm-profile"))
+    ap.add_argument("--chain", action="store_true", help="layers unrolled into one chain (model.scan_unroll = layers)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    compiled, state, loader, sharding = compiled_step(args.family, args.size)
-    name = args.family if args.size == "small" else f"{args.family}_{args.size}"
+    compiled, state, loader, sharding = compiled_step(args.family, args.size, args.chain)
+    name = (args.family if args.size == "small" else f"{args.family}_{args.size}") + ("_chained" if args.chain else "")
     out = Path(args.out) / name
     shutil.rmtree(out, ignore_errors=True)  # one trace per directory: the parser reads the only one
     out.mkdir(parents=True)
@@ -125,7 +127,8 @@ def main() -> None:
     command = " ".join(["python benchmarks/profile_step.py", *sys.argv[1:]])
     lines = [
         f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; {args.family}, "
-        f"{vs.SIZES[args.size][0]} layers, d={vs.SIZES[args.size][1]}, vocab 8192, seq 256, batch 8, fp32, 1 device; "
+        f"{vs.SIZES[args.size][0]} layers{' chained' if args.chain else ''}, d={vs.SIZES[args.size][1]}, "
+        "vocab 8192, seq 256, batch 8, fp32, 1 device; "
         f"{args.steps} profiled steps)",
         "",
         f"Unprofiled: {plain_wall:.0f} ms per step, process CPU time {cores:.2f} cores per wall second. "

@@ -18,7 +18,11 @@ Variants run in alternating rounds of a few steps each and report the median ste
 ratios within a row are comparable on a shared, noisy machine. The minimal JAX model is checked
 against meshlm's forward on the same parameters before timing (same loss to 1e-5).
 
-    python benchmarks/vs_pytorch.py [--sizes small,medium] [--families gpt,llama] [--rounds 5] [--write]
+    python benchmarks/vs_pytorch.py [--sizes small,medium] [--families gpt,llama] [--rounds 5] [--cores N] [--write]
+
+`--cores N` runs everything on the first N CPUs (process affinity, set before JAX and PyTorch size
+their thread pools; PyTorch gets N intra-op threads): with N = 1, what each framework does per
+core, apart from how it uses a second one. Its table has its own section in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ import sys
 import time
 
 from meshlm import host_memory  # jax-free
+
+if __name__ == "__main__" and "--cores" in sys.argv:  # before JAX and PyTorch start their thread pools
+    os.sched_setaffinity(0, range(int(sys.argv[sys.argv.index("--cores") + 1])))
 
 # Before JAX and PyTorch start threads: the host allocator settings `meshlm train` uses on CPU
 # (meshlm.host_memory). PyTorch runs in this process too, so it runs under them as well.
@@ -283,14 +290,17 @@ def main() -> None:
     ap.add_argument("--families", default="gpt,llama")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3, help="steps per timed round")
+    ap.add_argument("--cores", type=int, help="run on the first N CPUs only (process affinity)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 2)
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
     command = " ".join(["python benchmarks/vs_pytorch.py", *sys.argv[1:]])
     peak = probe_matmul_flops("float32")  # this host's matmul peak, measured in this run
     lines = [
-        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, jax {jax.__version__}; vocab {VOCAB}, seq {SEQ}, batch {BATCH}, "
+        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {cores} of {os.cpu_count()} CPU cores, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, jax {jax.__version__}; "
+        f"vocab {VOCAB}, seq {SEQ}, batch {BATCH}, "
         f"fp32, AdamW + clipping; median of {args.rounds} alternating rounds of {args.steps} steps; tokens/s; "
         f"MFU = P2 Eq. 7 model FLOPs / step time / this host's fp32 1024^3 matmul probe, {peak / 1e9:.0f} GFLOP/s)",
         "",
@@ -323,7 +333,7 @@ def main() -> None:
                 f"| {100 * mfu_per_token_s * best_meshlm:.0f}% | {100 * mfu_per_token_s * best_torch:.0f}% |"
             )
             print(lines[-1], flush=True)
-    publish("vs_pytorch", lines, args.write)
+    publish("vs_pytorch" if args.cores is None else f"vs_pytorch_{cores}core", lines, args.write)
 
 
 if __name__ == "__main__":

@@ -126,9 +126,9 @@ def main() -> None:
     busy = [busy_ms(v) / args.steps for v in workers.values()]
     command = " ".join(["python benchmarks/profile_step.py", *sys.argv[1:]])
     lines = [
-        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; {args.family}, "
-        f"{vs.SIZES[args.size][0]} layers{' chained' if args.chain else ''}, d={vs.SIZES[args.size][1]}, "
-        "vocab 8192, seq 256, batch 8, fp32, 1 device; "
+        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {len(os.sched_getaffinity(0))} of {os.cpu_count()} "
+        f"CPU cores; {args.family}, {vs.SIZES[args.size][0]} layers{' chained' if args.chain else ''}, "
+        f"d={vs.SIZES[args.size][1]}, vocab 8192, seq 256, batch 8, fp32, 1 device; "
         f"{args.steps} profiled steps)",
         "",
         f"Unprofiled: {plain_wall:.0f} ms per step, process CPU time {cores:.2f} cores per wall second. "

@@ -20,8 +20,8 @@ against meshlm's forward on the same parameters before timing (same loss to 1e-5
 
     python benchmarks/vs_pytorch.py [--sizes small,medium] [--families gpt,llama] [--rounds 5] [--cores N] [--write]
 
-`--cores N` runs everything on the first N CPUs (process affinity, set before JAX and PyTorch size
-their thread pools; PyTorch gets N intra-op threads): with N = 1, what each framework does per
+`--cores N` runs everything on N of the CPUs the process may use (affinity, set before JAX and
+PyTorch size their thread pools; PyTorch gets N intra-op threads): with N = 1, what each framework does per
 core, apart from how it uses a second one. Its table has its own section in BENCHMARKS.md.
 """
 
@@ -35,8 +35,22 @@ import time
 
 from meshlm import host_memory  # jax-free
 
-if __name__ == "__main__" and "--cores" in sys.argv:  # before JAX and PyTorch start their thread pools
-    os.sched_setaffinity(0, range(int(sys.argv[sys.argv.index("--cores") + 1])))
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="small,medium")
+    ap.add_argument("--families", default="gpt,llama")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="steps per timed round")
+    ap.add_argument("--cores", type=int, default=0, help="run on this many of the allowed CPUs only (0: all)")
+    ap.add_argument("--write", action="store_true")
+    return ap.parse_args()
+
+
+if __name__ == "__main__":  # pinned before JAX and PyTorch size their thread pools
+    ARGS = parse_args()
+    if ARGS.cores:
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: ARGS.cores])
 
 # Before JAX and PyTorch start threads: the host allocator settings `meshlm train` uses on CPU
 # (meshlm.host_memory). PyTorch runs in this process too, so it runs under them as well.
@@ -285,14 +299,7 @@ def time_variants(variants: dict, rounds: int, steps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="small,medium")
-    ap.add_argument("--families", default="gpt,llama")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="steps per timed round")
-    ap.add_argument("--cores", type=int, help="run on the first N CPUs only (process affinity)")
-    ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
+    args = ARGS
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)
     command = " ".join(["python benchmarks/vs_pytorch.py", *sys.argv[1:]])
@@ -333,7 +340,7 @@ def main() -> None:
                 f"| {100 * mfu_per_token_s * best_meshlm:.0f}% | {100 * mfu_per_token_s * best_torch:.0f}% |"
             )
             print(lines[-1], flush=True)
-    publish("vs_pytorch" if args.cores is None else f"vs_pytorch_{cores}core", lines, args.write)
+    publish("vs_pytorch" if cores == os.cpu_count() else f"vs_pytorch_{cores}core", lines, args.write)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import argparse
 import os
 import sys
 
+import _cores  # jax-free
+
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
@@ -41,8 +43,7 @@ def parse_args() -> argparse.Namespace:
 
 if __name__ == "__main__":  # pinned before JAX and PyTorch size their thread pools
     ARGS = parse_args()
-    if ARGS.cores:
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: ARGS.cores])
+    _cores.pin(ARGS.cores)
 
 import vs_pytorch as vs  # first: meshlm's host allocator settings and JAX_PLATFORMS=cpu, before JAX loads
 

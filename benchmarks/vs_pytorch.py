@@ -33,6 +33,7 @@ import os
 import sys
 import time
 
+import _cores  # jax-free
 from meshlm import host_memory  # jax-free
 
 
@@ -49,8 +50,7 @@ def parse_args() -> argparse.Namespace:
 
 if __name__ == "__main__":  # pinned before JAX and PyTorch size their thread pools
     ARGS = parse_args()
-    if ARGS.cores:
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: ARGS.cores])
+    _cores.pin(ARGS.cores)
 
 # Before JAX and PyTorch start threads: the host allocator settings `meshlm train` uses on CPU
 # (meshlm.host_memory). PyTorch runs in this process too, so it runs under them as well.

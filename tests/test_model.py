@@ -2,6 +2,7 @@
 and the parameter count against the initialised leaves."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -212,3 +213,41 @@ def test_paper_param_counts():
     assert round(accounting.param_count(recipes.get("gpt-175b").model) / 1e9, 1) == 174.6
     # Llama-3.2-1B as published (Hugging Face's parameter count of meta-llama/Llama-3.2-1B)
     assert accounting.param_count(recipes.get("llama-1b").model) == 1_235_814_400
+
+
+@pytest.mark.parametrize("unroll", [1, 2])  # the layer scan; the layers chained (no loop)
+def test_rope_tables_are_constants_of_the_step(unroll, monkeypatch):
+    """In training, RoPE's cos and sin tables are computed by XLA when the step is traced, once (the
+    same two constants for q and k of every layer), and the compiled gradient evaluates no cos or
+    sin at all. Computed in the program (as before), XLA:CPU fused them into every consumer of the
+    rotated Q and K (each query chunk's slice of K, the backward's rotation) and evaluated them
+    once per element there (BENCHMARKS.md, "RoPE's tables computed once"). The gradients are the
+    same bit for bit."""
+    from helpers import random_batches, tiny_config
+    from meshlm.model import layers
+    from meshlm.model.loss import cross_entropy_sum
+
+    cfg = dataclasses.replace(tiny_config("llama").model, scan_unroll=unroll)
+    tokens = random_batches(tiny_config("llama"), 1)[0]
+    params = init_params(param_specs(cfg), jax.random.key(0))
+    loss = lambda p: cross_entropy_sum(forward(p, tokens["inputs"], cfg), tokens["targets"])[0]
+    t, h = tokens["inputs"].shape[1], cfg.dim_head
+
+    def grads_hlo_and_tables():
+        lowered = jax.jit(jax.grad(loss)).lower(params)
+        compiled = lowered.compile()
+        tables = len(re.findall(rf"stablehlo.constant dense<.*> : tensor<1x{t}x1x{h}xf32>", lowered.as_text()))
+        return compiled(params), compiled.as_text(), tables
+
+    constants, hlo, tables = grads_hlo_and_tables()
+    assert tables == 2  # cos and sin, shared by q, k and the layers
+    assert not re.search(r"= f32\[[\d,]*\]\S* (?:sine|cosine)\(", hlo)
+
+    def in_program(t, head_dim, theta, llama3):  # before: positions and frequencies traced
+        return layers.rope_tables(jnp.arange(t), layers.rope_inv_freq(head_dim, theta, llama3))
+
+    monkeypatch.setattr(layers, "constant_rope_tables", in_program)
+    traced, hlo, tables = grads_hlo_and_tables()
+    assert tables == 0 and re.search(r"= f32\[[\d,]*\]\S* (?:sine|cosine)\(", hlo)
+    for a, b in zip(jax.tree.leaves(constants), jax.tree.leaves(traced), strict=True):
+        np.testing.assert_array_equal(a, b)

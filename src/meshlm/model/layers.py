@@ -18,6 +18,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
 
 from meshlm.accounting import query_chunks
 
@@ -238,14 +240,33 @@ def rope_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float
     return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
-def rope(x_btnh: jax.Array, positions_t: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding, "rotate half" convention (first half of head_dim pairs with the second),
-    as in Hugging Face Llama. Angles in fp32. `positions_t` is [t] (every row) or [b, t]."""
-    h = x_btnh.shape[-1]
-    angles = positions_t.astype(jnp.float32)[..., None] * inv_freq
+def rope_tables(positions_t: ArrayLike, inv_freq: ArrayLike) -> tuple[jax.Array, jax.Array]:
+    """fp32 cos and sin of the rotary angles, [1 or b, t, 1, head_dim] for `positions_t` [t] or
+    [b, t]."""
+    angles = jnp.asarray(positions_t).astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
     angles_bth = angles if angles.ndim == 3 else angles[None]
-    cos, sin = jnp.cos(angles_bth)[:, :, None, :], jnp.sin(angles_bth)[:, :, None, :]
+    return jnp.cos(angles_bth)[:, :, None, :], jnp.sin(angles_bth)[:, :, None, :]
+
+
+@functools.lru_cache(maxsize=16)
+def constant_rope_tables(
+    t: int, head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """`rope_tables` at positions 0..t-1 (training, evaluation), computed now by XLA (eagerly, also
+    while a step is being traced) and kept: the step reads them as constants, the same two arrays
+    for q and k and every layer. Computed in the program instead, XLA:CPU fused cos and sin into
+    every consumer of the rotated Q and K (each query chunk's slice of K, the backward's rotation)
+    and evaluated them once per element there: [b, t, heads, h] transcendentals where the tables
+    have [t, h] (BENCHMARKS.md, "RoPE's tables computed once")."""
+    with jax.ensure_compile_time_eval():
+        return rope_tables(np.arange(t), rope_inv_freq(head_dim, theta, llama3))
+
+
+def rope(x_btnh: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary embedding, "rotate half" convention (first half of head_dim pairs with the second),
+    as in Hugging Face Llama, with fp32 tables from `rope_tables` / `constant_rope_tables`."""
+    h = x_btnh.shape[-1]
     x = x_btnh.astype(jnp.float32)
     x1, x2 = x[..., : h // 2], x[..., h // 2 :]
     rotated = jnp.concatenate([-x2, x1], axis=-1)

@@ -79,17 +79,22 @@ def _project(h_btd, wq, wk, wv, *biases, flat: bool = True):
 
 
 def _rope_qk(q, k, positions, cfg: ModelConfig):
+    """RoPE on q and k [b, t, heads, h]: at positions 0..t-1 (None) with the constant tables, else
+    at the traced `positions` ([t] or [b, t]) with tables computed in the program."""
     scaling = None
     if cfg.rope_scaling == "llama3":
         scaling = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_len)
-    inv_freq = layers.rope_inv_freq(cfg.dim_head, cfg.rope_theta, scaling)
-    return layers.rope(q, positions, inv_freq), layers.rope(k, positions, inv_freq)
+    if positions is None:
+        cos, sin = layers.constant_rope_tables(q.shape[1], cfg.dim_head, cfg.rope_theta, scaling)
+    else:
+        cos, sin = layers.rope_tables(positions, layers.rope_inv_freq(cfg.dim_head, cfg.rope_theta, scaling))
+    return layers.rope(q, cos, sin), layers.rope(k, cos, sin)
 
 
 def _qkv(h_btd, *args, cfg: ModelConfig, context: bool = False):
     """Projections, then RoPE (llama) at positions 0..t-1 - or, under context parallelism, at the
     original positions of this rank's tokens, passed first in `args`."""
-    positions = args[0] if context else jnp.arange(h_btd.shape[1])
+    positions = args[0] if context else None  # None: 0..t-1, RoPE's tables are constants
     q, k, v = _project(h_btd, *args[1 if context else 0 :], flat=not context)
     if cfg.family == "gpt":
         return q, k, v

@@ -252,15 +252,18 @@ def rope_tables(positions_t: ArrayLike, inv_freq: ArrayLike) -> tuple[jax.Array,
 @functools.lru_cache(maxsize=16)
 def constant_rope_tables(
     t: int, head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[np.ndarray, np.ndarray]:
     """`rope_tables` at positions 0..t-1 (training, evaluation), computed now by XLA (eagerly, also
-    while a step is being traced) and kept: the step reads them as constants, the same two arrays
+    while a step is being traced) and kept on the host: the step reads them as constants, the same two arrays
     for q and k and every layer. Computed in the program instead, XLA:CPU fused cos and sin into
     every consumer of the rotated Q and K (each query chunk's slice of K, the backward's rotation)
     and evaluated them once per element there: [b, t, heads, h] transcendentals where the tables
     have [t, h] (BENCHMARKS.md, "RoPE's tables computed once")."""
     with jax.ensure_compile_time_eval():
-        return rope_tables(np.arange(t), rope_inv_freq(head_dim, theta, llama3))
+        cos, sin = rope_tables(np.arange(t), rope_inv_freq(head_dim, theta, llama3))
+    # Host copies: a device array would carry the mesh it was made under (the first step traced, maybe
+    # inside another mesh's shard_map) into every later step that reads the cache.
+    return np.asarray(cos), np.asarray(sin)
 
 
 def rope(x_btnh: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

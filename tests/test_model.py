@@ -251,3 +251,28 @@ def test_rope_tables_are_constants_of_the_step(unroll, monkeypatch):
     assert tables == 0 and re.search(r"= f32\[[\d,]*\]\S* (?:sine|cosine)\(", hlo)
     for a, b in zip(jax.tree.leaves(constants), jax.tree.leaves(traced), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_rope_tables_made_inside_one_mesh_serve_every_step():
+    """The cached tables are host arrays: made inside a shard_map (a pipeline stage), they serve it and
+    a step traced later outside it. Cached as device arrays, made eagerly while that shard_map was
+    traced, they carried a mesh of other axis types into it, and tracing failed ("Mesh for all inputs
+    should be equal": the pipeline tests with sequence parallelism)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from meshlm.model import layers
+
+    layers.constant_rope_tables.cache_clear()
+    mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    x = jax.device_put(jnp.ones((4, 8, 1, 16)), NamedSharding(mesh, P("stage")))
+    inside = jax.shard_map(
+        lambda x: layers.rope(x, *layers.constant_rope_tables(8, 16, 10000.0)),
+        mesh=mesh,
+        in_specs=P("stage"),
+        out_specs=P("stage"),
+    )
+    a = jax.jit(inside)(x)
+    b = jax.jit(lambda x: layers.rope(x, *layers.constant_rope_tables(8, 16, 10000.0)))(x)
+    assert layers.constant_rope_tables.cache_info().hits == 1
+    np.testing.assert_array_equal(a, b)

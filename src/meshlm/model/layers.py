@@ -261,8 +261,8 @@ def constant_rope_tables(
     have [t, h] (BENCHMARKS.md, "RoPE's tables computed once")."""
     with jax.ensure_compile_time_eval():
         cos, sin = rope_tables(np.arange(t), rope_inv_freq(head_dim, theta, llama3))
-    # Host copies: a device array would carry the mesh it was made under (the first step traced, maybe
-    # inside another mesh's shard_map) into every later step that reads the cache.
+    # Host copies: device arrays made here while a shard_map is traced (a pipeline stage) carry a mesh
+    # of other axis types into it, and tracing fails (test_rope_tables_made_inside_one_mesh_serve_every_step).
     return np.asarray(cos), np.asarray(sin)
 
 

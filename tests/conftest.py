@@ -1,7 +1,9 @@
 """Test session setup: 8 simulated CPU devices (set before jax is imported anywhere) and a
 private cache directory so tests never read or write the user's ~/.cache."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # any device count already set (the user's, or pytest-xdist's controller's, which workers inherit) is replaced
@@ -10,7 +12,9 @@ os.environ["XLA_FLAGS"] = " ".join(
     + ["--xla_force_host_platform_device_count=8"]
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ.setdefault("MESHLM_CACHE", tempfile.mkdtemp(prefix="meshlm-test-cache-"))
+if "MESHLM_CACHE" not in os.environ:  # made here (the controller, or a run without workers): removed at exit
+    os.environ["MESHLM_CACHE"] = tempfile.mkdtemp(prefix="meshlm-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["MESHLM_CACHE"], True)
 if os.environ.get("PYTEST_XDIST_WORKER"):  # each pytest-xdist worker its own cache, below the controller's
     os.environ["MESHLM_CACHE"] = os.path.join(os.environ["MESHLM_CACHE"], os.environ["PYTEST_XDIST_WORKER"])
 

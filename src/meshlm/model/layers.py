@@ -249,6 +249,11 @@ def rope_tables(positions_t: ArrayLike, inv_freq: ArrayLike) -> tuple[jax.Array,
     return jnp.cos(angles_bth)[:, :, None, :], jnp.sin(angles_bth)[:, :, None, :]
 
 
+# Longer sequences compute their tables in the program: constants of t * head_dim values each would
+# grow every compiled step and its cache entry (2 x 16 MiB at t = 32768, head_dim 128).
+CONSTANT_ROPE_MAX = 1 << 20
+
+
 @functools.lru_cache(maxsize=16)
 def constant_rope_tables(
     t: int, head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None

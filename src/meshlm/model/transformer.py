@@ -79,14 +79,17 @@ def _project(h_btd, wq, wk, wv, *biases, flat: bool = True):
 
 
 def _rope_qk(q, k, positions, cfg: ModelConfig):
-    """RoPE on q and k [b, t, heads, h]: at positions 0..t-1 (None) with the constant tables, else
-    at the traced `positions` ([t] or [b, t]) with tables computed in the program."""
+    """RoPE on q and k [b, t, heads, h]: at positions 0..t-1 (None) with the constant tables (up to
+    `layers.CONSTANT_ROPE_MAX` values per table), else at the traced `positions` ([t] or [b, t]), or
+    0..t-1 for longer sequences, with tables computed in the program."""
     scaling = None
     if cfg.rope_scaling == "llama3":
         scaling = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_len)
-    if positions is None:
-        cos, sin = layers.constant_rope_tables(q.shape[1], cfg.dim_head, cfg.rope_theta, scaling)
+    t = q.shape[1]
+    if positions is None and t * cfg.dim_head <= layers.CONSTANT_ROPE_MAX:
+        cos, sin = layers.constant_rope_tables(t, cfg.dim_head, cfg.rope_theta, scaling)
     else:
+        positions = jnp.arange(t) if positions is None else positions
         cos, sin = layers.rope_tables(positions, layers.rope_inv_freq(cfg.dim_head, cfg.rope_theta, scaling))
     return layers.rope(q, cos, sin), layers.rope(k, cos, sin)
 

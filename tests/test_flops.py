@@ -173,6 +173,31 @@ def test_peak_is_the_precision_that_runs_on_the_exact_device(monkeypatch):
     assert hardware.matmul_precision("float32", "gpu", "TF32_TF32_F32") == "tf32"
 
 
+def test_cpu_peak_is_cached_per_cpu_generation_not_per_model_name(monkeypatch, tmp_path):
+    """Two hosts named "AMD EPYC", one with AVX2 and one with AVX-512 (a cache in a shared home
+    directory): the second probes its own peak instead of reading the first's, which would put its
+    MFU off by the ratio of their matmul speeds."""
+    from meshlm import hardware
+
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
+    peaks = {"avx2": 100e9, "avx512f": 380e9}
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(hardware, "_CPUINFO", cpuinfo)
+
+    def on(widest: str) -> hardware.Peak:
+        flags = "fpu sse4_2 avx fma avx2" + (" avx512f avx512bw" if widest == "avx512f" else "")
+        cpuinfo.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(hardware, "probe_matmul_flops", lambda dtype: peaks[widest])
+        return hardware.peak_flops("float32", 1)
+
+    assert on("avx2").flops == 100e9
+    assert hardware.cpu_description() == "AMD EPYC (avx2, fma)"
+    assert on("avx512f").flops == 380e9
+    assert hardware.cpu_description() == "AMD EPYC (avx2, fma, avx512f)"
+    assert on("avx2").flops == 100e9  # each host's entry stays its own
+    assert len(json.loads((tmp_path / "cache" / "peak_flops.json").read_text())) == 2
+
+
 def test_cpu_peak_probes_under_a_lock_and_a_faster_run_raises_it(monkeypatch, tmp_path):
     """The probe runs holding the cache's lock (processes starting together probe one at a time),
     is cached, and is only ever raised - by a run that computed faster, and said so in the source -

@@ -10,8 +10,10 @@ parameter dtype: JAX computes float32 matmuls with TF32 tensor cores on NVIDIA G
 bfloat16 pass on TPUs unless `jax_default_matmul_precision` asks for more (`matmul_precision`).
 
 On CPU there is no datasheet number worth quoting, so the peak is a jitted square matmul timed on
-this machine (best of several runs), cached per (CPU, dtype). All simulated CPU devices share the
-same cores, so the probe measures the whole host and MFU is quoted against the host. A probe taken
+this machine (best of several runs), cached per (CPU model and vector extensions, core count,
+dtype): a cache shared by hosts of one model name but another CPU generation is not reused. All
+simulated CPU devices share the same cores, so the probe measures the whole host and MFU is quoted
+against the host. A probe taken
 on a busy host reads low; when a single-host run then computes more model FLOPs per second than
 it, the run's rate replaces it (`raise_cpu_peak`), so such a run never reports MFU above 100%.
 
@@ -150,14 +152,31 @@ def _cache_file() -> Path:
     return cache_home() / "peak_flops.json"
 
 
-def _cpu_name() -> str:
+# The vector extensions that set a CPU's matmul speed: hosts that share a model name ("AMD EPYC")
+# across generations differ several-fold in the probe by these (AVX2 against AVX-512 FMA units).
+_CPUINFO = Path("/proc/cpuinfo")
+_VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "asimd", "sve", "sve2")
+
+
+def _cpuinfo() -> tuple[str, tuple[str, ...]]:
+    """(model name, the vector extensions among `_VECTOR_FLAGS` it has) of this host's CPU."""
+    name, flags = "", set()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        for line in _CPUINFO.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not name:
+                name = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return name or platform.processor() or platform.machine(), tuple(f for f in _VECTOR_FLAGS if f in flags)
+
+
+def cpu_description() -> str:
+    """This host's CPU as benchmarks and the CPU peak's cache name it, e.g. "AMD EPYC (avx2, fma, avx512f)"."""
+    name, vector = _cpuinfo()
+    return f"{name} ({', '.join(vector)})" if vector else name
 
 
 def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 20) -> float:
@@ -176,7 +195,7 @@ def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 20) -> float:
 
 
 def _cpu_key(dtype: str) -> str:
-    return f"{_cpu_name()}|{os.cpu_count()}|{dtype}"
+    return f"{cpu_description()}|{os.cpu_count()}|{dtype}"
 
 
 def _update_cache(key: str, update: Callable[[dict | None], dict]) -> dict:

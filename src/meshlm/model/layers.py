@@ -271,7 +271,7 @@ def constant_rope_tables(
     return np.asarray(cos), np.asarray(sin)
 
 
-def rope(x_btnh: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def rope(x_btnh: jax.Array, cos: ArrayLike, sin: ArrayLike) -> jax.Array:
     """Rotary embedding, "rotate half" convention (first half of head_dim pairs with the second),
     as in Hugging Face Llama, with fp32 tables from `rope_tables` / `constant_rope_tables`."""
     h = x_btnh.shape[-1]

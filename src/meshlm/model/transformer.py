@@ -97,7 +97,7 @@ def _rope_qk(q, k, positions, cfg: ModelConfig):
 def _qkv(h_btd, *args, cfg: ModelConfig, context: bool = False):
     """Projections, then RoPE (llama) at positions 0..t-1 - or, under context parallelism, at the
     original positions of this rank's tokens, passed first in `args`."""
-    positions = args[0] if context else None  # None: 0..t-1, RoPE's tables are constants
+    positions = args[0] if context else None  # None: 0..t-1 (RoPE's tables constants up to CONSTANT_ROPE_MAX)
     q, k, v = _project(h_btd, *args[1 if context else 0 :], flat=not context)
     if cfg.family == "gpt":
         return q, k, v

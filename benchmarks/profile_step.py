@@ -40,6 +40,7 @@ import numpy as np
 
 from _markdown import write_section
 from meshlm.data.loader import WindowLoader, process_batch
+from meshlm.hardware import cpu_description
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import abstract_batch, batch_sharding, make_train_step
 from meshlm.train_state import abstract_state, init_state, setup
@@ -126,8 +127,9 @@ def main() -> None:
     busy = [busy_ms(v) / args.steps for v in workers.values()]
     command = " ".join(["python benchmarks/profile_step.py", *sys.argv[1:]])
     lines = [
-        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {len(os.sched_getaffinity(0))} of {os.cpu_count()} "
-        f"CPU cores; {args.family}, {vs.SIZES[args.size][0]} layers{' chained' if args.chain else ''}, "
+        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {cpu_description()}, "
+        f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} CPU cores; "
+        f"{args.family}, {vs.SIZES[args.size][0]} layers{' chained' if args.chain else ''}, "
         f"d={vs.SIZES[args.size][1]}, vocab 8192, seq 256, batch 8, fp32, 1 device; "
         f"{args.steps} profiled steps)",
         "",

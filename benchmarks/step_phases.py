@@ -29,20 +29,8 @@ import sys
 
 import _cores  # jax-free
 
-
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cores", type=int, default=0, help="pin the process to this many cores (0: all)")
-    ap.add_argument("--sizes", default="small,medium")
-    ap.add_argument("--families", default="gpt,llama")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="steps per timed round")
-    ap.add_argument("--write", action="store_true")
-    return ap.parse_args()
-
-
 if __name__ == "__main__":  # pinned before JAX and PyTorch size their thread pools
-    ARGS = parse_args()
+    ARGS = _cores.side_by_side_args()
     _cores.pin(ARGS.cores)
 
 import vs_pytorch as vs  # first: meshlm's host allocator settings and JAX_PLATFORMS=cpu, before JAX loads
@@ -56,6 +44,7 @@ import torch
 
 from _markdown import publish
 from meshlm.data.loader import WindowLoader, process_batch
+from meshlm.hardware import cpu_description
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import batch_sharding, make_eval_step, make_grad_step
 from meshlm.train_state import init_state, setup
@@ -106,7 +95,7 @@ def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(cores)
     command = " ".join(["python benchmarks/step_phases.py", *sys.argv[1:]])
     lines = [
-        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {cores} CPU core{'s' * (cores > 1)}, "
+        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {cpu_description()}, {cores} CPU core{'s' * (cores > 1)}, "
         f"torch {torch.__version__} eager, jax {jax.__version__}, meshlm on 1 device; vocab {vs.VOCAB}, seq {vs.SEQ}, "
         f"batch {vs.BATCH}, fp32; median ms of {args.rounds} alternating rounds of {args.steps} steps)",
         "",

@@ -27,7 +27,6 @@ core, apart from how it uses a second one. Its table has its own section in BENC
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -36,20 +35,8 @@ import time
 import _cores  # jax-free
 from meshlm import host_memory  # jax-free
 
-
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="small,medium")
-    ap.add_argument("--families", default="gpt,llama")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="steps per timed round")
-    ap.add_argument("--cores", type=int, default=0, help="run on this many of the allowed CPUs only (0: all)")
-    ap.add_argument("--write", action="store_true")
-    return ap.parse_args()
-
-
 if __name__ == "__main__":  # pinned before JAX and PyTorch size their thread pools
-    ARGS = parse_args()
+    ARGS = _cores.side_by_side_args()
     _cores.pin(ARGS.cores)
 
 # Before JAX and PyTorch start threads: the host allocator settings `meshlm train` uses on CPU
@@ -72,7 +59,7 @@ from _markdown import publish
 from meshlm.accounting import model_flops_per_step
 from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, validate
 from meshlm.data.loader import WindowLoader, process_batch
-from meshlm.hardware import probe_matmul_flops
+from meshlm.hardware import cpu_description, probe_matmul_flops
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.transformer import forward
 from meshlm.parallel.mesh import make_layout
@@ -305,8 +292,8 @@ def main() -> None:
     command = " ".join(["python benchmarks/vs_pytorch.py", *sys.argv[1:]])
     peak = probe_matmul_flops("float32")  # this host's matmul peak, measured in this run
     lines = [
-        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {cores} of {os.cpu_count()} CPU cores, "
-        f"torch {torch.__version__}, transformers {transformers.__version__}, jax {jax.__version__}; "
+        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {cpu_description()}, {cores} of {os.cpu_count()} "
+        f"CPU cores, torch {torch.__version__}, transformers {transformers.__version__}, jax {jax.__version__}; "
         f"vocab {VOCAB}, seq {SEQ}, batch {BATCH}, "
         f"fp32, AdamW + clipping; median of {args.rounds} alternating rounds of {args.steps} steps; tokens/s; "
         f"MFU = P2 Eq. 7 model FLOPs / step time / this host's fp32 1024^3 matmul probe, {peak / 1e9:.0f} GFLOP/s)",

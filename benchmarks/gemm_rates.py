@@ -1,0 +1,119 @@
+"""The dense GEMMs of issue 11's models alone: PyTorch (`torch.mm`, its BLAS) against XLA (a jitted
+`dot_general`, what meshlm's step runs), side by side in one process, in GFLOP/s.
+
+meshlm's step spends most of its time in these GEMMs (section "Where the step's time goes"), so
+how fast each framework's matmul library runs on the host sets much of `vs_pytorch.py`'s ratio:
+this table tells that part apart from what meshlm's own code does. For each GEMM of a layer and
+the head (rows = batch * seq = 2048): the forward product x @ w, the input gradient g @ w^T and the
+weight gradient x^T @ g, each as autodiff asks for it (transposed operands, no copies); and the
+1024^3 product of the MFU probe. Median of alternating rounds.
+
+    python benchmarks/gemm_rates.py [--sizes medium] [--families gpt,llama] [--cores 0] [--write]
+"""
+
+from __future__ import annotations
+
+import _cores  # jax-free
+
+if __name__ == "__main__":  # pinned before JAX and PyTorch size their thread pools
+    ARGS = _cores.side_by_side_args(sizes="medium")
+    _cores.pin(ARGS.cores)
+
+import vs_pytorch as vs  # first: meshlm's host allocator settings and JAX_PLATFORMS=cpu, before JAX loads
+
+# isort: split
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from _markdown import publish
+from meshlm.hardware import cpu_description
+
+ROWS = vs.BATCH * vs.SEQ
+
+
+def shapes(family: str, size: str) -> dict[str, tuple[str, int, int, int]]:
+    """{name: (kind, m, k, n)}, the product [m, k] x [k, n], for each GEMM of one layer and the head."""
+    cfg = vs.meshlm_config(family, size).model
+    d, f, v = cfg.d_model, cfg.ffn, cfg.vocab_size
+    out = {}
+    dense = {"attention d->d": (d, d), "mlp d->ffn": (d, f), "mlp ffn->d": (f, d), "head d->vocab": (d, v)}
+    for name, (i, o) in dense.items():
+        out[f"{family} {size} {name} forward"] = ("forward", ROWS, i, o)
+        out[f"{family} {size} {name} input grad"] = ("input grad", ROWS, o, i)
+        out[f"{family} {size} {name} weight grad"] = ("weight grad", i, ROWS, o)
+    return out
+
+
+def gemm_pair(kind: str, m: int, k: int, n: int):
+    """(torch call, jax call) computing the same [m, n] product, operands laid out as autodiff has them."""
+    # (stored shapes of the two operands, the axes they contract)
+    layout = {
+        "forward": ((m, k), (k, n), 1, 0),  # x @ w
+        "input grad": ((m, k), (n, k), 1, 1),  # g @ w^T, w stored [in, out] = [n, k]
+        "weight grad": ((k, m), (k, n), 0, 0),  # x^T @ g, x stored [rows, in] = [k, m]
+    }
+    sa, sb, ca, cb = layout[kind]
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(sa, np.float32), rng.standard_normal(sb, np.float32)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    ta, tb = (ta.t() if ca == 0 else ta), (tb.t() if cb == 1 else tb)  # views, as autograd passes them
+    torch_call = lambda: torch.mm(ta, tb)
+    dims = (((ca,), (cb,)), ((), ()))
+    ja, jb = jnp.asarray(a), jnp.asarray(b)
+    f = jax.jit(lambda x, y: jax.lax.dot_general(x, y, dims))
+    return torch_call, lambda: f(ja, jb).block_until_ready()
+
+
+def median_rates(calls: dict, flops: float, rounds: int, repeats: int = 5) -> dict[str, float]:
+    for call in calls.values():  # compile / warm up
+        call()
+        call()
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            t = time.perf_counter()
+            for _ in range(repeats):
+                call()
+            times[name].append((time.perf_counter() - t) / repeats)
+    return {name: flops / float(np.median(v)) / 1e9 for name, v in times.items()}
+
+
+def main(args) -> None:
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
+    command = " ".join(["python benchmarks/gemm_rates.py", *sys.argv[1:]])
+    lines = [
+        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {cpu_description()}, {cores} of {os.cpu_count()} "
+        f"CPU cores, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()} kernels), "
+        f"jax {jax.__version__}; fp32; median GFLOP/s of {args.rounds * 4} alternating rounds)",
+        "",
+        "| GEMM | [m, k] x [k, n] | PyTorch GFLOP/s | XLA GFLOP/s | XLA / PyTorch |",
+        "|---|---|---:|---:|---:|",
+    ]
+    rows = {"MFU probe 1024^3": ("forward", 1024, 1024, 1024)}
+    for family in args.families.split(","):
+        for size in args.sizes.split(","):
+            rows |= shapes(family, size)
+    seen = set()
+    for name, (kind, m, k, n) in rows.items():
+        if (kind, m, k, n) in seen:  # the same product as an earlier row (the families share some)
+            continue
+        seen.add((kind, m, k, n))
+        torch_call, jax_call = gemm_pair(kind, m, k, n)
+        rate = median_rates({"torch": torch_call, "jax": jax_call}, 2 * m * k * n, args.rounds * 4)
+        lines.append(
+            f"| {name} | [{m}, {k}] x [{k}, {n}] | {rate['torch']:.0f} | {rate['jax']:.0f} "
+            f"| {rate['jax'] / rate['torch']:.2f}x |"
+        )
+        print(lines[-1], flush=True)
+    publish("gemm_rates" if cores == os.cpu_count() else f"gemm_rates_{cores}core", lines, args.write)
+
+
+if __name__ == "__main__":
+    main(ARGS)

@@ -89,8 +89,11 @@ def test_unrolled_layers_are_the_scanned_layers(family, policy):
     assert stacked("pad") == 0 and stacked("concatenate") == len(jax.tree.leaves(params["layers"]))
     (scanned, g_scan), (chained, g_chain) = (jax.jit(jax.value_and_grad(loss_fn(u)))(params) for u in (1, 3))
     np.testing.assert_allclose(chained, scanned, rtol=1e-6)
+    # fp32 rounding is relative to a leaf's scale (the GEMMs' summation order differs between the two
+    # programs and between CPUs): elements near zero get an absolute slack of 1e-6 of the leaf's
+    # largest element, which an AVX-512 host needs (3e-7 on a leaf whose largest is above 0.7)
     for a, b in zip(jax.tree.leaves(g_chain), jax.tree.leaves(g_scan), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
 
 
 @pytest.mark.parametrize(("n", "unroll"), [(1, 1), (2, 1), (2, 2)])

@@ -174,28 +174,50 @@ def test_peak_is_the_precision_that_runs_on_the_exact_device(monkeypatch):
 
 
 def test_cpu_peak_is_cached_per_cpu_generation_not_per_model_name(monkeypatch, tmp_path):
-    """Two hosts named "AMD EPYC", one with AVX2 and one with AVX-512 (a cache in a shared home
-    directory): the second probes its own peak instead of reading the first's, which would put its
-    MFU off by the ratio of their matmul speeds."""
+    """Hosts that all call themselves "AMD EPYC" (a cache in a shared home directory): one with AVX2,
+    one with AVX-512, one of the next generation with the same extensions, and a run pinned to one
+    of the CPUs. Each probes its own peak instead of reading another's, which would put its MFU off
+    by the ratio of their matmul speeds; each finds its own entry again."""
     from meshlm import hardware
 
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
-    peaks = {"avx2": 100e9, "avx512f": 380e9}
     cpuinfo = tmp_path / "cpuinfo"
     monkeypatch.setattr(hardware, "_CPUINFO", cpuinfo)
 
-    def on(widest: str) -> hardware.Peak:
-        flags = "fpu sse4_2 avx fma avx2" + (" avx512f avx512bw" if widest == "avx512f" else "")
-        cpuinfo.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n")
-        monkeypatch.setattr(hardware, "probe_matmul_flops", lambda dtype: peaks[widest])
-        return hardware.peak_flops("float32", 1)
+    def host(family: int, avx512: bool, cpus: int = 2) -> None:
+        flags = "fpu sse4_2 avx fma avx2" + (" avx512f avx512bw" if avx512 else "")
+        one = f"processor\t: {{}}\ncpu family\t: {family}\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+        one += f"flags\t\t: {flags}\n"
+        cpuinfo.write_text(one.format(0) + "\n" + one.format(1).replace("AMD EPYC", "second CPU, not read"))
+        monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: set(range(cpus)))
 
-    assert on("avx2").flops == 100e9
-    assert hardware.cpu_description() == "AMD EPYC (avx2, fma)"
-    assert on("avx512f").flops == 380e9
-    assert hardware.cpu_description() == "AMD EPYC (avx2, fma, avx512f)"
-    assert on("avx2").flops == 100e9  # each host's entry stays its own
-    assert len(json.loads((tmp_path / "cache" / "peak_flops.json").read_text())) == 2
+    def peak(probe: float | None) -> float:
+        def probed(dtype):
+            assert probe is not None, "probed again: this host's cached peak was not found"
+            return probe
+
+        monkeypatch.setattr(hardware, "probe_matmul_flops", probed)
+        return hardware.peak_flops("float32", 1).flops
+
+    host(25, avx512=False)
+    assert hardware.cpu_description() == "AMD EPYC (family 25 model 2; avx2, fma)"
+    assert peak(100e9) == 100e9
+    host(25, avx512=True)
+    assert hardware.cpu_description() == "AMD EPYC (family 25 model 2; avx2, fma, avx512f)"
+    assert peak(250e9) == 250e9
+    host(26, avx512=True)  # the next generation: the same extensions, twice as wide
+    assert peak(400e9) == 400e9
+    host(26, avx512=True, cpus=1)  # a run pinned to one CPU
+    assert peak(200e9) == 200e9
+    for family, avx512, cpus, expected in (
+        (25, False, 2, 100e9),
+        (25, True, 2, 250e9),
+        (26, True, 2, 400e9),
+        (26, True, 1, 200e9),
+    ):
+        host(family, avx512, cpus)
+        assert peak(None) == expected  # its own entry, no probe
+    assert len(json.loads((tmp_path / "cache" / "peak_flops.json").read_text())) == 4
 
 
 def test_cpu_peak_probes_under_a_lock_and_a_faster_run_raises_it(monkeypatch, tmp_path):

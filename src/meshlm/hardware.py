@@ -10,11 +10,11 @@ parameter dtype: JAX computes float32 matmuls with TF32 tensor cores on NVIDIA G
 bfloat16 pass on TPUs unless `jax_default_matmul_precision` asks for more (`matmul_precision`).
 
 On CPU there is no datasheet number worth quoting, so the peak is a jitted square matmul timed on
-this machine (best of several runs), cached per (CPU model and vector extensions, core count,
-dtype): a cache shared by hosts of one model name but another CPU generation is not reused. All
-simulated CPU devices share the same cores, so the probe measures the whole host and MFU is quoted
-against the host. A probe taken
-on a busy host reads low; when a single-host run then computes more model FLOPs per second than
+this machine (best of several runs), cached per (CPU model, generation and vector extensions, CPUs
+the process may use, dtype): a cache shared by hosts of one model name but another CPU generation,
+or written by a run pinned to fewer cores, is not reused. All simulated CPU devices share the same
+cores, so the probe measures every CPU the process may use and MFU is quoted against those. A probe
+taken on a busy host reads low; when a single-host run then computes more model FLOPs per second than
 it, the run's rate replaces it (`raise_cpu_peak`), so such a run never reports MFU above 100%.
 
 JAX is imported inside the functions that need a device, so the CLI can read the table before
@@ -152,31 +152,50 @@ def _cache_file() -> Path:
     return cache_home() / "peak_flops.json"
 
 
-# The vector extensions that set a CPU's matmul speed: hosts that share a model name ("AMD EPYC")
-# across generations differ several-fold in the probe by these (AVX2 against AVX-512 FMA units).
+# What sets a CPU's matmul speed beyond its model name: hosts that share one ("AMD EPYC") across
+# generations differ several-fold in the probe by their vector units (AVX2 against AVX-512), and
+# generations with the same extensions by how wide those run (x86 "cpu family" and "model" tell them
+# apart).
 _CPUINFO = Path("/proc/cpuinfo")
 _VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "asimd", "sve", "sve2")
 
 
-def _cpuinfo() -> tuple[str, tuple[str, ...]]:
-    """(model name, the vector extensions among `_VECTOR_FLAGS` it has) of this host's CPU."""
-    name, flags = "", set()
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's "model name", "cpu family", "model" and "flags" (or "Features") lines of
+    /proc/cpuinfo; empty where the file or a line is missing."""
+    wanted, found = ("model name", "cpu family", "model", "flags", "Features"), {}
     try:
         for line in _CPUINFO.read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and not name:
-                name = value.strip()
-            elif key.strip() in ("flags", "Features") and not flags:
-                flags = set(value.split())
+            key = key.strip()
+            if key in wanted and key not in found:
+                found[key] = value.strip()
+            elif not key and found:  # the blank line after the first CPU
+                break
     except OSError:
         pass
-    return name or platform.processor() or platform.machine(), tuple(f for f in _VECTOR_FLAGS if f in flags)
+    return found
 
 
 def cpu_description() -> str:
-    """This host's CPU as benchmarks and the CPU peak's cache name it, e.g. "AMD EPYC (avx2, fma, avx512f)"."""
-    name, vector = _cpuinfo()
-    return f"{name} ({', '.join(vector)})" if vector else name
+    """This host's CPU as benchmarks and the CPU peak's cache name it, e.g.
+    "AMD EPYC (family 26 model 2; avx2, fma, avx512f, avx512_bf16)"."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    has_generation = "cpu family" in info and "model" in info
+    generation = f"family {info['cpu family']} model {info['model']}" if has_generation else ""
+    vector = ", ".join(f for f in _VECTOR_FLAGS if f in flags)
+    details = "; ".join(x for x in (generation, vector) if x)
+    return f"{name} ({details})" if details else name
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (a pinned process probes, and computes, on those only)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this OS
+        return os.cpu_count() or 1
 
 
 def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 20) -> float:
@@ -195,7 +214,7 @@ def probe_matmul_flops(dtype: str, n: int = 1024, repeats: int = 20) -> float:
 
 
 def _cpu_key(dtype: str) -> str:
-    return f"{cpu_description()}|{os.cpu_count()}|{dtype}"
+    return f"{cpu_description()}|{_usable_cpus()} cpus|{dtype}"
 
 
 def _update_cache(key: str, update: Callable[[dict | None], dict]) -> dict:

@@ -3,10 +3,15 @@
 
 meshlm's step spends most of its time in these GEMMs (section "Where the step's time goes"), so
 how fast each framework's matmul library runs on the host sets much of `vs_pytorch.py`'s ratio:
-this table tells that part apart from what meshlm's own code does. For each GEMM of a layer and
-the head (rows = batch * seq = 2048): the forward product x @ w, the input gradient g @ w^T and the
-weight gradient x^T @ g, each as autodiff asks for it (transposed operands, no copies); and the
-1024^3 product of the MFU probe. Median of alternating rounds.
+this table tells that part apart from what meshlm's own code does. For each GEMM shape of a layer
+and the head (rows = batch * seq = 2048): the forward product x @ w, the input gradient g @ w^T and
+the weight gradient x^T @ g, with weights stored [in, out] and the transposed operands read in place;
+and the 1024^3 product of the MFU probe. Median of alternating rounds.
+
+Both libraries get the same operands in the same layout. It is each library's speed per shape, not
+each framework's exact products: `nn.Linear` stores its weights [out, in], gpt's tied head [vocab, d]
+in meshlm, and meshlm's weight gradients on CPU multiply a transposed copy of the activations
+(`layers._dense_gradients`).
 
     python benchmarks/gemm_rates.py [--sizes medium] [--families gpt,llama] [--cores 0] [--write]
 """
@@ -38,15 +43,16 @@ ROWS = vs.BATCH * vs.SEQ
 
 
 def shapes(family: str, size: str) -> dict[str, tuple[str, int, int, int]]:
-    """{name: (kind, m, k, n)}, the product [m, k] x [k, n], for each GEMM of one layer and the head."""
+    """{name: (kind, m, k, n)}, the product [m, k] x [k, n], for each GEMM of one layer and the head
+    (names without the family: families whose GEMMs have the same shapes share a row)."""
     cfg = vs.meshlm_config(family, size).model
     d, f, v = cfg.d_model, cfg.ffn, cfg.vocab_size
     out = {}
     dense = {"attention d->d": (d, d), "mlp d->ffn": (d, f), "mlp ffn->d": (f, d), "head d->vocab": (d, v)}
     for name, (i, o) in dense.items():
-        out[f"{family} {size} {name} forward"] = ("forward", ROWS, i, o)
-        out[f"{family} {size} {name} input grad"] = ("input grad", ROWS, o, i)
-        out[f"{family} {size} {name} weight grad"] = ("weight grad", i, ROWS, o)
+        out[f"{size} {name} forward"] = ("forward", ROWS, i, o)
+        out[f"{size} {name} input grad"] = ("input grad", ROWS, o, i)
+        out[f"{size} {name} weight grad"] = ("weight grad", i, ROWS, o)
     return out
 
 
@@ -70,7 +76,7 @@ def gemm_pair(kind: str, m: int, k: int, n: int):
     return torch_call, lambda: f(ja, jb).block_until_ready()
 
 
-def median_rates(calls: dict, flops: float, rounds: int, repeats: int = 5) -> dict[str, float]:
+def median_rates(calls: dict, flops: float, rounds: int, repeats: int) -> dict[str, float]:
     for call in calls.values():  # compile / warm up
         call()
         call()
@@ -91,22 +97,20 @@ def main(args) -> None:
     lines = [
         f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {cpu_description()}, {cores} of {os.cpu_count()} "
         f"CPU cores, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()} kernels), "
-        f"jax {jax.__version__}; fp32; median GFLOP/s of {args.rounds * 4} alternating rounds)",
+        f"jax {jax.__version__}; fp32; median GFLOP/s of {args.rounds * 4} alternating rounds of {args.steps} calls)",
         "",
         "| GEMM | [m, k] x [k, n] | PyTorch GFLOP/s | XLA GFLOP/s | XLA / PyTorch |",
         "|---|---|---:|---:|---:|",
     ]
-    rows = {"MFU probe 1024^3": ("forward", 1024, 1024, 1024)}
+    rows = {("forward", 1024, 1024, 1024): ["MFU probe 1024^3", []]}  # product: [name, families]
     for family in args.families.split(","):
         for size in args.sizes.split(","):
-            rows |= shapes(family, size)
-    seen = set()
-    for name, (kind, m, k, n) in rows.items():
-        if (kind, m, k, n) in seen:  # the same product as an earlier row (the families share some)
-            continue
-        seen.add((kind, m, k, n))
+            for name, product in shapes(family, size).items():
+                rows.setdefault(product, [name, []])[1].append(family)
+    for (kind, m, k, n), (name, families) in rows.items():
+        name = f"{', '.join(families)} {name}" if families else name
         torch_call, jax_call = gemm_pair(kind, m, k, n)
-        rate = median_rates({"torch": torch_call, "jax": jax_call}, 2 * m * k * n, args.rounds * 4)
+        rate = median_rates({"torch": torch_call, "jax": jax_call}, 2 * m * k * n, args.rounds * 4, args.steps)
         lines.append(
             f"| {name} | [{m}, {k}] x [{k}, {n}] | {rate['torch']:.0f} | {rate['jax']:.0f} "
             f"| {rate['jax'] / rate['torch']:.2f}x |"

@@ -57,7 +57,8 @@ def shapes(family: str, size: str) -> dict[str, tuple[str, int, int, int]]:
 
 
 def gemm_pair(kind: str, m: int, k: int, n: int):
-    """(torch call, jax call) computing the same [m, n] product, operands laid out as autodiff has them."""
+    """(torch call, jax call) computing the same [m, n] product from the same operands, stored as the
+    module docstring says."""
     # (stored shapes of the two operands, the axes they contract)
     layout = {
         "forward": ((m, k), (k, n), 1, 0),  # x @ w
@@ -68,7 +69,7 @@ def gemm_pair(kind: str, m: int, k: int, n: int):
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal(sa, np.float32), rng.standard_normal(sb, np.float32)
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    ta, tb = (ta.t() if ca == 0 else ta), (tb.t() if cb == 1 else tb)  # views, as autograd passes them
+    ta, tb = (ta.t() if ca == 0 else ta), (tb.t() if cb == 1 else tb)  # transposed views, read in place
     torch_call = lambda: torch.mm(ta, tb)
     dims = (((ca,), (cb,)), ((), ()))
     ja, jb = jnp.asarray(a), jnp.asarray(b)

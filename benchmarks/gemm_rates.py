@@ -77,20 +77,6 @@ def gemm_pair(kind: str, m: int, k: int, n: int):
     return torch_call, lambda: f(ja, jb).block_until_ready()
 
 
-def median_rates(calls: dict, flops: float, rounds: int, repeats: int) -> dict[str, float]:
-    for call in calls.values():  # compile / warm up
-        call()
-        call()
-    times = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            t = time.perf_counter()
-            for _ in range(repeats):
-                call()
-            times[name].append((time.perf_counter() - t) / repeats)
-    return {name: flops / float(np.median(v)) / 1e9 for name, v in times.items()}
-
-
 def main(args) -> None:
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)
@@ -111,7 +97,8 @@ def main(args) -> None:
     for (kind, m, k, n), (name, families) in rows.items():
         name = f"{', '.join(families)} {name}" if families else name
         torch_call, jax_call = gemm_pair(kind, m, k, n)
-        rate = median_rates({"torch": torch_call, "jax": jax_call}, 2 * m * k * n, args.rounds * 4, args.steps)
+        calls = {"torch": (torch_call, lambda: None), "jax": (jax_call, lambda: None)}  # each call returns done
+        rate = {fw: 2 * m * k * n / t / 1e9 for fw, t in vs.time_variants(calls, args.rounds * 4, args.steps).items()}
         lines.append(
             f"| {name} | [{m}, {k}] x [{k}, {n}] | {rate['torch']:.0f} | {rate['jax']:.0f} "
             f"| {rate['jax'] / rate['torch']:.2f}x |"

@@ -27,7 +27,7 @@ import jax
 from _markdown import write_section
 from _timing import median_step_seconds
 from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, validate
-from meshlm.memory import measure_activations
+from meshlm.insight.memory import measure_activations
 from meshlm.parallel.mesh import make_layout
 
 LENGTHS = (8192, 16384, 32768, 65536, 131072)

@@ -5,7 +5,7 @@ bytes of both, side by side in one process, on one CPU device.
 The comparison flips `elementwise` on the `elementwise` policy's registry entry (nothing else
 changes: no layer-level checkpoint, no attention recomputation), builds both steps, and times them
 in interleaved rounds (medians). Activation bytes are the vjp residuals of the compiled forward
-pass (`meshlm.memory`). Config: issue 11's "small" shape (4 layers, d=256, 8 heads, vocab 8192,
+pass (`meshlm.insight.memory`). Config: issue 11's "small" shape (4 layers, d=256, 8 heads, vocab 8192,
 seq 256, batch 8, fp32, no dropout).
 
     python benchmarks/elementwise_remat.py [--rounds 7] [--write]
@@ -27,7 +27,7 @@ import numpy as np
 
 from _markdown import publish
 from meshlm.config import ModelConfig, OptimConfig, RunConfig, TrainConfig
-from meshlm.memory import measure_activations
+from meshlm.insight.memory import measure_activations
 from meshlm.parallel import remat
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import make_train_step

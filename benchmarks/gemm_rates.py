@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from _markdown import publish
-from meshlm.hardware import cpu_description
+from meshlm.platform.hardware import cpu_description
 
 ROWS = vs.BATCH * vs.SEQ
 

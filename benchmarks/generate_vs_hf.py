@@ -2,7 +2,7 @@
 `generate` on PyTorch CPU, the same weights, side by side in one process.
 
 For each recipe (`tiny`: 4 layers, d=128, vocab 2048; `gpt-125m`: GPT-2 small's shape, 12 layers,
-d=768, vocab 50304) a randomly initialised meshlm model is exported with `meshlm.hf.save_pretrained`
+d=768, vocab 50304) a randomly initialised meshlm model is exported with `meshlm.interop.hf.save_pretrained`
 and loaded by `transformers.AutoModelForCausalLM` (fp32, eager, 2 intra-op threads). Both then
 decode greedily from the same prompts (no end-of-text stop):
 
@@ -35,9 +35,10 @@ import torch
 import transformers
 
 from _markdown import publish
-from meshlm import hf, recipes
+from meshlm import recipes
 from meshlm.config import ParallelConfig, RunConfig
 from meshlm.inference import Generator, Model
+from meshlm.interop import hf
 from meshlm.model.params import init_params, param_specs
 from meshlm.parallel.mesh import make_layout
 

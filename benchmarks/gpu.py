@@ -2,11 +2,11 @@
 tokens/s, MFU, HFU, peak device memory (from the device's allocator) and compile time.
 
 For each recipe (bf16 weights in compute, fp32 masters, as the recipes set): `meshlm plan`'s best
-feasible plan for the visible devices (the device kind matched in `meshlm.hardware`; its memory as
+feasible plan for the visible devices (the device kind matched in `meshlm.platform.hardware`; its memory as
 the limit), with `blockwise` attention promoted to `fused` (cuDNN flash attention where it applies);
 the train step compiled (timed), two warm-up steps, then `--steps` timed steps on random tokens
 (median). Peak memory is `memory_stats()["peak_bytes_in_use"]`, the largest over local devices.
-The backend's XLA flags are `meshlm.xla_flags` (set before JAX starts; `MESHLM_XLA_TUNING=0` for a
+The backend's XLA flags are `meshlm.platform.xla_flags` (set before JAX starts; `MESHLM_XLA_TUNING=0` for a
 run without them).
 
     benchmarks/gpu.sh [--steps 10] [--write]          # on a GPU machine, under 10 minutes
@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from meshlm import xla_flags
+from meshlm.platform import xla_flags
 
 os.environ["XLA_FLAGS"] = xla_flags.flags_for()  # before JAX starts a backend
 
@@ -30,10 +30,11 @@ import jax
 
 from _markdown import write_section
 from _timing import prepared_step
-from meshlm import accounting, hardware, recipes
-from meshlm import plan as planner
+from meshlm import accounting, recipes
 from meshlm.config import RunConfig, validate
+from meshlm.insight import plan as planner
 from meshlm.parallel.mesh import make_layout
+from meshlm.platform import hardware
 
 
 def planned(cfg: RunConfig, n: int) -> tuple[RunConfig, str]:

@@ -1,4 +1,4 @@
-"""Host memory reuse (`meshlm.host_memory`) on and off, side by side in one invocation.
+"""Host memory reuse (`meshlm.platform.host_memory`) on and off, side by side in one invocation.
 
 glibc's allocator settings are per process and can only be chosen before threads start, so each
 variant runs in its own worker process (`MESHLM_MALLOC_TUNING=0` or 1, applied before JAX or
@@ -45,7 +45,7 @@ def worker(framework: str, family: str, size: str) -> None:
     """Build one stepper, then answer each line `N` on stdin with a JSON round of N steps."""
     import resource
 
-    from meshlm import host_memory
+    from meshlm.platform import host_memory
 
     host_memory.apply()  # before JAX or PyTorch is imported
     applied = host_memory.keep_freed(None)

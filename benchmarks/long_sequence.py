@@ -2,7 +2,7 @@
 chunks) vs blockwise (stores O(s)).
 
 1. Memory: for a llama model of d=512, 8 layers, 8 heads (4 kv), bf16, batch 1, the activation
-   bytes the compiled program keeps for backward (`meshlm.memory.measure_activations`: compiled,
+   bytes the compiled program keeps for backward (`meshlm.insight.memory.measure_activations`: compiled,
    never run) at s = 1k .. 64k, and the longest s that fits a per-device activation budget.
 2. Speed: train-step tokens/s of a small llama (d=256, 4 layers, fp32) at s = 256 .. 2048 with
    the same tokens per step, explicit vs blockwise (block 128 and 256), alternating rounds, medians.
@@ -23,7 +23,7 @@ import jax
 from _markdown import write_section
 from _timing import median_step_seconds
 from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, validate
-from meshlm.memory import measure_activations
+from meshlm.insight.memory import measure_activations
 from meshlm.parallel.mesh import make_layout
 
 MODES = {"explicit": ("explicit", 128), "blockwise-128": ("blockwise", 128), "blockwise-256": ("blockwise", 256)}

@@ -23,7 +23,7 @@ import dataclasses
 
 from meshlm import accounting, recipes
 from meshlm.config import RematConfig
-from meshlm.memory import measure_activations
+from meshlm.insight.memory import measure_activations
 from meshlm.parallel.mesh import make_layout
 
 GiB = 2**30

@@ -40,8 +40,8 @@ import numpy as np
 
 from _markdown import write_section
 from meshlm.data.loader import WindowLoader, process_batch
-from meshlm.hardware import cpu_description
 from meshlm.parallel.mesh import make_layout
+from meshlm.platform.hardware import cpu_description
 from meshlm.step import abstract_batch, batch_sharding, make_train_step
 from meshlm.train_state import abstract_state, init_state, setup
 

@@ -44,8 +44,8 @@ import torch
 
 from _markdown import publish
 from meshlm.data.loader import WindowLoader, process_batch
-from meshlm.hardware import cpu_description
 from meshlm.parallel.mesh import make_layout
+from meshlm.platform.hardware import cpu_description
 from meshlm.step import batch_sharding, make_eval_step, make_grad_step
 from meshlm.train_state import init_state, setup
 

@@ -12,7 +12,7 @@ fp32, no dropout, AdamW with global-norm clipping) it trains:
   layer scan (the default) and with no layer loop (`model.scan_unroll` = layers: the layers
   chained; runs before 2026-12-01's dK/dV change had `lax.scan(unroll=n)` at data=2 only).
 
-The process runs under meshlm's host allocator settings (`meshlm.host_memory`, as `meshlm train`
+The process runs under meshlm's host allocator settings (`meshlm.platform.host_memory`, as `meshlm train`
 on CPU), PyTorch included: `benchmarks/host_memory.py` measures both frameworks with and without.
 Variants run in alternating rounds of a few steps each and report the median step time, so the
 ratios within a row are comparable on a shared, noisy machine. The minimal JAX model is checked
@@ -33,14 +33,14 @@ import sys
 import time
 
 import _cores  # jax-free
-from meshlm import host_memory  # jax-free
+from meshlm.platform import host_memory  # jax-free
 
 if __name__ == "__main__":  # pinned before JAX and PyTorch size their thread pools
     ARGS = _cores.side_by_side_args()
     _cores.pin(ARGS.cores)
 
 # Before JAX and PyTorch start threads: the host allocator settings `meshlm train` uses on CPU
-# (meshlm.host_memory). PyTorch runs in this process too, so it runs under them as well.
+# (meshlm.platform.host_memory). PyTorch runs in this process too, so it runs under them as well.
 host_memory.apply()
 host_memory.keep_freed(None)
 
@@ -59,10 +59,10 @@ from _markdown import publish
 from meshlm.accounting import model_flops_per_step
 from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, validate
 from meshlm.data.loader import WindowLoader, process_batch
-from meshlm.hardware import cpu_description, probe_matmul_flops
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.transformer import forward
 from meshlm.parallel.mesh import make_layout
+from meshlm.platform.hardware import cpu_description, probe_matmul_flops
 from meshlm.step import batch_sharding, make_train_step
 from meshlm.train_state import init_state, setup
 

@@ -167,7 +167,7 @@ def test_chunked_dk_dv_are_summed_in_place(kv, t, queries, chunk, rate, monkeypa
 
 
 def test_startup_report_names_the_query_chunks():
-    from meshlm.startup_report import _explicit_label
+    from meshlm.insight.startup_report import _explicit_label
 
     cfg = tiny_config()
     assert _explicit_label(cfg.model, 32) == (
@@ -481,7 +481,7 @@ def test_dense_rows_move_no_data(family, mesh, monkeypatch, devices):
     """The whole model's gradient program has the same collectives with dense layers on b*t rows as
     with plain 3-D einsums: the rows view is local wherever `layers.dense` is used flat (under
     context it must not be: the sequence is split, and a reshape would gather it)."""
-    from meshlm import hlo
+    from meshlm.insight import hlo
     from meshlm.model.loss import cross_entropy_sum
     from meshlm.model.params import abstract_params, param_specs
     from meshlm.model.transformer import forward

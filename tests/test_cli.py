@@ -113,7 +113,7 @@ def test_default_tiny_job_learns(default_run):
     val = [r["val_loss"] for r in records if "val_loss" in r]
     entropy = info["unigram_entropy"]
     assert entropy > 5.0  # a real BPE vocabulary over real text
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":  # meshlm.host_memory, on by default
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":  # meshlm.platform.host_memory, on by default
         assert info["host_allocator"].startswith("on"), info["host_allocator"]
     assert val[-1] < entropy - 1.5, (val, entropy)
     assert val == sorted(val, reverse=True)  # validation loss falls at every evaluation

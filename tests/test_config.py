@@ -112,7 +112,8 @@ def test_config_cli_and_device_table_import_no_jax():
     import sys
 
     code = (
-        "import sys; import meshlm.config, meshlm.hardware, meshlm.cli, meshlm.launch, meshlm.recipes; "
+        "import sys; import meshlm.config, meshlm.platform.hardware, meshlm.cli, meshlm.launch.supervisor; "
+        "import meshlm.recipes; "
         "meshlm.config.validate(meshlm.recipes.get('llama-1b')); "
         "assert 'jax' not in sys.modules, [m for m in sys.modules if m.startswith('jax')][:5]"
     )
@@ -130,6 +131,6 @@ def test_no_library_module_imports_the_cli():
         "    if m.name not in ('meshlm.cli', 'meshlm.__main__'):\n"
         "        importlib.import_module(m.name)\n"
         "assert 'meshlm.cli' not in sys.modules, 'a library module imports meshlm.cli'\n"
-        "assert 'meshlm.launch' in sys.modules and 'meshlm.trainer' in sys.modules\n"
+        "assert 'meshlm.launch.supervisor' in sys.modules and 'meshlm.trainer' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

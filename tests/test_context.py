@@ -322,8 +322,9 @@ def test_generation_refuses_a_context_mesh():
 def test_the_planner_splits_long_sequences_over_context():
     """llama-1b at 32k tokens, 4 sequences per step, on 8 H100s: the best plan uses context (with
     the blockwise kernel the recipe did not ask for) and says why; at 2k tokens it does not."""
-    from meshlm import plan, recipes
-    from meshlm.hardware import ACCELERATORS
+    from meshlm import recipes
+    from meshlm.insight import plan
+    from meshlm.platform.hardware import ACCELERATORS
 
     def best(seq_len: int, batch: int):
         cfg = recipes.get("llama-1b")

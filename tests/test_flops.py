@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from meshlm import accounting, hlo, recipes
+from meshlm import accounting, recipes
 from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
+from meshlm.insight import hlo
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import make_train_step
 from meshlm.train_state import init_state, setup
@@ -146,7 +147,7 @@ def test_peak_is_the_precision_that_runs_on_the_exact_device(monkeypatch):
     precision asks for more; device kinds match exactly (an H100 PCIe is not an SXM)."""
     from types import SimpleNamespace
 
-    from meshlm import hardware
+    from meshlm.platform import hardware
 
     def peak(kind, dtype, platform="gpu", precision=None):
         fake = SimpleNamespace(platform=platform, device_kind=kind)
@@ -178,7 +179,7 @@ def test_cpu_peak_is_cached_per_cpu_generation_not_per_model_name(monkeypatch, t
     one with AVX-512, one of the next generation with the same extensions, and a run pinned to one
     of the CPUs. Each probes its own peak instead of reading another's, which would put its MFU off
     by the ratio of their matmul speeds; each finds its own entry again."""
-    from meshlm import hardware
+    from meshlm.platform import hardware
 
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
     cpuinfo = tmp_path / "cpuinfo"
@@ -227,7 +228,7 @@ def test_cpu_peak_probes_under_a_lock_and_a_faster_run_raises_it(monkeypatch, tm
     read and left alone; a bare number from an older meshlm reads as a probe."""
     import fcntl
 
-    from meshlm import hardware
+    from meshlm.platform import hardware
 
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
     probes = []

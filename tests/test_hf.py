@@ -13,10 +13,11 @@ import jax
 import numpy as np
 import pytest
 
-from meshlm import hf, inference
-from meshlm import safetensors_io as st
+from meshlm import inference
 from meshlm.cli import main
 from meshlm.config import ParallelConfig, RunConfig
+from meshlm.interop import hf
+from meshlm.interop import safetensors_io as st
 from meshlm.model.params import param_specs
 from meshlm.model.transformer import forward
 from meshlm.parallel.mesh import make_layout

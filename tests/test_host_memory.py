@@ -1,4 +1,4 @@
-"""Host memory reuse on CPU (`meshlm.host_memory`): the temporary buffer of an XLA:CPU program is
+"""Host memory reuse on CPU (`meshlm.platform.host_memory`): the temporary buffer of an XLA:CPU program is
 faulted in afresh on every call under glibc's defaults, and reused under meshlm's settings; the
 settings stay off where they would not fit; the train loop keeps one step in flight under them."""
 
@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from meshlm import host_memory, trainer
+from meshlm import trainer
+from meshlm.platform import host_memory
 
 glibc = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only"
@@ -26,7 +27,7 @@ glibc = pytest.mark.skipif(
 PROBE = textwrap.dedent(
     """
     import json, resource
-    from meshlm import host_memory
+    from meshlm.platform import host_memory
     host_memory.apply()
     import jax, jax.numpy as jnp
     def f(x):

@@ -6,7 +6,7 @@ import pytest
 
 from meshlm.cli import launch_plan
 from meshlm.config import ConfigError
-from meshlm.launch import describe_exit, worker_command
+from meshlm.launch.supervisor import describe_exit, worker_command
 from meshlm.parallel.mesh import process_group
 
 
@@ -92,7 +92,7 @@ def test_rendezvous_listens_on_the_coordinator_address_only(monkeypatch):
     bound = []
     real = mesh.listen
     monkeypatch.setattr(mesh, "listen", lambda host, port: bound.append(host) or real(host, port))
-    from meshlm.launch import free_port
+    from meshlm.launch.supervisor import free_port
 
     group = process_group(f"127.0.0.1:{free_port()}", 2, 0, timeout_s=1, env={})
     with pytest.raises(ConfigError, match="only 1 of 2 processes joined"):
@@ -106,7 +106,7 @@ def test_config_errors_and_non_finite_stops_are_not_retried(monkeypatch, tmp_pat
     the supervisor stops the group and passes the code on after one attempt."""
     import sys
 
-    from meshlm import launch
+    from meshlm.launch import supervisor as launch
 
     def worker(train_args, devices, coordinator, n, i):  # process 1 fails at once, process 0 waits
         return [sys.executable, "-c", f"import sys, time; time.sleep(0 if {i} else 60); sys.exit({code})"]

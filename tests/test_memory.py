@@ -12,7 +12,7 @@ from helpers import p2_gpt_model
 from meshlm import accounting
 from meshlm.cli import main
 from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig, validate
-from meshlm.memory import measure_activations
+from meshlm.insight.memory import measure_activations
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.remat import POLICIES
 

@@ -16,7 +16,7 @@ from helpers import logged_losses
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, from_dict
 from meshlm.data.prepare import write_dataset
-from meshlm.launch import free_port
+from meshlm.launch.supervisor import free_port
 from meshlm.model.params import named_leaves
 from meshlm.parallel.mesh import make_layout
 from meshlm.train_state import abstract_state, setup
@@ -384,7 +384,7 @@ def test_corrupt_shard_of_one_process_falls_back_after_restart(reference, datase
 def test_report_on_a_two_process_run(reference, tmp_path):
     """`meshlm report` reads a multi-process run's directory (process 0 wrote its files)."""
     from meshlm.cli import main
-    from meshlm.run_report import figures, read_run
+    from meshlm.observe.run_report import figures, read_run
 
     run, _ = reference
     assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import logged_losses, tiny_config
 from meshlm.config import CheckpointConfig, DataConfig, validate
-from meshlm.run_report import figures, read_run, write_report
+from meshlm.observe.run_report import figures, read_run, write_report
 from meshlm.trainer import train
 
 
@@ -133,7 +133,7 @@ def test_a_low_cpu_probe_is_raised_so_mfu_stays_below_one(corpus_dir, tmp_path, 
     """A probe cached while the host was busy (here 1 MFLOP/s) would put MFU far above 100%: each
     window whose model FLOP rate beats the peak raises it to that rate, says so, and caches it, and
     run.json names the peak the last windows were quoted against."""
-    from meshlm import hardware
+    from meshlm.platform import hardware
 
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "peak"))
     (tmp_path / "peak").mkdir()
@@ -152,7 +152,7 @@ def test_a_low_cpu_probe_is_raised_so_mfu_stays_below_one(corpus_dir, tmp_path, 
 
 def test_wandb_sink_offline(tmp_path, monkeypatch):
     """The W&B sink records what it is given, offline (no network here), under <run_dir>/wandb."""
-    from meshlm.sinks import WandbSink
+    from meshlm.observe.sinks import WandbSink
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     sink = WandbSink("meshlm-test", tmp_path, {"model": {"d_model": 64}}, quiet=True)
@@ -168,7 +168,7 @@ def test_wandb_sink_offline(tmp_path, monkeypatch):
 def test_wandb_falls_back_to_offline_when_unreachable(tmp_path, monkeypatch):
     """Logged in (a key is set) but no network (this machine has none): the run logs offline
     instead of failing."""
-    from meshlm.sinks import WandbSink
+    from meshlm.observe.sinks import WandbSink
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
@@ -181,7 +181,7 @@ def test_wandb_falls_back_to_offline_when_unreachable(tmp_path, monkeypatch):
 
 def test_wandb_is_never_imported_unless_asked(monkeypatch, tmp_path):
     code = (
-        "import sys, pathlib; import meshlm.cli, meshlm.trainer, meshlm.sinks as s; from meshlm.config import "
+        "import sys, pathlib; import meshlm.cli, meshlm.trainer, meshlm.observe.sinks as s; from meshlm.config import "
         "MetricsConfig; s.open_sinks(MetricsConfig(), pathlib.Path(sys.argv[1]), 0, {}); "
         "assert 'wandb' not in sys.modules"
     )

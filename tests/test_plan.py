@@ -9,13 +9,13 @@ import jax
 import pytest
 
 from helpers import p2_gpt_model
-from meshlm import plan as planner
 from meshlm import recipes
 from meshlm.cli import main
 from meshlm.config import ParallelConfig, RematConfig, RunConfig, TrainConfig
-from meshlm.hardware import ACCELERATORS
+from meshlm.insight import plan as planner
 from meshlm.model.params import abstract_params, param_specs
 from meshlm.parallel.mesh import make_layout
+from meshlm.platform.hardware import ACCELERATORS
 from meshlm.train_state import param_shardings
 
 # P2 Table 3: h, a, L, tensor, pipeline, interleave, global batch = micro batch x in-flight
@@ -171,7 +171,7 @@ def test_bad_plan_requests():
 
 
 def test_cli_and_planner_share_one_device_table(capsys):
-    """`--device` names come from meshlm.hardware; the header's peak is the one the plan's fp32
+    """`--device` names come from meshlm.platform.hardware; the header's peak is the one the plan's fp32
     matmuls run at: TF32 with JAX's default precision, fp32 at highest (this test session's)."""
     args = ["plan", "--recipe", "tiny", "--devices", "8", "--device", "h100-pcie", "--top", "1"]
     with jax.default_matmul_precision("default"):

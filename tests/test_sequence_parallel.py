@@ -11,8 +11,8 @@ import pytest
 
 from helpers import tiny_config
 from meshlm import axes as ax
-from meshlm import hlo
 from meshlm.config import ConfigError, ModelConfig, ParallelConfig, validate
+from meshlm.insight import hlo
 from meshlm.model import layers
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.params import abstract_params, param_specs

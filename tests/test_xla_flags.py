@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from meshlm import xla_flags
+from meshlm.platform import xla_flags
 
 
 def test_gpu_flags_are_added_only_for_gpu_and_never_override_the_user():

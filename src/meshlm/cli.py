@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from meshlm import host_memory, xla_flags  # jax-free
 from meshlm.config import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, RunConfig, apply_overrides, parse_mesh
-from meshlm.hardware import ACCELERATORS  # a jax-free table
+from meshlm.platform import host_memory, xla_flags  # jax-free
+from meshlm.platform.hardware import ACCELERATORS  # a jax-free table
 
 EXIT_TRAINING = 1
 
@@ -235,7 +235,7 @@ def _adopt_source(cfg: RunConfig, init_from: str) -> RunConfig:
     config.json of the meshlm run a checkpoint belongs to), keeping this run's dtype, attention
     kind and unrolling; and its tokenizer.json when data.tokenizer is not set. `--set model.*`
     still applies after this."""
-    from meshlm import hf
+    from meshlm.interop import hf
 
     if hf.is_hf_ref(init_from):
         root = hf.hf_path(init_from)
@@ -260,8 +260,8 @@ def _adopt_source(cfg: RunConfig, init_from: str) -> RunConfig:
 
 
 def _set_device_count(n: int, explicit: bool, host_allocator: bool = False) -> None:
-    """Simulated host devices, the backend's XLA flags (`meshlm.xla_flags`) and, for training, the
-    host allocator's first half (`meshlm.host_memory.apply`); must run before jax is imported."""
+    """Simulated host devices, the backend's XLA flags (`meshlm.platform.xla_flags`) and, for training, the
+    host allocator's first half (`meshlm.platform.host_memory.apply`); must run before jax is imported."""
     if "jax" in sys.modules:
         return
     xla_flags.apply()
@@ -290,7 +290,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(cfg.to_json())
         return 0
     if args.init_from and args.init_from.startswith("hf:"):  # no weights, or only pickles: say so now
-        from meshlm import hf
+        from meshlm.interop import hf
 
         hf.weight_files(hf.hf_path(args.init_from))
     from meshlm.parallel.mesh import init_distributed, process_group
@@ -335,7 +335,7 @@ def _mib(x: float) -> str:
 def cmd_memory(args: argparse.Namespace) -> int:
     cfg = _prepare(args)
     from meshlm import accounting
-    from meshlm.memory import memory_table
+    from meshlm.insight.memory import memory_table
 
     pipelined = cfg.parallel.stage > 1  # the measurement is of an unpipelined forward/backward
     rows = memory_table(cfg, measure=not args.no_measure and not pipelined)
@@ -410,7 +410,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = apply_overrides(recipes.get(args.recipe), args.overrides)
     _set_device_count(min(args.devices, 8) if args.verify else 1, explicit=True)
-    from meshlm import plan as planner
+    from meshlm.insight import plan as planner
 
     device = ACCELERATORS[args.device]
     limit = device.memory if limit is None else limit
@@ -441,7 +441,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.devices < 1 or args.steps < 1:
         raise ConfigError("--devices and --steps must be >= 1")
     _set_device_count(args.devices, explicit=True)
-    from meshlm import bench
+    from meshlm.insight import bench
 
     layouts = args.layouts.split(";") if args.layouts else bench.default_layouts(base, args.devices)
     policies = [p for p in args.policies.split(",") if p]
@@ -463,7 +463,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from meshlm.run_report import write_report
+    from meshlm.observe.run_report import write_report
 
     print(write_report(args.run_dir, args.compare, args.out))
     return 0
@@ -486,7 +486,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if not args.to or args.to_hf:
             raise ConfigError("meshlm convert --from-hf DIR needs --to RUN_DIR (a meshlm run directory)")
         parallel = _inference_mesh(args)
-        from meshlm.convert import import_hf
+        from meshlm.interop.convert import import_hf
 
         import_hf(args.from_hf, args.to, parallel)
         return 0
@@ -496,7 +496,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise ConfigError("--from hf:DIR is already a Hugging Face directory; --from takes a meshlm run directory")
     max_shard = parse_bytes(args.max_shard_size)
     parallel = _inference_mesh(args)
-    from meshlm.convert import export_hf
+    from meshlm.interop.convert import export_hf
 
     export_hf(args.from_run, args.to_hf, args.step, args.dtype, int(max_shard), parallel)
     return 0
@@ -658,7 +658,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def launch_plan(train_args: list[str], processes: int, devices_per_process: int | None) -> tuple[list[str], Path]:
     """Parse the train command `meshlm launch` will run and check it against the group size."""
-    from meshlm.launch import plan_launch
+    from meshlm.launch.supervisor import plan_launch
 
     if not train_args or train_args[0] != "train":
         raise ConfigError("meshlm launch runs a train command: meshlm launch --processes N -- train [options]")
@@ -669,14 +669,14 @@ def launch_plan(train_args: list[str], processes: int, devices_per_process: int 
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from meshlm.launch import Supervisor
+    from meshlm.launch.supervisor import Supervisor
 
     train_args, run_dir = launch_plan(args.train_args, args.processes, args.devices_per_process)
     if args.max_restarts < 0 or args.hang_timeout <= 0:
         raise ConfigError("--max-restarts must be >= 0 and --hang-timeout > 0")
     options = dict(max_restarts=args.max_restarts, hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout)
     if args.ray:
-        from meshlm.launch_ray import RaySupervisor
+        from meshlm.launch.ray_cluster import RaySupervisor
 
         sup = RaySupervisor(train_args, args.processes, args.devices_per_process, run_dir, address=args.ray, **options)
     else:

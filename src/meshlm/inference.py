@@ -98,7 +98,7 @@ def load_model(
 ) -> Model:
     """A meshlm run directory's weights (latest good checkpoint, or `step`) on a mesh, or a
     Hugging Face directory's when `run_dir` is "hf:DIR"."""
-    from meshlm import hf
+    from meshlm.interop import hf
 
     if hf.is_hf_ref(str(run_dir)):
         root = hf.hf_path(str(run_dir))

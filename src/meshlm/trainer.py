@@ -23,16 +23,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshlm import __version__, accounting, hardware, hf, host_memory
+from meshlm import __version__, accounting
 from meshlm.checkpoint import Checkpointer, resolve_checkpoint
 from meshlm.config import ConfigError, RunConfig, validate
 from meshlm.data import tokenizer as toks
 from meshlm.data.loader import WindowLoader, process_batch
 from meshlm.data.prepare import prepare
-from meshlm.metrics import MetricsLogger
+from meshlm.insight.startup_report import format_report, startup_report
+from meshlm.interop import hf
+from meshlm.observe.metrics import MetricsLogger
+from meshlm.observe.sinks import open_sinks
 from meshlm.parallel.mesh import make_layout
-from meshlm.sinks import open_sinks
-from meshlm.startup_report import format_report, startup_report
+from meshlm.platform import hardware, host_memory
 from meshlm.step import abstract_batch, batch_sharding, make_eval_step, make_train_step
 from meshlm.train_state import TrainState, abstract_state, init_state, setup
 
@@ -386,7 +388,7 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         eval_fn = make_eval_step(cfg, layout, shardings.params)
         analysis = step_fn.memory_analysis()  # host memory reuse (CPU), judged with state and data loaded
         allocator = host_memory.keep_freed(None if analysis is None else int(analysis.temp_size_in_bytes))
-        log.print(f"host allocator reuse (meshlm.host_memory): {allocator}")
+        log.print(f"host allocator reuse (meshlm.platform.host_memory): {allocator}")
         run_info["host_allocator"] = allocator
         if first:
             tmp = run_dir / "run.json.tmp"

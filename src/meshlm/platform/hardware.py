@@ -281,7 +281,9 @@ def peak_flops(dtype: str, n_devices: int) -> Peak:
     if dev.platform != "cpu":
         acc = BY_DEVICE_KIND.get(dev.device_kind)
         if acc is None:
-            return Peak(0.0, f"unknown device {dev.device_kind!r}: no peak in meshlm.hardware, MFU not reported", "")
+            return Peak(
+                0.0, f"unknown device {dev.device_kind!r}: no peak in meshlm.platform.hardware, MFU not reported", ""
+            )
         precision = matmul_precision(dtype, acc.platform)
         source = f"{acc.source}, {precision} matmuls, x{n_devices} devices"
         return Peak(peak_for(acc, precision) * n_devices, source, f"{acc.name} {precision}")

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from meshlm.config import ConfigError
-from meshlm.launch import Supervisor, host_env, worker_command, worker_vars
+from meshlm.launch.supervisor import Supervisor, host_env, worker_command, worker_vars
 
 
 def _ray():
@@ -45,7 +45,7 @@ class _ProcessHost:
         return ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
-        from meshlm.launch import free_port
+        from meshlm.launch.supervisor import free_port
 
         return free_port()
 

@@ -28,10 +28,10 @@ import jax
 
 from meshlm import accounting
 from meshlm.config import ConfigError, RematConfig, RunConfig, validate
-from meshlm.hardware import Accelerator, matmul_precision, peak_for
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel.mesh import abstract_layout
 from meshlm.parallel.schedules import build as build_schedule
+from meshlm.platform.hardware import Accelerator, matmul_precision, peak_for
 
 GiB = 2**30
 
@@ -510,7 +510,7 @@ def verify(feasible: list[Plan]) -> str:
     the prediction. The measurement is of one unpipelined forward/backward, so a pipelined best
     plan is not compiled here (tests/test_pipeline.py measures stage 0 against its formula): the
     best plan without a pipeline is verified instead, and the answer says so."""
-    from meshlm.memory import measure_activations
+    from meshlm.insight.memory import measure_activations
     from meshlm.parallel.mesh import make_layout
 
     plan, note = feasible[0], ""

@@ -15,7 +15,7 @@ import jax
 
 from meshlm import accounting
 from meshlm.config import RunConfig
-from meshlm.memory import device_bytes
+from meshlm.insight.memory import device_bytes
 from meshlm.model.layers import fused_implementation
 from meshlm.model.params import named_leaves
 from meshlm.parallel.pipeline import schedule_for

@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from meshlm import safetensors_io as st
 from meshlm.config import ConfigError, ModelConfig
+from meshlm.interop import safetensors_io as st
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"

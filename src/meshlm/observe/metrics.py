@@ -1,5 +1,5 @@
 """Run outputs: a live progress line on the console, `metrics.jsonl` in the run directory, and the
-sinks of `meshlm.sinks` (TensorBoard, W&B), all fed the same records.
+sinks of `meshlm.observe.sinks` (TensorBoard, W&B), all fed the same records.
 
 Console modes: "text" (the progress line; messages on stdout), "json" (one JSON object per logged
 step on stdout, every other message on stderr: for scripts), and quiet (`show=False`: nothing but
@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from meshlm.sinks import chart_values
+from meshlm.observe.sinks import chart_values
 
 
 def _fmt_rate(x: float) -> str:
@@ -82,7 +82,7 @@ class MetricsLogger:
             self.console.print(msg, markup=False)
 
     def attach(self, sinks: list) -> None:
-        """Also send every record to these sinks (`meshlm.sinks.open_sinks`; process 0's)."""
+        """Also send every record to these sinks (`meshlm.observe.sinks.open_sinks`; process 0's)."""
         self.sinks = sinks
 
     def text(self, step: int, tag: str, text: str) -> None:

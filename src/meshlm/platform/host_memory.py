@@ -30,7 +30,7 @@ import ctypes
 import os
 import platform
 
-from meshlm import xla_flags
+from meshlm.platform import xla_flags
 
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's <malloc.h>
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int

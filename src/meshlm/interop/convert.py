@@ -16,9 +16,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from meshlm import hf
 from meshlm.config import ConfigError, DataConfig, ParallelConfig, RunConfig, TrainConfig, validate
 from meshlm.data import tokenizer as toks
+from meshlm.interop import hf
 
 
 def _fresh_dir(path: str | Path) -> Path:

@@ -1,0 +1,1 @@
+"""What a run reports: progress and metrics.jsonl, TensorBoard / W&B sinks, the run report."""

@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from meshlm.cli import launch_plan
+from meshlm.cli.train import launch_plan
 from meshlm.config import ConfigError
 from meshlm.launch.supervisor import describe_exit, worker_command
 from meshlm.parallel.mesh import process_group

@@ -1,0 +1,77 @@
+"""`meshlm data prepare` and `meshlm data info`: token shards from text, and checking them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from meshlm.config import ConfigError
+
+
+def add_parsers(sub) -> dict:
+    """The `data` subcommand and its own subcommands; returns its handler."""
+    data = sub.add_parser("data", help="prepare a tokenized dataset (token shards + index) or inspect one")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser("prepare", help="text files, directories, JSONL, Parquet -> token shards")
+    prep.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories")
+    prep.add_argument("--out", required=True, help="output directory")
+    tok = prep.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--tokenizer", help="an existing tokenizer.json (Hugging Face tokenizers)")
+    tok.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this many tokens")
+    prep.add_argument("--field", default="text", help="JSONL field / Parquet column holding a document")
+    prep.add_argument("--val-fraction", type=float, default=0.05, help="every round(1/f)-th document is held out")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file")
+    prep.add_argument("--workers", type=int, default=0, help="tokenizer threads (default: all cores)")
+    prep.add_argument("--max-mb", type=float, default=0, help="stop after this much text (0: all)")
+    info = data_sub.add_parser("info", help="summarise and verify a prepared dataset")
+    info.add_argument("path")
+    info.add_argument("--vocab-size", type=int, help="also check every id fits this model vocabulary")
+    return {"data": cmd_data}
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    if args.data_command == "info":
+        from meshlm.data.prepare import load
+
+        data = load(args.path)
+        data.verify(args.vocab_size or data.meta["tokenizer_vocab_size"])
+        m = data.meta
+        print(
+            f"{data.root}: format {m['format']}, {m['dtype']}, vocabulary {m['tokenizer_vocab_size']}, "
+            f"end-of-text id {m['eot_id']}"
+        )
+        for split in ("train", "val"):
+            shards = m["splits"][split]
+            print(
+                f"  {split}: {m[split + '_tokens']:,} tokens, {m['documents'][split]:,} documents, {len(shards)} shards"
+            )
+        print("  verified: sizes, BLAKE2b digests, ids < vocabulary")
+        return 0
+    if args.vocab_size is not None and args.vocab_size < 258:
+        raise ConfigError("--vocab-size must be >= 258 (256 byte tokens + <|endoftext|> + at least one merge)")
+    if args.shard_tokens < 1 or args.max_mb < 0:
+        raise ConfigError("--shard-tokens must be >= 1 and --max-mb >= 0")
+    if args.workers:
+        os.environ["RAYON_NUM_THREADS"] = str(args.workers)  # read by tokenizers when it starts its pool
+    from meshlm.data import corpus
+    from meshlm.data.prepare import fingerprint_files, write_dataset
+
+    files = corpus.resolve_files(args.input)
+    key, total = fingerprint_files(files, [args.field, args.max_mb])
+    max_bytes = int(args.max_mb * 1e6)
+    print(f"preparing {len(files)} files, {total / 1e6:.1f} MB -> {args.out}", file=sys.stderr)
+    write_dataset(
+        lambda: corpus.iter_documents(files, args.field, max_bytes),
+        Path(args.out),
+        vocab_size=args.vocab_size,
+        tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        source_fingerprint=key,
+        total_bytes=min(total, max_bytes) if max_bytes else total,
+        progress=sys.stderr.isatty(),
+        log=lambda m: print(m, file=sys.stderr),
+    )
+    return 0

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import build, logged_losses, random_batches, tiny_config
-from meshlm import trainer
+from meshlm import train_loop
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, ConfigError, DataConfig, validate
 from meshlm.parallel.mesh import make_layout
@@ -259,7 +259,7 @@ def test_checkpoint_saves_and_the_end_of_a_run_beat_the_heartbeat(corpus_dir, tm
     not left to the once-a-second throttle) on each side of every checkpoint save and of the final
     commit (a slow save on a busy host was read as a hang when the last beat was the last step's)."""
     events = []
-    beat, save, wait = trainer.Heartbeat.beat, Checkpointer.save, Checkpointer.wait
+    beat, save, wait = train_loop.Heartbeat.beat, Checkpointer.save, Checkpointer.wait
 
     def beat_spy(self, step, force=False):
         last = self.last
@@ -268,7 +268,7 @@ def test_checkpoint_saves_and_the_end_of_a_run_beat_the_heartbeat(corpus_dir, tm
             events.append(("beat", step, force))
 
     monkeypatch.setenv("MESHLM_HEARTBEAT", str(tmp_path / "beat"))
-    monkeypatch.setattr(trainer.Heartbeat, "beat", beat_spy)
+    monkeypatch.setattr(train_loop.Heartbeat, "beat", beat_spy)
     monkeypatch.setattr(Checkpointer, "save", lambda self, *a: events.append(("save",)) or save(self, *a))
     monkeypatch.setattr(Checkpointer, "wait", lambda self: events.append(("wait",)) or wait(self))
     cfg = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=2), steps=4)  # saves at 3 and 4 (final)

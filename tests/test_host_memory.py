@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from meshlm import trainer
+from meshlm import train_loop
 from meshlm.platform import host_memory
 
 glibc = pytest.mark.skipif(
@@ -112,7 +112,7 @@ def test_one_step_in_flight_under_reuse(monkeypatch):
     x = jnp.ones((1024, 1024), jnp.float32) / 1024
     slow(x).block_until_ready()  # compile
     pending = [(1, slow(x))]
-    trainer.wait_for_room(pending, None)  # no limit: returns at once
+    train_loop.wait_for_room(pending, None)  # no limit: returns at once
     assert not pending[0][1].is_ready()  # still running: the check below can fail
-    trainer.wait_for_room(pending, host_memory.steps_in_flight())
+    train_loop.wait_for_room(pending, host_memory.steps_in_flight())
     assert pending[0][1].is_ready()

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import build, logged_losses, random_batches, tiny_config
 from meshlm import step as step_module
-from meshlm import trainer
+from meshlm import train_loop
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, DataConfig, validate
 from meshlm.trainer import NonFiniteStep, train
@@ -126,14 +126,14 @@ def _cfg(corpus, cache, on_nonfinite="stop", **train_kw):
 def poison_steps(monkeypatch, poisonable):
     """Steps (0-based batch index) whose batch the trainer feeds with POISON first."""
     steps: set[int] = set()
-    real = trainer.process_batch
+    real = train_loop.process_batch
 
     def process_batch(loader, step, sharding):
         b = real(loader, step, sharding)
         first = POISON if step in steps else (POISON + 1)
         return b | {"inputs": jax.device_put(b["inputs"].at[0, 0].set(first), sharding)}
 
-    monkeypatch.setattr(trainer, "process_batch", process_batch)
+    monkeypatch.setattr(train_loop, "process_batch", process_batch)
     return steps
 
 
@@ -156,9 +156,9 @@ def test_stop_names_the_step_checkpoints_the_last_good_state_and_resumes_exactly
     train(cfg, tmp_path / "ref", quiet=True)  # no poison: the reference run
 
     beats = []  # forced heartbeats: the halt's save must not look like a hang to `meshlm launch`
-    beat = trainer.Heartbeat.beat
+    beat = train_loop.Heartbeat.beat
     monkeypatch.setattr(
-        trainer.Heartbeat,
+        train_loop.Heartbeat,
         "beat",
         lambda self, step, force=False: (beats.append((step, force)), beat(self, step, force)),
     )

@@ -104,7 +104,7 @@ def test_step_time_excludes_evaluation_and_checkpoint_saves(corpus_dir, tmp_path
     """The rate of a log window counts every step in it and none of the evaluation or save time:
     on a clock that moves 1 s per training step, 100 s per evaluation and 10 s per save, every
     window reports exactly 1 s per step (windows 3-6 and 6-9 hold saves at 4 and 8, an evaluation at 5)."""
-    import meshlm.trainer as trainer_mod
+    import meshlm.train_loop as loop_mod
     from meshlm.checkpoint import Checkpointer
 
     clock = [0.0]
@@ -116,9 +116,9 @@ def test_step_time_excludes_evaluation_and_checkpoint_saves(corpus_dir, tmp_path
 
         return wrapped
 
-    monkeypatch.setattr(trainer_mod, "_clock", lambda: clock[0])
-    monkeypatch.setattr(trainer_mod, "process_batch", advancing(trainer_mod.process_batch, 1.0))  # once per step
-    monkeypatch.setattr(trainer_mod, "evaluate", advancing(trainer_mod.evaluate, 100.0))
+    monkeypatch.setattr(loop_mod, "_clock", lambda: clock[0])
+    monkeypatch.setattr(loop_mod, "process_batch", advancing(loop_mod.process_batch, 1.0))  # once per step
+    monkeypatch.setattr(loop_mod, "evaluate", advancing(loop_mod.evaluate, 100.0))
     monkeypatch.setattr(Checkpointer, "save", advancing(Checkpointer.save, 10.0))
     cfg = _cfg(corpus_dir, tmp_path / "cache", steps=10, log_every=3)
     train(cfg, tmp_path / "run", quiet=True)

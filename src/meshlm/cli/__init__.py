@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 def _exit_code(e: Exception, command: str) -> int | None:
     """The exit status of a known failure (printing its message), None for an unexpected one."""
     from meshlm.checkpoint import CheckpointError
-    from meshlm.trainer import NonFiniteStep, Preempted, TrainingError
+    from meshlm.train_loop import NonFiniteStep, Preempted, TrainingError
 
     if isinstance(e, Preempted):
         print(f"meshlm: {e}", file=sys.stderr)

@@ -37,7 +37,7 @@ def import_hf(
     from meshlm.model.params import param_specs
     from meshlm.parallel.mesh import make_layout
     from meshlm.train_state import param_shardings
-    from meshlm.trainer import code_version
+    from meshlm.version import code_version
 
     root = Path(hf_dir).expanduser()
     model = hf.model_config(root)

@@ -1,0 +1,114 @@
+"""Where a run's first state comes from: its own latest good checkpoint (resume), else another
+run's or a Hugging Face model's weights (`--init-from`), else a fresh initialisation - with the
+checks that keep a resumed or adopted run meaningful (same tokenizer; config and data changes
+reported)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+
+from meshlm.checkpoint import Checkpointer, resolve_checkpoint
+from meshlm.config import ConfigError, RunConfig
+from meshlm.data import tokenizer as toks
+from meshlm.interop import hf
+from meshlm.train_loop import TrainingError
+from meshlm.train_state import TrainState, init_state
+
+
+def checkpoint_dir(cfg: RunConfig, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else run_dir / "checkpoints"
+
+
+def config_changes(saved: dict, cfg: RunConfig) -> list[str]:
+    now = json.loads(cfg.to_json())
+    return [
+        f"{section}.{k}: {saved.get(section, {}).get(k)!r} -> {v!r}"
+        for section, values in now.items()
+        for k, v in values.items()
+        if saved.get(section, {}).get(k, v) != v
+    ]
+
+
+def check_tokenizer(meta: dict, identity: dict, where: str) -> None:
+    saved, now = meta.get("tokenizer_fingerprint"), identity["tokenizer_fingerprint"]
+    if saved and saved != now:
+        raise ConfigError(
+            f"{where} was trained with tokenizer {saved}, but this run's data uses tokenizer {now}: token ids "
+            "would mean different things. Use the same tokenizer (data.tokenizer) or a new run"
+        )
+
+
+def copy_side_files(init_from: str | None, run_dir: Path) -> None:
+    """A run started from a Hugging Face model (directly or via `convert`) keeps that model's
+    tokenizer_config, generation config (stop ids) and chat template, for generate and export."""
+    if not init_from:
+        return
+    root = hf.hf_path(init_from) if hf.is_hf_ref(init_from) else resolve_checkpoint(init_from)[0].parent
+    for name in hf.SIDE_FILES:
+        if (root / name).is_file() and not (run_dir / name).exists():
+            shutil.copyfile(root / name, run_dir / name)
+
+
+def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from, log) -> TrainState:
+    """Resume from the run's own latest good checkpoint, else `init_from`'s weights, else fresh."""
+    if cfg.checkpoint.resume:
+        restored = _resume(cfg, ckpt, abstract, identity, log)
+        if restored is not None:
+            return restored
+    elif ckpt.steps():  # starting over must not mix with (or silently skip saving over) another run's steps
+        raise ConfigError(
+            f"checkpoint.resume=false but {ckpt.directory} holds checkpoints {ckpt.steps()} of an earlier run; "
+            "use a new run dir or --set checkpoint.dir=..."
+        )
+    state = init_state(specs, layout, tx, cfg.train.seed)
+    if init_from:
+        state = state._replace(params=_adopted_params(cfg, abstract, identity, init_from, log))
+    return state
+
+
+def _resume(cfg, ckpt, abstract, identity, log) -> TrainState | None:
+    """The run's latest good checkpoint (None if it has none; an error if none is readable)."""
+    had = ckpt.steps()
+    restored = ckpt.restore_latest(abstract)
+    if restored is None:
+        if had:
+            raise TrainingError(
+                f"no readable checkpoint left in {ckpt.directory} (steps {had} were moved to "
+                f"{ckpt.directory}.corrupt); to start over, use a new run dir or --set checkpoint.resume=false"
+            )
+        return None
+    meta = restored.meta
+    check_tokenizer(meta, identity, f"checkpoint {ckpt.directory}/{meta['step']}")
+    log.print(f"resumed from {ckpt.directory}/{meta['step']} (saved by meshlm {meta['code_version']})")
+    changes = config_changes(meta.get("config", {}), cfg)
+    if changes:
+        log.print("  config differs from the checkpoint's: " + "; ".join(changes))
+    if meta.get("data_fingerprint") != identity["data_fingerprint"]:
+        log.print("  warning: the training data differs from the checkpoint's; batches will not repeat")
+    return restored.state
+
+
+def _adopted_params(cfg, abstract, identity, init_from: str, log) -> dict:
+    """`--init-from`'s weights (a Hugging Face directory, or a meshlm run or checkpoint), sharded
+    like this run's parameters; optimizer state and step stay fresh."""
+    if hf.is_hf_ref(init_from):
+        root = hf.hf_path(init_from)
+        shardings = jax.tree.map(lambda a: a.sharding, abstract.params)
+        params = hf.load_params(root, cfg.model, shardings)
+        if (root / "tokenizer.json").is_file():
+            meta = {"tokenizer_fingerprint": toks.fingerprint(toks.load(root / "tokenizer.json"))}
+            check_tokenizer(meta, identity, f"--init-from {init_from}")
+        else:
+            log.print(f"  warning: {root} has no tokenizer.json; make sure data.tokenizer is the model's tokenizer")
+        log.print(f"initialised parameters from Hugging Face {root} (optimizer state and step are fresh)")
+        return params
+    directory, step = resolve_checkpoint(init_from)
+    source = Checkpointer(directory, cfg.checkpoint, log=log.print, read_only=True)
+    params, meta = source.restore_params(abstract.params, step)
+    check_tokenizer(meta, identity, f"--init-from {directory}/{meta['step']}")
+    log.print(f"initialised parameters from {directory}/{meta['step']} (optimizer state and step are fresh)")
+    return params

@@ -16,7 +16,7 @@ import pytest
 from meshlm import inference
 from meshlm.cli import main
 from meshlm.config import ParallelConfig, RunConfig
-from meshlm.interop import hf
+from meshlm.interop import hf, hf_tables
 from meshlm.interop import safetensors_io as st
 from meshlm.model.params import param_specs
 from meshlm.model.transformer import forward
@@ -89,7 +89,7 @@ def test_import_gives_transformers_logits_on_one_device_and_tensor4(hf_dirs, nam
     d, model = hf_dirs[name]
     tokens = _tokens()
     want = _hf_logits(model, tokens)
-    cfg = hf.model_config(d)
+    cfg = hf_tables.model_config(d)
     for parallel in (ParallelConfig(), TENSOR4):
         layout = make_layout(parallel)
         params = hf.load_params(d, cfg, param_shardings(param_specs(cfg), layout))
@@ -113,7 +113,7 @@ def test_export_writes_back_the_same_tensors(hf_dirs, name, tmp_path, devices):
     `safetensors` package), sharded with an index; bf16 export = torch's bf16 cast; and
     `transformers` loads the export to the original logits."""
     d, model = hf_dirs[name]
-    cfg = hf.model_config(d)
+    cfg = hf_tables.model_config(d)
     params = hf.load_params(d, cfg, param_shardings(param_specs(cfg), make_layout(TENSOR4)))
     out = hf.save_pretrained(params, cfg, tmp_path / "fp32", max_shard_bytes=60_000, log=lambda m: None)
     assert (out / hf.SAFE_INDEX).is_file()
@@ -147,7 +147,7 @@ def test_gpt2_files_without_prefix_and_with_mask_buffers_import(hf_dirs, tmp_pat
     tensors = {k.removeprefix("transformer."): v for k, v in _safetensors(hf_dirs["gpt2"][0]).items()}
     tensors["h.0.attn.bias"] = torch.ones(1, 1, 64, 64)
     safetensors_torch.save_file(tensors, d / hf.SAFE_SINGLE)
-    cfg = hf.model_config(d)
+    cfg = hf_tables.model_config(d)
     params = hf.load_params(d, cfg, param_shardings(param_specs(cfg), make_layout(ParallelConfig())))
     tokens = _tokens()
     got = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg))(params, tokens))
@@ -159,7 +159,7 @@ def test_gpt2_files_without_prefix_and_with_mask_buffers_import(hf_dirs, tmp_pat
 
 def _model(hf_dirs, name, parallel):
     d, _ = hf_dirs[name]
-    cfg = hf.model_config(d)
+    cfg = hf_tables.model_config(d)
     layout = make_layout(parallel)
     params = hf.load_params(d, cfg, param_shardings(param_specs(cfg), layout))
     stops = hf.token_ids(d)["eos_token_id"]
@@ -332,7 +332,7 @@ def test_a_failure_while_writing_leaves_nothing(hf_dirs, tmp_path, monkeypatch, 
             raise OSError("No space left on device")
 
     d = hf_dirs["gpt2"][0]
-    cfg = hf.model_config(d)
+    cfg = hf_tables.model_config(d)
     params = hf.load_params(d, cfg, param_shardings(param_specs(cfg), make_layout(ParallelConfig())))
     monkeypatch.setattr(st, "write", write_then_fail)
     with pytest.raises(OSError, match="No space"):
@@ -365,10 +365,10 @@ def test_llama_rope_types_meshlm_does_not_compute_are_refused(hf_dirs, tmp_path)
     d = _copy(hf_dirs["llama-gqa"][0], tmp_path / "hf")
     _edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0})
     with pytest.raises(Exception, match="RoPE type 'yarn' is not supported"):
-        hf.model_config(d)
+        hf_tables.model_config(d)
     # transformers 4's spelling (rope_theta + rope_scaling) reads the same as 5's rope_parameters
     _edit_config(d, rope_parameters=None, rope_theta=321.0, rope_scaling=None)
-    assert hf.model_config(d).rope_theta == 321.0 and hf.model_config(d).rope_scaling == "none"
+    assert hf_tables.model_config(d).rope_theta == 321.0 and hf_tables.model_config(d).rope_scaling == "none"
 
 
 # ------------------------------------------------------------- the default job, out and back in

@@ -98,11 +98,11 @@ def load_model(
 ) -> Model:
     """A meshlm run directory's weights (latest good checkpoint, or `step`) on a mesh, or a
     Hugging Face directory's when `run_dir` is "hf:DIR"."""
-    from meshlm.interop import hf
+    from meshlm.interop import hf, hf_tables
 
     if hf.is_hf_ref(str(run_dir)):
         root = hf.hf_path(str(run_dir))
-        model_cfg = hf.model_config(root)
+        model_cfg = hf_tables.model_config(root)
         train = dataclasses.replace(RunConfig().train, seq_len=min(1024, model_cfg.max_seq_len))
         cfg = _inference_config(RunConfig(model=model_cfg, train=train), parallel)
         if dtype:

@@ -73,11 +73,11 @@ def adopt_source(cfg: RunConfig, init_from: str) -> RunConfig:
     config.json of the meshlm run a checkpoint belongs to), keeping this run's dtype, attention
     kind and unrolling; and its tokenizer.json when data.tokenizer is not set. `--set model.*`
     still applies after this."""
-    from meshlm.interop import hf
+    from meshlm.interop import hf, hf_tables
 
     if hf.is_hf_ref(init_from):
         root = hf.hf_path(init_from)
-        model = hf.model_config(root)
+        model = hf_tables.model_config(root)
     else:
         from meshlm.checkpoint import resolve_checkpoint
         from meshlm.config import from_dict

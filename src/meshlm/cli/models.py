@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshlm.cli.common import inference_mesh, parse_bytes
 from meshlm.config import ConfigError
+from meshlm.interop.safetensors_io import EXPORT_DTYPES  # numpy, no JAX
 
 
 def add_parsers(sub) -> dict:
@@ -24,7 +25,7 @@ def add_parsers(sub) -> dict:
     convert.add_argument("--step", type=int, help="with --from: this checkpoint step (default: the latest good one)")
     convert.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16", "float16"),
+        choices=EXPORT_DTYPES,
         default="float32",
         help="with --to-hf: the stored weights' dtype",
     )

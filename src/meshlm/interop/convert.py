@@ -18,7 +18,7 @@ from pathlib import Path
 
 from meshlm.config import ConfigError, DataConfig, ParallelConfig, RunConfig, TrainConfig, validate
 from meshlm.data import tokenizer as toks
-from meshlm.interop import hf
+from meshlm.interop import hf, hf_tables
 
 
 def _fresh_dir(path: str | Path) -> Path:
@@ -40,7 +40,7 @@ def import_hf(
     from meshlm.version import code_version
 
     root = Path(hf_dir).expanduser()
-    model = hf.model_config(root)
+    model = hf_tables.model_config(root)
     hf.weight_files(root)  # refuses pickles before anything is written
     ids = hf.token_ids(root)  # and a malformed generation_config.json
     out = _fresh_dir(run_dir)

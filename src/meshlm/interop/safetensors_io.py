@@ -42,6 +42,20 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("bool"),
 }
 CODES = {v: k for k, v in DTYPES.items()}
+# The floating-point codes by the name torch, JAX and config files use (the dtypes weights are
+# imported from and exported to).
+FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what `meshlm convert --to-hf --dtype` writes
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a floating-point dtype name ("bfloat16" is ml_dtypes')."""
+    codes = {v: k for k, v in FLOATS.items()}
+    if name not in codes:
+        raise ConfigError(f"unknown floating-point dtype {name!r}; choose from {', '.join(codes)}")
+    return DTYPES[codes[name]]
+
+
 MAX_HEADER = 100 * 2**20  # the format's own limit
 
 

@@ -1,0 +1,317 @@
+"""What a Hugging Face model is in meshlm's terms, for GPT-2 (`gpt`) and Llama-family (`llama`)
+models: the weight table and the config.json mapping, both ways.
+
+One table per family (`rules`) says, for every meshlm parameter, which Hugging Face tensor holds
+it (one per layer for the stacked layer weights), whether it is transposed (torch `Linear` stores
+[out, in]; GPT-2's `Conv1D` stores [in, out]) and, for GPT-2's fused `c_attn`, which third it is.
+Import and export both read that table, so they cannot drift apart.
+
+`model_config` reads config.json value by value (each checked; unsupported architectures or options
+are named); `hf_config` writes it. The files themselves are `hf.py`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshlm.config import ConfigError, ModelConfig
+from meshlm.interop import safetensors_io as st
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One meshlm parameter <- one Hugging Face tensor (per layer when `layered`).
+
+    HF -> meshlm: take `part` of `parts` equal chunks of the last axis, transpose if `transpose`,
+    reshape to the parameter's per-layer shape. meshlm -> HF is the inverse."""
+
+    leaf: str  # meshlm name, e.g. "layers/wq"
+    hf: str  # Hugging Face name, "{i}" standing for the layer index
+    hf_shape: tuple[int, ...]  # the whole Hugging Face tensor
+    transpose: bool = False
+    part: int = 0
+    parts: int = 1
+
+    @property
+    def layered(self) -> bool:
+        return "{i}" in self.hf
+
+    def names(self, n_layers: int) -> list[str]:
+        return [self.hf.format(i=i) for i in range(n_layers)] if self.layered else [self.hf]
+
+    def part_shape(self) -> tuple[int, ...]:
+        *lead, last = self.hf_shape
+        return (*lead, last // self.parts)
+
+    def to_meshlm(self, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        if self.parts > 1:
+            w = x.shape[-1] // self.parts
+            x = x[..., self.part * w : (self.part + 1) * w]
+        return (x.T if self.transpose else x).reshape(shape)
+
+    def to_hf(self, x: np.ndarray) -> np.ndarray:
+        """This parameter's (per-layer) value as its chunk of the Hugging Face tensor."""
+        p = self.part_shape()
+        return x.reshape(p[::-1]).T if self.transpose else x.reshape(p)
+
+
+def rules(cfg: ModelConfig) -> list[Rule]:
+    D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head, cfg.ffn, cfg.vocab_size
+    if cfg.family == "gpt":
+        t = "transformer.h.{i}."
+        out = [
+            Rule("wte", "transformer.wte.weight", (V, D)),
+            Rule("wpe", "transformer.wpe.weight", (cfg.max_seq_len, D)),
+            Rule("ln_f_scale", "transformer.ln_f.weight", (D,)),
+            Rule("ln_f_bias", "transformer.ln_f.bias", (D,)),
+            Rule("layers/ln1_scale", t + "ln_1.weight", (D,)),
+            Rule("layers/ln1_bias", t + "ln_1.bias", (D,)),
+            Rule("layers/ln2_scale", t + "ln_2.weight", (D,)),
+            Rule("layers/ln2_bias", t + "ln_2.bias", (D,)),
+            Rule("layers/wo", t + "attn.c_proj.weight", (D, D)),  # Conv1D: [in, out]
+            Rule("layers/bo", t + "attn.c_proj.bias", (D,)),
+            Rule("layers/w_fc", t + "mlp.c_fc.weight", (D, F)),
+            Rule("layers/b_fc", t + "mlp.c_fc.bias", (F,)),
+            Rule("layers/w_proj", t + "mlp.c_proj.weight", (F, D)),
+            Rule("layers/b_proj", t + "mlp.c_proj.bias", (D,)),
+        ]
+        for j, n in enumerate("qkv"):  # c_attn = [q | k | v] along its output axis
+            out.append(Rule(f"layers/w{n}", t + "attn.c_attn.weight", (D, 3 * D), part=j, parts=3))
+            out.append(Rule(f"layers/b{n}", t + "attn.c_attn.bias", (3 * D,), part=j, parts=3))
+        return out
+    m = "model.layers.{i}."
+    out = [
+        Rule("wte", "model.embed_tokens.weight", (V, D)),
+        Rule("final_norm", "model.norm.weight", (D,)),
+        Rule("layers/attn_norm", m + "input_layernorm.weight", (D,)),
+        Rule("layers/mlp_norm", m + "post_attention_layernorm.weight", (D,)),
+        Rule("layers/wq", m + "self_attn.q_proj.weight", (N * H, D), transpose=True),
+        Rule("layers/wk", m + "self_attn.k_proj.weight", (K * H, D), transpose=True),
+        Rule("layers/wv", m + "self_attn.v_proj.weight", (K * H, D), transpose=True),
+        Rule("layers/wo", m + "self_attn.o_proj.weight", (D, N * H), transpose=True),
+        Rule("layers/w_gate", m + "mlp.gate_proj.weight", (F, D), transpose=True),
+        Rule("layers/w_up", m + "mlp.up_proj.weight", (F, D), transpose=True),
+        Rule("layers/w_down", m + "mlp.down_proj.weight", (D, F), transpose=True),
+    ]
+    if not cfg.tied_embeddings:
+        out.append(Rule("lm_head", "lm_head.weight", (V, D), transpose=True))
+    return out
+
+
+# ------------------------------------------------------------------------------------ config.json
+
+
+class _Fields:
+    """Typed, checked reads of config.json values; every error names the file and the key."""
+
+    def __init__(self, data: dict, path: Path):
+        self.data, self.path = data, path
+
+    def _bad(self, key: str, want: str) -> ConfigError:
+        return ConfigError(f"{self.path}: {key} must be {want}, got {self.data.get(key)!r}")
+
+    def int(self, key: str, default: Any = None, minimum: int = 1) -> int:
+        v = self.data.get(key, default)
+        if v is None and default is None:
+            raise ConfigError(f"{self.path}: missing required key {key!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise self._bad(key, f"an integer >= {minimum}")
+        return v
+
+    def float(self, key: str, default: Any = None, low: float = 0.0, high: float = math.inf, data=None) -> float:
+        src = self.data if data is None else data
+        v = src.get(key, default)
+        if v is None:
+            raise ConfigError(f"{self.path}: missing required key {key!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (low <= v <= high) or not math.isfinite(v):
+            raise ConfigError(f"{self.path}: {key} must be a finite number in [{low}, {high}], got {v!r}")
+        return float(v)
+
+    def flag(self, key: str, default: bool) -> bool:
+        v = self.data.get(key, default)
+        if not isinstance(v, bool):
+            raise self._bad(key, "true or false")
+        return v
+
+    def require(self, key: str, allowed: tuple, default: Any) -> None:
+        """Options meshlm's model does not implement: accepted only at the values it computes."""
+        v = self.data.get(key, default)
+        if v not in allowed:
+            raise ConfigError(
+                f"{self.path}: {key}={v!r} is not supported by meshlm's {self.data.get('model_type')} model "
+                f"(supported: {', '.join(map(repr, allowed))})"
+            )
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} not found: a Hugging Face model directory needs config.json") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return data
+
+
+def model_config(hf_dir: str | Path) -> ModelConfig:
+    """meshlm's ModelConfig for a Hugging Face directory's config.json, every value checked."""
+    path = Path(hf_dir).expanduser() / "config.json"
+    data = read_json(path)
+    f = _Fields(data, path)
+    kind = data.get("model_type")
+    if kind == "gpt2":
+        f.require("activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
+        f.require("scale_attn_weights", (True,), True)
+        f.require("scale_attn_by_inverse_layer_idx", (False,), False)
+        f.require("add_cross_attention", (False,), False)
+        f.require("tie_word_embeddings", (True,), True)
+        d, n = f.int("n_embd"), f.int("n_head")
+        if d % n:
+            raise ConfigError(f"{path}: n_embd={d} is not divisible by n_head={n}")
+        inner = data.get("n_inner")
+        cfg = ModelConfig(
+            family="gpt",
+            vocab_size=f.int("vocab_size"),
+            d_model=d,
+            n_layers=f.int("n_layer"),
+            n_heads=n,
+            d_ff=4 * d if inner is None else f.int("n_inner"),
+            max_seq_len=f.int("n_positions"),
+            dropout=f.float("resid_pdrop", 0.1, 0.0, 0.99),
+            norm_eps=f.float("layer_norm_epsilon", 1e-5, 0.0, 1.0),
+        )
+    elif kind == "llama":
+        f.require("hidden_act", ("silu",), "silu")
+        f.require("attention_bias", (False,), False)
+        f.require("mlp_bias", (False,), False)
+        d, n = f.int("hidden_size"), f.int("num_attention_heads")
+        kv = f.int("num_key_value_heads", n)
+        head_dim = f.int("head_dim", d // n if d % n == 0 else None)
+        if n % kv:
+            raise ConfigError(f"{path}: num_attention_heads={n} is not a multiple of num_key_value_heads={kv}")
+        if head_dim % 2:
+            raise ConfigError(f"{path}: head_dim={head_dim} must be even for rotary embeddings")
+        rope = _rope(data, f, path)
+        cfg = ModelConfig(
+            family="llama",
+            vocab_size=f.int("vocab_size"),
+            d_model=d,
+            n_layers=f.int("num_hidden_layers"),
+            n_heads=n,
+            n_kv_heads=kv,
+            head_dim=head_dim if head_dim != d // n or d % n else 0,
+            d_ff=f.int("intermediate_size"),
+            max_seq_len=f.int("max_position_embeddings", 2048),
+            norm_eps=f.float("rms_norm_eps", 1e-6, 0.0, 1.0),
+            tie_embeddings=f.flag("tie_word_embeddings", False),
+            **rope,
+        )
+    else:
+        arch = data.get("architectures")
+        raise ConfigError(
+            f"{path}: model_type {kind!r} ({arch}) is not supported; meshlm converts 'gpt2' (GPT2LMHeadModel) "
+            "and 'llama' (LlamaForCausalLM) checkpoints"
+        )
+    return cfg
+
+
+def _rope(data: dict, f: _Fields, path: Path) -> dict:
+    """RoPE settings from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
+    params = data.get("rope_parameters")
+    scaling = data.get("rope_scaling")
+    for name, v in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if v is not None and not isinstance(v, dict):
+            raise ConfigError(f"{path}: {name} must be an object, got {v!r}")
+    src = params or scaling or {}
+    theta = f.float("rope_theta", 10000.0, 1.0, data=params) if params else f.float("rope_theta", 10000.0, 1.0)
+    kind = src.get("rope_type", src.get("type", "default"))
+    if kind in (None, "default"):
+        return {"rope_theta": theta}
+    if kind != "llama3":
+        raise ConfigError(f"{path}: RoPE type {kind!r} is not supported (meshlm implements 'default' and 'llama3')")
+    out = {
+        "rope_theta": theta,
+        "rope_scaling": "llama3",
+        "rope_factor": f.float("factor", None, 1.0, data=src),
+        "rope_low_freq_factor": f.float("low_freq_factor", None, 1e-9, data=src),
+        "rope_high_freq_factor": f.float("high_freq_factor", None, 1e-9, data=src),
+    }
+    original = src.get("original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ConfigError(f"{path}: original_max_position_embeddings must be a positive integer, got {original!r}")
+    if out["rope_low_freq_factor"] >= out["rope_high_freq_factor"]:
+        raise ConfigError(f"{path}: low_freq_factor must be below high_freq_factor")
+    return out | {"rope_original_len": original}
+
+
+def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str, max_positions: int = 0) -> dict:
+    """config.json for `transformers` (GPT2LMHeadModel / LlamaForCausalLM). `max_positions`: llama's
+    max_position_embeddings (meshlm's max_seq_len only sizes gpt's position table)."""
+    if dtype not in st.EXPORT_DTYPES:
+        raise ConfigError(f"cannot export weights as {dtype!r}; choose from {', '.join(st.EXPORT_DTYPES)}")
+    torch_dtype = dtype  # transformers names dtypes as meshlm does
+    if cfg.family == "gpt":
+        if cfg.kv_heads != cfg.n_heads or cfg.dim_head * cfg.n_heads != cfg.d_model:
+            raise ConfigError("GPT-2 has neither grouped KV heads nor head_dim != d_model / n_heads; cannot export")
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.max_seq_len,
+            "n_embd": cfg.d_model,
+            "n_layer": cfg.n_layers,
+            "n_head": cfg.n_heads,
+            "n_inner": cfg.ffn,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": cfg.norm_eps,
+            "resid_pdrop": cfg.dropout,
+            "embd_pdrop": cfg.dropout,
+            "attn_pdrop": cfg.dropout,
+            "scale_attn_weights": True,
+            "tie_word_embeddings": True,
+            "bos_token_id": bos,
+            "eos_token_id": eos,
+            "dtype": torch_dtype,
+            "torch_dtype": torch_dtype,  # transformers 4's name
+        }
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "llama3":
+        rope = rope | {
+            "rope_type": "llama3",
+            "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_len,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.dim_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": max(cfg.max_seq_len, max_positions),
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": rope,  # transformers >= 5
+        "rope_theta": cfg.rope_theta,  # older readers (transformers 4, vLLM, llama.cpp's converter)
+        "rope_scaling": None if cfg.rope_scaling == "none" else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tied_embeddings,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "dtype": torch_dtype,
+        "torch_dtype": torch_dtype,
+    }

@@ -2,8 +2,13 @@
 to mesh axes. Parameters and activations use different names so that a weight dimension can be
 sharded (FSDP) without forcing the activation that flows through it to follow.
 
+The mesh axes are named here too: the one list that config, the mesh and the rules table use.
+
 Imports nothing on purpose.
 """
+
+# Mesh axes, outermost first (`parallel.mesh.make_mesh` says why in this order).
+MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")
 
 # Parameter axes.
 LAYERS = "layers"  # the stacked-layer axis scanned by lax.scan

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from meshlm.axes import MESH_AXES
+
 Family = Literal["gpt", "llama"]
 DType = Literal["float32", "bfloat16"]
 Attention = Literal["explicit", "blockwise", "fused"]
@@ -142,7 +144,7 @@ class ParallelConfig:
 
     @property
     def n_devices(self) -> int:
-        return self.stage * self.data * self.fsdp * self.context * self.tensor
+        return math.prod(getattr(self, axis) for axis in MESH_AXES)
 
     def describe(self, sep: str = " ") -> str:
         """`data=2 fsdp=1 tensor=4` (stage and context only when > 1)."""
@@ -374,11 +376,11 @@ def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> R
 
 def parse_mesh(spec: str) -> dict[str, int]:
     """`data=2,tensor=4` -> {'stage': 1, 'data': 2, 'fsdp': 1, 'context': 1, 'tensor': 4} (missing axes are 1)."""
-    sizes = {"stage": 1, "data": 1, "fsdp": 1, "context": 1, "tensor": 1}
+    sizes = dict.fromkeys(MESH_AXES, 1)
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, value = part.partition("=")
         if name not in sizes:
-            raise ConfigError(f"unknown mesh axis {name!r}; axes: stage, data, fsdp, context, tensor")
+            raise ConfigError(f"unknown mesh axis {name!r}; axes: {', '.join(MESH_AXES)}")
         try:
             sizes[name] = int(value)
         except ValueError:
@@ -404,11 +406,16 @@ def _divides(value: int, what: str, size: int, axis: str) -> None:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Check a config for internal consistency and divisibility by its mesh. Returns it unchanged."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _validate_model(cfg.model)
+    _validate_parallel(cfg)
+    _validate_run(cfg)
+    _validate_divisibility(cfg)
+    return cfg
+
+
+def _validate_model(m: ModelConfig) -> None:
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "scan_unroll", "attention_block"):
         _need(getattr(m, name) > 0, f"model.{name} must be positive")
-    for name in ("stage", "data", "fsdp", "context", "tensor"):
-        _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
     _need(m.attention_chunk >= 0, "model.attention_chunk must be >= 0 (0: the whole sequence at once)")
     _need(m.n_heads % m.kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of n_kv_heads={m.kv_heads}")
     _need(
@@ -430,35 +437,18 @@ def validate(cfg: RunConfig) -> RunConfig:
         "model.attention=fused has no attention-probability dropout; set model.dropout=0 or attention=explicit "
         "(or blockwise)",
     )
+
+
+def _validate_parallel(cfg: RunConfig) -> None:
+    """Sequence, context and pipeline parallelism: what each needs of the model and the sizes."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name in MESH_AXES:
+        _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
     if p.sequence_parallel:
         _need(p.tensor > 1, "parallel.sequence_parallel needs a tensor axis > 1 (it shards over 'tensor')")
         _divides(t.seq_len, "train.seq_len", p.tensor, "tensor")
     if p.context > 1:
-        _need(
-            m.attention != "explicit",
-            "context parallelism (parallel.context > 1) runs the blockwise attention kernel; "
-            "set model.attention=blockwise (or fused)",
-        )
-        strategies = typing.get_args(ContextStrategy)
-        _need(
-            p.context_strategy in strategies,
-            f"parallel.context_strategy={p.context_strategy!r} unknown; choose from {', '.join(strategies)}",
-        )
-        what = "2 x context (load balancing: chunks i and 2c-1-i)" if p.context_load_balance else "context"
-        _need(
-            t.seq_len % p.context_chunks == 0,
-            f"train.seq_len={t.seq_len} is not divisible by {what} = {p.context_chunks}; "
-            "choose a seq_len or a 'context' size that divides it",
-        )
-        chunk = t.seq_len // p.context_chunks
-        block = min(m.attention_block, chunk)
-        _need(
-            chunk % block == 0,
-            f"model.attention_block={m.attention_block} does not divide the context chunk of {chunk} tokens "
-            f"(train.seq_len / {p.context_chunks}); choose a block that divides it",
-        )
-        if p.sequence_parallel:
-            _divides(t.seq_len // p.context, "the per-rank sequence train.seq_len/context", p.tensor, "tensor")
+        _validate_context(cfg)
     if p.stage > 1 or p.virtual_stages > 1:
         from meshlm.parallel.schedules import ScheduleError, check_sizes  # plain Python, no JAX
 
@@ -473,6 +463,39 @@ def validate(cfg: RunConfig) -> RunConfig:
             "use parallel.context=1 (docs/pipeline.md)",
         )
 
+
+def _validate_context(cfg: RunConfig) -> None:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _need(
+        m.attention != "explicit",
+        "context parallelism (parallel.context > 1) runs the blockwise attention kernel; "
+        "set model.attention=blockwise (or fused)",
+    )
+    strategies = typing.get_args(ContextStrategy)
+    _need(
+        p.context_strategy in strategies,
+        f"parallel.context_strategy={p.context_strategy!r} unknown; choose from {', '.join(strategies)}",
+    )
+    what = "2 x context (load balancing: chunks i and 2c-1-i)" if p.context_load_balance else "context"
+    _need(
+        t.seq_len % p.context_chunks == 0,
+        f"train.seq_len={t.seq_len} is not divisible by {what} = {p.context_chunks}; "
+        "choose a seq_len or a 'context' size that divides it",
+    )
+    chunk = t.seq_len // p.context_chunks
+    block = min(m.attention_block, chunk)
+    _need(
+        chunk % block == 0,
+        f"model.attention_block={m.attention_block} does not divide the context chunk of {chunk} tokens "
+        f"(train.seq_len / {p.context_chunks}); choose a block that divides it",
+    )
+    if p.sequence_parallel:
+        _divides(t.seq_len // p.context, "the per-rank sequence train.seq_len/context", p.tensor, "tensor")
+
+
+def _validate_run(cfg: RunConfig) -> None:
+    """Training, data, checkpoint, optimizer and metrics settings."""
+    m, t = cfg.model, cfg.train
     if m.family == "gpt":
         _need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     policies = typing.get_args(RematPolicy)
@@ -504,8 +527,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     o = cfg.optim
     _need(o.lr > 0 and 0 <= o.min_lr_ratio <= 1 and o.warmup_steps >= 0, "optim: lr>0, 0<=min_lr_ratio<=1, warmup>=0")
 
-    # Every sharded dimension must divide by the product of its mesh axes. Named so the user
-    # knows which number to change.
+
+def _validate_divisibility(cfg: RunConfig) -> None:
+    """Every sharded dimension must divide by the product of its mesh axes. Named so the user
+    knows which number to change."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
     _divides(m.n_heads, "model.n_heads", p.tensor, "tensor")
     _divides(m.kv_heads, "model.n_kv_heads", p.tensor, "tensor")
     _divides(m.ffn, "model.d_ff", p.tensor, "tensor")
@@ -517,4 +543,3 @@ def validate(cfg: RunConfig) -> RunConfig:
         f"microbatch size {micro} (train.global_batch={t.global_batch} / train.microbatches={t.microbatches}) "
         f"is not divisible by mesh axes data*fsdp={p.batch_shards}",
     )
-    return cfg

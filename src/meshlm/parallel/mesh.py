@@ -24,10 +24,10 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
+from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ParallelConfig
 from meshlm.parallel.rules import Layout, context_order, rules_for
 
-MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "MESHLM_COORDINATOR", "MESHLM_NUM_PROCESSES", "MESHLM_PROCESS_ID"
 
 

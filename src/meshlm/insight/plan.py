@@ -104,74 +104,106 @@ def estimate(
     as Megatron runs them: states split p ways, P2's first-stage formula. Both add the pipeline's
     idle time (`pipeline_overhead`: Megatron's bubble, or meshlm's lockstep ticks) and its sends to
     the bound (idle ticks are the schedule's structure, not an efficiency)."""
-    m, par, t = cfg.model, cfg.parallel, cfg.train
-    if par.stage > 1 and pipeline != 1:
+    if cfg.parallel.stage > 1 and pipeline != 1:
         raise ValueError("estimate: an explicit pipeline models an unpipelined config (parallel.stage == 1)")
     own, pipeline, interleave, n = _pipeline_shape(cfg, pipeline, interleave)
     plan = Plan(cfg, pipeline)
     limit = device.memory if memory_limit is None else memory_limit
-    e = accounting.dtype_bytes(m.dtype)
+    plan.memory = _memory_parts(cfg, own, pipeline, interleave, bytes_per_param)
+    plan.time = _roofline_parts(cfg, device, own, pipeline, interleave)
+    peak = device_peak(device, cfg)
+    plan.mfu = accounting.model_flops_per_step(cfg) / (plan.step_time * n * peak)
+    plan.calibrated = calibrated_time(cfg, device, plan.time, pipeline, interleave, bytes_per_param)
+    if plan.total_memory > limit:
+        states, act = plan.memory["parameters, gradients, optimizer"], plan.memory["activations"]
+        plan.rejected = (
+            f"needs {plan.total_memory / GiB:.1f} GiB > {limit / GiB:.1f} GiB "
+            f"(activations {act / GiB:.1f} GiB, states {states / GiB:.1f} GiB)"
+        )
+    return plan
+
+
+def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, bytes_per_param: float) -> dict:
+    """Bytes per device by category: states from the exact shardings, activations from the
+    formula, and what FSDP gathers."""
+    m, par = cfg.model, cfg.parallel
     act = (
         accounting.activation_memory(cfg)
         if own
         else accounting.activation_memory(cfg, pipeline=pipeline, interleave=interleave)
     )
     params = sharded_params(cfg) if own else sharded_params(cfg) / pipeline
-    plan.memory["parameters, gradients, optimizer"] = bytes_per_param * params
-    plan.memory["activations"] = act["total"]
+    out = {"parameters, gradients, optimizer": bytes_per_param * params, "activations": act["total"]}
     if own and par.fsdp > 1:  # the executor gathers a stage's fp32 weights once per step, and
         # accumulates their gradients unsharded until the step's end
         gathered = sharded_params(dataclasses.replace(cfg, parallel=dataclasses.replace(par, fsdp=1)))
-        plan.memory["FSDP gathered weights"] = 4 * gathered
-        plan.memory["unsharded gradient accumulators"] = 4 * (gathered - params)
+        out["FSDP gathered weights"] = 4 * gathered
+        out["unsharded gradient accumulators"] = 4 * (gathered - params)
     elif par.fsdp > 1:  # one layer's weights gathered in the compute dtype, forward and backward
         layer = accounting.param_count(dataclasses.replace(m, n_layers=1)) - accounting.param_count(
             dataclasses.replace(m, n_layers=0)
         )
-        plan.memory["FSDP gathered weights"] = 2 * layer / par.tensor * e
+        out["FSDP gathered weights"] = 2 * layer / par.tensor * accounting.dtype_bytes(m.dtype)
+    return out
 
+
+def _link(device: Accelerator, span: int) -> float:
+    """Bandwidth of a collective over `span` devices: inside one node, else across nodes."""
+    return device.intra_bw if span <= device.per_node else device.inter_bw
+
+
+def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: int, interleave: int) -> dict:
+    """Seconds per step by part: GEMMs at peak, each collective at its link's bandwidth, not
+    overlapped (except the ring's K/V hops, which overlap the attention they feed)."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    n = _pipeline_shape(cfg, pipeline, interleave)[3]
     peak = device_peak(device, cfg)
-    plan.time["compute"] = accounting.hardware_flops_per_step(cfg) / (n * peak)
-    group_bw = device.intra_bw if par.tensor <= device.per_node else device.inter_bw
+    out = {"compute": accounting.hardware_flops_per_step(cfg) / (n * peak)}
     if par.tensor > 1:
         layers_here = m.n_layers / pipeline
-        plan.time["tensor-parallel collectives"] = t.microbatches * layers_here * tp_layer_bytes(cfg) / group_bw
+        out["tensor-parallel collectives"] = (
+            t.microbatches * layers_here * tp_layer_bytes(cfg) / _link(device, par.tensor)
+        )
     if par.context > 1:
-        span = par.context * par.tensor
-        bw = device.intra_bw if span <= device.per_node else device.inter_bw
-        comm = sum(accounting.context_comm_bytes(cfg).values()) / bw / pipeline
+        comm = sum(accounting.context_comm_bytes(cfg).values()) / _link(device, par.context * par.tensor) / pipeline
         if par.context_strategy == "ring":  # each hop overlaps the attention on the block in hand
-            attention = accounting.attention_core_flops(cfg) / (n * peak)
-            comm = max(0.0, comm - attention)
-        plan.time["context-parallel K/V exchange"] = comm
+            comm = max(0.0, comm - accounting.attention_core_flops(cfg) / (n * peak))
+        out["context-parallel K/V exchange"] = comm
     dp = par.data * par.fsdp * par.context  # gradients are reduced over every replica of a weight
     if dp > 1:
-        span = par.tensor * dp
-        bw = device.intra_bw if span <= device.per_node else device.inter_bw
-        replica = params * par.fsdp  # parameters of one tensor shard, summed over the data group
-        if own:  # the executor all-reduces each backward tick's chunk gradients (fp32), m per step
-            comm = t.microbatches * 2 * 4 * replica * (dp - 1) / dp
-            if par.fsdp > 1:  # and gathers a stage's fp32 weights once per step
-                comm += 4 * replica * (par.fsdp - 1) / par.fsdp
-        else:  # fp32 gradients: all-reduce (2x a reduce-scatter) without FSDP, reduce-scatter with it
-            comm = (2 if par.fsdp == 1 else 1) * 4 * replica * (dp - 1) / dp
-            if par.fsdp > 1:  # FSDP re-gathers weights (compute dtype) forward and backward, per microbatch
-                comm += 2 * t.microbatches * e * replica * (par.fsdp - 1) / par.fsdp
-        plan.time["data/FSDP collectives"] = comm / bw
+        out["data/FSDP collectives"] = _data_parallel_bytes(cfg, own, pipeline) / _link(device, par.tensor * dp)
     if pipeline > 1:
-        stage_work = plan.time["compute"] + plan.time.get("tensor-parallel collectives", 0.0)
-        plan.time["pipeline bubble"] = pipeline_overhead(cfg, pipeline, interleave) * stage_work
-        bw = device.intra_bw if n <= device.per_node else device.inter_bw
-        plan.time["pipeline sends"] = pipeline_send_bytes(cfg, interleave) / bw
-    plan.mfu = accounting.model_flops_per_step(cfg) / (plan.step_time * n * peak)
-    plan.calibrated = calibrated_time(cfg, device, plan.time, pipeline, interleave, bytes_per_param)
-    if plan.total_memory > limit:
-        states = plan.memory["parameters, gradients, optimizer"]
-        plan.rejected = (
-            f"needs {plan.total_memory / GiB:.1f} GiB > {limit / GiB:.1f} GiB "
-            f"(activations {act['total'] / GiB:.1f} GiB, states {states / GiB:.1f} GiB)"
-        )
-    return plan
+        stage_work = out["compute"] + out.get("tensor-parallel collectives", 0.0)
+        out |= _pipeline_parts(cfg, pipeline, interleave, stage_work, _link(device, n))
+    return out
+
+
+def _data_parallel_bytes(cfg: RunConfig, own: bool, pipeline: int) -> float:
+    """Bytes one device sends per step reducing gradients (and gathering FSDP weights) over the
+    data-like axes."""
+    par, t = cfg.parallel, cfg.train
+    dp = par.data * par.fsdp * par.context
+    params = sharded_params(cfg) if own else sharded_params(cfg) / pipeline
+    replica = params * par.fsdp  # parameters of one tensor shard, summed over the data group
+    if own:  # the executor all-reduces each backward tick's chunk gradients (fp32), m per step
+        comm = t.microbatches * 2 * 4 * replica * (dp - 1) / dp
+        if par.fsdp > 1:  # and gathers a stage's fp32 weights once per step
+            comm += 4 * replica * (par.fsdp - 1) / par.fsdp
+        return comm
+    # fp32 gradients: all-reduce (2x a reduce-scatter) without FSDP, reduce-scatter with it
+    comm = (2 if par.fsdp == 1 else 1) * 4 * replica * (dp - 1) / dp
+    if par.fsdp > 1:  # FSDP re-gathers weights (compute dtype) forward and backward, per microbatch
+        comm += 2 * t.microbatches * accounting.dtype_bytes(cfg.model.dtype) * replica * (par.fsdp - 1) / par.fsdp
+    return comm
+
+
+def _pipeline_parts(cfg: RunConfig, pipeline: int, interleave: int, stage_work: float, send_bw: float) -> dict:
+    """The pipeline's idle time (`pipeline_overhead` of a stage's work) and its sends at `send_bw`:
+    one derivation for the roofline and the calibrated time, which differ only in their inputs."""
+    return {
+        "pipeline bubble": pipeline_overhead(cfg, pipeline, interleave) * stage_work,
+        "pipeline sends": pipeline_send_bytes(cfg, interleave) / send_bw,
+    }
 
 
 @dataclass(frozen=True)
@@ -250,11 +282,9 @@ def calibrated_time(
     # the output layer: spread over every device without a pipeline, on the last stage's t devices with one
     out["output layer"] = logits / (last_stage * rate)
     if pipeline > 1:
-        stage = out["GEMMs"] + tp
-        out["pipeline bubble"] = pipeline_overhead(cfg, pipeline, interleave) * stage
         # inside one node over NVLink at the calibrated link efficiency, else over the network
         bw = device.intra_bw * link_efficiency if n <= device.per_node else device.inter_bw
-        out["pipeline sends"] = pipeline_send_bytes(cfg, interleave) / bw
+        out |= _pipeline_parts(cfg, pipeline, interleave, out["GEMMs"] + tp, bw)
     for part in ("context-parallel K/V exchange", "data/FSDP collectives"):
         if roofline.get(part):
             out[part] = roofline[part] / link_efficiency

@@ -242,27 +242,14 @@ def write_dataset(
             raise ConfigError("give a tokenizer (--tokenizer tokenizer.json) or a vocabulary size to train one")
         train_texts = (text for split, text in _split(docs(), period) if split == "train")
         tok = toks.train_bpe(train_texts, vocab_size)
-    eot = toks.eot_id(tok)
     n_vocab = tok.get_vocab_size()
     dtype = np.dtype(np.uint16 if n_vocab <= 2**16 else np.uint32)
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
-        counts = np.zeros(n_vocab, dtype=np.int64)  # training-token unigram counts, for the entropy
         with _Progress(progress, total_bytes) as advance:
-            for batch in _batches(_split(docs(), period)):
-                encoded = tok.encode_batch([text for _, text in batch], add_special_tokens=False)
-                train_ids = []
-                for (split, _), e in zip(batch, encoded, strict=True):
-                    ids = np.asarray([*e.ids, eot], dtype=dtype)
-                    writers[split].write(ids)
-                    if split == "train":
-                        train_ids.append(ids)
-                if train_ids:
-                    counts += np.bincount(np.concatenate(train_ids), minlength=n_vocab)
-                advance(sum(len(text.encode("utf-8")) for _, text in batch))
+            counts = _encode(tok, _split(docs(), period), writers, dtype, advance)
         splits = {s: w.close() for s, w in writers.items()}
         if not sum(sh["tokens"] for sh in splits["train"]):
             raise ConfigError("the corpus is empty: no non-blank documents in the inputs")
@@ -272,7 +259,7 @@ def write_dataset(
             "dtype": dtype.name,
             "tokenizer_vocab_size": n_vocab,
             "tokenizer_fingerprint": toks.fingerprint(tok),
-            "eot_id": eot,
+            "eot_id": toks.eot_id(tok),
             "val_fraction": val_fraction,
             "documents": {s: writers[s].documents for s in SPLITS},
             "train_tokens": sum(sh["tokens"] for sh in splits["train"]),
@@ -282,22 +269,46 @@ def write_dataset(
             "splits": splits,
         }
         (tmp / INDEX).write_text(json.dumps(meta, indent=2))
-        if _same_preparation(out, meta):  # another process prepared the same thing meanwhile: use theirs
-            shutil.rmtree(tmp, ignore_errors=True)  # (never delete a dataset someone may be reading)
-        else:
-            if out.exists():
-                if not is_prepared(out) and any(out.iterdir()):
-                    raise ConfigError(f"{out} exists and is not a meshlm dataset; choose another --out")
-                shutil.rmtree(out)  # replacing an older preparation (or an empty directory)
-            try:
-                tmp.rename(out)
-            except OSError:  # another process prepared the same cache entry first; use theirs
-                shutil.rmtree(tmp, ignore_errors=True)
+        _publish(tmp, out, meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(f"prepared {out}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens")
     return load(out)
+
+
+def _encode(tok, split_docs, writers: dict, dtype: np.dtype, advance) -> np.ndarray:
+    """Encode (split, text) pairs in batches into the split's shard writer, each document followed
+    by the end-of-text id; returns the training tokens' unigram counts (for the entropy)."""
+    eot, n_vocab = toks.eot_id(tok), tok.get_vocab_size()
+    counts = np.zeros(n_vocab, dtype=np.int64)
+    for batch in _batches(split_docs):
+        encoded = tok.encode_batch([text for _, text in batch], add_special_tokens=False)
+        train_ids = []
+        for (split, _), e in zip(batch, encoded, strict=True):
+            ids = np.asarray([*e.ids, eot], dtype=dtype)
+            writers[split].write(ids)
+            if split == "train":
+                train_ids.append(ids)
+        if train_ids:
+            counts += np.bincount(np.concatenate(train_ids), minlength=n_vocab)
+        advance(sum(len(text.encode("utf-8")) for _, text in batch))
+    return counts
+
+
+def _publish(tmp: Path, out: Path, meta: dict) -> None:
+    """Rename a finished preparation into place, unless the same one is already there."""
+    if _same_preparation(out, meta):  # another process prepared the same thing meanwhile: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)  # (never delete a dataset someone may be reading)
+        return
+    if out.exists():
+        if not is_prepared(out) and any(out.iterdir()):
+            raise ConfigError(f"{out} exists and is not a meshlm dataset; choose another --out")
+        shutil.rmtree(out)  # replacing an older preparation (or an empty directory)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process prepared the same cache entry first; use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class _Progress:

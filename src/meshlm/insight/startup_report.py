@@ -46,28 +46,15 @@ def startup_report(
         for (name, a), s in zip(named_leaves(abstract.params).items(), jax.tree.leaves(shardings.params), strict=True)
     ]
     param_bytes = sum(p["device_bytes"] for p in params)
-    opt_bytes = _treedevice_bytes(abstract.opt_state, shardings.opt_state)
     act = accounting.activation_memory(cfg)
-    par = cfg.parallel
+    pipeline = _pipeline(cfg)
     activations = "activations (per microbatch)"
-    pipeline = None
-    if par.stage > 1:
-        schedule = schedule_for(cfg)
-        held = accounting.pipeline_in_flight(cfg)
-        activations = f"activations (stage 0, {held} in flight)"
-        pipeline = {
-            "schedule": par.pipeline_schedule,
-            "stages": par.stage,
-            "virtual_stages": par.virtual_stages,
-            "microbatches": cfg.train.microbatches,
-            "ticks": schedule.ticks,
-            "bubble_fraction": schedule.bubble_fraction,
-            "peak_in_flight": [schedule.peak_in_flight(s) for s in range(par.stage)],
-        }
+    if pipeline is not None:
+        activations = f"activations (stage 0, {accounting.pipeline_in_flight(cfg)} in flight)"
     predicted = {
         "parameters (fp32)": param_bytes,
         "gradients (fp32)": param_bytes,
-        "optimizer state": opt_bytes,
+        "optimizer state": _treedevice_bytes(abstract.opt_state, shardings.opt_state),
         activations: act["total"],
     }
     if act["host_total"]:
@@ -78,33 +65,11 @@ def startup_report(
         for field in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes"):
             if hasattr(analysis, field):
                 xla[field.removesuffix("_in_bytes")] = int(getattr(analysis, field))
-    model_flops = accounting.model_flops_per_step(cfg)
     hardware_flops = accounting.hardware_flops_per_step(cfg)
-    m = cfg.model
-    attention = {
-        "explicit": _explicit_label(m, cfg.train.seq_len),
-        "blockwise": f"blockwise (block {m.attention_block})",
-    }
-    if m.attention == "fused":
-        kind, why = fused_implementation(m.dtype, m.dim_head, cfg.data.document_mask)
-        attention["fused"] = "fused -> cuDNN flash attention" if kind == "cudnn" else f"fused -> blockwise ({why})"
-    context = None
-    if par.context > 1:
-        chunk = accounting.context_chunk(cfg)
-        block = accounting.attention_block(m, cfg.train.seq_len, chunk)
-        comm = accounting.context_comm_bytes(cfg)
-        balance = accounting.context_block_pairs(cfg.train.seq_len, par.context, par.context_load_balance, block)
-        attention[m.attention] = f"blockwise (block {block}) over context={par.context}"
-        context = {
-            "strategy": par.context_strategy,
-            "load_balance": par.context_load_balance,
-            "tokens_per_rank": cfg.train.seq_len // par.context,
-            "kv_bytes_received_per_step": sum(comm.values()),
-            "block_pairs_per_rank": balance,
-        }
+    attention, context = _attention(cfg)
     return {
         "mesh": dict(layout.mesh.shape),
-        "attention": attention[m.attention],
+        "attention": attention,
         "context": context,
         "pipeline": pipeline,
         "sequence_parallel": layout.sequence_parallel,
@@ -114,11 +79,52 @@ def startup_report(
         "predicted_device_bytes": predicted,
         "predicted_device_total": sum(v for k, v in predicted.items() if "host" not in k),
         "xla_memory_analysis": xla,
-        "model_flops_per_step": model_flops,
+        "model_flops_per_step": accounting.model_flops_per_step(cfg),
         "hardware_flops_per_step": hardware_flops,
         "peak_flops_per_s": peak,
         "min_step_time_s": hardware_flops / peak if peak else None,
     }
+
+
+def _pipeline(cfg: RunConfig) -> dict | None:
+    """The pipeline's schedule in numbers (None without one)."""
+    par = cfg.parallel
+    if par.stage == 1:
+        return None
+    schedule = schedule_for(cfg)
+    return {
+        "schedule": par.pipeline_schedule,
+        "stages": par.stage,
+        "virtual_stages": par.virtual_stages,
+        "microbatches": cfg.train.microbatches,
+        "ticks": schedule.ticks,
+        "bubble_fraction": schedule.bubble_fraction,
+        "peak_in_flight": [schedule.peak_in_flight(s) for s in range(par.stage)],
+    }
+
+
+def _attention(cfg: RunConfig) -> tuple[str, dict | None]:
+    """Which attention kernel runs (and why, for `fused`), and the context-parallel numbers."""
+    m, par = cfg.model, cfg.parallel
+    if par.context > 1:
+        chunk = accounting.context_chunk(cfg)
+        block = accounting.attention_block(m, cfg.train.seq_len, chunk)
+        comm = accounting.context_comm_bytes(cfg)
+        balance = accounting.context_block_pairs(cfg.train.seq_len, par.context, par.context_load_balance, block)
+        context = {
+            "strategy": par.context_strategy,
+            "load_balance": par.context_load_balance,
+            "tokens_per_rank": cfg.train.seq_len // par.context,
+            "kv_bytes_received_per_step": sum(comm.values()),
+            "block_pairs_per_rank": balance,
+        }
+        return f"blockwise (block {block}) over context={par.context}", context
+    if m.attention == "explicit":
+        return _explicit_label(m, cfg.train.seq_len), None
+    if m.attention == "blockwise":
+        return f"blockwise (block {m.attention_block})", None
+    kind, why = fused_implementation(m.dtype, m.dim_head, cfg.data.document_mask)
+    return ("fused -> cuDNN flash attention" if kind == "cudnn" else f"fused -> blockwise ({why})"), None
 
 
 def _size(n: float) -> str:

@@ -323,14 +323,14 @@ def test_the_planner_splits_long_sequences_over_context():
     """llama-1b at 32k tokens, 4 sequences per step, on 8 H100s: the best plan uses context (with
     the blockwise kernel the recipe did not ask for) and says why; at 2k tokens it does not."""
     from meshlm import recipes
-    from meshlm.insight import plan
+    from meshlm.insight import plan, plan_report
     from meshlm.platform.hardware import ACCELERATORS
 
     def best(seq_len: int, batch: int):
         cfg = recipes.get("llama-1b")
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len, global_batch=batch))
         plans = plan.enumerate_plans(cfg, 8, ACCELERATORS["h100"])
-        return plans[0], plan.explain_choice(plans)
+        return plans[0], plan_report.explain_choice(plans)
 
     long, why = best(32768, 4)
     assert not long.rejected and long.cfg.parallel.context > 1 and long.cfg.model.attention == "blockwise"

@@ -13,6 +13,7 @@ from meshlm import recipes
 from meshlm.cli import main
 from meshlm.config import ParallelConfig, RematConfig, RunConfig, TrainConfig
 from meshlm.insight import plan as planner
+from meshlm.insight import plan_report
 from meshlm.model.params import abstract_params, param_specs
 from meshlm.parallel.mesh import make_layout
 from meshlm.platform.hardware import ACCELERATORS
@@ -117,7 +118,7 @@ def test_plans_are_ranked_and_rejections_explained():
     assert times == sorted(times)
     reasons = {p.rejected for p in plans if p.rejected}
     assert "model.n_kv_heads=8 is not divisible by mesh axis 'tensor' (size 16)" in reasons
-    lines = planner.format_plans(plans, 5, ACCELERATORS["h100"], 80 * 2**30)
+    lines = plan_report.format_plans(plans, 5, ACCELERATORS["h100"], 80 * 2**30)
     assert any("n_kv_heads=8" in line for line in lines)
 
 
@@ -159,10 +160,10 @@ def test_verify_of_a_pipelined_best_plan_compiles_the_best_unpipelined_one(devic
     cfg = recipes.get("tiny")
     piped = planner.Plan(dataclasses.replace(cfg, parallel=ParallelConfig(stage=2, data=2)))
     flat = planner.Plan(dataclasses.replace(cfg, parallel=ParallelConfig(data=2)))
-    out = planner.verify([piped, flat])
+    out = plan_report.verify([piped, flat])
     assert "verified the best one without a pipeline" in out and "(data=2 " in out
     assert float(out.split("ratio ")[1].split(")")[0]) == pytest.approx(1.0, rel=0.01)
-    assert planner.verify([piped]).startswith("verify: every feasible plan is pipelined")
+    assert plan_report.verify([piped]).startswith("verify: every feasible plan is pipelined")
 
 
 def test_bad_plan_requests():

@@ -135,18 +135,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = apply_overrides(recipes.get(args.recipe), args.overrides)
     set_device_count(min(args.devices, 8) if args.verify else 1, explicit=True)
     from meshlm.insight import plan as planner
+    from meshlm.insight import plan_report
 
     device = ACCELERATORS[args.device]
     limit = device.memory if limit is None else limit
     plans = planner.enumerate_plans(cfg, args.devices, device, limit)
     feasible = [p for p in plans if not p.rejected]
-    verified = planner.verify(feasible) if args.verify and feasible else None
-    miss = None if feasible else planner.closest_miss(cfg, plans, args.devices, device, limit)
-    why = planner.explain_choice(plans)
+    verified = plan_report.verify(feasible) if args.verify and feasible else None
+    miss = None if feasible else plan_report.closest_miss(cfg, plans, args.devices, device, limit)
+    why = plan_report.explain_choice(plans)
     if args.json:
-        print(json.dumps(planner.to_json(plans, verified) | {"error": miss, "context_choice": why}, indent=2))
+        print(json.dumps(plan_report.to_json(plans, verified) | {"error": miss, "context_choice": why}, indent=2))
         return 0 if feasible else EXIT_CONFIG
-    for line in planner.format_plans(plans, args.top, device, limit):
+    for line in plan_report.format_plans(plans, args.top, device, limit):
         print(line)
     if why:
         print(why)

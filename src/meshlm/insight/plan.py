@@ -11,9 +11,9 @@ time is shown beside the roofline (`calibrated_time`; within 7% of P2 Table 5 fo
 
 For a model configured with explicit attention, every layout is also planned with
 `model.attention=blockwise` (which context parallelism needs); such plans say so.
-`explain_choice` says why the best plan splits the sequence over `context`, or does not.
+`plan_report` presents the plans (table, JSON, why the best one splits the sequence or not).
 
-Pure arithmetic on the config: nothing is compiled unless `verify` is asked for.
+Pure arithmetic on the config: nothing is compiled here (`plan_report.verify` compiles on request).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from dataclasses import dataclass, field
 
 import jax
@@ -341,52 +340,13 @@ def enumerate_plans(
     """Every layout x SP x policy x microbatch count, feasible ones first (fastest first), then the
     rejected ones with their reason."""
     plans = []
-    base = cfg.parallel
-    # pipelines over stage counts that split the layers; not combined with context (unsupported)
-    stages = [p for p in _divisors(n_devices) if cfg.model.n_layers % p == 0]
-    layouts = [
-        (stage, tensor, context, fsdp, n_devices // stage // tensor // context // fsdp)
-        for stage in stages
-        for tensor in _divisors(n_devices // stage)
-        for context in (_divisors(n_devices // stage // tensor) if stage == 1 else [1])
-        for fsdp in _divisors(n_devices // stage // tensor // context)
-    ]
-    # explicit attention stores (causal blocks of) the s x s scores: offer the blockwise kernel next
-    # to it (CP needs it)
-    kernels = ("explicit", "blockwise") if cfg.model.attention == "explicit" else (cfg.model.attention,)
-    choices = [(lay, kernel) for lay in layouts for kernel in kernels if lay[2] == 1 or kernel != "explicit"]
-    for (stage, tensor, context, fsdp, data), kernel in choices:
-        model = dataclasses.replace(cfg.model, attention=kernel)
-        # pipelines: 1F1B (p in flight) or GPipe (m in flight, but shorter in lockstep)
-        schedules = ("1f1b", "gpipe") if stage > 1 else ("1f1b",)
-        variants = [(sp, sched) for sp in ((False, True) if tensor > 1 else (False,)) for sched in schedules]
-        for sp, schedule in variants:
-            par = dataclasses.replace(
-                base,
-                stage=stage,
-                data=data,
-                fsdp=fsdp,
-                context=context,
-                tensor=tensor,
-                sequence_parallel=sp,
-                pipeline_schedule=schedule,
-                virtual_stages=1,
-            )
-            for policy in policies:
-                for k in _divisors(cfg.train.global_batch):
-                    c = dataclasses.replace(
-                        cfg,
-                        model=model,
-                        parallel=par,
-                        remat=RematConfig(policy),
-                        train=dataclasses.replace(cfg.train, microbatches=k),
-                    )
-                    try:
-                        validate(c)
-                    except ConfigError as err:
-                        plans.append(Plan(c, rejected=str(err).split(";")[0]))
-                        continue
-                    plans.append(estimate(c, device, memory_limit))
+    for c in _candidates(cfg, n_devices, policies):
+        try:
+            validate(c)
+        except ConfigError as err:
+            plans.append(Plan(c, rejected=str(err).split(";")[0]))
+            continue
+        plans.append(estimate(c, device, memory_limit))
     # fastest first (calibrated where the device kind has rates, else roofline); equal times prefer
     # fewer microbatches (bigger GEMMs), then less memory
     plans.sort(
@@ -400,163 +360,39 @@ def enumerate_plans(
     return plans
 
 
-def explain_choice(plans: list[Plan]) -> str | None:
-    """Why the best plan does or does not split the sequence over `context` (None when no plan
-    with context > 1 was possible and none was chosen)."""
-    feasible = [p for p in plans if not p.rejected]
-    if not feasible:
-        return None
-    best = feasible[0]
-    flat = [p for p in feasible if p.cfg.parallel.context == 1]
-    split = [p for p in feasible if p.cfg.parallel.context > 1]
-    s = best.cfg.train.seq_len
-    if best.cfg.parallel.context > 1:
-        c = best.cfg.parallel.context
-        act = best.memory["activations"]
-        if not flat:
-            sized = [p for p in plans if p.memory and p.cfg.parallel.context == 1]
-            need = min((p.total_memory for p in sized), default=0.0)
-            return (
-                f"context={c}: at s={s} no layout without context parallelism fits"
-                + (f" (the closest needs {need / GiB:.1f} GiB per device)" if need else "")
-                + f"; splitting the sequence {c} ways leaves {act / GiB:.1f} GiB of activations per device"
-            )
-        other = flat[0]
-        parts = other.calibrated or other.time
-        costs = {k: v for k, v in parts.items() if k not in ("compute", "GEMMs")}
-        if other.cfg.remat.policy == "full":
-            why = "it recomputes every layer in backward"
-        elif costs:
-            part, seconds = max(costs.items(), key=lambda kv: kv[1])
-            why = f"its {part} take {seconds / other.expected_time:.0%} of the step"
-        else:
-            why = "it runs more GEMM FLOPs"
-        hidden = "; the ring's K/V hops hide behind attention" if best.cfg.parallel.context_strategy == "ring" else ""
-        return (
-            f"context={c}: at s={s} it is {other.expected_time / best.expected_time:.2f}x faster than the best layout "
-            f"without it ({other.describe()}: {why}){hidden}"
-        )
-    if split:
-        ratio = split[0].expected_time / best.expected_time
-        pace = "as fast" if ratio < 1.0005 else f"{ratio:.3f}x slower"
-        rows = best.cfg.parallel.batch_shards
-        instead = f"; the batch splits over data x fsdp = {rows} instead" if rows > 1 else ""
-        return f"no context parallelism: at s={s} the best layout with it ({split[0].describe()}) is {pace}{instead}"
-    return None
-
-
-def closest_miss(cfg: RunConfig, plans: list[Plan], n_devices: int, device: Accelerator, limit: float) -> str:
-    """For a request nothing satisfies: the plan needing least memory, and what would make it fit."""
-    sized = [p for p in plans if p.memory]
-    if not sized:
-        return "no layout of this model divides over these devices: " + "; ".join(
-            sorted({p.rejected for p in plans})[:3]
-        )
-    best = min(sized, key=lambda p: p.total_memory)
-    need = best.total_memory
-    hints = [f"{need / GiB:.1f} GiB per device (limit {limit / GiB:.1f} GiB)"]
-    hints.append(f"about {math.ceil(n_devices * need / limit)} devices at this memory")
-    seq = cfg.train.seq_len
-    while seq > 128:
-        seq //= 2
-        shorter = dataclasses.replace(best.cfg, train=dataclasses.replace(best.cfg.train, seq_len=seq))
-        if estimate(shorter, device, limit).total_memory <= limit:
-            hints.append(f"or train.seq_len={seq}")
-            break
-    return f"nothing fits; closest: {best.describe()} needs " + ", ".join(hints)
-
-
-def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float) -> list[str]:
-    feasible = [p for p in plans if not p.rejected]
-    links = f"links {device.intra_bw / 1e9:.0f} / {device.inter_bw / 1e9:.0f} GB/s"
-    dtype = plans[0].cfg.model.dtype
-    peak = f"{device_peak(device, plans[0].cfg) / 1e12:.1f} TFLOP/s, {matmul_precision(dtype, device.platform)}"
-    lines = [
-        f"{len(feasible)} of {len(plans)} layouts fit {limit / GiB:.0f} GiB on {device.name} "
-        f"(peak {peak} matmuls; {links}); MFU here is the roofline bound",
-        f"{'#':>3}  {'layout':68s} {'memory GiB':>10s} {'step s':>9s} {'MFU':>6s}  time split",
+def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
+    """The configs `enumerate_plans` weighs, unvalidated: mesh factorisations x attention kernel x
+    SP x pipeline schedule x remat policy x microbatch count."""
+    # pipelines over stage counts that split the layers; not combined with context (unsupported)
+    stages = [p for p in _divisors(n_devices) if cfg.model.n_layers % p == 0]
+    layouts = [
+        (stage, tensor, context, fsdp, n_devices // stage // tensor // context // fsdp)
+        for stage in stages
+        for tensor in _divisors(n_devices // stage)
+        for context in (_divisors(n_devices // stage // tensor) if stage == 1 else [1])
+        for fsdp in _divisors(n_devices // stage // tensor // context)
     ]
-    calibrated = any(p.calibrated for p in feasible[:top])
-    if calibrated:
-        cal = CALIBRATIONS[device.name]
-        lines[1] = lines[1].replace("  time split", f" {'calib. s':>9s} {'MFU':>6s}  time split")
-        lines.insert(1, f"calibrated columns: achieved rates from {cal.source}; 'step s' / first MFU: roofline")
-    if any(p.mfu > 1 for p in feasible[:top]):
-        lines.insert(
-            1,
-            "(MFU counts causal attention as full s x s matmuls, P2 Eq. 7; kernels that skip the masked half "
-            "can exceed 100%)",
-        )
-    for i, p in enumerate(feasible[:top], 1):
-        split = ", ".join(f"{k} {v / p.step_time:.0%}" for k, v in p.time.items())
-        row = f"{p.describe():68s} {p.total_memory / GiB:10.2f} {p.step_time:9.4f} {p.mfu:6.1%}"
-        if calibrated:
-            seconds = sum(p.calibrated.values())
-            mfu = p.mfu * p.step_time / seconds
-            row += f" {seconds:9.4f} {mfu:6.1%}"
-            split = ", ".join(f"{k} {v / seconds:.0%}" for k, v in p.calibrated.items())
-        lines.append(f"{i:>3}  {row}  {split}")
-    groups: dict[str, list[Plan]] = {}
-    for p in plans:
-        if p.rejected:
-            key = "does not fit" if p.rejected.startswith("needs") else re.sub(r"\d+", "N", p.rejected)
-            groups.setdefault(key, []).append(p)
-    if groups:
-        lines.append("rejected (count x reason, with one example):")
-        for group in sorted(groups.values(), key=len, reverse=True):
-            example = min(group, key=lambda p: p.total_memory)  # for memory misses: the closest
-            lines.append(f"  {len(group):5d} x {example.describe()}: {example.rejected}")
-    return lines
-
-
-def to_json(plans: list[Plan], verified: str | None = None) -> dict:
-    def one(p: Plan) -> dict:
-        par = p.cfg.parallel
-        return {
-            "stage": par.stage,
-            "pipeline_schedule": par.pipeline_schedule if par.stage > 1 else None,
-            "data": par.data,
-            "fsdp": par.fsdp,
-            "context": par.context,
-            "context_strategy": par.context_strategy if par.context > 1 else None,
-            "attention": p.cfg.model.attention,
-            "tensor": par.tensor,
-            "sequence_parallel": par.sequence_parallel,
-            "remat": p.cfg.remat.policy,
-            "microbatches": p.cfg.train.microbatches,
-            "memory_bytes": p.memory,
-            "total_memory_bytes": p.total_memory,
-            "step_time_s": p.time,
-            "calibrated_step_time_s": p.calibrated,
-            "mfu": p.mfu,
-            "rejected": p.rejected,
-        }
-
-    return {"plans": [one(p) for p in plans], "verified": verified}
-
-
-def verify(feasible: list[Plan]) -> str:
-    """Compile the best plan with 2 layers on simulated devices; compare stored activations with
-    the prediction. The measurement is of one unpipelined forward/backward, so a pipelined best
-    plan is not compiled here (tests/test_pipeline.py measures stage 0 against its formula): the
-    best plan without a pipeline is verified instead, and the answer says so."""
-    from meshlm.insight.memory import measure_activations
-    from meshlm.parallel.mesh import make_layout
-
-    plan, note = feasible[0], ""
-    if plan.cfg.parallel.stage > 1:
-        flat = [p for p in feasible if p.cfg.parallel.stage == 1]
-        if not flat:
-            return "verify: every feasible plan is pipelined; their memory is checked by tests, not compiled here"
-        plan, note = flat[0], " (the best plan is pipelined: verified the best one without a pipeline)"
-
-    n = plan.cfg.parallel.n_devices
-    if n > len(jax.devices()):
-        return f"verify: the plan needs {n} devices, {len(jax.devices())} are simulated here; not compiled"
-    small = dataclasses.replace(plan.cfg, model=dataclasses.replace(plan.cfg.model, n_layers=2))
-    measured = measure_activations(small, make_layout(small.parallel, jax.devices()[:n])).activation_bytes
-    predicted = accounting.activation_memory(small)["total"]
-    return (
-        f"verify ({plan.describe()}, 2 layers, compiled on {n} simulated devices): activations measured "
-        f"{measured / 2**20:.2f} MiB vs predicted {predicted / 2**20:.2f} MiB (ratio {measured / predicted:.3f}){note}"
-    )
+    # explicit attention stores (causal blocks of) the s x s scores: offer the blockwise kernel next
+    # to it (CP needs it)
+    kernels = ("explicit", "blockwise") if cfg.model.attention == "explicit" else (cfg.model.attention,)
+    for (stage, tensor, context, fsdp, data), kernel in (
+        (lay, kernel) for lay in layouts for kernel in kernels if lay[2] == 1 or kernel != "explicit"
+    ):
+        model = dataclasses.replace(cfg.model, attention=kernel)
+        # pipelines: 1F1B (p in flight) or GPipe (m in flight, but shorter in lockstep)
+        schedules = ("1f1b", "gpipe") if stage > 1 else ("1f1b",)
+        for sp in (False, True) if tensor > 1 else (False,):
+            for schedule in schedules:
+                par = dataclasses.replace(
+                    cfg.parallel,
+                    **dict(stage=stage, data=data, fsdp=fsdp, context=context, tensor=tensor),
+                    sequence_parallel=sp,
+                    pipeline_schedule=schedule,
+                    virtual_stages=1,
+                )
+                for policy in policies:
+                    for k in _divisors(cfg.train.global_batch):
+                        train = dataclasses.replace(cfg.train, microbatches=k)
+                        yield dataclasses.replace(
+                            cfg, model=model, parallel=par, remat=RematConfig(policy), train=train
+                        )

@@ -1,0 +1,178 @@
+"""What the planner says: its ranked table, its JSON, why the best plan splits the sequence (or
+not), the closest miss when nothing fits, and a compile of the best plan on simulated devices.
+The arithmetic is `plan`'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+
+from meshlm import accounting
+from meshlm.config import RunConfig
+from meshlm.insight.plan import CALIBRATIONS, GiB, Plan, device_peak, estimate
+from meshlm.platform.hardware import Accelerator, matmul_precision
+
+
+def explain_choice(plans: list[Plan]) -> str | None:
+    """Why the best plan does or does not split the sequence over `context` (None when no plan
+    with context > 1 was possible and none was chosen)."""
+    feasible = [p for p in plans if not p.rejected]
+    if not feasible:
+        return None
+    best = feasible[0]
+    flat = [p for p in feasible if p.cfg.parallel.context == 1]
+    split = [p for p in feasible if p.cfg.parallel.context > 1]
+    s = best.cfg.train.seq_len
+    if best.cfg.parallel.context > 1:
+        c = best.cfg.parallel.context
+        act = best.memory["activations"]
+        if not flat:
+            sized = [p for p in plans if p.memory and p.cfg.parallel.context == 1]
+            need = min((p.total_memory for p in sized), default=0.0)
+            return (
+                f"context={c}: at s={s} no layout without context parallelism fits"
+                + (f" (the closest needs {need / GiB:.1f} GiB per device)" if need else "")
+                + f"; splitting the sequence {c} ways leaves {act / GiB:.1f} GiB of activations per device"
+            )
+        other = flat[0]
+        parts = other.calibrated or other.time
+        costs = {k: v for k, v in parts.items() if k not in ("compute", "GEMMs")}
+        if other.cfg.remat.policy == "full":
+            why = "it recomputes every layer in backward"
+        elif costs:
+            part, seconds = max(costs.items(), key=lambda kv: kv[1])
+            why = f"its {part} take {seconds / other.expected_time:.0%} of the step"
+        else:
+            why = "it runs more GEMM FLOPs"
+        hidden = "; the ring's K/V hops hide behind attention" if best.cfg.parallel.context_strategy == "ring" else ""
+        return (
+            f"context={c}: at s={s} it is {other.expected_time / best.expected_time:.2f}x faster than the best layout "
+            f"without it ({other.describe()}: {why}){hidden}"
+        )
+    if split:
+        ratio = split[0].expected_time / best.expected_time
+        pace = "as fast" if ratio < 1.0005 else f"{ratio:.3f}x slower"
+        rows = best.cfg.parallel.batch_shards
+        instead = f"; the batch splits over data x fsdp = {rows} instead" if rows > 1 else ""
+        return f"no context parallelism: at s={s} the best layout with it ({split[0].describe()}) is {pace}{instead}"
+    return None
+
+
+def closest_miss(cfg: RunConfig, plans: list[Plan], n_devices: int, device: Accelerator, limit: float) -> str:
+    """For a request nothing satisfies: the plan needing least memory, and what would make it fit."""
+    sized = [p for p in plans if p.memory]
+    if not sized:
+        return "no layout of this model divides over these devices: " + "; ".join(
+            sorted({p.rejected for p in plans})[:3]
+        )
+    best = min(sized, key=lambda p: p.total_memory)
+    need = best.total_memory
+    hints = [f"{need / GiB:.1f} GiB per device (limit {limit / GiB:.1f} GiB)"]
+    hints.append(f"about {math.ceil(n_devices * need / limit)} devices at this memory")
+    seq = cfg.train.seq_len
+    while seq > 128:
+        seq //= 2
+        shorter = dataclasses.replace(best.cfg, train=dataclasses.replace(best.cfg.train, seq_len=seq))
+        if estimate(shorter, device, limit).total_memory <= limit:
+            hints.append(f"or train.seq_len={seq}")
+            break
+    return f"nothing fits; closest: {best.describe()} needs " + ", ".join(hints)
+
+
+def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float) -> list[str]:
+    feasible = [p for p in plans if not p.rejected]
+    links = f"links {device.intra_bw / 1e9:.0f} / {device.inter_bw / 1e9:.0f} GB/s"
+    dtype = plans[0].cfg.model.dtype
+    peak = f"{device_peak(device, plans[0].cfg) / 1e12:.1f} TFLOP/s, {matmul_precision(dtype, device.platform)}"
+    lines = [
+        f"{len(feasible)} of {len(plans)} layouts fit {limit / GiB:.0f} GiB on {device.name} "
+        f"(peak {peak} matmuls; {links}); MFU here is the roofline bound",
+        f"{'#':>3}  {'layout':68s} {'memory GiB':>10s} {'step s':>9s} {'MFU':>6s}  time split",
+    ]
+    calibrated = any(p.calibrated for p in feasible[:top])
+    if calibrated:
+        cal = CALIBRATIONS[device.name]
+        lines[1] = lines[1].replace("  time split", f" {'calib. s':>9s} {'MFU':>6s}  time split")
+        lines.insert(1, f"calibrated columns: achieved rates from {cal.source}; 'step s' / first MFU: roofline")
+    if any(p.mfu > 1 for p in feasible[:top]):
+        lines.insert(
+            1,
+            "(MFU counts causal attention as full s x s matmuls, P2 Eq. 7; kernels that skip the masked half "
+            "can exceed 100%)",
+        )
+    for i, p in enumerate(feasible[:top], 1):
+        split = ", ".join(f"{k} {v / p.step_time:.0%}" for k, v in p.time.items())
+        row = f"{p.describe():68s} {p.total_memory / GiB:10.2f} {p.step_time:9.4f} {p.mfu:6.1%}"
+        if calibrated:
+            seconds = sum(p.calibrated.values())
+            mfu = p.mfu * p.step_time / seconds
+            row += f" {seconds:9.4f} {mfu:6.1%}"
+            split = ", ".join(f"{k} {v / seconds:.0%}" for k, v in p.calibrated.items())
+        lines.append(f"{i:>3}  {row}  {split}")
+    groups: dict[str, list[Plan]] = {}
+    for p in plans:
+        if p.rejected:
+            key = "does not fit" if p.rejected.startswith("needs") else re.sub(r"\d+", "N", p.rejected)
+            groups.setdefault(key, []).append(p)
+    if groups:
+        lines.append("rejected (count x reason, with one example):")
+        for group in sorted(groups.values(), key=len, reverse=True):
+            example = min(group, key=lambda p: p.total_memory)  # for memory misses: the closest
+            lines.append(f"  {len(group):5d} x {example.describe()}: {example.rejected}")
+    return lines
+
+
+def to_json(plans: list[Plan], verified: str | None = None) -> dict:
+    def one(p: Plan) -> dict:
+        par = p.cfg.parallel
+        return {
+            "stage": par.stage,
+            "pipeline_schedule": par.pipeline_schedule if par.stage > 1 else None,
+            "data": par.data,
+            "fsdp": par.fsdp,
+            "context": par.context,
+            "context_strategy": par.context_strategy if par.context > 1 else None,
+            "attention": p.cfg.model.attention,
+            "tensor": par.tensor,
+            "sequence_parallel": par.sequence_parallel,
+            "remat": p.cfg.remat.policy,
+            "microbatches": p.cfg.train.microbatches,
+            "memory_bytes": p.memory,
+            "total_memory_bytes": p.total_memory,
+            "step_time_s": p.time,
+            "calibrated_step_time_s": p.calibrated,
+            "mfu": p.mfu,
+            "rejected": p.rejected,
+        }
+
+    return {"plans": [one(p) for p in plans], "verified": verified}
+
+
+def verify(feasible: list[Plan]) -> str:
+    """Compile the best plan with 2 layers on simulated devices; compare stored activations with
+    the prediction. The measurement is of one unpipelined forward/backward, so a pipelined best
+    plan is not compiled here (tests/test_pipeline.py measures stage 0 against its formula): the
+    best plan without a pipeline is verified instead, and the answer says so."""
+    from meshlm.insight.memory import measure_activations
+    from meshlm.parallel.mesh import make_layout
+
+    plan, note = feasible[0], ""
+    if plan.cfg.parallel.stage > 1:
+        flat = [p for p in feasible if p.cfg.parallel.stage == 1]
+        if not flat:
+            return "verify: every feasible plan is pipelined; their memory is checked by tests, not compiled here"
+        plan, note = flat[0], " (the best plan is pipelined: verified the best one without a pipeline)"
+
+    n = plan.cfg.parallel.n_devices
+    if n > len(jax.devices()):
+        return f"verify: the plan needs {n} devices, {len(jax.devices())} are simulated here; not compiled"
+    small = dataclasses.replace(plan.cfg, model=dataclasses.replace(plan.cfg.model, n_layers=2))
+    measured = measure_activations(small, make_layout(small.parallel, jax.devices()[:n])).activation_bytes
+    predicted = accounting.activation_memory(small)["total"]
+    return (
+        f"verify ({plan.describe()}, 2 layers, compiled on {n} simulated devices): activations measured "
+        f"{measured / 2**20:.2f} MiB vs predicted {predicted / 2**20:.2f} MiB (ratio {measured / predicted:.3f}){note}"
+    )

@@ -21,6 +21,7 @@ aside (`<dir>.corrupt/`, never deleted) and the previous good step is used inste
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,20 +111,41 @@ def resolve_checkpoint(path: str | Path, what: str = "--init-from") -> tuple[Pat
     return p, None
 
 
+class _DropReadOnlyNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def _quiet_read_only_notice():
+    """Orbax logs "Given directory is read only=..." (absl, WARNING) whenever a read-only manager is
+    made, i.e. on every `meshlm generate` / `eval`: asked for, so not worth a warning to the user."""
+    logger, drop = logging.getLogger("absl"), _DropReadOnlyNotice()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 class Checkpointer:
     """Save / restore-latest over one checkpoint directory (an `ocp.CheckpointManager`)."""
 
     def __init__(self, directory: str | Path, cfg: CheckpointConfig, log=print, read_only: bool = False):
         self.directory = Path(directory).expanduser().absolute()
         self.cfg, self.log = cfg, log
+        # read-only (generate, eval, convert, --init-from): the options a reader has, so that Orbax
+        # has nothing to override and warn about on every call
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep,
-            keep_period=cfg.keep_every or None,
+            max_to_keep=None if read_only else cfg.keep,
+            keep_period=None if read_only else cfg.keep_every or None,
+            save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=cfg.async_save,
             create=not read_only,
             read_only=read_only,
         )
-        self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+        with _quiet_read_only_notice():
+            self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
         self.last_saved: int | None = None
 
     # ------------------------------------------------------------------------------- save

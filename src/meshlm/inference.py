@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -179,8 +180,9 @@ def sample(logits_bv: jax.Array, key: jax.Array, temperature: float, top_k: int,
 class Generation:
     tokens: list[list[int]]  # new tokens per prompt (ending with the end-of-text token if one was drawn)
     logits: np.ndarray | None  # [b, steps, vocab] fp32: the logits each new token was drawn from
-    prefill_s: float
-    decode_s: float
+    prefill_s: float  # the prompt's forward pass and the first token (compiles on a new shape)
+    first_decode_s: float  # the first decode step alone (compiles on a new shape; 0 if none ran)
+    decode_s: float  # every later decode step: the steady rate is decode_steps / decode_s
     decode_steps: int
 
 
@@ -250,35 +252,11 @@ class Generator:
     ) -> Generation:
         """New tokens for each prompt (token ids). A row ends at its first stop token (the model's
         end-of-text ids) unless `stop_at_eos` is off; `on_token(tokens so far)` after each step."""
-        import time
-
-        m = self.model.cfg.model
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ConfigError("every prompt needs at least one token")
-        if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-            raise ConfigError("need max_new_tokens >= 1, temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        self._check(prompts, max_new_tokens, temperature, top_k, top_p)
         top_k = min(top_k, self.n_valid)
-        longest = max(len(p) for p in prompts)
-        if m.family == "gpt" and longest + max_new_tokens > m.max_seq_len:
-            raise ConfigError(
-                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                f"{m.max_seq_len} positions"
-            )
-        bad = [t for p in prompts for t in p if not 0 <= t < m.vocab_size]
-        if bad:
-            raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{m.vocab_size - 1})")
         n = len(prompts)
-        b = -(-n // self.batch_shards) * self.batch_shards  # rows padded to the batch shards
-        p_len = -(-longest // BUCKET) * BUCKET
-        s_len = -(-(p_len + max_new_tokens) // BUCKET) * BUCKET
-        pad = 0 if self.model.eos_id is None else self.model.eos_id
-        rows = [list(p) for p in prompts] + [[pad]] * (b - n)
-        tokens = np.full((b, p_len), pad, np.int32)
-        start = np.zeros((b,), np.int32)
-        for r, p in enumerate(rows):
-            tokens[r, p_len - len(p) :] = p
-            start[r] = p_len - len(p)
-        cache = self._empty_cache(b, s_len, start)
+        tokens, start, s_len = self._left_padded(prompts, max_new_tokens)
+        cache = self._empty_cache(tokens.shape[0], s_len, start)
         key = jax.random.key(seed)
         opts = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
         t0 = time.perf_counter()
@@ -291,6 +269,7 @@ class Generator:
         stops = np.asarray(self.model.stops if stop_at_eos else (), np.int32)
         done = np.zeros((n,), bool)
         seen = 0  # tokens already checked for stops
+        times = []  # wall clock after each decode step's dispatch (the first one waits for its compile)
         t0 = time.perf_counter()
         for i in range(1, max_new_tokens):
             if on_token is not None or i % 8 == 0:  # each check covers every token since the last
@@ -304,16 +283,53 @@ class Generator:
             tok, logits, cache = self._step(
                 self.model.params, tok[:, None], cache, jax.random.fold_in(key, i), prefill=False, **opts
             )
+            if i == 1:  # the first decode step compiles the decode program on a new shape: timed apart
+                jax.block_until_ready(tok)
+            times.append(time.perf_counter())
             out_tok.append(tok)
             if return_logits:
                 out_logits.append(logits)
         all_tok = np.stack([np.asarray(t) for t in out_tok], 1)[:n]
-        decode_s = time.perf_counter() - t0
+        end = time.perf_counter()
         result = _trim(all_tok, stops)
         if on_token is not None:
             on_token(result)
         lg = np.stack([np.asarray(x) for x in out_logits], 1)[:n] if return_logits else None
-        return Generation(result, lg, prefill_s, decode_s, len(out_tok) - 1)
+        first = times[0] - t0 if times else 0.0
+        steady = end - times[0] if times else 0.0
+        return Generation(result, lg, prefill_s, first, steady, max(0, len(out_tok) - 2))
+
+    def _check(self, prompts, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+        m = self.model.cfg.model
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ConfigError("every prompt needs at least one token")
+        if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+            raise ConfigError("need max_new_tokens >= 1, temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        longest = max(len(p) for p in prompts)
+        if m.family == "gpt" and longest + max_new_tokens > m.max_seq_len:
+            raise ConfigError(
+                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                f"{m.max_seq_len} positions"
+            )
+        bad = [t for p in prompts for t in p if not 0 <= t < m.vocab_size]
+        if bad:
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{m.vocab_size - 1})")
+
+    def _left_padded(self, prompts, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """(tokens [b, p_len], each row's first real position, cache length): the prompts
+        left-padded to a bucket, the rows padded to the batch shards."""
+        n, longest = len(prompts), max(len(p) for p in prompts)
+        b = -(-n // self.batch_shards) * self.batch_shards
+        p_len = -(-longest // BUCKET) * BUCKET
+        s_len = -(-(p_len + max_new_tokens) // BUCKET) * BUCKET
+        pad = 0 if self.model.eos_id is None else self.model.eos_id
+        rows = [list(p) for p in prompts] + [[pad]] * (b - n)
+        tokens = np.full((b, p_len), pad, np.int32)
+        start = np.zeros((b,), np.int32)
+        for r, p in enumerate(rows):
+            tokens[r, p_len - len(p) :] = p
+            start[r] = p_len - len(p)
+        return tokens, start, s_len
 
 
 def _trim(tokens_bt: np.ndarray, stops: np.ndarray) -> list[list[int]]:

@@ -3,6 +3,7 @@ exactly like the parameters it mirrors (ZeRO-style under FSDP); scalars are repl
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import optax
 
 from meshlm.config import OptimConfig
@@ -10,14 +11,21 @@ from meshlm.model.params import map_specs
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    decay_steps = max(total_steps, cfg.warmup_steps + 1)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.lr,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=decay_steps,
-        end_value=cfg.lr * cfg.min_lr_ratio,
-    )
+    """The learning rate of update k (0-based): a linear warmup that starts at lr/w, not 0 (Megatron:
+    the first update is not wasted), reaching lr at update w-1; then a cosine from lr down to
+    `min_lr_ratio * lr` at the last update (`total_steps` - 1), held there beyond it."""
+    w = cfg.warmup_steps
+    decay_steps = max(total_steps - w, 1)
+    end = cfg.lr * cfg.min_lr_ratio
+
+    def schedule(count):
+        count = jnp.asarray(count, jnp.float32)
+        warm = cfg.lr * (count + 1) / max(w, 1)
+        progress = jnp.clip((count + 1 - w) / decay_steps, 0.0, 1.0)
+        cosine = end + (cfg.lr - end) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
+        return jnp.where(count < w, warm, cosine)
+
+    return schedule
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, specs: dict) -> optax.GradientTransformation:

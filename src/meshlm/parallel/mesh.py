@@ -78,15 +78,47 @@ def process_group(
     return group
 
 
-def _recv_line(conn: socket.socket, deadline: float) -> str:
+HELLO_LIMIT = 1024  # bytes: a hello is {"n": N, "i": I}; anything longer is not one
+HELLO_TIMEOUT = 5.0  # seconds a connection may take to say hello before it is dropped
+
+
+class BadHello(ValueError):
+    """A connection to the rendezvous port that is not a meshlm process saying hello."""
+
+
+def _recv_line(conn: socket.socket, deadline: float, limit: int | None = None) -> str:
+    """One line from `conn` (without its newline). With `limit`, a line is at most that many bytes,
+    must end with a newline before the peer closes and must be UTF-8, else BadHello."""
     data = b""
     while not data.endswith(b"\n"):
         conn.settimeout(max(0.05, deadline - time.time()))
         chunk = conn.recv(4096)
         if not chunk:
+            if limit is not None:
+                raise BadHello("closed before a complete line")
             break
         data += chunk
-    return data.decode().strip()
+        if limit is not None and len(data) > limit:
+            raise BadHello(f"more than {limit} bytes without a newline")
+    try:
+        return data.decode().strip()
+    except UnicodeDecodeError:
+        raise BadHello("not UTF-8 text") from None
+
+
+def _read_hello(conn: socket.socket, deadline: float) -> tuple[int, int]:
+    """(n, i) of a process's hello line `{"n": N, "i": I}`; BadHello for anything else."""
+    line = _recv_line(conn, min(deadline, time.time() + HELLO_TIMEOUT), HELLO_LIMIT)
+    try:
+        hello = json.loads(line)
+    except ValueError:
+        raise BadHello("not JSON") from None
+    if not isinstance(hello, dict):
+        raise BadHello("not a JSON object")
+    n, i = hello.get("n"), hello.get("i")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (n, i)):
+        raise BadHello("needs integer fields n and i")
+    return n, i
 
 
 def _host_port(coordinator: str) -> tuple[str, int]:
@@ -127,7 +159,12 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def _serve_rendezvous(group: ProcessGroup, host: str, port: int, deadline: float) -> None:
-    """Process 0: wait for the N-1 others on the coordinator port, check they agree, answer."""
+    """Process 0: wait for the N-1 others on the coordinator port, check they agree, answer.
+
+    A connection that does not say a well-formed hello (not JSON, not an object, fields missing or
+    not integers, too long, binary, closed early, silent for HELLO_TIMEOUT) is not a meshlm process:
+    it is dropped and the rendezvous goes on waiting. A well-formed hello that disagrees (another
+    process count, an id out of range or taken twice) is a real misconfiguration: the group stops."""
     server = listen(host, port)
     conns: list[socket.socket] = []  # every process that said hello gets the verdict
     joined: set[int] = set()
@@ -137,19 +174,17 @@ def _serve_rendezvous(group: ProcessGroup, host: str, port: int, deadline: float
             server.settimeout(max(0.05, deadline - time.time()))
             try:
                 conn, _ = server.accept()
-                hello = json.loads(_recv_line(conn, deadline) or "{}")
-            except (TimeoutError, OSError, ValueError):
+            except OSError:  # the accept timed out (or was interrupted): try again until the deadline
                 if time.time() >= deadline:
                     break
                 continue
+            try:
+                n, i = _read_hello(conn, deadline)
+            except (BadHello, OSError):
+                conn.close()
+                continue
             conns.append(conn)
-            n, i = hello.get("n"), hello.get("i")
-            if n != group.num_processes:
-                error = f"process {i} was started with --num-processes {n}, process 0 with {group.num_processes}"
-            elif not isinstance(i, int) or not 0 < i < group.num_processes:
-                error = f"a process gave --process-id {i}, outside 1..{group.num_processes - 1}"
-            elif i in joined:
-                error = f"a second process claims --process-id {i}"
+            error = _disagreement(group, n, i, joined)
             joined.add(i)
         missing = sorted(set(range(1, group.num_processes)) - joined)
         if error is None and missing:
@@ -162,6 +197,17 @@ def _serve_rendezvous(group: ProcessGroup, host: str, port: int, deadline: float
                 conn.sendall(("OK" if error is None else f"ERR {error}").encode() + b"\n")
     if error is not None:
         raise ConfigError(f"the process group did not form: {error}")
+
+
+def _disagreement(group: ProcessGroup, n: int, i: int, joined: set[int]) -> str | None:
+    """Why process i's hello (its process count n) cannot join this group, or None."""
+    if n != group.num_processes:
+        return f"process {i} was started with --num-processes {n}, process 0 with {group.num_processes}"
+    if not 0 < i < group.num_processes:
+        return f"a process gave --process-id {i}, outside 1..{group.num_processes - 1}"
+    if i in joined:
+        return f"a second process claims --process-id {i}"
+    return None
 
 
 def _join_rendezvous(group: ProcessGroup, host: str, port: int, deadline: float) -> None:

@@ -103,8 +103,7 @@ def set_device_count(n: int, explicit: bool, host_allocator: bool = False) -> No
     if "jax" in sys.modules:
         return
     xla_flags.apply()
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
+    os.environ["XLA_FLAGS"] = xla_flags.with_device_count(os.environ.get("XLA_FLAGS", ""), n)
     if explicit:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if host_allocator:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshlm.config import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, RunConfig
+from meshlm.platform import xla_flags
 
 
 def free_port() -> int:
@@ -55,12 +56,17 @@ def worker_command(train_args: list[str], devices: int | None, coordinator: str,
 
 
 def worker_vars(heartbeat: Path) -> dict[str, str]:
-    """What a worker's environment adds to its host's (minus XLA_FLAGS: --devices sets the count)."""
+    """What a worker's environment adds to its host's."""
     return {"MESHLM_HEARTBEAT": str(heartbeat), "PYTHONUNBUFFERED": "1"}
 
 
 def host_env(extra: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | extra
+    """This host's environment for a worker, plus `extra`. The user's XLA_FLAGS reach the workers,
+    without a simulated device count (each worker's --devices sets its own)."""
+    env = dict(os.environ)
+    if "XLA_FLAGS" in env:
+        env["XLA_FLAGS"] = xla_flags.without_device_count(env["XLA_FLAGS"])
+    return env | extra
 
 
 class LocalWorker:

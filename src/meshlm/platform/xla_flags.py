@@ -57,6 +57,20 @@ def flags_for(env: dict[str, str] | None = None) -> str:
     return with_backend_flags(env.get("XLA_FLAGS", ""), gpu_backend_expected(env))
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def without_device_count(xla_flags: str) -> str:
+    """`xla_flags` minus the simulated host device count (each process sets its own with --devices);
+    every other flag the user set is kept."""
+    return " ".join(f for f in xla_flags.split() if not f.startswith(DEVICE_COUNT_FLAG))
+
+
+def with_device_count(xla_flags: str, n: int) -> str:
+    """`xla_flags` simulating `n` host devices (replacing any count already there)."""
+    return " ".join([*without_device_count(xla_flags).split(), f"{DEVICE_COUNT_FLAG}={n}"])
+
+
 def apply(env: dict[str, str] | None = None) -> None:
     """Set XLA_FLAGS for the backend this process will use (call before JAX starts a backend)."""
     env = os.environ if env is None else env

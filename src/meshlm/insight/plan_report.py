@@ -11,6 +11,7 @@ import re
 import jax
 
 from meshlm import accounting
+from meshlm.axes import MESH_AXES
 from meshlm.config import RunConfig
 from meshlm.insight.plan import CALIBRATIONS, GiB, Plan, device_peak, estimate
 from meshlm.platform.hardware import Accelerator, matmul_precision
@@ -128,15 +129,10 @@ def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float)
 def to_json(plans: list[Plan], verified: str | None = None) -> dict:
     def one(p: Plan) -> dict:
         par = p.cfg.parallel
-        return {
-            "stage": par.stage,
+        return {axis: getattr(par, axis) for axis in MESH_AXES} | {
             "pipeline_schedule": par.pipeline_schedule if par.stage > 1 else None,
-            "data": par.data,
-            "fsdp": par.fsdp,
-            "context": par.context,
             "context_strategy": par.context_strategy if par.context > 1 else None,
             "attention": p.cfg.model.attention,
-            "tensor": par.tensor,
             "sequence_parallel": par.sequence_parallel,
             "remat": p.cfg.remat.policy,
             "microbatches": p.cfg.train.microbatches,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshlm import accounting
+from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, RunConfig, from_dict
 
 MiB = 2**20
@@ -189,7 +190,7 @@ def _summary(run: Run) -> list[str]:
     rates = [r["tokens_per_s"] for r in run.steps.values() if "tokens_per_s" in r]
     mfus = [r["mfu"] for r in run.steps.values() if "mfu" in r]
     last = run.steps[steps[-1]] if steps else {}
-    mesh = info.get("mesh") or {"data": p.data, "fsdp": p.fsdp, "context": p.context, "tensor": p.tensor}
+    mesh = info.get("mesh") or {axis: getattr(p, axis) for axis in MESH_AXES}
     lines = [
         f"| run | `{run.directory}` |",
         "|---|---|",

@@ -6,11 +6,24 @@ import os
 import shutil
 import tempfile
 
+from meshlm.platform.xla_flags import with_device_count  # jax-free
+
+# The test programs are compiled for a short compile, not a fast run: LLVM at -O0 and XLA:CPU's
+# elemental emitters instead of its fusion emitters. Compilation is most of the suite's time on 2
+# cores, and these two flags cut the backend's compile time about 3.5x on the suite's programs.
+# The programs are the ones users run - the same HLO, shardings, collectives and buffer sizes, which
+# is what the tests check - only their machine code is less optimised (elementwise rounding may
+# differ in the last bits; no test compares against a golden from an optimised build at a tolerance
+# tighter than that). Subprocesses that train inherit them (`helpers.subprocess_env`), except the
+# README's default job, which runs as a user runs it.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 # any device count already set (the user's, or pytest-xdist's controller's, which workers inherit) is replaced
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    + ["--xla_force_host_platform_device_count=8"]
-)
+_flags = [
+    f
+    for f in os.environ.get("XLA_FLAGS", "").split()
+    if f.split("=")[0] not in {t.split("=")[0] for t in TEST_XLA_FLAGS}
+]
+os.environ["XLA_FLAGS"] = with_device_count(" ".join([*_flags, *TEST_XLA_FLAGS]), 8)
 os.environ["JAX_PLATFORMS"] = "cpu"
 if "MESHLM_CACHE" not in os.environ:  # made here (the controller, or a run without workers): removed at exit
     os.environ["MESHLM_CACHE"] = tempfile.mkdtemp(prefix="meshlm-test-cache-")
@@ -18,8 +31,8 @@ if "MESHLM_CACHE" not in os.environ:  # made here (the controller, or a run with
 if os.environ.get("PYTEST_XDIST_WORKER"):  # each pytest-xdist worker its own cache, below the controller's
     os.environ["MESHLM_CACHE"] = os.path.join(os.environ["MESHLM_CACHE"], os.environ["PYTEST_XDIST_WORKER"])
 
-import jax
-import pytest
+import jax  # noqa: E402 (after the environment above: jax reads it once, at import)
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -61,7 +74,7 @@ def default_run(tmp_path_factory):
     with open(root / "default-job.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists() and not failed.exists():
-            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own XLA_FLAGS
+            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as a user runs it
             try:
                 r = subprocess.run(
                     [sys.executable, "-m", "meshlm", "train", "--run-dir", str(run)],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 
@@ -58,6 +60,14 @@ def random_batches(cfg: RunConfig, n: int, seed: int = 0) -> list[dict[str, np.n
         toks = toks.astype(np.int32)
         out.append({"inputs": toks[:, :-1], "targets": toks[:, 1:]})
     return out
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a `meshlm` subprocess: this one's, with the test XLA flags (conftest) but
+    no simulated device count (the CLI sets its own from --mesh / --devices)."""
+    from meshlm.platform.xla_flags import without_device_count
+
+    return dict(os.environ) | {"XLA_FLAGS": without_device_count(os.environ.get("XLA_FLAGS", ""))} | extra
 
 
 def build(cfg: RunConfig):

@@ -2,7 +2,6 @@
 retention, corrupt/half-written fallback, shape mismatch, init-from and preemption."""
 
 import dataclasses
-import os
 import random
 import shutil
 import signal
@@ -14,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import build, logged_losses, random_batches, tiny_config
+from helpers import build, logged_losses, random_batches, subprocess_env, tiny_config
 from meshlm import train_loop
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, ConfigError, DataConfig, validate
@@ -238,7 +237,7 @@ def test_signal_saves_a_final_checkpoint_and_resume_finishes(corpus_dir, tmp_pat
     for kv in ("model.n_layers=1", "model.d_model=32", "train.seq_len=32", "train.log_every=1", "train.eval_every=0"):
         args += ["--set", kv]
     args += ["--set", f"data.paths={corpus_dir}", "--set", "model.vocab_size=320", "--set", "checkpoint.every=1000"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 120
     while time.time() < deadline and len(logged_losses(run) if (run / "metrics.jsonl").exists() else {}) < 3:
@@ -287,3 +286,14 @@ def test_starting_over_in_a_directory_with_checkpoints_is_refused(saved, corpus_
     fresh = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=2), resume=False)
     with pytest.raises(ConfigError, match=r"resume=false but .* holds checkpoints \[1, 2\]"):
         train(fresh, run, quiet=True)
+
+
+def test_a_read_only_checkpointer_logs_no_warnings(tmp_path, caplog):
+    """`meshlm generate` / `eval` open checkpoints read-only; Orbax warned on every call that it
+    overrode the options ("read_only=True, setting max_to_keep=None", ...) and that the directory
+    is read only. Neither is news to the user."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        Checkpointer(tmp_path, CheckpointConfig(), read_only=True).close()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

@@ -1,7 +1,6 @@
 """The command line, end to end: real subprocesses for what a user types, including bad input."""
 
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -9,12 +8,13 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import subprocess_env
 from meshlm.cli import main
 from meshlm.config import from_dict
 
 
 def _cli(*args: str, timeout: float = 120, **env_vars: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | env_vars  # the CLI sets its own XLA_FLAGS
+    env = subprocess_env(**env_vars)
     return subprocess.run(
         [sys.executable, "-m", "meshlm", *args], capture_output=True, text=True, timeout=timeout, env=env
     )

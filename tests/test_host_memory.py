@@ -3,7 +3,6 @@ faulted in afresh on every call under glibc's defaults, and reused under meshlm'
 settings stay off where they would not fit; the train loop keeps one step in flight under them."""
 
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from helpers import subprocess_env
 from meshlm import train_loop
 from meshlm.platform import host_memory
 
@@ -54,7 +54,7 @@ PROBE = textwrap.dedent(
 
 
 def _probe(tuning: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"MESHLM_MALLOC_TUNING": tuning}
+    env = subprocess_env(MESHLM_MALLOC_TUNING=tuning)
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])

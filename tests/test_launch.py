@@ -1,6 +1,7 @@
 """Process-group settings and launch planning (no processes started; those are in test_multiprocess)."""
 
 import signal
+import time
 
 import pytest
 
@@ -116,3 +117,103 @@ def test_config_errors_and_non_finite_stops_are_not_retried(monkeypatch, tmp_pat
     assert sup.run() == code
     assert len(sup.attempts) == 1
     assert "is not retried" in (tmp_path / "launch.log").read_text()
+
+
+def test_workers_get_the_users_xla_flags_without_a_device_count(monkeypatch):
+    """`meshlm launch` passes the user's XLA_FLAGS (dump flags, tuning) on to every worker, minus the
+    simulated device count, which each worker's --devices sets."""
+    from meshlm.launch.supervisor import host_env
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8")
+    assert host_env({"A": "1"})["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
+    assert host_env({"A": "1"})["A"] == "1"
+    monkeypatch.delenv("XLA_FLAGS")
+    assert "XLA_FLAGS" not in host_env({})
+
+
+def _garbage_then_group(monkeypatch, payloads: list[bytes], hellos: dict[int, int]) -> list:
+    """Process 0's rendezvous for a group of 3, fed `payloads` (one connection each, closed after
+    sending) and then real hellos (process id -> the process count it claims); returns
+    [process 0's outcome, each hello's answer]."""
+    import socket
+    import threading
+
+    from meshlm.launch.supervisor import free_port
+    from meshlm.parallel import mesh
+
+    monkeypatch.setattr(mesh, "HELLO_TIMEOUT", 0.3)
+    port = free_port()
+    outcome: list = []
+
+    def serve():
+        try:
+            mesh.rendezvous(process_group(f"127.0.0.1:{port}", 3, 0, timeout_s=20, env={}))
+            outcome.append("ok")
+        except ConfigError as e:
+            outcome.append(str(e))
+
+    server = threading.Thread(target=serve)
+    server.start()
+    for payload in payloads:
+        for _ in range(100):  # until process 0 listens
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except OSError:
+                time.sleep(0.05)
+        with conn:
+            if payload:
+                conn.sendall(payload)
+            if payload is not None and not payload.endswith(b"\n") and len(payload) < 100:
+                conn.shutdown(socket.SHUT_WR)  # an early disconnect: half a hello, then EOF
+            conn.settimeout(5)
+            try:  # the rendezvous drops it without an answer (or resets it)
+                answer = conn.recv(100)
+            except OSError:
+                answer = b""
+            assert answer == b"", (payload, answer)
+    answers = {}
+
+    def join(i, n):
+        try:
+            mesh.rendezvous(process_group(f"127.0.0.1:{port}", n, i, timeout_s=20, env={}))
+            answers[i] = "ok"
+        except ConfigError as e:
+            answers[i] = str(e)
+
+    joiners = [threading.Thread(target=join, args=item) for item in hellos.items()]
+    for t in joiners:
+        t.start()
+    for t in [*joiners, server]:
+        t.join(30)
+    return [outcome[0] if outcome else None, answers]
+
+
+GARBAGE = [
+    b"[]\n",  # valid JSON, not an object: raised outside the try and ended process 0 before
+    b"true\n",
+    b'"hello"\n',
+    b"not json at all\n",
+    b'{"n": "3", "i": 1}\n',  # mistyped
+    b'{"n": 3, "i": true}\n',  # a bool is not an id
+    b'{"n": 3}\n',  # missing field
+    b"\xff\xfe\x00\x01garbage\n",  # binary
+    b'{"n": 3, "i": 1',  # an early disconnect mid-hello
+    b"x" * 5000,  # oversized, no newline
+    b"",  # connects and says nothing (dropped after HELLO_TIMEOUT)
+]
+
+
+def test_rendezvous_drops_malformed_connections_and_the_group_still_forms(monkeypatch):
+    import random
+
+    rng = random.Random(0)
+    fuzz = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))) + b"\n" for _ in range(5)]
+    process0, answers = _garbage_then_group(monkeypatch, GARBAGE + fuzz, {1: 3, 2: 3})
+    assert process0 == "ok" and answers == {1: "ok", 2: "ok"}
+
+
+def test_rendezvous_still_stops_on_a_well_formed_hello_that_disagrees(monkeypatch):
+    process0, answers = _garbage_then_group(monkeypatch, [b"[]\n"], {1: 4})
+    assert "process 1 was started with --num-processes 4, process 0 with 3" in process0
+    assert "did not form" in answers[1]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import logged_losses
+from helpers import logged_losses, subprocess_env
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, from_dict
 from meshlm.data.prepare import write_dataset
@@ -55,7 +55,7 @@ def _train_args(dataset, run_dir, steps=STEPS, mesh=MESH):
 
 
 def _env():
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess_env()
 
 
 def _launch_cmd(train_args, *options):
@@ -334,16 +334,34 @@ def test_preempted_group_checkpoints_and_resumes_exactly(reference, dataset, tmp
         np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
-def test_resume_with_another_process_count(reference, dataset, tmp_path):
+@pytest.fixture(scope="module")
+def stopped_at_6(dataset, tmp_path_factory):
+    """A 2 x 4 launch stopped (checkpointed) after step 6; tests continue copies of it."""
+    run = tmp_path_factory.mktemp("stopped") / "run"
+    r = subprocess.run(
+        _launch_cmd([*_train_args(dataset, run), "--stop-after", "6"]),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert r.returncode == 0 and "stopped (checkpointed" in r.stdout, r.stdout[-3000:]
+    return run
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_resume_with_another_process_count(reference, dataset, stopped_at_6, tmp_path):
     """Stopped after step 6 as 2 processes x 4 devices, resumed as 1 process x 8: the same global
     batches (each process read only its rows before; one reads all of them now), so the losses
     follow the uninterrupted 2-process run."""
-    run = tmp_path / "run"
+    run = _copy_run(stopped_at_6, tmp_path / "run")
     args = _train_args(dataset, run)
-    r = subprocess.run(
-        _launch_cmd([*args, "--stop-after", "6"]), capture_output=True, text=True, env=_env(), timeout=600
-    )
-    assert r.returncode == 0 and "stopped (checkpointed" in r.stdout, r.stdout[-3000:]
     r = subprocess.run(
         [sys.executable, "-m", "meshlm", *args, "--devices", "8"],
         capture_output=True,
@@ -358,16 +376,12 @@ def test_resume_with_another_process_count(reference, dataset, tmp_path):
     np.testing.assert_allclose([got[s] for s in range(7, STEPS + 1)], [want[s] for s in range(7, STEPS + 1)], rtol=1e-5)
 
 
-def test_corrupt_shard_of_one_process_falls_back_after_restart(reference, dataset, tmp_path):
+def test_corrupt_shard_of_one_process_falls_back_after_restart(reference, dataset, stopped_at_6, tmp_path):
     """Step 6 damaged in the files process 1 wrote: the processes that cannot read it move it aside
     and exit, the launcher restarts the group, and the run resumes from step 3 and ends exactly
     where the uninterrupted run did; the damaged step is kept aside."""
-    run = tmp_path / "run"
+    run = _copy_run(stopped_at_6, tmp_path / "run")
     args = _train_args(dataset, run)
-    r = subprocess.run(
-        _launch_cmd([*args, "--stop-after", "6"]), capture_output=True, text=True, env=_env(), timeout=600
-    )
-    assert r.returncode == 0, r.stdout[-3000:]
     files = [p for p in (run / "checkpoints" / "6" / "params" / "ocdbt.process_1").rglob("*") if p.is_file()]
     victim = max(files, key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])

@@ -5,7 +5,6 @@ and JSON console modes."""
 import dataclasses
 import gzip
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import logged_losses, tiny_config
+from helpers import logged_losses, subprocess_env, tiny_config
 from meshlm.config import CheckpointConfig, DataConfig, validate
 from meshlm.observe.run_report import figures, read_run, write_report
 from meshlm.trainer import train
@@ -248,7 +247,7 @@ def test_report_figures_have_the_right_axes_and_series(runs, tmp_path):
 
 
 def _cli(*args, **env):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | env
+    env = subprocess_env(**env)
     return subprocess.run([sys.executable, "-m", "meshlm", *args], capture_output=True, text=True, env=env, timeout=300)
 
 

@@ -137,7 +137,7 @@ def test_chunked_explicit_bf16_sums_the_chunks_dk_dv_in_fp32():
 def test_chunked_dk_dv_are_summed_in_place(kv, t, queries, chunk, rate, monkeypatch):
     """Each query chunk's key and value gradients are added into one running sum in place: the
     compiled backward of chunked attention holds no pad (padded parts, summed, were re-added and
-    transposed inside every consumer of the sum on XLA:CPU: BENCHMARKS.md, "dK and dV summed in
+    transposed inside every consumer of the sum on XLA:CPU: BENCHMARKS-history.md, "dK and dV summed in
     place"), and its gradients equal a padded running sum's bit for bit (same additions, same
     order), with dropout, chunks that do not divide t, and queries that are the last of the keys."""
     q, k, v, d_out = _qkv(t)

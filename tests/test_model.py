@@ -221,7 +221,7 @@ def test_rope_tables_are_constants_of_the_step(unroll, monkeypatch):
     same two constants for q and k of every layer), and the compiled gradient evaluates no cos or
     sin at all. Computed in the program (as before), XLA:CPU fused them into every consumer of the
     rotated Q and K (each query chunk's slice of K, the backward's rotation) and evaluated them
-    once per element there (BENCHMARKS.md, "RoPE's tables computed once"). Sequences longer than
+    once per element there (BENCHMARKS-history.md, "RoPE's tables computed once"). Sequences longer than
     the constants' limit still compute them in the program. The gradients are the same bit for bit."""
     from helpers import random_batches, tiny_config
     from meshlm.model import layers

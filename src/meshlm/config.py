@@ -85,11 +85,11 @@ class ModelConfig:
     rope_original_len: int = 8192
     # llama: share the token embedding with the output layer (Llama 3.2 1B/3B); gpt always ties (GPT-2)
     tie_embeddings: bool = False
-    # layers run in a lax.scan; unrolling k layers per iteration makes the program (and compile
-    # time) grow with k, and was not faster than the scan end to end on CPU (BENCHMARKS.md). In
+    # layers run in a lax.scan; unrolling k layers per iteration makes the program (and compile time)
+    # grow with k, and was not faster than the scan end to end on CPU (BENCHMARKS-history.md). In
     # training and eval, k >= n_layers runs no loop at all: the layers called one after another on
     # the stacked weights split along the layer axis (decoding and pipeline chunks keep a scan);
-    # on CPU that helped gpt medium most (1.24x tokens/s), elsewhere mixed (BENCHMARKS.md)
+    # on CPU that helped gpt medium most (1.26x tokens/s on one device), elsewhere mixed (BENCHMARKS.md)
     scan_unroll: int = 1
     init_std: float = 0.02
 

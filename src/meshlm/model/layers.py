@@ -60,7 +60,7 @@ def dense_shared(equation: str, x: jax.Array, ws: list[jax.Array], flat: bool = 
     the einsums run on x's b*t rows as one axis (x reshaped once, so backward stores one array for
     all the weights): then each weight gradient in backward is one 2-D contraction over the rows.
     Over separate b and t axes, XLA instead writes the activation gradient transposed inside the
-    element-wise fusion that makes it, at a small fraction of memory bandwidth (BENCHMARKS.md,
+    element-wise fusion that makes it, at a small fraction of memory bandwidth (BENCHMARKS-history.md,
     "Where the step's time goes"). On XLA:CPU that contraction runs as a plain GEMM against a
     transposed copy (`_dense_gradients`).
 
@@ -101,7 +101,7 @@ def _dense_gradients(equation: str, meta: tuple, x_rows: jax.Array, ws: tuple) -
     all the weights) or the output gradient - written out (`optimization_barrier` keeps XLA from
     folding the transpose back into the GEMM). Autodiff's own weight gradient contracts the rows
     of x and of the output gradient in place, which XLA:CPU's GEMM ran at half speed for the output
-    layer's shapes (BENCHMARKS.md, "Weight gradients against a transposed copy"). Kept for
+    layer's shapes (BENCHMARKS-history.md, "Weight gradients against a transposed copy"). Kept for
     backward: x and the weights themselves, as autodiff keeps (a pipeline recognises the weights
     and does not stash them). `meta`: (output shape, output dtype, weight dtype) per weight.
     Reverse mode only: forward-mode derivatives of these zeros are not defined."""
@@ -263,7 +263,7 @@ def constant_rope_tables(
     for q and k and every layer. Computed in the program instead, XLA:CPU fused cos and sin into
     every consumer of the rotated Q and K (each query chunk's slice of K, the backward's rotation)
     and evaluated them once per element there: [b, t, heads, h] transcendentals where the tables
-    have [t, h] (BENCHMARKS.md, "RoPE's tables computed once")."""
+    have [t, h] (BENCHMARKS-history.md, "RoPE's tables computed once")."""
     with jax.ensure_compile_time_eval():
         cos, sin = rope_tables(np.arange(t), rope_inv_freq(head_dim, theta, llama3))
     # Host copies: device arrays made here while a shard_map is traced (a pipeline stage) carry a mesh
@@ -385,7 +385,7 @@ def _add_rows(total: jax.Array | None, part: jax.Array) -> jax.Array:
     [.., r' > r, h], in place (chunks end at increasing keys; the last at all of them, so the
     final sum covers every key). The sum then lives in one buffer, where padding each chunk to all
     keys and summing made XLA:CPU re-add the padded copies inside every consumer of the sum, each a
-    strided transpose (BENCHMARKS.md, "dK and dV summed in place"). Same additions in the same
+    strided transpose (BENCHMARKS-history.md, "dK and dV summed in place"). Same additions in the same
     order as that sum: the same fp32 result, bit for bit."""
     if total is None:
         return part
@@ -412,7 +412,7 @@ def masked_causal_attention(
     grouped = _grouped(n, kv)
     # 1/sqrt(h) on Q rather than on the scores: an element-wise pass over [b, t, n, h] instead of
     # two over the t x s scores (forward and backward); scaling the scores made the chunked core
-    # ~1.7x slower on XLA:CPU (BENCHMARKS.md, "Explicit attention in query chunks")
+    # ~1.7x slower on XLA:CPU (BENCHMARKS-history.md, "Explicit attention in query chunks")
     q_btnh = q_btnh * jnp.asarray(1 / math.sqrt(h), q_btnh.dtype)
     if grouped:
         q = q_btnh.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [b, k, g, t, h]

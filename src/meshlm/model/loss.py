@@ -8,7 +8,7 @@ The gradient is written by hand (a custom VJP): d loss / d logits = softmax - on
 from the fp32 logits and the per-token log-sum-exp kept from the forward pass. Left to autodiff
 (a `jax.checkpoint` that recomputed the log-sum-exp in backward),
 XLA:CPU recomputed the softmax and built that vocabulary-sized gradient twice, once per consumer
-(BENCHMARKS.md, "Where the step's time goes"). Kept for backward: the fp32 logits (P2's 4sbv/t
+(BENCHMARKS-history.md, "Where the step's time goes"). Kept for backward: the fp32 logits (P2's 4sbv/t
 bytes), the log-sum-exp (4 bytes per token), the targets and the token mask if there is one.
 """
 

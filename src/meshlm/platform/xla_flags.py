@@ -4,7 +4,7 @@ Only GPU runs get flags today, those the JAX/MaxText GPU performance guides reco
 sharded training: the latency-hiding scheduler (overlaps collectives with compute), pipelined
 all-gather / reduce-scatter / all-reduce inside loops (the layer scan), while-loop double
 buffering, and collective combining up to 128 MiB (fewer, larger NCCL calls). CPU runs get none:
-every XLA:CPU flag tried was within noise (BENCHMARKS.md, "XLA:CPU options").
+every XLA:CPU flag tried was within noise (BENCHMARKS-history.md, "Tried and not kept: XLA:CPU options and others").
 
 The flags are parsed by every jaxlib build, CPU-only ones included (a test starts JAX on CPU with
 them), but their effect on a GPU is unmeasured here: no GPU was lent to the sessions that wrote

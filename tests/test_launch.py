@@ -101,10 +101,11 @@ def test_rendezvous_listens_on_the_coordinator_address_only(monkeypatch):
     assert bound == ["127.0.0.1"]
 
 
-@pytest.mark.parametrize("code", [2, 3])
+@pytest.mark.parametrize("code", [2, 3, 4])
 def test_config_errors_and_non_finite_stops_are_not_retried(monkeypatch, tmp_path, code):
-    """Exit 2 (bad config) and 3 (a non-finite step stopped training) would recur on a restart:
-    the supervisor stops the group and passes the code on after one attempt."""
+    """Exit 2 (bad config), 3 (a non-finite step stopped training) and 4 (`train --check` found the
+    layout differs from one device) would recur on a restart: the supervisor stops the group and
+    passes the code on after one attempt."""
     import sys
 
     from meshlm.launch import supervisor as launch

@@ -84,9 +84,11 @@ def _final_state(run_dir):
 
 @pytest.fixture(scope="module")
 def reference(dataset, tmp_path_factory):
-    """An uninterrupted 2 x 4 launch."""
+    """An uninterrupted 2 x 4 launch, checked against one device first (`train --check`: the layout
+    across both processes, the reference on each process's first device)."""
     run = tmp_path_factory.mktemp("ref") / "run"
-    r = subprocess.run(_launch_cmd(_train_args(dataset, run)), capture_output=True, text=True, env=_env(), timeout=600)
+    cmd = _launch_cmd([*_train_args(dataset, run), "--check"])
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:]
     return run, r.stdout
 
@@ -94,6 +96,8 @@ def reference(dataset, tmp_path_factory):
 def test_two_processes_equal_one_process(reference, dataset, tmp_path):
     run, out = reference
     assert "attempt 1: ok" in out and "[1] " in out  # merged, prefixed logs of both processes
+    for i in (0, 1):
+        assert f"[{i}] verdict: equal to one device" in out, out[-3000:]
     assert (run / "launch.log").read_text().count("[launch]") >= 2
     single = tmp_path / "single"
     r = subprocess.run(

@@ -16,11 +16,23 @@ def test_gpu_flags_are_added_only_for_gpu_and_never_override_the_user():
     assert set(out[1:]) == set(xla_flags.GPU_FLAGS[1:])
 
 
-def test_no_cuda_plugin_or_a_cpu_platform_means_no_flags():
-    assert not xla_flags.gpu_backend_expected({"JAX_PLATFORMS": "cpu"})
+def test_flags_follow_the_backend_jax_will_start(monkeypatch):
+    """Decided the same way on every host: the CUDA plugins are stood in for (a module that does
+    not exist, then one that does), so a CUDA host cannot pass this test by having the flags."""
+    monkeypatch.setattr(xla_flags, "CUDA_PLUGINS", ("meshlm_no_such_cuda_plugin",))
     env = {"XLA_FLAGS": "--x=1"}
-    xla_flags.apply(env)  # this machine has no CUDA plugin
-    assert env["XLA_FLAGS"] == "--x=1" or xla_flags.gpu_backend_expected(env)
+    xla_flags.apply(env)
+    assert env["XLA_FLAGS"] == "--x=1"  # no CUDA plugin: no flags
+    monkeypatch.setattr(xla_flags, "CUDA_PLUGINS", ("json",))  # an importable module as the plugin
+    env = {"XLA_FLAGS": "--x=1"}
+    xla_flags.apply(env)
+    assert env["XLA_FLAGS"].split() == ["--x=1", *xla_flags.GPU_FLAGS]
+    for platforms in ("cpu", "tpu", "cpu,tpu"):  # a plugin, but JAX told not to start CUDA
+        env = {"XLA_FLAGS": "--x=1", "JAX_PLATFORMS": platforms}
+        xla_flags.apply(env)
+        assert env["XLA_FLAGS"] == "--x=1", platforms
+    for platforms in ("cuda", "gpu", "cuda,cpu"):
+        assert xla_flags.gpu_backend_expected({"JAX_PLATFORMS": platforms}), platforms
     off = {"MESHLM_XLA_TUNING": "0", "XLA_FLAGS": ""}
     xla_flags.apply(off)
     assert off["XLA_FLAGS"] == ""

@@ -44,6 +44,12 @@ def cache_home() -> Path:
 # Exit statuses of `meshlm` that `meshlm launch` never retries (a restart would fail the same way):
 EXIT_CONFIG = 2  # a ConfigError: bad input
 EXIT_NONFINITE = 3  # a non-finite step stopped training (train.on_nonfinite); the last good state is saved
+EXIT_MISMATCH = 4  # `meshlm check` / `train --check`: the layout's gradients differ from one device's
+FINAL_EXITS = {
+    EXIT_CONFIG: "a configuration error",
+    EXIT_NONFINITE: "a non-finite step (it would recur)",
+    EXIT_MISMATCH: "a layout that differs from one device (meshlm check)",
+}
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import sys
 
 from meshlm.config import ConfigError, ParallelConfig, RunConfig, apply_overrides, parse_mesh, validate
 from meshlm.platform import host_memory, xla_flags  # jax-free
@@ -100,13 +98,7 @@ def adopt_source(cfg: RunConfig, init_from: str) -> RunConfig:
 def set_device_count(n: int, explicit: bool, host_allocator: bool = False) -> None:
     """Simulated host devices, the backend's XLA flags (`meshlm.platform.xla_flags`) and, for training, the
     host allocator's first half (`meshlm.platform.host_memory.apply`); must run before jax is imported."""
-    if "jax" in sys.modules:
-        return
-    xla_flags.apply()
-    os.environ["XLA_FLAGS"] = xla_flags.with_device_count(os.environ.get("XLA_FLAGS", ""), n)
-    if explicit:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if host_allocator:
+    if xla_flags.prepare_backend(n, cpu=explicit) and host_allocator:
         host_memory.apply()  # after JAX_PLATFORMS: it decides CPU vs GPU
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from meshlm.cli.common import add_run_args, mib, parse_bytes, prepare, set_device_count
-from meshlm.config import EXIT_CONFIG, ConfigError, apply_overrides
+from meshlm.config import EXIT_CONFIG, EXIT_MISMATCH, ConfigError, apply_overrides
 from meshlm.platform.hardware import ACCELERATORS  # a jax-free table
 
 
@@ -44,7 +44,31 @@ def add_parsers(sub) -> dict:
     report.add_argument("run_dir", help="a run directory (holds config.json, metrics.jsonl, run.json)")
     report.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="overlay these runs' curves")
     report.add_argument("--out", help="output directory (default: <run_dir>/report)")
-    return {"memory": cmd_memory, "plan": cmd_plan, "bench": cmd_bench, "report": cmd_report, "recipes": cmd_recipes}
+    check = sub.add_parser(
+        "check", help="prove this layout equal to one device: one step's raw gradients, loss and norm (docs/check.md)"
+    )
+    add_check_args(check)
+    handlers = {"memory": cmd_memory, "plan": cmd_plan, "bench": cmd_bench, "report": cmd_report}
+    return handlers | {"recipes": cmd_recipes, "check": cmd_check}
+
+
+def add_check_args(check) -> None:
+    add_run_args(check)
+    check.add_argument(
+        "--init-from", metavar="PATH", help="the model of a run or hf:DIR, as train's; with --full, its weights too"
+    )
+    check.add_argument("--full", action="store_true", help="the real sizes (needs their memory), not the check model")
+    check.add_argument("--json", action="store_true", help="one JSON object")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    cfg = prepare(args)
+    from meshlm.insight import check
+
+    params = check.source_params(cfg, args.init_from) if args.full and args.init_from else None
+    result = check.run_check(cfg, full=args.full, params=params)
+    print(json.dumps(check.to_json(result), indent=2) if args.json else "\n".join(check.format_result(result)))
+    return 0 if result.equal else EXIT_MISMATCH
 
 
 def cmd_memory(args: argparse.Namespace) -> int:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 from meshlm.cli.common import add_run_args, prepare, resolve_config
-from meshlm.config import ConfigError
+from meshlm.config import EXIT_MISMATCH, ConfigError
 
 
 def add_parsers(sub) -> dict:
@@ -68,6 +69,11 @@ def add_train_args(train: argparse.ArgumentParser) -> None:
         help="jax.profiler trace of steps A..B-1 into <run_dir>/profile (shorthand for --set train.profile_steps=A:B)",
     )
     train.add_argument(
+        "--check",
+        action="store_true",
+        help="before the first step, check the layout against one device (meshlm check) and stop if it differs",
+    )
+    train.add_argument(
         "--no-compile-cache",
         action="store_true",
         help="do not use JAX's persistent compilation cache (shorthand for --set train.compile_cache=false)",
@@ -90,6 +96,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError("a multi-process run needs --run-dir (one directory that every process can reach)")
     init_distributed(group)
     _compile_cache(cfg.train.compile_cache)
+    if args.check and not args.dry_run:
+        from meshlm.insight import check
+
+        result = check.run_check(cfg)
+        if not args.quiet:  # stdout is the JSON records' with --log-format json
+            out = sys.stderr if args.log_format == "json" else sys.stdout
+            print("\n".join(check.format_result(result)), file=out, flush=True)
+        if not result.equal:
+            print("meshlm: training not started: the layout differs from one device (meshlm check)", file=sys.stderr)
+            return EXIT_MISMATCH
     from meshlm.trainer import train
 
     run_dir = Path(args.run_dir or f"runs/{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")

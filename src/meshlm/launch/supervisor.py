@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshlm.config import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, RunConfig
+from meshlm.config import FINAL_EXITS, ConfigError, RunConfig
 from meshlm.platform import xla_flags
 
 
@@ -241,10 +241,9 @@ class Supervisor:
             self.say(f"[launch] attempt {attempt.number} failed: {outcome}; stopping the other processes")
             self._stop_all(workers)
             codes = [w.poll() for w in workers]
-            final = [rc for rc in (EXIT_CONFIG, EXIT_NONFINITE) if rc in codes]
+            final = [rc for rc in FINAL_EXITS if rc in codes]
             if final:
-                why = {EXIT_CONFIG: "a configuration error", EXIT_NONFINITE: "a non-finite step (it would recur)"}
-                self.say(f"[launch] {why[final[0]]} is not retried")
+                self.say(f"[launch] {FINAL_EXITS[final[0]]} is not retried")
                 self._summary()
                 return final[0]
             if len(self.attempts) > self.max_restarts:

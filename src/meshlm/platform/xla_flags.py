@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 COMBINE_BYTES = 128 * 2**20
 GPU_FLAGS: tuple[str, ...] = (
@@ -69,6 +70,19 @@ def without_device_count(xla_flags: str) -> str:
 def with_device_count(xla_flags: str, n: int) -> str:
     """`xla_flags` simulating `n` host devices (replacing any count already there)."""
     return " ".join([*without_device_count(xla_flags).split(), f"{DEVICE_COUNT_FLAG}={n}"])
+
+
+def prepare_backend(n_host_devices: int, cpu: bool) -> bool:
+    """Before JAX is imported: the backend's flags and `n_host_devices` simulated host devices, and
+    with `cpu` the CPU platform unless the user chose one. False (nothing done) once JAX is loaded:
+    it reads these once, at import."""
+    if "jax" in sys.modules:
+        return False
+    apply()
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), n_host_devices)
+    if cpu:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    return True
 
 
 def apply(env: dict[str, str] | None = None) -> None:

@@ -1,0 +1,217 @@
+"""`meshlm check`: a layout's raw gradients against one device's, for any configuration.
+
+It must pass on the layouts the suite proves equal elsewhere, and fail - naming the parameter - on
+bugs planted in code only the layout runs (a tensor-parallel region, the ring's backward pass, a
+pipeline stage, the sequence-parallel gather). A fuzzer draws random valid combinations of the
+compatibility matrix's options on every run (seed printed; MESHLM_FUZZ_SEED replays one).
+"""
+
+import json
+import os
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from meshlm.cli import main
+from meshlm.config import EXIT_CONFIG, EXIT_MISMATCH, ConfigError, apply_overrides
+from meshlm.insight import check, compat
+from meshlm.parallel import collectives, context, pipeline
+
+FUZZ_BUDGET_S = 45.0  # of the suite's time, per run
+
+
+def _cfg(family: str, *sets: str):
+    """The family's recipe as the compatibility matrix runs it (one device), then `sets`."""
+    row = {"family": family, "mesh": "data=2", "attention": "explicit", "remat": "elementwise", "dtype": "float32"}
+    return apply_overrides(compat.config_for(row | {"document_mask": False}), ["parallel.data=1", *sets])
+
+
+# The layouts the suite's gradient tests cover (test_gradients, test_context, test_pipeline), each
+# once here through the check's own path: shrink, one step, compare.
+SUITE_LAYOUTS = {
+    "data=8": ("gpt", "parallel.data=8"),
+    "fsdp=8": ("llama", "parallel.fsdp=8"),
+    "fsdp=2 x tensor=4 + SP, selective": (
+        "gpt",
+        "parallel.fsdp=2",
+        "parallel.tensor=4",
+        "parallel.sequence_parallel=true",
+        "remat.policy=selective",
+    ),
+    "data=2 x tensor=4, document masks": ("llama", "parallel.data=2", "parallel.tensor=4", "data.document_mask=true"),
+    "context=4 ring x tensor=2 + SP": (
+        "gpt",
+        "parallel.context=4",
+        "parallel.tensor=2",
+        "parallel.sequence_parallel=true",
+        "model.attention=blockwise",
+    ),
+    "context=2 all_gather x data=2, unbalanced": (
+        "llama",
+        "parallel.context=2",
+        "parallel.data=2",
+        "parallel.context_strategy=all_gather",
+        "parallel.context_load_balance=false",
+        "model.attention=blockwise",
+    ),
+    "stage=2 x data=2 x tensor=2 + SP, 1f1b": (
+        "gpt",
+        "parallel.stage=2",
+        "parallel.data=2",
+        "parallel.tensor=2",
+        "parallel.sequence_parallel=true",
+        "train.microbatches=4",
+    ),
+    "stage=4 x tensor=2, interleaved": (
+        "llama",
+        "parallel.stage=4",
+        "parallel.tensor=2",
+        "parallel.pipeline_schedule=interleaved",
+        "parallel.virtual_stages=2",
+        "train.microbatches=4",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SUITE_LAYOUTS))
+def test_check_passes_on_the_suites_layouts(name, devices):
+    family, *sets = SUITE_LAYOUTS[name]
+    result = check.run_check(_cfg(family, *sets))
+    assert result.equal, "\n".join(check.format_result(result))
+    assert result.sizes["shrunk"] and result.tolerance == check.TOLERANCES["float32"]
+    assert max(e.error for e in result.leaves) < 1e-5
+
+
+def _double_the_gradient(w):
+    @jax.custom_vjp
+    def f(w):
+        return w
+
+    f.defvjp(lambda w: (w, None), lambda _, g: (2 * g,))
+    return f(w)
+
+
+def test_a_doubled_gradient_inside_a_tensor_parallel_region_is_caught(monkeypatch, devices):
+    """x2 on the first weight of every column-parallel block (Q of attention, the first MLP matrix),
+    only where the block is a tensor-parallel region: the one-device reference never runs it."""
+    real = collectives.column_parallel
+
+    def buggy(layout, fn, x, weights, *args, **kwargs):
+        if layout is not None and layout.tensor_size > 1:
+            weights = [_double_the_gradient(weights[0]), *weights[1:]]
+        return real(layout, fn, x, weights, *args, **kwargs)
+
+    monkeypatch.setattr("meshlm.model.transformer.column_parallel", buggy)
+    result = check.run_check(_cfg("llama", "parallel.tensor=2", "parallel.data=2"))
+    assert not result.equal
+    assert {"layers/wq", "layers/w_gate"} <= set(result.mismatched), result.mismatched
+    text = "\n".join(check.format_result(result))
+    assert "layers/wq" in text and "MISMATCH" in text and "DIFFERS" in text
+
+
+def test_a_missing_context_reduction_in_the_ring_backward_is_caught(devices):
+    """The ring's backward pass without its accumulators travelling: each rank's dK/dV hold only
+    its own queries' share, never reduced over `context`."""
+
+    def buggy_bwd(block, rate, size, res, d_out):
+        q, k, v, seg, pos, key, out, lse = res
+        delta = context.row_delta(out, d_out)
+        dq, dk, dv = context.backward_blocks(q, k, v, seg, seg, pos, pos, key, lse, delta, d_out, block, rate)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+    context._ring.defvjp(context._ring_fwd, buggy_bwd)
+    try:
+        result = check.run_check(_cfg("gpt", "parallel.context=2", "model.attention=blockwise"))
+    finally:
+        context._ring.defvjp(context._ring_fwd, context._ring_bwd)
+    assert not result.equal and {"layers/wk", "layers/wv"} <= set(result.mismatched), result.mismatched
+
+
+def test_a_pipeline_stage_whose_gradient_is_dropped_is_caught(monkeypatch, devices):
+    """Stage 1's layers contribute no weight gradient (their weights behind a stop_gradient on that
+    stage only); the check names the layers and, per stacked leaf, layer 1 (stage 1's)."""
+    real = pipeline.run_layers
+
+    def buggy(x, w, *args, **kwargs):
+        on_stage_1 = jax.lax.axis_index("stage") == 1
+        w = jax.tree.map(lambda a: jnp.where(on_stage_1, jax.lax.stop_gradient(a), a), w)
+        return real(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "run_layers", buggy)
+    result = check.run_check(_cfg("gpt", "parallel.stage=2", "train.microbatches=2"))
+    assert not result.equal
+    bad = {e.name: e for e in result.leaves if e.name in result.mismatched}
+    assert {"layers/wq", "layers/w_fc"} <= bad.keys() and bad["layers/w_fc"].layer == 1, result.mismatched
+
+
+def test_a_sequence_parallel_gather_replaced_by_a_local_copy_is_caught(monkeypatch, devices):
+    """g's all-gather along the sequence (the SP block entry) replaced by copies of the local shard."""
+
+    class Lax:
+        def __getattr__(self, name):
+            return getattr(jax.lax, name)
+
+        @staticmethod
+        def all_gather(x, axis_name, *, axis=0, tiled=False):
+            return jnp.concatenate([x, x], axis=axis)  # tensor=2: this rank's half, twice
+
+    class Jax:
+        lax = Lax()
+
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+    monkeypatch.setattr(collectives, "jax", Jax())
+    result = check.run_check(_cfg("gpt", "parallel.tensor=2", "parallel.sequence_parallel=true"))
+    assert not result.equal and "layers/wq" in result.mismatched, result.mismatched
+
+
+def test_check_cli_verdicts_exit_codes_and_json(monkeypatch, capsys, tmp_path, devices):
+    args = ["check", "--recipe", "llama-tiny", "--mesh", "data=2,tensor=2", "--set", "train.seq_len=64"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] == "equal" and out["mismatched"] == [] and out["dtype"] == "float32"
+    assert {"layout", "tolerance", "model", "loss", "grad_norm", "parameters"} <= out.keys()
+    assert {"layout", "one_device", "relative_difference"} == out["loss"].keys()
+    assert out["model"]["shrunk"] and out["parameters"][0].keys() == {"name", "relative_error", "layer"}
+    # a refused combination: the validator's message, exit 2, nothing compiled
+    assert main(["check", "--mesh", "context=2", "--set", "model.attention=explicit"]) == EXIT_CONFIG
+    assert "context parallelism" in capsys.readouterr().err
+    # a layout that differs: exit 4 (which `meshlm launch` never retries), and train --check stops
+    real = collectives.column_parallel
+
+    def buggy(layout, fn, x, weights, *a, **k):
+        if layout is not None and layout.tensor_size > 1:
+            weights = [_double_the_gradient(weights[0]), *weights[1:]]
+        return real(layout, fn, x, weights, *a, **k)
+
+    monkeypatch.setattr("meshlm.model.transformer.column_parallel", buggy)
+    assert main(args) == EXIT_MISMATCH
+    verdict = capsys.readouterr().out.split("verdict: ")[1]
+    assert verdict.startswith("DIFFERS from one device:") and "layers/wq" in verdict
+    run = tmp_path / "run"
+    assert main(["train", *args[1:], "--check", "--steps", "1", "--run-dir", str(run)]) == EXIT_MISMATCH
+    assert "training not started" in capsys.readouterr().err and not (run / "metrics.jsonl").exists()
+
+
+def test_random_layouts_equal_one_device(devices):
+    """Random valid rows of the compatibility matrix's option space, within a fixed time budget."""
+    seed = int(os.environ.get("MESHLM_FUZZ_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"layout fuzzer: MESHLM_FUZZ_SEED={seed}")
+    rng = random.Random(seed)
+    rows = list(compat.all_rows())
+    rng.shuffle(rows)
+    checked, t0 = [], time.time()
+    for row in rows:
+        if time.time() - t0 > FUZZ_BUDGET_S and checked:
+            break
+        try:
+            result = check.run_check(compat.config_for(row))
+        except ConfigError:
+            continue  # a refused combination: the matrix lists those
+        assert result.equal, f"MESHLM_FUZZ_SEED={seed}: {row}\n" + "\n".join(check.format_result(result))
+        checked.append(row)
+    assert checked

@@ -20,7 +20,7 @@ from meshlm.config import EXIT_CONFIG, EXIT_MISMATCH, ConfigError, apply_overrid
 from meshlm.insight import check, compat
 from meshlm.parallel import collectives, context, pipeline
 
-FUZZ_BUDGET_S = 45.0  # of the suite's time, per run
+FUZZ_BUDGET_S = 40.0  # of the suite's time, per run
 
 
 def _cfg(family: str, *sets: str):
@@ -63,6 +63,24 @@ SUITE_LAYOUTS = {
         "parallel.data=2",
         "parallel.tensor=2",
         "parallel.sequence_parallel=true",
+        "train.microbatches=4",
+    ),
+    "data=2 x tensor=4 + SP": ("llama", "parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true"),
+    "context=8 ring": ("llama", "parallel.context=8", "model.attention=blockwise"),
+    "context=2 all_gather x fsdp=2 x tensor=2 + SP": (
+        "gpt",
+        "parallel.context=2",
+        "parallel.fsdp=2",
+        "parallel.tensor=2",
+        "parallel.sequence_parallel=true",
+        "parallel.context_strategy=all_gather",
+        "model.attention=blockwise",
+    ),
+    "stage=4 x tensor=2, gpipe": (
+        "gpt",
+        "parallel.stage=4",
+        "parallel.tensor=2",
+        "parallel.pipeline_schedule=gpipe",
         "train.microbatches=4",
     ),
     "stage=4 x tensor=2, interleaved": (

@@ -14,12 +14,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "meshlm"
 MODULE_LINES = 600
 FUNCTION_LINES = 80
-# Over the limits on purpose, each with its reason. The list may only shrink: an entry that is no
-# longer over its limit fails the test until it is removed.
+# Over the limits on purpose: (the size it may not grow past, the reason). The list may only shrink:
+# an entry that is no longer over its limit fails the test until it is removed, and one that grows
+# fails too.
 EXCEPTIONS = {
-    "parallel/pipeline.py::pipeline_gradients": "the pipeline issue (30) rewrites this executor, its tick "
-    "body as small named functions",
-    "parallel/pipeline.py::body": "as pipeline_gradients, whose per-stage body it is",
+    "parallel/pipeline.py::pipeline_gradients": (
+        201,
+        "the pipeline issue (30) rewrites this executor, its tick body as small named functions",
+    ),
+    "parallel/pipeline.py::body": (133, "as pipeline_gradients, whose per-stage body it is"),
 }
 
 
@@ -31,24 +34,28 @@ def _module_name(rel: str) -> str:
     return ".".join(("meshlm", *Path(rel).with_suffix("").parts)).removesuffix(".__init__")
 
 
-def _oversized(modules: dict[str, ast.Module]) -> set[str]:
-    out = set()
+def _oversized(modules: dict[str, ast.Module]) -> dict[str, int]:
+    """{module or module::function: lines} of everything over its limit."""
+    out = {}
     for rel, tree in modules.items():
-        if (SRC / rel).read_text().count("\n") > MODULE_LINES:
-            out.add(rel)
+        lines = (SRC / rel).read_text().count("\n")
+        if lines > MODULE_LINES:
+            out[rel] = lines
         for node in ast.walk(tree):
             is_function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
             if is_function and node.end_lineno - node.lineno + 1 > FUNCTION_LINES:
-                out.add(f"{rel}::{node.name}")
+                out[f"{rel}::{node.name}"] = node.end_lineno - node.lineno + 1
     return out
 
 
 def test_modules_and_functions_a_reader_can_take_in_one_sitting():
     over = _oversized(_modules())
-    assert over - EXCEPTIONS.keys() == set(), (
+    assert over.keys() - EXCEPTIONS.keys() == set(), (
         f"over {MODULE_LINES} lines per module or {FUNCTION_LINES} per function: split where the concepts split"
     )
-    assert EXCEPTIONS.keys() - over == set(), "no longer over the limit: take it off EXCEPTIONS"
+    assert EXCEPTIONS.keys() - over.keys() == set(), "no longer over the limit: take it off EXCEPTIONS"
+    grown = {k: (n, EXCEPTIONS[k][0]) for k, n in over.items() if n > EXCEPTIONS[k][0]}
+    assert not grown, f"an exception grew (lines now, pinned): {grown}"
 
 
 def test_the_size_check_sees_a_long_function_and_a_long_module(tmp_path):
@@ -60,7 +67,7 @@ def test_the_size_check_sees_a_long_function_and_a_long_module(tmp_path):
     try:
         (tmp_path / "f.py").write_text(ast.unparse(tree))
         (tmp_path / "m.py").write_text("\n" * (MODULE_LINES + 1))
-        assert _oversized({"f.py": tree, "m.py": ast.parse("")}) == {"f.py::long", "m.py"}
+        assert _oversized({"f.py": tree, "m.py": ast.parse("")}).keys() == {"f.py::long", "m.py"}
     finally:
         SRC = real
 
@@ -139,10 +146,13 @@ def test_one_list_of_mesh_axes():
         if rel == "axes.py":
             continue
         for node in ast.walk(tree):
-            items = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
-            if isinstance(node, ast.Tuple | ast.List | ast.Set | ast.Dict) and items:
+            names = set()
+            if isinstance(node, ast.Tuple | ast.List | ast.Set | ast.Dict):
+                items = node.keys if isinstance(node, ast.Dict) else node.elts
                 names = {e.value for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)}
-                assert len(names & set(MESH_AXES)) < 3, f"{rel}:{node.lineno} lists mesh axes; use axes.MESH_AXES"
+            elif isinstance(node, ast.Call):  # dict(stage=..., data=..., ...) or f(stage=..., data=...)
+                names = {k.arg for k in node.keywords if k.arg}
+            assert len(names & set(MESH_AXES)) < 3, f"{rel}:{node.lineno} lists mesh axes; use axes.MESH_AXES"
     fields = [f.name for f in dataclasses.fields(ParallelConfig)]
     assert fields[: len(MESH_AXES)] == list(MESH_AXES)
 

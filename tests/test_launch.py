@@ -163,16 +163,18 @@ def _garbage_then_group(monkeypatch, payloads: list[bytes], hellos: dict[int, in
             except OSError:
                 time.sleep(0.05)
         with conn:
-            if payload:
-                conn.sendall(payload)
-            if payload is not None and not payload.endswith(b"\n") and len(payload) < 100:
+            conn.sendall(payload)
+            if payload and not payload.endswith(b"\n") and len(payload) < 100:
                 conn.shutdown(socket.SHUT_WR)  # an early disconnect: half a hello, then EOF
             conn.settimeout(5)
+            t0 = time.time()
             try:  # the rendezvous drops it without an answer (or resets it)
                 answer = conn.recv(100)
             except OSError:
                 answer = b""
             assert answer == b"", (payload, answer)
+            if not payload:  # silent (the socket left open): dropped only after HELLO_TIMEOUT
+                assert time.time() - t0 >= 0.25, time.time() - t0
     answers = {}
 
     def join(i, n):

@@ -93,22 +93,38 @@ def _resume(cfg, ckpt, abstract, identity, log) -> TrainState | None:
 
 
 def _adopted_params(cfg, abstract, identity, init_from: str, log) -> dict:
-    """`--init-from`'s weights (a Hugging Face directory, or a meshlm run or checkpoint), sharded
-    like this run's parameters; optimizer state and step stay fresh."""
+    """`--init-from`'s weights, sharded like this run's parameters, its tokenizer checked against
+    this run's; optimizer state and step stay fresh."""
+    params, source = source_params(init_from, cfg, abstract.params)
+    if "tokenizer_fingerprint" in source:
+        check_tokenizer(source, identity, f"--init-from {source['where']}")
+    elif source["hf"]:
+        log.print(
+            f"  warning: {source['where']} has no tokenizer.json; make sure data.tokenizer is the model's tokenizer"
+        )
+    kind = "Hugging Face " if source["hf"] else ""
+    log.print(f"initialised parameters from {kind}{source['where']} (optimizer state and step are fresh)")
+    return params
+
+
+def source_params(init_from: str, cfg: RunConfig, abstract: dict) -> tuple[dict, dict]:
+    """The weights of `init_from` (a Hugging Face directory as hf:DIR, or a meshlm run, checkpoints
+    directory or step), placed as `abstract` (ShapeDtypeStructs with shardings) says; and what is known
+    of the source: {"where", "hf", "tokenizer_fingerprint" (when known)}."""
     if hf.is_hf_ref(init_from):
         root = hf.hf_path(init_from)
-        shardings = jax.tree.map(lambda a: a.sharding, abstract.params)
-        params = hf.load_params(root, cfg.model, shardings)
+        params = hf.load_params(root, cfg.model, jax.tree.map(lambda a: a.sharding, abstract))
+        source = {"where": str(root), "hf": True}
         if (root / "tokenizer.json").is_file():
-            meta = {"tokenizer_fingerprint": toks.fingerprint(toks.load(root / "tokenizer.json"))}
-            check_tokenizer(meta, identity, f"--init-from {init_from}")
-        else:
-            log.print(f"  warning: {root} has no tokenizer.json; make sure data.tokenizer is the model's tokenizer")
-        log.print(f"initialised parameters from Hugging Face {root} (optimizer state and step are fresh)")
-        return params
+            source["tokenizer_fingerprint"] = toks.fingerprint(toks.load(root / "tokenizer.json"))
+        return params, source
     directory, step = resolve_checkpoint(init_from)
-    source = Checkpointer(directory, cfg.checkpoint, log=log.print, read_only=True)
-    params, meta = source.restore_params(abstract.params, step)
-    check_tokenizer(meta, identity, f"--init-from {directory}/{meta['step']}")
-    log.print(f"initialised parameters from {directory}/{meta['step']} (optimizer state and step are fresh)")
-    return params
+    reader = Checkpointer(directory, cfg.checkpoint, log=lambda _: None, read_only=True)
+    try:
+        params, meta = reader.restore_params(abstract, step)
+    finally:
+        reader.close()
+    source = {"where": f"{directory}/{meta['step']}", "hf": False}
+    if meta.get("tokenizer_fingerprint"):
+        source["tokenizer_fingerprint"] = meta["tokenizer_fingerprint"]
+    return params, source

@@ -1,7 +1,7 @@
 """`meshlm` command line, one module per command family:
 
 - `train`: train, launch;
-- `insight`: memory, plan, bench, report, recipes;
+- `insight`: memory, plan, bench, report, recipes, check;
 - `models`: convert, generate, eval;
 - `data`: data prepare, data info;
 - `common`: the run arguments, the resolved config and the settings made before JAX loads.

@@ -88,7 +88,7 @@ def adopt_source(cfg: RunConfig, init_from: str) -> RunConfig:
             model = from_dict(json.loads((root / "config.json").read_text())).model
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot read {root / 'config.json'}: {e}") from None
-    cfg = hf.with_model(cfg, model)
+    cfg = hf_tables.with_model(cfg, model)
     if not cfg.data.tokenizer and (root / "tokenizer.json").is_file():
         tokenizer = str(root.absolute() / "tokenizer.json")
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))

@@ -1,4 +1,4 @@
-"""`meshlm memory`, `plan`, `bench`, `report` and `recipes`: looking at a configuration and at runs."""
+"""`meshlm memory`, `plan`, `bench`, `report`, `recipes` and `check`: looking at a configuration and at runs."""
 
 from __future__ import annotations
 

@@ -91,7 +91,11 @@ def _relative(got: float, want: float) -> float:
 def shrink(cfg: RunConfig) -> RunConfig:
     """The check-size config: the layout's math kept, its sizes cut (see the module)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    layers = p.stage * p.virtual_stages if p.stage > 1 else min(m.n_layers, 2)
+    if p.stage > 1:  # two layers per pipeline chunk (the scan inside a chunk, its slicing), when it has two
+        chunks = p.stage * p.virtual_stages
+        layers = chunks * min(2, m.n_layers // chunks)
+    else:  # a partial unroll stays partial; chained layers (unroll >= layers) stay chained
+        layers = min(m.n_layers, m.scan_unroll + 1 if 1 < m.scan_unroll < m.n_layers else 2)
     group = m.n_heads // m.kv_heads  # query heads per kv head (GQA), kept
     kv = p.tensor  # the fewest kv heads the tensor axis splits
     seq = _check_seq_len(cfg)
@@ -105,7 +109,7 @@ def shrink(cfg: RunConfig) -> RunConfig:
         d_ff=0,
         vocab_size=math.lcm(CHECK_VOCAB, p.tensor),
         max_seq_len=max(seq, m.max_seq_len) if m.family == "llama" else seq,
-        scan_unroll=min(m.scan_unroll, layers),
+        scan_unroll=m.scan_unroll if m.scan_unroll < m.n_layers else layers,
     )
     train = dataclasses.replace(t, seq_len=seq, global_batch=t.microbatches * p.batch_shards, steps=max(t.steps, STEP))
     return dataclasses.replace(cfg, model=model, train=train)
@@ -161,29 +165,17 @@ def check_batch(cfg: RunConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def source_params(cfg: RunConfig, init_from: str) -> dict:
-    """`--init-from`'s weights as host arrays of `cfg`'s model (a Hugging Face directory, or a meshlm
-    run, checkpoints directory or step): what `check --full --init-from` checks on."""
-    from meshlm.checkpoint import Checkpointer, resolve_checkpoint
-    from meshlm.interop import hf
+    """`--init-from`'s weights as host arrays of `cfg`'s model: what `check --full --init-from`
+    checks on (the loader `train --init-from` uses, `resume.source_params`)."""
     from meshlm.model.params import abstract_params
+    from meshlm.resume import source_params as load
     from meshlm.train_state import param_shardings
 
     layout = make_layout(ParallelConfig(), [jax.local_devices()[0]])
-    shardings = param_shardings(param_specs(cfg.model), layout)
-    if hf.is_hf_ref(init_from):
-        return jax.device_get(hf.load_params(hf.hf_path(init_from), cfg.model, shardings))
-    directory, step = resolve_checkpoint(init_from)
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        abstract_params(param_specs(cfg.model)),
-        shardings,
-    )
-    source = Checkpointer(directory, cfg.checkpoint, log=lambda _: None, read_only=True)
-    try:
-        params, _ = source.restore_params(abstract, step)
-    finally:
-        source.close()
-    return jax.device_get(params)
+    specs = param_specs(cfg.model)
+    place = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    abstract = jax.tree.map(place, abstract_params(specs), param_shardings(specs, layout))
+    return jax.device_get(load(init_from, cfg, abstract)[0])
 
 
 def gradients(cfg: RunConfig, params: dict, batch: dict, devices: list) -> dict:
@@ -231,7 +223,7 @@ def leaf_errors(got: dict, ref: dict) -> list[LeafError]:
 def run_check(cfg: RunConfig, *, full: bool = False, params: dict | None = None, devices: list | None = None):
     """Check `cfg`'s layout against one device (shrunk unless `full`); `params` (host arrays of the
     checked model's shapes) default to `check_params`. Raises ConfigError for a config that cannot run."""
-    checked = validate(cfg if full else shrink(cfg))
+    checked = validate(cfg) if full else validate(shrink(validate(cfg)))  # the user's config is judged first
     ref_cfg = validate(reference_config(checked))
     n = checked.parallel.n_devices
     devices = list(jax.devices() if devices is None else devices)

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
 import jax
 
 from meshlm import accounting
+from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, RematConfig, RunConfig, validate
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel.mesh import abstract_layout
@@ -360,39 +362,34 @@ def enumerate_plans(
     return plans
 
 
+def _meshes(cfg: RunConfig, n_devices: int) -> list[dict[str, int]]:
+    """Every factorisation of the device count over the mesh axes; pipelines only over stage counts
+    that split the layers, and not combined with context (unsupported)."""
+    out = []
+    for stage in (p for p in _divisors(n_devices) if cfg.model.n_layers % p == 0):
+        for tensor in _divisors(n_devices // stage):
+            for context in _divisors(n_devices // stage // tensor) if stage == 1 else [1]:
+                for fsdp in _divisors(n_devices // stage // tensor // context):
+                    data = n_devices // stage // tensor // context // fsdp
+                    out.append(dict(zip(MESH_AXES, (stage, data, fsdp, context, tensor), strict=True)))
+    return out
+
+
 def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
     """The configs `enumerate_plans` weighs, unvalidated: mesh factorisations x attention kernel x
     SP x pipeline schedule x remat policy x microbatch count."""
-    # pipelines over stage counts that split the layers; not combined with context (unsupported)
-    stages = [p for p in _divisors(n_devices) if cfg.model.n_layers % p == 0]
-    layouts = [
-        (stage, tensor, context, fsdp, n_devices // stage // tensor // context // fsdp)
-        for stage in stages
-        for tensor in _divisors(n_devices // stage)
-        for context in (_divisors(n_devices // stage // tensor) if stage == 1 else [1])
-        for fsdp in _divisors(n_devices // stage // tensor // context)
-    ]
     # explicit attention stores (causal blocks of) the s x s scores: offer the blockwise kernel next
     # to it (CP needs it)
     kernels = ("explicit", "blockwise") if cfg.model.attention == "explicit" else (cfg.model.attention,)
-    for (stage, tensor, context, fsdp, data), kernel in (
-        (lay, kernel) for lay in layouts for kernel in kernels if lay[2] == 1 or kernel != "explicit"
-    ):
-        model = dataclasses.replace(cfg.model, attention=kernel)
-        # pipelines: 1F1B (p in flight) or GPipe (m in flight, but shorter in lockstep)
-        schedules = ("1f1b", "gpipe") if stage > 1 else ("1f1b",)
-        for sp in (False, True) if tensor > 1 else (False,):
-            for schedule in schedules:
+    for sizes in _meshes(cfg, n_devices):
+        for kernel in (k for k in kernels if sizes["context"] == 1 or k != "explicit"):
+            model = dataclasses.replace(cfg.model, attention=kernel)
+            # pipelines: 1F1B (p in flight) or GPipe (m in flight, but shorter in lockstep)
+            schedules = ("1f1b", "gpipe") if sizes["stage"] > 1 else ("1f1b",)
+            for sp, schedule in itertools.product((False, True) if sizes["tensor"] > 1 else (False,), schedules):
                 par = dataclasses.replace(
-                    cfg.parallel,
-                    **dict(stage=stage, data=data, fsdp=fsdp, context=context, tensor=tensor),
-                    sequence_parallel=sp,
-                    pipeline_schedule=schedule,
-                    virtual_stages=1,
+                    cfg.parallel, **sizes, sequence_parallel=sp, pipeline_schedule=schedule, virtual_stages=1
                 )
-                for policy in policies:
-                    for k in _divisors(cfg.train.global_batch):
-                        train = dataclasses.replace(cfg.train, microbatches=k)
-                        yield dataclasses.replace(
-                            cfg, model=model, parallel=par, remat=RematConfig(policy), train=train
-                        )
+                for policy, k in itertools.product(policies, _divisors(cfg.train.global_batch)):
+                    train = dataclasses.replace(cfg.train, microbatches=k)
+                    yield dataclasses.replace(cfg, model=model, parallel=par, remat=RematConfig(policy), train=train)

@@ -16,7 +16,6 @@ streams it into the safetensors file, so the host holds one tensor, never the mo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -370,13 +369,3 @@ def is_hf_ref(path: str | None) -> bool:
 
 def hf_path(ref: str) -> Path:
     return Path(ref.removeprefix(HF_PREFIX)).expanduser()
-
-
-def with_model(cfg_run, model: ModelConfig):
-    """A run config whose model section is `model`, keeping the run's compute dtype, attention
-    kind and layer unrolling (how to run the model, not what it is)."""
-    keep = {
-        k: getattr(cfg_run.model, k)
-        for k in ("dtype", "attention", "attention_block", "attention_chunk", "scan_unroll")
-    }
-    return dataclasses.replace(cfg_run, model=dataclasses.replace(model, **keep))

@@ -12,6 +12,7 @@ are named); `hf_config` writes it. The files themselves are `hf.py`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -315,3 +316,13 @@ def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str, ma
         "dtype": torch_dtype,
         "torch_dtype": torch_dtype,
     }
+
+
+def with_model(cfg_run, model: ModelConfig):
+    """A run config whose model section is `model`, keeping the run's compute dtype, attention
+    kind and layer unrolling (how to run the model, not what it is)."""
+    keep = {
+        k: getattr(cfg_run.model, k)
+        for k in ("dtype", "attention", "attention_block", "attention_chunk", "scan_unroll")
+    }
+    return dataclasses.replace(cfg_run, model=dataclasses.replace(model, **keep))

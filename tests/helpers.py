@@ -10,7 +10,7 @@ import numpy as np
 from meshlm.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig, validate
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import make_train_step
-from meshlm.train_state import init_state, setup
+from meshlm.train_state import init_state, placement, setup
 
 MESHES = {
     "single": dict(data=1),
@@ -74,7 +74,7 @@ def build(cfg: RunConfig):
     devices = jax.devices()[: cfg.parallel.n_devices]
     layout = make_layout(cfg.parallel, devices)
     specs, tx, shardings = setup(cfg, layout)
-    state = init_state(specs, layout, tx, cfg.train.seed)
+    state = init_state(specs, layout, tx, cfg.train.seed, **placement(cfg))
     return layout, specs, tx, shardings, state
 
 

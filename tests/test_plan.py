@@ -257,3 +257,28 @@ def test_calibrated_time_is_never_below_the_roofline():
     assert all(sum(p.calibrated.values()) >= p.step_time for p in feasible)
     assert any(p.cfg.parallel.stage > 1 for p in feasible)  # meshlm's own pipelines are among them
     assert feasible[0].expected_time <= feasible[-1].expected_time  # ranked by the calibrated time
+
+
+def test_zero1_and_offload_memory_and_when_zero1_beats_fsdp():
+    """ZeRO-1 divides Adam's moments (8 bytes a parameter) by the data-parallel axes where a leaf
+    divides (exact, from the same sharding rule as the train state); offload takes them off the
+    device; the planner chooses ZeRO-1 over FSDP when both fit and says why."""
+    from meshlm.platform.hardware import ACCELERATORS
+
+    a100 = ACCELERATORS["a100"]
+    cfg = recipes.get("gpt-1.3b")
+    plain_cfg = dataclasses.replace(cfg, parallel=ParallelConfig(data=8), train=dataclasses.replace(cfg.train))
+    zero_cfg = dataclasses.replace(plain_cfg, parallel=dataclasses.replace(plain_cfg.parallel, shard_optimizer=True))
+    off_cfg = dataclasses.replace(zero_cfg, optim=dataclasses.replace(zero_cfg.optim, offload_state=True))
+    params = planner.sharded_params(plain_cfg)
+    plain, zero, off = (planner.estimate(c, a100) for c in (plain_cfg, zero_cfg, off_cfg))
+    assert plain.memory["parameters, gradients, optimizer"] == 16 * params
+    assert zero.memory["parameters, gradients"] == 8 * params
+    moments = zero.memory["optimizer state (ZeRO-1)"]
+    assert moments == 8 * planner.zero1_params(zero_cfg) and 8 * params / 8 <= moments < 8 * params / 8 * 1.01
+    assert "optimizer state" not in " ".join(off.memory) and off.total_memory == zero.total_memory - moments
+    plans = planner.enumerate_plans(cfg, 8, a100, 16 * 2**30)
+    best = next(p for p in plans if not p.rejected)
+    assert best.cfg.parallel.shard_optimizer
+    why = plan_report.explain_optimizer(plans)
+    assert why.startswith("ZeRO-1:") and "the best FSDP layout" in why

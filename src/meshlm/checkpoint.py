@@ -50,6 +50,8 @@ class ChecksumMismatch(ValueError):
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
+    if jax.typeof(x).memory_space == jax.memory.Space.Host:  # offloaded optimizer state: summed on the device
+        x = jax.device_put(x, jax.memory.Space.Device)
     bits_dtype = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
     bits = jax.lax.bitcast_convert_type(x, bits_dtype).astype(jnp.uint32)
     weight = (jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) % 65521 + 1).astype(jnp.uint32)

@@ -147,6 +147,10 @@ class ParallelConfig:
     context_load_balance: bool = True
     pipeline_schedule: PipelineSchedule = "1f1b"
     virtual_stages: int = 1  # model chunks per stage (interleaved schedule)
+    # ZeRO stage 1 (Megatron's distributed optimizer): Adam's moments sharded over the data-parallel
+    # axes the weights are replicated on (data, context; fsdp where a weight does not use it), the
+    # weights left replicated; each device updates its shard, the new weights are all-gathered
+    shard_optimizer: bool = False
 
     @property
     def n_devices(self) -> int:
@@ -187,6 +191,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0
+    # Adam's moments in host memory (ZeRO-Offload's optimizer state; not the `offload` remat policy,
+    # which moves activations): streamed to the device for the update and back; checkpoints unchanged
+    offload_state: bool = False
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from meshlm.config import ConfigError, RunConfig
 from meshlm.data import tokenizer as toks
 from meshlm.interop import hf
 from meshlm.train_loop import TrainingError
-from meshlm.train_state import TrainState, init_state
+from meshlm.train_state import TrainState, init_state, placement
 
 
 def checkpoint_dir(cfg: RunConfig, run_dir: Path) -> Path:
@@ -64,7 +64,7 @@ def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from,
             f"checkpoint.resume=false but {ckpt.directory} holds checkpoints {ckpt.steps()} of an earlier run; "
             "use a new run dir or --set checkpoint.dir=..."
         )
-    state = init_state(specs, layout, tx, cfg.train.seed)
+    state = init_state(specs, layout, tx, cfg.train.seed, **placement(cfg))
     if init_from:
         state = state._replace(params=_adopted_params(cfg, abstract, identity, init_from, log))
     return state

@@ -28,7 +28,7 @@ from meshlm.model.transformer import forward
 from meshlm.optim import lr_schedule
 from meshlm.parallel.pipeline import pipeline_gradients
 from meshlm.parallel.rules import Layout
-from meshlm.train_state import TrainState
+from meshlm.train_state import TrainState, zero1_sharding
 
 # {"inputs": int32 [B, S], "targets": int32 [B, S]}, and with document masking also
 # "segment_ids" and "positions" (int32 [B, S]); every entry is sharded like the inputs.
@@ -134,6 +134,33 @@ def make_grad_step(cfg: RunConfig, layout: Layout, param_shardings: dict) -> Cal
     return jax.jit(fn, in_shardings=(param_shardings, batch_sharding(layout), None), out_shardings=out)
 
 
+def _optimizer_update(cfg: RunConfig, layout: Layout, tx: optax.GradientTransformation, shardings: TrainState):
+    """`update(grads, state) -> (new params, new optimizer state, the old one on the device)`.
+
+    Plain: optax's update on the parameters' layout. `optim.offload_state`: the optimizer state comes
+    from host memory to the device first (its shardings' memory kind; the caller sends the new state
+    back). `parallel.shard_optimizer` (ZeRO-1): gradients and weights are taken at the moments'
+    sharding, so each device updates only its shard (the gradient reduction over the data axes becomes
+    a reduce-scatter), and the new weights are all-gathered back to the parameters' layout."""
+    on_device = jax.tree.map(lambda sh: sh.with_memory_kind("device"), shardings.opt_state)
+
+    def update(grads, state: TrainState):
+        old = jax.device_put(state.opt_state, on_device) if cfg.optim.offload_state else state.opt_state
+        params = state.params
+        if cfg.parallel.shard_optimizer:
+            shard = lambda tree: jax.tree.map(
+                lambda x, sh: jax.lax.with_sharding_constraint(x, zero1_sharding(layout, sh, x.shape)),
+                tree,
+                shardings.params,
+            )
+            grads, params = shard(grads), shard(params)
+        updates, opt_state = tx.update(grads, old, params)
+        new = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), shardings.params)
+        return new, opt_state, old
+
+    return update
+
+
 def make_train_step(
     cfg: RunConfig,
     layout: Layout,
@@ -156,11 +183,12 @@ def make_train_step(
     schedule = lr_schedule(cfg.optim, cfg.train.steps)
     allowed = cfg.train.max_consecutive_skips if cfg.train.on_nonfinite == "skip" else 0
 
+    update = _optimizer_update(cfg, layout, tx, shardings)
+
     def step(state: TrainState, batch: Batch):
         grads, loss, count = gradients(state.params, batch, dropout_key(cfg, state.step), cfg, layout, shardings.params)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params, opt_state, old_opt_state = update(grads, state)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         running = jnp.logical_not(state.halted)
         apply = running & finite
@@ -170,11 +198,13 @@ def make_train_step(
         new_state = TrainState(
             step=state.step + (apply | skip).astype(jnp.int32),
             params=keep(params, state.params),
-            opt_state=keep(opt_state, state.opt_state),
+            opt_state=keep(opt_state, old_opt_state),
             skipped=state.skipped + skip.astype(jnp.int32),
             streak=jnp.where(apply, 0, state.streak + skip.astype(jnp.int32)),
             halted=state.halted | halt,
         )
+        if cfg.optim.offload_state:  # back to host memory
+            new_state = new_state._replace(opt_state=jax.device_put(new_state.opt_state, shardings.opt_state))
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,

@@ -7,13 +7,16 @@ sharded: no device ever holds an unsharded copy of the model.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model.params import abstract_params, init_params, map_specs, param_specs
 from meshlm.optim import make_optimizer
@@ -33,14 +36,53 @@ def param_shardings(specs: dict, layout: Layout) -> dict:
     return map_specs(lambda s: layout.sharding(s.axes), specs)
 
 
-def state_shardings(specs: dict, layout: Layout, tx: optax.GradientTransformation) -> TrainState:
+def zero1_sharding(layout: Layout, sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    """ZeRO stage 1: the sharding of a weight's optimizer moments. The data-parallel axes the weight
+    is replicated on (the batch's axes and `context`, of size > 1, that its spec does not use) are
+    added to its largest dimension they divide, after the axes already there; a weight no dimension
+    of which divides stays as it is (small ones: norms, biases under a wide mesh)."""
+    mesh = layout.mesh
+    parts = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    held = lambda part: (part,) if isinstance(part, str) else tuple(part or ())
+    used = {a for part in parts for a in held(part)}
+    extra = tuple(a for a in (*layout.mesh_axes(ax.BATCH), *layout.mesh_axes(ax.SEQ)) if a not in used)
+    if not extra:
+        return sharding
+    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+        axes = held(parts[i]) + extra
+        if shape[i] % math.prod(mesh.shape[a] for a in axes) == 0:
+            parts[i] = axes[0] if len(axes) == 1 else axes
+            while parts and parts[-1] is None:
+                parts.pop()
+            return NamedSharding(mesh, P(*parts), memory_kind=sharding.memory_kind)
+    return sharding
+
+
+def state_shardings(
+    specs: dict,
+    layout: Layout,
+    tx: optax.GradientTransformation,
+    *,
+    shard_optimizer: bool = False,
+    offload: bool = False,
+) -> TrainState:
+    """Where every leaf of the state lives. Optimizer leaves that mirror a parameter are sharded like
+    it, or with `shard_optimizer` also over the data-parallel axes it is replicated on (ZeRO-1,
+    `zero1_sharding`); with `offload` they live in host memory (`pinned_host`); the optimizer's
+    scalars (its step count) are replicated, and stay on the device."""
     params = param_shardings(specs, layout)
+    moments = params
+    if shard_optimizer:
+        shapes = abstract_params(specs)
+        moments = jax.tree.map(lambda sh, a: zero1_sharding(layout, sh, a.shape), params, shapes)
+    if offload:
+        moments = jax.tree.map(lambda sh: sh.with_memory_kind("pinned_host"), moments)
     opt_abstract = jax.eval_shape(tx.init, abstract_params(specs))
     opt = optax.tree_map_params(
         tx,
         lambda _, sharding: sharding,
         opt_abstract,
-        params,
+        moments,
         transform_non_params=lambda _: layout.replicated(),
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
@@ -48,25 +90,30 @@ def state_shardings(specs: dict, layout: Layout, tx: optax.GradientTransformatio
     return TrainState(step=scalar, params=params, opt_state=opt, skipped=scalar, streak=scalar, halted=scalar)
 
 
-def init_state(specs: dict, layout: Layout, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    """Materialise a fresh state directly into its shards."""
+def placement(cfg: RunConfig) -> dict[str, bool]:
+    """The optimizer state's placement options of a run config, as `state_shardings` takes them."""
+    return {"shard_optimizer": cfg.parallel.shard_optimizer, "offload": cfg.optim.offload_state}
+
+
+def init_state(specs: dict, layout: Layout, tx: optax.GradientTransformation, seed: int, **placed: bool) -> TrainState:
+    """Materialise a fresh state directly into its shards (`placed`: as `state_shardings` takes it)."""
 
     def _init(key: jax.Array) -> TrainState:
         params = init_params(specs, key)
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, tx.init(params), zero, zero, jnp.zeros((), bool))
 
-    shardings = state_shardings(specs, layout, tx)
+    shardings = state_shardings(specs, layout, tx, **placed)
     return jax.jit(_init, out_shardings=shardings)(jax.random.key(seed))
 
 
-def abstract_state(specs: dict, layout: Layout, tx: optax.GradientTransformation) -> TrainState:
+def abstract_state(specs: dict, layout: Layout, tx: optax.GradientTransformation, **placed: bool) -> TrainState:
     """Shapes, dtypes and shardings of the state, without allocating it (AOT compile, restore)."""
     shapes = jax.eval_shape(lambda: init_state(specs, layout, tx, 0))
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         shapes,
-        state_shardings(specs, layout, tx),
+        state_shardings(specs, layout, tx, **placed),
     )
 
 
@@ -74,4 +121,4 @@ def setup(cfg: RunConfig, layout: Layout) -> tuple[dict, optax.GradientTransform
     """(parameter specs, optimizer, state shardings): what every caller builds a step from."""
     specs = param_specs(cfg.model)
     tx = make_optimizer(cfg.optim, cfg.train.steps, specs)
-    return specs, tx, state_shardings(specs, layout, tx)
+    return specs, tx, state_shardings(specs, layout, tx, **placement(cfg))

@@ -37,7 +37,7 @@ from meshlm.train_loop import (
     TrainingError,
     write_json,
 )
-from meshlm.train_state import abstract_state, setup
+from meshlm.train_state import abstract_state, placement, setup
 from meshlm.version import code_version
 
 __all__ = ["NonFiniteStep", "Preempted", "RunResult", "TrainingError", "train"]
@@ -170,7 +170,7 @@ def _compile(cfg: RunConfig, log: MetricsLogger) -> _Setup:
     layout = make_layout(cfg.parallel)
     specs, tx, shardings = setup(cfg, layout)
     t0 = time.time()
-    abstract = abstract_state(specs, layout, tx)
+    abstract = abstract_state(specs, layout, tx, **placement(cfg))
     with _cache_hits() as hits:
         step_fn = make_train_step(cfg, layout, tx, shardings).lower(abstract, abstract_batch(cfg, layout)).compile()
     compile_s = time.time() - t0

@@ -167,14 +167,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     feasible = [p for p in plans if not p.rejected]
     verified = plan_report.verify(feasible) if args.verify and feasible else None
     miss = None if feasible else plan_report.closest_miss(cfg, plans, args.devices, device, limit)
-    why = plan_report.explain_choice(plans)
+    why, optimizer = plan_report.explain_choice(plans), plan_report.explain_optimizer(plans)
     if args.json:
-        print(json.dumps(plan_report.to_json(plans, verified) | {"error": miss, "context_choice": why}, indent=2))
+        extra = {"error": miss, "context_choice": why, "optimizer_choice": optimizer}
+        print(json.dumps(plan_report.to_json(plans, verified) | extra, indent=2))
         return 0 if feasible else EXIT_CONFIG
     for line in plan_report.format_plans(plans, args.top, device, limit):
         print(line)
-    if why:
-        print(why)
+    for reason in (why, optimizer):
+        if reason:
+            print(reason)
     if verified:
         print(verified)
     if miss:

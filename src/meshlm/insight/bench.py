@@ -25,7 +25,7 @@ from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.rules import reorder_sequence
 from meshlm.platform import hardware
 from meshlm.step import batch_sharding, make_train_step
-from meshlm.train_state import init_state, setup
+from meshlm.train_state import init_state, placement, setup
 
 
 @dataclass
@@ -75,7 +75,7 @@ def run_bench(
             lay = make_layout(cfg.parallel)
             specs, tx, shardings = setup(cfg, lay)
             step = make_train_step(cfg, lay, tx, shardings)
-            state = init_state(specs, lay, tx, t.seed)
+            state = init_state(specs, lay, tx, t.seed, **placement(cfg))
             order = lay.context_order if lay.reordered else None  # as the loader stores them
             batches = [
                 jax.device_put(

@@ -79,7 +79,24 @@ class Plan:
             pp = f" {p.pipeline_schedule}" + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else "")
         cp = f" {p.context_strategy}" if p.context > 1 else ""
         kernel = " blockwise" if self.cfg.model.attention == "blockwise" else ""
-        return f"{p.describe()}{sp}{cp}{pp}{kernel} remat={r} micro={self.cfg.train.microbatches}"
+        zero = " ZeRO-1" if p.shard_optimizer else ""
+        zero += " offload" if self.cfg.optim.offload_state else ""
+        return f"{p.describe()}{sp}{cp}{pp}{kernel}{zero} remat={r} micro={self.cfg.train.microbatches}"
+
+
+# Adam's two fp32 moments per parameter: what ZeRO-1 shards further and offload moves to the host.
+MOMENT_BYTES = 8
+
+
+def zero1_params(cfg: RunConfig) -> float:
+    """Optimizer moments' elements one device holds under ZeRO-1 (`train_state.zero1_sharding` over
+    an abstract mesh: exact)."""
+    from meshlm.train_state import zero1_sharding
+
+    layout = abstract_layout(cfg.parallel)
+    specs = jax.tree.leaves(param_specs(cfg.model), is_leaf=lambda x: isinstance(x, ParamSpec))
+    shard = lambda s: zero1_sharding(layout, layout.sharding(s.axes), s.shape).shard_shape(s.shape)
+    return float(sum(math.prod(shard(s)) for s in specs))
 
 
 def sharded_params(cfg: RunConfig) -> float:
@@ -116,7 +133,8 @@ def estimate(
     plan.mfu = accounting.model_flops_per_step(cfg) / (plan.step_time * n * peak)
     plan.calibrated = calibrated_time(cfg, device, plan.time, pipeline, interleave, bytes_per_param)
     if plan.total_memory > limit:
-        states, act = plan.memory["parameters, gradients, optimizer"], plan.memory["activations"]
+        act = plan.memory["activations"]
+        states = sum(v for k, v in plan.memory.items() if k.startswith(("parameters", "optimizer")))
         plan.rejected = (
             f"needs {plan.total_memory / GiB:.1f} GiB > {limit / GiB:.1f} GiB "
             f"(activations {act / GiB:.1f} GiB, states {states / GiB:.1f} GiB)"
@@ -134,7 +152,7 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
         else accounting.activation_memory(cfg, pipeline=pipeline, interleave=interleave)
     )
     params = sharded_params(cfg) if own else sharded_params(cfg) / pipeline
-    out = {"parameters, gradients, optimizer": bytes_per_param * params, "activations": act["total"]}
+    out = _state_parts(cfg, params, bytes_per_param, own or pipeline == 1) | {"activations": act["total"]}
     if own and par.fsdp > 1:  # the executor gathers a stage's fp32 weights once per step, and
         # accumulates their gradients unsharded until the step's end
         gathered = sharded_params(dataclasses.replace(cfg, parallel=dataclasses.replace(par, fsdp=1)))
@@ -145,6 +163,20 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
             dataclasses.replace(m, n_layers=0)
         )
         out["FSDP gathered weights"] = 2 * layer / par.tensor * accounting.dtype_bytes(m.dtype)
+    return out
+
+
+def _state_parts(cfg: RunConfig, params: float, bytes_per_param: float, exact_zero1: bool) -> dict:
+    """Device bytes of the weights, their gradients and the optimizer state: together without ZeRO-1
+    or offload (P2's Megatron layouts keep that one line); else the moments apart, ZeRO-1's sharded
+    over the data-parallel axes, offloaded ones not on the device at all."""
+    par, offload = cfg.parallel, cfg.optim.offload_state
+    if not (par.shard_optimizer or offload):
+        return {"parameters, gradients, optimizer": bytes_per_param * params}
+    moments = zero1_params(cfg) if par.shard_optimizer and exact_zero1 else params
+    out = {"parameters, gradients": (bytes_per_param - MOMENT_BYTES) * params}
+    if not offload:
+        out["optimizer state (ZeRO-1)" if par.shard_optimizer else "optimizer state"] = MOMENT_BYTES * moments
     return out
 
 
@@ -390,6 +422,9 @@ def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
                 par = dataclasses.replace(
                     cfg.parallel, **sizes, sequence_parallel=sp, pipeline_schedule=schedule, virtual_stages=1
                 )
-                for policy, k in itertools.product(policies, _divisors(cfg.train.global_batch)):
+                # ZeRO-1 where the weights are replicated over data or context (fsdp shards the moments already)
+                zero1 = (False, True) if sizes["data"] * sizes["context"] > 1 else (False,)
+                for policy, k, shard in itertools.product(policies, _divisors(cfg.train.global_batch), zero1):
                     train = dataclasses.replace(cfg.train, microbatches=k)
-                    yield dataclasses.replace(cfg, model=model, parallel=par, remat=RematConfig(policy), train=train)
+                    run = dataclasses.replace(par, shard_optimizer=shard)
+                    yield dataclasses.replace(cfg, model=model, parallel=run, remat=RematConfig(policy), train=train)

@@ -62,6 +62,36 @@ def explain_choice(plans: list[Plan]) -> str | None:
     return None
 
 
+def explain_optimizer(plans: list[Plan]) -> str | None:
+    """Why the best plan shards the optimizer state (ZeRO-1) or the weights too (FSDP), against the
+    best plan of the other kind (None when the best plan uses neither)."""
+    feasible = [p for p in plans if not p.rejected]
+    if not feasible:
+        return None
+    best = feasible[0]
+    par = best.cfg.parallel
+    zero1 = [p for p in feasible if p.cfg.parallel.shard_optimizer]
+    fsdp = [p for p in feasible if p.cfg.parallel.fsdp > 1 and not p.cfg.parallel.shard_optimizer]
+    mem = lambda p: f"{p.total_memory / GiB:.1f} GiB"
+    if par.shard_optimizer:
+        other = (
+            f"; the best FSDP layout ({fsdp[0].describe()}, {mem(fsdp[0])}) takes {fsdp[0].expected_time:.4g} s"
+            if fsdp
+            else ""
+        )
+        return (
+            f"ZeRO-1: Adam's moments sharded over the data-parallel axes ({mem(best)} per device), the weights "
+            f"gathered once per step ({best.expected_time:.4g} s), where FSDP regathers them in every microbatch's "
+            f"forward and backward{other}"
+        )
+    if par.fsdp > 1 and zero1:
+        return (
+            f"FSDP: the best ZeRO-1 layout ({zero1[0].describe()}) needs {mem(zero1[0])} per device and takes "
+            f"{zero1[0].expected_time:.4g} s; sharding the weights and gradients too fits in {mem(best)}"
+        )
+    return None
+
+
 def closest_miss(cfg: RunConfig, plans: list[Plan], n_devices: int, device: Accelerator, limit: float) -> str:
     """For a request nothing satisfies: the plan needing least memory, and what would make it fit."""
     sized = [p for p in plans if p.memory]
@@ -130,6 +160,8 @@ def to_json(plans: list[Plan], verified: str | None = None) -> dict:
     def one(p: Plan) -> dict:
         par = p.cfg.parallel
         return {axis: getattr(par, axis) for axis in MESH_AXES} | {
+            "shard_optimizer": par.shard_optimizer,
+            "offload_state": p.cfg.optim.offload_state,
             "pipeline_schedule": par.pipeline_schedule if par.stage > 1 else None,
             "context_strategy": par.context_strategy if par.context > 1 else None,
             "attention": p.cfg.model.attention,

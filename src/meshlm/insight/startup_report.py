@@ -31,10 +31,12 @@ def _explicit_label(m, seq_len: int) -> str:
     return f"explicit in {len(chunks)} query chunks of {rows} (the score blocks on and below the diagonal are stored)"
 
 
-def _treedevice_bytes(abstract_tree, sharding_tree) -> int:
+def _treedevice_bytes(abstract_tree, sharding_tree, memory_kind: str = "device") -> int:
+    """Bytes one device's shards of the tree take in one memory (its own, or pinned host memory)."""
     leaves = jax.tree.leaves(abstract_tree)
     shardings = jax.tree.leaves(sharding_tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    return sum(device_bytes(a, s) for a, s in zip(leaves, shardings, strict=True))
+    pairs = zip(leaves, shardings, strict=True)
+    return sum(device_bytes(a, s) for a, s in pairs if (s.memory_kind or "device") == memory_kind)
 
 
 def startup_report(
@@ -59,6 +61,9 @@ def startup_report(
     }
     if act["host_total"]:
         predicted["activations offloaded to host"] = act["host_total"]
+    host_opt = _treedevice_bytes(abstract.opt_state, shardings.opt_state, "pinned_host")
+    if host_opt:  # optim.offload_state: Adam's moments in host memory, not on the device
+        predicted["optimizer state offloaded to host"] = host_opt
     analysis = compiled.memory_analysis()
     xla = {}
     if analysis is not None:

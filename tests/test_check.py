@@ -64,6 +64,14 @@ SUITE_LAYOUTS = {
         "parallel.context_load_balance=false",
         "model.attention=blockwise",
     ),
+    "context=2 all_to_all x tensor=2 + SP, explicit, document masks": (
+        "gpt",
+        "parallel.context=2",
+        "parallel.tensor=2",
+        "parallel.sequence_parallel=true",
+        "parallel.context_strategy=all_to_all",
+        "data.document_mask=true",
+    ),
     "stage=2 x data=2 x tensor=2 + SP, 1f1b": (
         "gpt",
         "parallel.stage=2",

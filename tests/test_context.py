@@ -4,6 +4,7 @@ remat), stores what the formula says, and balances causal work across ranks."""
 
 import dataclasses
 import json
+import re
 from functools import partial
 
 import jax
@@ -35,7 +36,7 @@ def config(
     return validate(
         dataclasses.replace(
             cfg,
-            model=dataclasses.replace(cfg.model, attention="blockwise", attention_block=4, **model),
+            model=dataclasses.replace(cfg.model, **(dict(attention="blockwise", attention_block=4) | model)),
             parallel=par,
             remat=RematConfig(policy),
             data=dataclasses.replace(cfg.data, document_mask=document_mask),
@@ -74,6 +75,28 @@ CASES = {
         dict(context=2, fsdp=2, tensor=2, context_strategy="all_gather"),
         {},
     ),
+    # Ulysses: any kernel between the two all-to-alls (explicit and blockwise), GQA, dropout, with and
+    # without document masks; the reference is the same kernel on one device
+    "llama all_to_all c=2 x tensor=2+SP balanced, explicit": (
+        "llama",
+        dict(context=2, tensor=2, context_strategy="all_to_all"),
+        dict(attention="explicit"),
+    ),
+    "llama all_to_all c=4 x data=2 balanced, no document mask": (
+        "llama",
+        dict(context=4, data=2, context_strategy="all_to_all"),
+        dict(document_mask=False),
+    ),
+    "gpt all_to_all c=4 x data=2 balanced, dropout": (
+        "gpt",
+        dict(context=4, data=2, context_strategy="all_to_all"),
+        {},
+    ),
+    "gpt all_to_all c=2 x fsdp=2 x tensor=2+SP unbalanced, explicit, dropout, no document mask": (
+        "gpt",
+        dict(context=2, fsdp=2, tensor=2, context_strategy="all_to_all", context_load_balance=False),
+        dict(attention="explicit", document_mask=False),
+    ),
 }
 
 
@@ -83,7 +106,7 @@ def test_context_parallel_gradients_equal_one_device(case, params, devices):
     assert_same_grads(grads(config(family, mesh, **model), params[family]), reference(family, params, **model))
 
 
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "all_to_all"])
 def test_the_attention_core_equals_one_device_with_balanced_dropout(strategy, devices):
     """The core alone, load-balanced c=4 with GQA, documents and attention dropout: outputs and
     input gradients equal the single-device blockwise kernel's (same dropout blocks, by original
@@ -92,7 +115,7 @@ def test_the_attention_core_equals_one_device_with_balanced_dropout(strategy, de
     from meshlm.model.layers import causal_attention
     from meshlm.parallel.context import context_attention
 
-    b, t, n, kv, h, block = 2, 32, 4, 2, 8, 4
+    b, t, n, kv, h, block = 2, 32, 8, 4, 8, 4  # all_to_all: 2 query heads per KV head, one KV head per rank
     keys = jax.random.split(jax.random.key(3), 5)
     q = jax.random.normal(keys[0], (b, t, n, h))
     k, v = (jax.random.normal(x, (b, t, kv, h)) for x in keys[1:3])
@@ -133,6 +156,39 @@ def test_context_parallel_with_recomputation_and_accumulation(params, devices):
     accumulate to the whole batch's gradient."""
     cfg = config("llama", dict(context=4, tensor=2), policy="full", microbatches=2)
     assert_same_grads(grads(cfg, params["llama"]), reference("llama", params))
+
+
+def test_ulysses_exchanges_twice_per_layer_and_never_gathers_kv(devices):
+    """The compiled forward pass of llama (GQA) on context=2 x tensor=2 x data=2: the scanned layer
+    body holds two all-to-alls - Q, K and V together before the kernel, its output after - and no
+    activation is all-gathered or passed around (collective-permute); forward + backward, four (the
+    transposes). The ring's program, for contrast, has permutes and no all-to-all."""
+    from meshlm import axes as ax
+    from meshlm.insight import hlo
+    from meshlm.model.loss import cross_entropy_sum
+    from meshlm.model.params import abstract_params
+    from meshlm.model.transformer import forward
+    from meshlm.train_state import param_shardings
+
+    model = config("llama", document_mask=False).model
+    specs = param_specs(model)
+    found = {}
+    for strategy in ("all_to_all", "ring"):
+        layout = make_layout(ParallelConfig(context=2, tensor=2, data=2, context_strategy=strategy))
+
+        def loss(p, t, layout=layout):
+            return cross_entropy_sum(forward(p, t, model, layout), t)[0]
+
+        for name, fn in (("forward", loss), ("backward", jax.grad(loss))):
+            in_sh = (param_shardings(specs, layout), layout.sharding((ax.BATCH, ax.SEQ)))
+            tokens = jax.ShapeDtypeStruct((4, 32), jnp.int32)
+            text = jax.jit(fn, in_shardings=in_sh).lower(abstract_params(specs), tokens).compile().as_text()
+            ops = sum(" all-to-all(" in line for line in text.splitlines())
+            found[strategy, name] = ops, hlo.collectives(text, batch_rows=2)  # activations: 2 rows per data rank
+    for name, n in (("forward", 2), ("backward", 4)):
+        ops, moved = found["all_to_all", name]
+        assert ops == n and moved["all-gather"] == moved["collective-permute"] == 0, (name, ops, moved)
+    assert found["ring", "forward"][0] == 0 and found["ring", "forward"][1]["collective-permute"] > 0
 
 
 def test_policies_that_recompute_attention_rerun_the_ring_forward(params, devices):
@@ -219,24 +275,25 @@ def test_load_balancing_equalises_causal_work():
 
 
 @pytest.mark.parametrize(
-    "family, mesh, policy",
+    "family, mesh, policy, attention",
     [
-        ("llama", dict(context=2, tensor=4, context_strategy="ring"), "elementwise"),
-        ("gpt", dict(context=4, tensor=2, context_strategy="all_gather"), "selective"),
-        ("llama", dict(context=8, context_strategy="ring"), "dots"),
+        ("llama", dict(context=2, tensor=4, context_strategy="ring"), "elementwise", "blockwise"),
+        ("gpt", dict(context=4, tensor=2, context_strategy="all_gather"), "selective", "blockwise"),
+        ("llama", dict(context=8, context_strategy="ring"), "dots", "blockwise"),
+        ("llama", dict(context=2, tensor=2, context_strategy="all_to_all"), "elementwise", "blockwise"),
+        ("gpt", dict(context=4, tensor=2, context_strategy="all_to_all"), "elementwise", "explicit"),
     ],
 )
-def test_context_parallel_stores_what_the_formula_says(family, mesh, policy, devices):
+def test_context_parallel_stores_what_the_formula_says(family, mesh, policy, attention, devices):
     """Measured residual bytes per device (compiled program) = the formula with s/c tokens per
-    rank: only this rank's Q, K, V, output and log-sum-exp, never a gathered K/V or an s x s tensor."""
+    rank: only this rank's Q, K, V, output and log-sum-exp, never a gathered K/V or an s x s tensor -
+    except Ulysses' explicit kernel, which keeps the whole s x s scores of 1/(c t) of the heads."""
     from test_memory import _measure, paper_config
 
     base = paper_config(2, 1, False, policy, family)
     sp = mesh.get("tensor", 1) > 1
     par = dataclasses.replace(base.parallel, **mesh, sequence_parallel=sp)
-    cfg = validate(
-        dataclasses.replace(base, model=dataclasses.replace(base.model, attention="blockwise"), parallel=par)
-    )
+    cfg = validate(dataclasses.replace(base, model=dataclasses.replace(base.model, attention=attention), parallel=par))
     measured, formula = _measure(cfg).activation_bytes, accounting.activation_memory(cfg)["total"]
     assert measured == pytest.approx(formula, rel=5e-3)
 
@@ -255,18 +312,47 @@ def test_context_accounting():
     gathered = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context_strategy="all_gather"))
     assert accounting.context_comm_bytes(gathered)["backward"] == n * (2 * 2 * local + 2 * 4 * local)
     assert accounting.context_comm_bytes(config("llama")) == {}
+    # Ulysses: (c-1)/c of one rank's Q (8 heads), K, V (4 each) and output (8), each way; bf16
+    ulysses = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context_strategy="all_to_all"))
+    heads = local / m.kv_heads  # one rank's tokens x head_dim for one head (over tensor=2)
+    assert accounting.context_comm_bytes(ulysses) == {"forward": n * 2 * heads * 24 / 2, "backward": n * heads * 24}
+    # per device it falls as c grows (more ranks, fewer tokens each); the ring's grows
+    wider = {c: dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context=c)) for c in (2, 4)}
+    volume = {
+        (strategy, c): sum(
+            accounting.context_comm_bytes(
+                dataclasses.replace(w, parallel=dataclasses.replace(w.parallel, context_strategy=strategy))
+            ).values()
+        )
+        for strategy in ("ring", "all_to_all")
+        for c, w in wider.items()
+    }
+    assert volume["all_to_all", 4] < volume["all_to_all", 2] and volume["ring", 4] > volume["ring", 2]
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(model=dict(attention="explicit")), "context parallelism (parallel.context > 1) runs the blockwise"),
+        (
+            dict(model=dict(attention="explicit")),
+            "context parallelism (parallel.context > 1, context_strategy=ring) runs",
+        ),
+        # Ulysses: 4 KV heads over context=4 x tensor=2 (query heads 8 would divide)
+        (
+            dict(parallel=dict(context_strategy="all_to_all", tensor=2)),
+            "splits the KV heads (model.n_kv_heads)=4 over context x tensor = 8",
+        ),
+        (
+            dict(parallel=dict(context_strategy="all_to_all"), model=dict(n_heads=6, n_kv_heads=0, head_dim=8)),
+            "model.n_heads=6",
+        ),
         (dict(train=dict(seq_len=36)), "train.seq_len=36 is not divisible by 2 x context"),
         (dict(parallel=dict(context_strategy="ulysses")), "parallel.context_strategy='ulysses' unknown"),
         (dict(model=dict(attention_block=3)), "model.attention_block=3 does not divide the context chunk of 4"),
     ],
 )
 def test_bad_context_configs_are_refused(change, message):
+    """(All are refused with context=4; each message names what to change.)"""
     cfg = config("llama", dict(context=4))
     sections = {k: dataclasses.replace(getattr(cfg, k), **v) for k, v in change.items()}
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -330,17 +416,21 @@ def test_the_planner_splits_long_sequences_over_context():
         cfg = recipes.get("llama-1b")
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len, global_batch=batch))
         plans = plan.enumerate_plans(cfg, 8, ACCELERATORS["h100"])
-        return plans[0], plan_report.explain_choice(plans)
+        return plans[0], plan_report.explain_choice(plans), plan_report.explain_context_strategy(plans)
 
-    long, why = best(32768, 4)
+    long, why, strategy = best(32768, 4)
     assert not long.rejected and long.cfg.parallel.context > 1 and long.cfg.model.attention == "blockwise"
     assert why.startswith(f"context={long.cfg.parallel.context}: at s=32768") and "faster than" in why
-    exchange = "context-parallel K/V exchange"
+    exchange = plan.EXCHANGE
     gathered = dataclasses.replace(long.cfg.parallel, context_strategy="all_gather")
     gathered = plan.estimate(dataclasses.replace(long.cfg, parallel=gathered), ACCELERATORS["h100"])
     # all-gather's exchange is timed whole; the ring's is reduced by the attention it may overlap
     # (the planner's assumption, unmeasured without a GPU)
     assert gathered.time[exchange] > 0 and long.time[exchange] < gathered.time[exchange]
     assert long.cfg.parallel.describe() == "data=2 fsdp=2 context=2 tensor=1"  # docs/long-sequences.md
-    short, why = best(2048, 256)
-    assert short.cfg.parallel.context == 1 and why.startswith("no context parallelism")
+    # the strategy: the ring (hops hidden), against the best all_gather and all_to_all plans, each timed
+    assert strategy.startswith("context_strategy=ring: receives ") and "0 ms of it in the step" in strategy
+    assert re.search(r"; all_gather at best \(.*all_gather.*\) 1\.\d+x the time, [\d,]+ MiB", strategy)
+    assert re.search(r"; all_to_all at best \(.*all_to_all.*\) 1\.\d+x the time, [\d,]+ MiB", strategy)
+    short, why, strategy = best(2048, 256)
+    assert short.cfg.parallel.context == 1 and why.startswith("no context parallelism") and strategy is None

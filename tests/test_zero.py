@@ -128,6 +128,10 @@ def test_optimizer_state_bytes_per_device_are_the_total_over_its_axes(runs, devi
             total += leaf.addressable_shards[0].data.nbytes
         per_device[shard] = total
     assert per_device[True] * 4 <= per_device[False] * 1.05  # a quarter, up to the few that do not divide
+    # the planner's figure (8 bytes of fp32 moments per element it counts) is the arrays' own
+    from meshlm.insight import plan
+
+    assert per_device[True] == 8 * plan.zero1_params(_with(_config("data=4 x tensor=2"), shard=True))
 
 
 def test_zero1_gathers_the_new_weights_over_data(runs, devices):

@@ -112,9 +112,11 @@ def attention_block(m: ModelConfig, seq_len: int, context_chunk: int | None = No
 
 
 def context_chunk(cfg: RunConfig) -> int | None:
-    """Tokens per context chunk (seq_len / (2c) load-balanced, / c otherwise); None without CP."""
+    """Tokens per context chunk (seq_len / (2c) load-balanced, / c otherwise) that bound the kernel's
+    block; None without CP, and under `all_to_all`, whose kernel runs on whole sequences."""
     par = cfg.parallel
-    return cfg.train.seq_len // par.context_chunks if par.context > 1 else None
+    split = par.context > 1 and par.context_strategy != "all_to_all"
+    return cfg.train.seq_len // par.context_chunks if split else None
 
 
 MAX_QUERY_CHUNKS = 16  # the chunks are unrolled: beyond this, longer chunks keep the program small
@@ -168,12 +170,14 @@ def context_block_pairs(seq_len: int, context: int, load_balance: bool, block: i
 
 
 def context_comm_bytes(cfg: RunConfig) -> dict[str, float]:
-    """Bytes of K/V (and their gradients) each device receives per step under context
-    parallelism, by direction. Per layer and microbatch, with KV = one rank's K and V in the
-    compute dtype and dKV its fp32 gradients:
+    """Bytes each device receives per step under context parallelism, by direction. Per layer and
+    microbatch, with KV = one rank's K and V in the compute dtype and dKV its fp32 gradients:
 
     - ring: forward c-1 hops of KV; backward c-1 hops of KV and c of dKV (the gradients ride home);
-    - all_gather: forward gathers (c-1) x KV; backward gathers again and reduce-scatters dKV.
+    - all_gather: forward gathers (c-1) x KV; backward gathers again and reduce-scatters dKV;
+    - all_to_all: forward (c-1)/c of one rank's Q, K and V (one all-to-all) and of the kernel's
+      output (the other); backward their transposes, the same bytes (gradients in the compute dtype).
+      Per device this falls as c grows; the ring's and all_gather's grow towards the whole K/V.
 
     Policies that recompute the attention forward in backward (full, dots, offload) run the
     forward exchange twice. Positions and document ids (int32 per token) are not counted."""
@@ -182,11 +186,16 @@ def context_comm_bytes(cfg: RunConfig) -> dict[str, float]:
     if c == 1:
         return {}
     b = t.global_batch // t.microbatches // par.batch_shards
-    local = t.seq_len // c * b * m.kv_heads * m.dim_head / par.tensor
+    tokens = t.seq_len // c * b * m.dim_head / par.tensor  # one rank's tokens x head_dim, per head
+    local = tokens * m.kv_heads
     kv, dkv = 2 * dtype_bytes(m.dtype) * local, 2 * 4 * local
     forwards = 2 if cfg.remat.policy in ("full", "dots", "offload") else 1
-    per_layer_fwd = (c - 1) * kv
-    per_layer_bwd = (c - 1) * kv + (c if par.context_strategy == "ring" else c - 1) * dkv
+    if par.context_strategy == "all_to_all":
+        qkvo = dtype_bytes(m.dtype) * tokens * (2 * m.n_heads + 2 * m.kv_heads)
+        per_layer_fwd = per_layer_bwd = (c - 1) / c * qkvo
+    else:
+        per_layer_fwd = (c - 1) * kv
+        per_layer_bwd = (c - 1) * kv + (c if par.context_strategy == "ring" else c - 1) * dkv
     n = m.n_layers * t.microbatches
     return {"forward": n * forwards * per_layer_fwd, "backward": n * per_layer_bwd}
 
@@ -266,9 +275,14 @@ def layer_activation_terms(
     tensor: int = 1,
     sequence_parallel: bool = False,
     policy: str = "elementwise",
+    ulysses: int = 1,
 ) -> dict[str, float]:
     """Bytes per device of one layer's stored activations, by tensor. `micro_batch` is per device
-    (P2's b); `tensor` is t; the LayerNorm/dropout/residual regions are split by t only under SP."""
+    (P2's b); `tensor` is t; the LayerNorm/dropout/residual regions are split by t only under SP.
+    `ulysses` (context size under `all_to_all`, `seq_len` then being per rank): the attention core
+    holds the whole sequence (x ulysses) of 1/ulysses of the heads - the same bytes for Q, K, V and
+    the output, ulysses times more per head of score matrix, for ulysses times fewer heads - and an
+    O(s) kernel's output is kept twice (its own backward's copy, and the projection's input)."""
     e, s, b, t = dtype_bytes(m.dtype), seq_len, micro_batch, tensor
     d, n, k, hd, f = m.d_model, m.n_heads, m.kv_heads, m.dim_head, m.ffn
     r = t if sequence_parallel else 1  # split of the sequence-parallel regions
@@ -288,12 +302,15 @@ def layer_activation_terms(
     }
     if m.attention != "explicit":  # flash/blockwise: Q, K, V, the output (below) and an fp32 lse per row
         terms["attn_logsumexp"] = 4 * s * b * n / t
+        if ulysses > 1:  # its output in the heads layout too: the all-to-all's result feeds the projection
+            terms["attn_out_heads"] = e * s * b * n * hd / t
     elif policy != "selective":  # selective recomputes these from Q, K, V
-        scores = chunked_score_elements(s, m.attention_chunk)  # s * s unchunked (P2)
-        terms["attn_probs"] = e * n * scores * b / t
+        scores = chunked_score_elements(s * ulysses, m.attention_chunk)  # s * s unchunked (P2)
+        heads = n / (t * ulysses)
+        terms["attn_probs"] = e * heads * scores * b
         if dropout:
-            terms["attn_dropout_mask"] = MASK_BYTES * n * scores * b / t
-            terms["attn_probs_dropped"] = e * n * scores * b / t
+            terms["attn_dropout_mask"] = MASK_BYTES * heads * scores * b
+            terms["attn_probs_dropped"] = e * heads * scores * b
     terms["out_proj_input"] = e * s * b * n * hd / t
     if dropout:
         terms["attn_out_dropout_mask"] = MASK_BYTES * s * b * d / r
@@ -409,7 +426,8 @@ def activation_memory(
     sp = par.sequence_parallel if sequence_parallel is None else sequence_parallel
     b = t.global_batch // t.microbatches // par.batch_shards
     s = t.seq_len // par.context  # context parallelism: every stored tensor holds 1/c of the sequence
-    per_layer = layer_activation_terms(m, s, b, par.tensor, sp, policy)
+    ulysses = par.context if par.context_strategy == "all_to_all" else 1  # ... except Ulysses' scores
+    per_layer = layer_activation_terms(m, s, b, par.tensor, sp, policy, ulysses)
     # offload: the dot outputs `dots` would keep live in pinned host memory instead
     host_per_layer = _dot_output_terms(m, s, b, par.tensor, par.tensor if sp else 1) if policy == "offload" else {}
     layer_total = sum(per_layer.values())

@@ -26,7 +26,7 @@ RopeScaling = Literal["none", "llama3"]
 OnNonFinite = Literal["stop", "skip"]
 # Recomputation policies: the names are owned here, their meaning by meshlm.parallel.remat.POLICIES
 # (a test keeps the two equal), so validating a config imports no JAX.
-ContextStrategy = Literal["all_gather", "ring"]
+ContextStrategy = Literal["all_gather", "ring", "all_to_all"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 RematPolicy = Literal["elementwise", "selective", "full", "dots", "offload"]
 
@@ -128,8 +128,9 @@ class ParallelConfig:
     sequence over the `tensor` axis, with all-gather / reduce-scatter at the block boundaries.
 
     `context` (context parallelism) splits the sequence of the whole layer over its ranks; the
-    attention core either all-gathers K/V over `context` (`context_strategy=all_gather`) or passes
-    K/V blocks around the ring (`ring`). `context_load_balance` (causal): rank i holds the
+    attention core either all-gathers K/V over `context` (`context_strategy=all_gather`), passes
+    K/V blocks around the ring (`ring`), or trades tokens for heads with an all-to-all before and
+    after any kernel (`all_to_all`, Ulysses). `context_load_balance` (causal): rank i holds the
     sequence chunks i and 2c-1-i, so every rank does the same attention work (docs/long-sequences.md).
 
     `stage` (pipeline parallelism) splits the layers into `stage` x `virtual_stages` equal chunks;
@@ -479,16 +480,27 @@ def _validate_parallel(cfg: RunConfig) -> None:
 
 def _validate_context(cfg: RunConfig) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    _need(
-        m.attention != "explicit",
-        "context parallelism (parallel.context > 1) runs the blockwise attention kernel; "
-        "set model.attention=blockwise (or fused)",
-    )
     strategies = typing.get_args(ContextStrategy)
     _need(
         p.context_strategy in strategies,
         f"parallel.context_strategy={p.context_strategy!r} unknown; choose from {', '.join(strategies)}",
     )
+    ulysses = p.context_strategy == "all_to_all"
+    _need(
+        m.attention != "explicit" or ulysses,
+        f"context parallelism (parallel.context > 1, context_strategy={p.context_strategy}) runs the blockwise "
+        "attention kernel; set model.attention=blockwise (or fused), or context_strategy=all_to_all, which "
+        "runs any kernel",
+    )
+    if ulysses:  # every rank attends with 1/(context x tensor) of the heads, over the whole sequence
+        split = p.context * p.tensor
+        for name, heads in (("model.n_heads", m.n_heads), ("the KV heads (model.n_kv_heads)", m.kv_heads)):
+            _need(
+                heads % split == 0,
+                f"parallel.context_strategy=all_to_all splits {name}={heads} over context x tensor = {split}, "
+                "which does not divide it (KV heads are not replicated); choose context and tensor sizes whose "
+                "product divides the heads, or context_strategy=ring / all_gather",
+            )
     what = "2 x context (load balancing: chunks i and 2c-1-i)" if p.context_load_balance else "context"
     _need(
         t.seq_len % p.context_chunks == 0,
@@ -498,7 +510,7 @@ def _validate_context(cfg: RunConfig) -> None:
     chunk = t.seq_len // p.context_chunks
     block = min(m.attention_block, chunk)
     _need(
-        chunk % block == 0,
+        ulysses or chunk % block == 0,
         f"model.attention_block={m.attention_block} does not divide the context chunk of {chunk} tokens "
         f"(train.seq_len / {p.context_chunks}); choose a block that divides it",
     )

@@ -97,7 +97,7 @@ def shrink(cfg: RunConfig) -> RunConfig:
     else:  # a partial unroll stays partial; chained layers (unroll >= layers) stay chained
         layers = min(m.n_layers, m.scan_unroll + 1 if 1 < m.scan_unroll < m.n_layers else 2)
     group = m.n_heads // m.kv_heads  # query heads per kv head (GQA), kept
-    kv = p.tensor  # the fewest kv heads the tensor axis splits
+    kv = p.tensor * (p.context if p.context_strategy == "all_to_all" else 1)  # the fewest kv heads the mesh splits
     seq = _check_seq_len(cfg)
     model = dataclasses.replace(
         m,
@@ -120,7 +120,7 @@ def _check_seq_len(cfg: RunConfig) -> int:
     attention's query chunks) at least, whole context chunks of whole blocks, a multiple of the SP
     split; the run's own sequence when that is shorter (it meets the same rules)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    blockwise = m.attention != "explicit" or p.context > 1
+    blockwise = m.attention != "explicit" or (p.context > 1 and p.context_strategy != "all_to_all")
     unit = p.context_chunks * (m.attention_block if blockwise else 1)
     if p.sequence_parallel:
         unit = math.lcm(unit, p.context * p.tensor)
@@ -135,7 +135,7 @@ def reference_config(cfg: RunConfig) -> RunConfig:
     context chunk, `parallel.context.kernel_block`): dropout masks are drawn per block, so a larger
     block on one device would draw other (equally valid) bits, not find a bug."""
     ref = dataclasses.replace(cfg, parallel=ParallelConfig())
-    if cfg.parallel.context > 1:
+    if cfg.parallel.context > 1 and cfg.parallel.context_strategy != "all_to_all":  # Ulysses: the run's own block
         block = min(cfg.model.attention_block, cfg.train.seq_len // cfg.parallel.context_chunks)
         ref = dataclasses.replace(ref, model=dataclasses.replace(ref.model, attention_block=block))
     return ref

@@ -38,6 +38,7 @@ MESHES: dict[str, tuple[str, ...]] = {
     "fsdp=2 x tensor=2": ("parallel.fsdp=2", "parallel.tensor=2"),
     "context=2 ring": ("parallel.context=2", "parallel.context_strategy=ring"),
     "context=2 all_gather": ("parallel.context=2", "parallel.context_strategy=all_gather"),
+    "context=2 all_to_all": ("parallel.context=2", "parallel.context_strategy=all_to_all"),
     "context=2 x tensor=2+SP ring": (
         "parallel.context=2",
         "parallel.tensor=2",

@@ -1,7 +1,8 @@
 """Choose a mesh, sequence parallelism, recomputation and microbatch for a device budget.
 
-For every factorisation data x fsdp x context x tensor of the device count, SP on/off, remat
-policy and gradient-accumulation count, predict per-device memory (parameters, gradients and
+For every factorisation data x fsdp x context x tensor of the device count, SP on/off, context
+strategy (ring, all_gather, all_to_all), ZeRO-1 on/off, remat policy and gradient-accumulation
+count, predict per-device memory (parameters, gradients and
 optimizer state from the exact shardings; activations from `accounting.activation_memory`; FSDP's
 gathered layer weights) and step time from a roofline (GEMMs at peak, plus tensor-parallel,
 context-parallel and data/FSDP collectives at the device kind's link bandwidths, not overlapped -
@@ -10,7 +11,8 @@ Where a device kind has measured rates (`CALIBRATIONS`: A100, from P2 Table 4), 
 time is shown beside the roofline (`calibrated_time`; within 7% of P2 Table 5 for its four models).
 
 For a model configured with explicit attention, every layout is also planned with
-`model.attention=blockwise` (which context parallelism needs); such plans say so.
+`model.attention=blockwise` (which ring and all_gather context parallelism need; all_to_all runs
+either); such plans say so.
 `plan_report` presents the plans (table, JSON, why the best one splits the sequence or not).
 
 Pure arithmetic on the config: nothing is compiled here (`plan_report.verify` compiles on request).
@@ -22,13 +24,14 @@ import dataclasses
 import functools
 import itertools
 import math
+import typing
 from dataclasses import dataclass, field
 
 import jax
 
 from meshlm import accounting
 from meshlm.axes import MESH_AXES
-from meshlm.config import ConfigError, RematConfig, RunConfig, validate
+from meshlm.config import ConfigError, ContextStrategy, RematConfig, RunConfig, validate
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel.mesh import abstract_layout
 from meshlm.parallel.schedules import build as build_schedule
@@ -180,6 +183,10 @@ def _state_parts(cfg: RunConfig, params: float, bytes_per_param: float, exact_ze
     return out
 
 
+CONTEXT_STRATEGIES: tuple[str, ...] = typing.get_args(ContextStrategy)
+EXCHANGE = "context-parallel exchange"  # the roofline part of K/V (ring, all_gather) or Q/K/V/output (all_to_all)
+
+
 def _link(device: Accelerator, span: int) -> float:
     """Bandwidth of a collective over `span` devices: inside one node, else across nodes."""
     return device.intra_bw if span <= device.per_node else device.inter_bw
@@ -201,7 +208,7 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
         comm = sum(accounting.context_comm_bytes(cfg).values()) / _link(device, par.context * par.tensor) / pipeline
         if par.context_strategy == "ring":  # each hop overlaps the attention on the block in hand
             comm = max(0.0, comm - accounting.attention_core_flops(cfg) / (n * peak))
-        out["context-parallel K/V exchange"] = comm
+        out[EXCHANGE] = comm
     dp = par.data * par.fsdp * par.context  # gradients are reduced over every replica of a weight
     if dp > 1:
         out["data/FSDP collectives"] = _data_parallel_bytes(cfg, own, pipeline) / _link(device, par.tensor * dp)
@@ -318,7 +325,7 @@ def calibrated_time(
         # inside one node over NVLink at the calibrated link efficiency, else over the network
         bw = device.intra_bw * link_efficiency if n <= device.per_node else device.inter_bw
         out |= _pipeline_parts(cfg, pipeline, interleave, out["GEMMs"] + tp, bw)
-    for part in ("context-parallel K/V exchange", "data/FSDP collectives"):
+    for part in (EXCHANGE, "data/FSDP collectives"):
         if roofline.get(part):
             out[part] = roofline[part] / link_efficiency
     states = sharded_params(cfg) if own else sharded_params(cfg) / pipeline
@@ -414,13 +421,22 @@ def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
     # to it (CP needs it)
     kernels = ("explicit", "blockwise") if cfg.model.attention == "explicit" else (cfg.model.attention,)
     for sizes in _meshes(cfg, n_devices):
-        for kernel in (k for k in kernels if sizes["context"] == 1 or k != "explicit"):
+        # the three context strategies (all_to_all, where the heads divide, runs any kernel; the others blockwise)
+        strategies = CONTEXT_STRATEGIES if sizes["context"] > 1 else (cfg.parallel.context_strategy,)
+        for kernel, strategy in itertools.product(kernels, strategies):
+            if sizes["context"] > 1 and kernel == "explicit" and strategy != "all_to_all":
+                continue
             model = dataclasses.replace(cfg.model, attention=kernel)
             # pipelines: 1F1B (p in flight) or GPipe (m in flight, but shorter in lockstep)
             schedules = ("1f1b", "gpipe") if sizes["stage"] > 1 else ("1f1b",)
             for sp, schedule in itertools.product((False, True) if sizes["tensor"] > 1 else (False,), schedules):
                 par = dataclasses.replace(
-                    cfg.parallel, **sizes, sequence_parallel=sp, pipeline_schedule=schedule, virtual_stages=1
+                    cfg.parallel,
+                    **sizes,
+                    sequence_parallel=sp,
+                    pipeline_schedule=schedule,
+                    virtual_stages=1,
+                    context_strategy=strategy,
                 )
                 # ZeRO-1 where the weights are replicated over data or context (fsdp shards the moments already)
                 zero1 = (False, True) if sizes["data"] * sizes["context"] > 1 else (False,)

@@ -13,7 +13,7 @@ import jax
 from meshlm import accounting
 from meshlm.axes import MESH_AXES
 from meshlm.config import RunConfig
-from meshlm.insight.plan import CALIBRATIONS, GiB, Plan, device_peak, estimate
+from meshlm.insight.plan import CALIBRATIONS, CONTEXT_STRATEGIES, EXCHANGE, GiB, Plan, device_peak, estimate
 from meshlm.platform.hardware import Accelerator, matmul_precision
 
 
@@ -60,6 +60,40 @@ def explain_choice(plans: list[Plan]) -> str | None:
         instead = f"; the batch splits over data x fsdp = {rows} instead" if rows > 1 else ""
         return f"no context parallelism: at s={s} the best layout with it ({split[0].describe()}) is {pace}{instead}"
     return None
+
+
+def explain_context_strategy(plans: list[Plan]) -> str | None:
+    """Why the best plan's context strategy, against the best plan of each other strategy: what each
+    receives per device per step and how long its exchange shows in the step (None without CP).
+    The ring hides its hops behind the attention they feed and wins while that attention is long
+    enough; all_to_all's volume falls as context grows (ring's and all_gather's grow) and it runs
+    any kernel, but needs the heads to divide by context x tensor; all_gather is the simplest."""
+    feasible = [p for p in plans if not p.rejected]
+    if not feasible or feasible[0].cfg.parallel.context == 1:
+        return None
+    best = feasible[0]
+    mib = lambda p: sum(accounting.context_comm_bytes(p.cfg).values()) / 2**20
+    shown = lambda p: (p.calibrated or p.time).get(EXCHANGE, 0.0)
+    said = [
+        f"context_strategy={best.cfg.parallel.context_strategy}: receives {mib(best):,.0f} MiB per device per step, "
+        f"{shown(best) * 1e3:.3g} ms of it in the step"
+    ]
+    for strategy in (s for s in CONTEXT_STRATEGIES if s != best.cfg.parallel.context_strategy):
+        rivals = [p for p in feasible if p.cfg.parallel.context > 1 and p.cfg.parallel.context_strategy == strategy]
+        refused = [
+            p
+            for p in plans
+            if p.rejected and p.cfg.parallel.context > 1 and p.cfg.parallel.context_strategy == strategy
+        ]
+        if rivals:
+            r = rivals[0]
+            said.append(
+                f"{strategy} at best ({r.describe()}) {r.expected_time / best.expected_time:.3g}x the time, "
+                f"{mib(r):,.0f} MiB, {shown(r) * 1e3:.3g} ms"
+            )
+        elif refused:
+            said.append(f"{strategy} refused ({refused[0].rejected})")
+    return "; ".join(said)
 
 
 def explain_optimizer(plans: list[Plan]) -> str | None:

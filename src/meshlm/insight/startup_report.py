@@ -112,24 +112,38 @@ def _attention(cfg: RunConfig) -> tuple[str, dict | None]:
     """Which attention kernel runs (and why, for `fused`), and the context-parallel numbers."""
     m, par = cfg.model, cfg.parallel
     if par.context > 1:
+        ulysses = par.context_strategy == "all_to_all"
         chunk = accounting.context_chunk(cfg)
         block = accounting.attention_block(m, cfg.train.seq_len, chunk)
         comm = accounting.context_comm_bytes(cfg)
-        balance = accounting.context_block_pairs(cfg.train.seq_len, par.context, par.context_load_balance, block)
+        # Ulysses: every rank runs the whole sequence's kernel on its heads (equal work, by construction)
+        balance = (
+            None
+            if ulysses
+            else accounting.context_block_pairs(cfg.train.seq_len, par.context, par.context_load_balance, block)
+        )
         context = {
             "strategy": par.context_strategy,
             "load_balance": par.context_load_balance,
             "tokens_per_rank": cfg.train.seq_len // par.context,
-            "kv_bytes_received_per_step": sum(comm.values()),
+            "bytes_received_per_step": sum(comm.values()),
             "block_pairs_per_rank": balance,
         }
+        if ulysses:
+            kernel = _kernel_label(cfg)
+            return f"{kernel} over context={par.context} (whole sequences, 1/{par.context} of the heads)", context
         return f"blockwise (block {block}) over context={par.context}", context
+    return _kernel_label(cfg), None
+
+
+def _kernel_label(cfg: RunConfig) -> str:
+    m = cfg.model
     if m.attention == "explicit":
-        return _explicit_label(m, cfg.train.seq_len), None
+        return _explicit_label(m, cfg.train.seq_len)
     if m.attention == "blockwise":
-        return f"blockwise (block {m.attention_block})", None
+        return f"blockwise (block {m.attention_block})"
     kind, why = fused_implementation(m.dtype, m.dim_head, cfg.data.document_mask)
-    return ("fused -> cuDNN flash attention" if kind == "cudnn" else f"fused -> blockwise ({why})"), None
+    return "fused -> cuDNN flash attention" if kind == "cudnn" else f"fused -> blockwise ({why})"
 
 
 def _size(n: float) -> str:
@@ -147,11 +161,12 @@ def format_report(r: dict[str, Any]) -> list[str]:
     if r.get("context"):
         c = r["context"]
         pairs = c["block_pairs_per_rank"]
+        work = f"attention block pairs per rank {min(pairs)}..{max(pairs)}" if pairs else "every rank the same work"
+        sent = "Q/K/V/output" if c["strategy"] == "all_to_all" else "K/V"
         lines.append(
             f"context parallelism: {c['strategy']}, {c['tokens_per_rank']} tokens per rank"
-            f"{', load-balanced (chunks i and 2c-1-i)' if c['load_balance'] else ''}; attention block pairs per "
-            f"rank {min(pairs)}..{max(pairs)}; K/V received per device per step "
-            f"{_size(c['kv_bytes_received_per_step'])}"
+            f"{', load-balanced (chunks i and 2c-1-i)' if c['load_balance'] else ''}; {work}; {sent} received per "
+            f"device per step {_size(c['bytes_received_per_step'])}"
         )
     if r.get("pipeline"):
         p = r["pipeline"]

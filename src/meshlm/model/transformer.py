@@ -162,25 +162,31 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
         RESIDUAL,
         extras,
     )
-    if context:  # the sequence is split over `context`: ring or all-gather around the blockwise kernel
+    kernel = _kernel(cfg, key, remat_policy)
+    if context:  # the sequence is split over `context`: ring, all-gather or all-to-all (any kernel)
         drop_key = _site_key(key, _ATTN_PROBS)
         a = context_attention(
-            layout, q, k, v, segments, block=cfg.attention_block, dropout_rate=cfg.dropout, key=drop_key
+            layout, q, k, v, segments, block=cfg.attention_block, dropout_rate=cfg.dropout, key=drop_key, kernel=kernel
         )
-    elif cfg.attention == "fused":
-        a = layers.fused_attention(q, k, v, segments, cfg.attention_block)
-    elif cfg.attention == "blockwise":  # stores O(s) per row already: no policy recomputes it
-        drop_key = _site_key(key, _ATTN_PROBS)
-        a = blockwise_attention(q, k, v, segments, block=cfg.attention_block, dropout_rate=cfg.dropout, key=drop_key)
     else:
-        explicit = partial(layers.causal_attention, dropout_rate=cfg.dropout, chunk=cfg.attention_chunk)
-        core = remat.wrap_attention_core(explicit, remat_policy)
-        a = core(q, k, v, segments, key=_site_key(key, _ATTN_PROBS))
+        a = kernel(q, k, v, segments)
     explicit = cfg.attention == "explicit" and not context
     if explicit:  # the O(s) kernels keep their output for their own backward
         a = constrain(layout, a, HEADS_ACT)  # pass: a constrained copy (or a rows view) would be stored twice
     out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, weight_axes(cfg)["wo"], RESIDUAL, explicit)
     return out, None
+
+
+def _kernel(cfg: ModelConfig, key, remat_policy: str):
+    """The attention core `model.attention` names, as `(q, k, v, segment_ids) -> output`."""
+    drop_key = _site_key(key, _ATTN_PROBS)
+    if cfg.attention == "fused":
+        return partial(layers.fused_attention, block=cfg.attention_block)
+    if cfg.attention == "blockwise":  # stores O(s) per row already: no policy recomputes it
+        return partial(blockwise_attention, block=cfg.attention_block, dropout_rate=cfg.dropout, key=drop_key)
+    explicit = partial(layers.causal_attention, dropout_rate=cfg.dropout, chunk=cfg.attention_chunk)
+    core = remat.wrap_attention_core(explicit, remat_policy)
+    return lambda q, k, v, segments: core(q, k, v, segments, key=drop_key)
 
 
 def _drop_positions(layout: Layout | None, t: int) -> jax.Array | None:

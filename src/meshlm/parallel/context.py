@@ -1,10 +1,10 @@
 """Context parallelism: the attention core when the sequence is split over the `context` mesh axis.
 
 Outside attention every layer is position-wise, so a sequence sharded over `context` needs no
-communication there; only attention needs the other ranks' keys and values. Two strategies, both
-written as `shard_map` regions (manual over `context` only) around the
-blockwise kernel (`model.blockwise`), both with a custom VJP that keeps only this rank's Q, K, V,
-the output and an fp32 log-sum-exp per row:
+communication there; only attention needs the other ranks' keys and values. Three strategies.
+Two are `shard_map` regions (manual over `context` only) around the blockwise kernel
+(`model.blockwise`), both with a custom VJP that keeps only this rank's Q, K, V, the output and an
+fp32 log-sum-exp per row:
 
 - `all_gather`: gather K and V (and their positions and document ids) over `context`, attend,
   and in the backward pass gather again and reduce-scatter dK, dV. Simple; holds the whole
@@ -15,26 +15,43 @@ the output and an fp32 log-sum-exp per row:
   log-sum-exp. Backward: the blocks go round again (c-1 hops) with their dK/dV accumulators,
   which a c-th hop brings home. Holds two K/V blocks at a time (backward: also two fp32 dK/dV).
 
+The third exchanges heads for tokens instead and leaves the kernel alone:
+
+- `all_to_all` (DeepSpeed-Ulysses, Jacobs et al. 2023): one `all_to_all` over `context` turns
+  Q, K and V (together, one collective) from [s/c tokens, the tensor rank's heads] into [all s
+  tokens, 1/c of those heads]; the model's own kernel (explicit, blockwise or fused) runs on whole
+  sequences, and a second `all_to_all` brings its output back to [s/c tokens, the heads]. Their
+  transposes are the backward pass (two more). Each sends (c-1)/c of the rank's buffer, so the
+  traffic per device falls as c grows, where the ring's stays that of the whole K/V. Needs the
+  heads and the KV heads divisible by context x tensor (refused otherwise, not replicated).
+
 Positions: each stored token carries its position in the original sequence (`Layout.seq_index`);
 the causal mask, causal block skipping and the dropout blocks all follow them, so any storage
 order works - in particular the load-balanced one (`rules.context_order`), under which every rank
 skips the same number of blocks. Dropout masks are drawn per (query block, key block) of original
 positions, so they equal the single-device kernel's when `model.attention_block` is at most one
-chunk (the CP block is then the same block).
+chunk (the CP block is then the same block). Under `all_to_all` the exchanged sequence is put back
+into original order on each rank (a local permutation), so the kernel and its dropout bits are
+exactly the single-device ones, at any block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshlm.model.blockwise import NEG, backward_blocks, forward_blocks, row_delta
+from meshlm import axes as ax
+from meshlm.model.blockwise import NEG, backward_blocks, blockwise_attention, forward_blocks, row_delta
 from meshlm.parallel.rules import Layout
 
 AXIS = "context"
+Kernel = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
 
 
 def kernel_block(block: int, chunk: int) -> int:
@@ -146,6 +163,72 @@ def _ring_bwd(block, rate, size, res, d_out):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+# ----------------------------------------------------------------------------- all-to-all (Ulysses)
+
+
+def _specs(layout: Layout) -> tuple[P, P, set[str]]:
+    """The all-to-all regions' specs: [b, t, heads, h] split by tokens over `context` (heads over
+    `tensor`), or whole along the sequence with heads over (tensor, context) - tensor-major, so a
+    tensor rank's heads never leave it; the batch over its data axes either way. The regions are
+    manual over every axis they name (left automatic, the batch axes would be gathered first)."""
+    batch = layout.mesh_axes(ax.BATCH) or None
+    manual = {AXIS, "tensor", *(batch or ())}
+    return P(batch, AXIS, "tensor"), P(batch, None, ("tensor", AXIS)), manual
+
+
+def _to_heads(layout: Layout, q, k, v):
+    """[b, t/c, n, h] -> [b, t, n/c, h] for Q, K and V in one all_to_all (each rank's share of Q's,
+    K's and V's heads side by side in one buffer), the sequence put back into original order."""
+    c, order = layout.context_size, np.argsort(layout.seq_index(q.shape[1]))
+    sizes = [x.shape[2] // layout.tensor_size // c for x in (q, k, v)]
+
+    def local(q, k, v):
+        b, t = q.shape[:2]
+        parts = [x.reshape(b, t, c, n, x.shape[-1]).astype(q.dtype) for x, n in zip((q, k, v), sizes, strict=True)]
+        mixed = jax.lax.all_to_all(jnp.concatenate(parts, 3), AXIS, 2, 1, tiled=True)  # [b, c t, 1, sum(sizes), h]
+        mixed = jnp.take(mixed[:, :, 0], order, axis=1)  # storage order -> original order
+        ends = np.cumsum(sizes)
+        return tuple(mixed[:, :, e - n : e].astype(x.dtype) for x, n, e in zip((q, k, v), sizes, ends, strict=True))
+
+    tokens, heads, manual = _specs(layout)
+    region = jax.shard_map(
+        local, mesh=layout.mesh, in_specs=(tokens,) * 3, out_specs=(heads,) * 3, axis_names=manual, check_vma=False
+    )
+    return region(q, k, v)
+
+
+def _to_tokens(layout: Layout, out):
+    """The inverse for the kernel's output: [b, t, n/c, h] in original order -> [b, t/c, n, h]."""
+    c, stored = layout.context_size, layout.seq_index(out.shape[1])
+
+    def local(o):
+        o = jnp.take(o, stored, axis=1)  # original order -> storage order
+        b, t, n, h = o.shape
+        return jax.lax.all_to_all(o.reshape(b, c, t // c, n, h), AXIS, 1, 3, tiled=True).reshape(b, t // c, c * n, h)
+
+    tokens, heads, manual = _specs(layout)
+    region = jax.shard_map(
+        local, mesh=layout.mesh, in_specs=(heads,), out_specs=tokens, axis_names=manual, check_vma=False
+    )
+    return region(out)
+
+
+def ulysses_attention(
+    layout: Layout, kernel: Kernel, q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, segment_ids_bt
+) -> jax.Array:
+    """`kernel(q, k, v, segment_ids)` on whole sequences of 1/c of the heads (`all_to_all` strategy):
+    the kernel runs in the global view (GSPMD keeps its heads split over (tensor, context) and its
+    batch over the data axes), in original order, so it draws the single-device dropout bits."""
+    _, spec, _ = _specs(layout)
+    batch, heads = spec[0], NamedSharding(layout.mesh, spec)
+    q, k, v = (jax.lax.with_sharding_constraint(x, heads) for x in _to_heads(layout, q_btnh, k_btkh, v_btkh))
+    if segment_ids_bt is not None:  # int32 per token: gathered whole (every rank attends over all of it)
+        whole = jax.lax.with_sharding_constraint(segment_ids_bt, NamedSharding(layout.mesh, P(batch)))
+        segment_ids_bt = jnp.take(whole, np.argsort(layout.seq_index(whole.shape[1])), axis=1)
+    out = jax.lax.with_sharding_constraint(kernel(q, k, v, segment_ids_bt), heads)
+    return _to_tokens(layout, out)
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -159,9 +242,15 @@ def context_attention(
     block: int,
     dropout_rate: float = 0.0,
     key: jax.Array | None = None,
+    kernel: Kernel | None = None,
 ) -> jax.Array:
     """Causal attention [b, t, n, h] with t sharded over `context` in the layout's storage order,
-    by `layout.context_strategy` ("all_gather" or "ring")."""
+    by `layout.context_strategy` ("all_gather", "ring" or "all_to_all"; the last runs `kernel`,
+    default the blockwise kernel at `block` with this dropout, on whole sequences)."""
+    if layout.context_strategy == "all_to_all":
+        if kernel is None:
+            kernel = partial(blockwise_attention, block=block, dropout_rate=dropout_rate, key=key)
+        return ulysses_attention(layout, kernel, q_btnh, k_btkh, v_btkh, segment_ids_bt)
     size = layout.context_size
     t = q_btnh.shape[1]
     block = kernel_block(block, t // len(layout.context_order))

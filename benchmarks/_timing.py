@@ -13,13 +13,13 @@ import numpy as np
 from meshlm.config import RunConfig
 from meshlm.parallel.rules import Layout
 from meshlm.step import make_train_step
-from meshlm.train_state import init_state, setup
+from meshlm.train_state import init_state, placement, setup
 
 
 def prepared_step(cfg: RunConfig, layout: Layout) -> tuple:
     """(jitted train step, initial state, a batch of random tokens) for one config and layout."""
     specs, tx, shardings = setup(cfg, layout)
-    state = init_state(specs, layout, tx, 0)
+    state = init_state(specs, layout, tx, 0, **placement(cfg))
     rng = np.random.default_rng(0)
     shape = (cfg.train.global_batch, cfg.train.seq_len)
     batch = {k: rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32) for k in ("inputs", "targets")}

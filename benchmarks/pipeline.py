@@ -31,7 +31,7 @@ from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, T
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.pipeline import schedule_for
 from meshlm.step import abstract_batch, make_train_step
-from meshlm.train_state import abstract_state, setup
+from meshlm.train_state import abstract_state, placement, setup
 
 MICRO = 2  # sequences per microbatch
 
@@ -82,7 +82,7 @@ def compile_seconds(cfg: RunConfig) -> float:
     specs, tx, shardings = setup(cfg, layout)
     fn = make_train_step(cfg, layout, tx, shardings)
     t0 = time.perf_counter()
-    fn.lower(abstract_state(specs, layout, tx), abstract_batch(cfg, layout)).compile()
+    fn.lower(abstract_state(specs, layout, tx, **placement(cfg)), abstract_batch(cfg, layout)).compile()
     return time.perf_counter() - t0
 
 

@@ -43,7 +43,7 @@ from meshlm.data.loader import WindowLoader, process_batch
 from meshlm.parallel.mesh import make_layout
 from meshlm.platform.hardware import cpu_description
 from meshlm.step import abstract_batch, batch_sharding, make_train_step
-from meshlm.train_state import abstract_state, init_state, setup
+from meshlm.train_state import abstract_state, init_state, placement, setup
 
 
 def compiled_step(family: str, size: str = "small", chain: bool = False):
@@ -53,10 +53,10 @@ def compiled_step(family: str, size: str = "small", chain: bool = False):
     layout = make_layout(cfg.parallel, jax.devices()[:1])
     specs, tx, shardings = setup(cfg, layout)
     step = make_train_step(cfg, layout, tx, shardings)
-    compiled = step.lower(abstract_state(specs, layout, tx), abstract_batch(cfg, layout)).compile()
+    compiled = step.lower(abstract_state(specs, layout, tx, **placement(cfg)), abstract_batch(cfg, layout)).compile()
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, 100 * 8 * 257).astype(np.int32)
     loader = WindowLoader(tokens, cfg.train.seq_len, cfg.train.global_batch, seed=0)
-    return compiled, init_state(specs, layout, tx, 0), loader, batch_sharding(layout)
+    return compiled, init_state(specs, layout, tx, 0, **placement(cfg)), loader, batch_sharding(layout)
 
 
 def hlo_ops(text: str) -> dict[str, tuple[str, str]]:

@@ -298,6 +298,10 @@ def test_context_parallel_stores_what_the_formula_says(family, mesh, policy, att
     assert measured == pytest.approx(formula, rel=5e-3)
 
 
+def with_parallel(cfg: RunConfig, **parallel) -> RunConfig:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
+
+
 def test_context_accounting():
     cfg = config("llama", dict(context=2, tensor=2, data=2), dtype="bfloat16")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2))
@@ -328,6 +332,15 @@ def test_context_accounting():
         for c, w in wider.items()
     }
     assert volume["all_to_all", 4] < volume["all_to_all", 2] and volume["ring", 4] > volume["ring", 2]
+    # all_gather sends less than all_to_all exactly when n/k > 2c - 1 (bf16): 8 heads over 2 KV heads
+    # (n/k = 4) at c=2 (3) but not at c=4 (7); over 4 KV heads (n/k = 2) at neither
+    for kv, c, fewer in ((2, 2, True), (2, 4, False), (4, 2, False)):
+        gqa = dataclasses.replace(cfg, model=dataclasses.replace(m, n_kv_heads=kv))
+        sent = {
+            s: sum(accounting.context_comm_bytes(with_parallel(gqa, context=c, context_strategy=s)).values())
+            for s in ("all_gather", "all_to_all")
+        }
+        assert (sent["all_gather"] < sent["all_to_all"]) == fewer, (kv, c, sent)
 
 
 @pytest.mark.parametrize(

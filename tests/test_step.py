@@ -46,7 +46,7 @@ def test_program_size_is_flat_in_depth_unless_unrolled(devices):
     program (up to the stacked shapes in it); model.scan_unroll=n_layers copies the layer n times."""
     from meshlm.parallel.mesh import make_layout
     from meshlm.step import abstract_batch
-    from meshlm.train_state import abstract_state, setup
+    from meshlm.train_state import abstract_state, placement, setup
 
     def program_chars(n_layers: int, unroll: int) -> int:
         cfg = tiny_config("llama")
@@ -54,7 +54,7 @@ def test_program_size_is_flat_in_depth_unless_unrolled(devices):
         layout = make_layout(cfg.parallel, jax.devices()[:1])
         specs, tx, shardings = setup(cfg, layout)
         lowered = make_train_step(cfg, layout, tx, shardings).lower(
-            abstract_state(specs, layout, tx), abstract_batch(cfg, layout)
+            abstract_state(specs, layout, tx, **placement(cfg)), abstract_batch(cfg, layout)
         )
         return len(lowered.as_text(debug_info=False))
 

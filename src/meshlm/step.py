@@ -140,8 +140,9 @@ def _optimizer_update(cfg: RunConfig, layout: Layout, tx: optax.GradientTransfor
     Plain: optax's update on the parameters' layout. `optim.offload_state`: the optimizer state comes
     from host memory to the device first (its shardings' memory kind; the caller sends the new state
     back). `parallel.shard_optimizer` (ZeRO-1): gradients and weights are taken at the moments'
-    sharding, so each device updates only its shard (the gradient reduction over the data axes becomes
-    a reduce-scatter), and the new weights are all-gathered back to the parameters' layout."""
+    sharding, so each device updates only its shard (XLA may then reduce the gradients with a
+    reduce-scatter instead of an all-reduce; XLA:CPU keeps the all-reduce and slices), and the new
+    weights are all-gathered back to the parameters' layout."""
     on_device = jax.tree.map(lambda sh: sh.with_memory_kind("device"), shardings.opt_state)
 
     def update(grads, state: TrainState):

@@ -7,6 +7,7 @@ sharded: no device ever holds an unsharded copy of the model.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -39,22 +40,24 @@ def param_shardings(specs: dict, layout: Layout) -> dict:
 def zero1_sharding(layout: Layout, sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
     """ZeRO stage 1: the sharding of a weight's optimizer moments. The data-parallel axes the weight
     is replicated on (the batch's axes and `context`, of size > 1, that its spec does not use) are
-    added to its largest dimension they divide, after the axes already there; a weight no dimension
-    of which divides stays as it is (small ones: norms, biases under a wide mesh)."""
+    added to one of its dimensions, after the axes already there: as many of them as some dimension
+    divides (the largest product first, then the largest dimension); a weight no dimension of which
+    divides by any of them stays as it is (small ones: norms, biases under a wide mesh)."""
     mesh = layout.mesh
     parts = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
     held = lambda part: (part,) if isinstance(part, str) else tuple(part or ())
     used = {a for part in parts for a in held(part)}
     extra = tuple(a for a in (*layout.mesh_axes(ax.BATCH), *layout.mesh_axes(ax.SEQ)) if a not in used)
-    if not extra:
-        return sharding
-    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
-        axes = held(parts[i]) + extra
-        if shape[i] % math.prod(mesh.shape[a] for a in axes) == 0:
-            parts[i] = axes[0] if len(axes) == 1 else axes
-            while parts and parts[-1] is None:
-                parts.pop()
-            return NamedSharding(mesh, P(*parts), memory_kind=sharding.memory_kind)
+    subsets = [c for r in range(len(extra), 0, -1) for c in itertools.combinations(extra, r)]
+    subsets.sort(key=lambda c: -math.prod(mesh.shape[a] for a in c))  # stable: more axes first among equals
+    for axes_added in subsets:
+        for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+            axes = held(parts[i]) + axes_added
+            if shape[i] % math.prod(mesh.shape[a] for a in axes) == 0:
+                parts[i] = axes[0] if len(axes) == 1 else axes
+                while parts and parts[-1] is None:
+                    parts.pop()
+                return NamedSharding(mesh, P(*parts), memory_kind=sharding.memory_kind)
     return sharding
 
 

@@ -12,6 +12,8 @@ import math
 import re
 from collections import Counter
 
+import numpy as np
+
 _SHAPE = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")
 _DOT = re.compile(r"^\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\S* dot\(%([^,\s]+), %([^,\s)]+)\)(.*)$")
 _COLLECTIVE = re.compile(
@@ -62,4 +64,33 @@ def collectives(hlo_text: str, batch_rows: int | None = None) -> Counter:
             dims = _dims(shape)
             if batch_rows is None or (len(dims) >= 3 and dims[0] == batch_rows):
                 found[m.group(2)] += 1
+    return found
+
+
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+
+
+def replica_groups(line: str) -> list[tuple[int, ...]] | None:
+    """The device groups of one collective's HLO line, in either of XLA's spellings: listed
+    (`{{0,2},{1,3}}`) or iota (`[2,2]<=[2,2]T(1,0)`: arange over the dims, transposed, reshaped);
+    None when the line names none."""
+    if m := _IOTA.search(line):
+        shape = _dims(m.group(1))
+        ids = np.arange(math.prod(_dims(m.group(2)))).reshape(_dims(m.group(2)))
+        if m.group(3):
+            ids = ids.transpose(_dims(m.group(3)))
+        return [tuple(int(i) for i in g) for g in ids.reshape(shape)]
+    if m := _LISTED.search(line):
+        return [tuple(_dims(g)) for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    return None
+
+
+def collective_groups(hlo_text: str, kind: str) -> list[list[tuple[int, ...]]]:
+    """The replica groups of every `kind` collective (e.g. "all-gather") in the program text."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m and m.group(2) == kind and (groups := replica_groups(line)) is not None:
+            found.append(groups)
     return found

@@ -115,8 +115,9 @@ def explain_optimizer(plans: list[Plan]) -> str | None:
         )
         return (
             f"ZeRO-1: Adam's moments sharded over the data-parallel axes ({mem(best)} per device), the weights "
-            f"gathered once per step ({best.expected_time:.4g} s), where FSDP regathers them in every microbatch's "
-            f"forward and backward{other}"
+            f"gathered once per step ({best.expected_time:.4g} s; its reduce-scatter + all-gather priced as the "
+            f"all-reduce they replace), where FSDP regathers them in every microbatch's forward and backward "
+            f"(once per step in meshlm's pipeline){other}"
         )
     if par.fsdp > 1 and zero1:
         return (

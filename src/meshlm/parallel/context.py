@@ -179,14 +179,14 @@ def _specs(layout: Layout) -> tuple[P, P, set[str]]:
 def _to_heads(layout: Layout, q, k, v):
     """[b, t/c, n, h] -> [b, t, n/c, h] for Q, K and V in one all_to_all (each rank's share of Q's,
     K's and V's heads side by side in one buffer), the sequence put back into original order."""
-    c, order = layout.context_size, np.argsort(layout.seq_index(q.shape[1]))
+    c, order = layout.context_size, np.argsort(layout.seq_index(q.shape[1])) if layout.reordered else None
     sizes = [x.shape[2] // layout.tensor_size // c for x in (q, k, v)]
 
     def local(q, k, v):
         b, t = q.shape[:2]
         parts = [x.reshape(b, t, c, n, x.shape[-1]).astype(q.dtype) for x, n in zip((q, k, v), sizes, strict=True)]
         mixed = jax.lax.all_to_all(jnp.concatenate(parts, 3), AXIS, 2, 1, tiled=True)  # [b, c t, 1, sum(sizes), h]
-        mixed = jnp.take(mixed[:, :, 0], order, axis=1)  # storage order -> original order
+        mixed = mixed[:, :, 0] if order is None else jnp.take(mixed[:, :, 0], order, axis=1)  # -> original order
         ends = np.cumsum(sizes)
         return tuple(mixed[:, :, e - n : e].astype(x.dtype) for x, n, e in zip((q, k, v), sizes, ends, strict=True))
 
@@ -199,10 +199,10 @@ def _to_heads(layout: Layout, q, k, v):
 
 def _to_tokens(layout: Layout, out):
     """The inverse for the kernel's output: [b, t, n/c, h] in original order -> [b, t/c, n, h]."""
-    c, stored = layout.context_size, layout.seq_index(out.shape[1])
+    c, stored = layout.context_size, layout.seq_index(out.shape[1]) if layout.reordered else None
 
     def local(o):
-        o = jnp.take(o, stored, axis=1)  # original order -> storage order
+        o = o if stored is None else jnp.take(o, stored, axis=1)  # original order -> storage order
         b, t, n, h = o.shape
         return jax.lax.all_to_all(o.reshape(b, c, t // c, n, h), AXIS, 1, 3, tiled=True).reshape(b, t // c, c * n, h)
 
@@ -224,7 +224,8 @@ def ulysses_attention(
     q, k, v = (jax.lax.with_sharding_constraint(x, heads) for x in _to_heads(layout, q_btnh, k_btkh, v_btkh))
     if segment_ids_bt is not None:  # int32 per token: gathered whole (every rank attends over all of it)
         whole = jax.lax.with_sharding_constraint(segment_ids_bt, NamedSharding(layout.mesh, P(batch)))
-        segment_ids_bt = jnp.take(whole, np.argsort(layout.seq_index(whole.shape[1])), axis=1)
+        reorder = np.argsort(layout.seq_index(whole.shape[1]))
+        segment_ids_bt = jnp.take(whole, reorder, axis=1) if layout.reordered else whole
     out = jax.lax.with_sharding_constraint(kernel(q, k, v, segment_ids_bt), heads)
     return _to_tokens(layout, out)
 

@@ -85,9 +85,10 @@ def _final_state(run_dir):
 @pytest.fixture(scope="module")
 def reference(dataset, tmp_path_factory):
     """An uninterrupted 2 x 4 launch, checked against one device first (`train --check`: the layout
-    across both processes, the reference on each process's first device)."""
+    across both processes, the reference on each process's first device). The processes stand for
+    two nodes (`--dcn data=2`: data across them, tensor within each, `parallel.mesh.hybrid_devices`)."""
     run = tmp_path_factory.mktemp("ref") / "run"
-    cmd = _launch_cmd([*_train_args(dataset, run), "--check"])
+    cmd = _launch_cmd([*_train_args(dataset, run), "--check", "--dcn", "data=2"])
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:]
     return run, r.stdout
@@ -96,6 +97,7 @@ def reference(dataset, tmp_path_factory):
 def test_two_processes_equal_one_process(reference, dataset, tmp_path):
     run, out = reference
     assert "attempt 1: ok" in out and "[1] " in out  # merged, prefixed logs of both processes
+    assert "(across slices/nodes: data=2)" in out  # the hybrid mesh: data across the two processes
     for i in (0, 1):
         assert f"[{i}] verdict: equal to one device" in out, out[-3000:]
     assert (run / "launch.log").read_text().count("[launch]") >= 2

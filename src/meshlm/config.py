@@ -152,16 +152,33 @@ class ParallelConfig:
     # axes the weights are replicated on (data, context; fsdp where a weight does not use it), the
     # weights left replicated; each device updates its shard, the new weights are all-gathered
     shard_optimizer: bool = False
+    # Several slices (TPU pods joined by DCN) or nodes (GPUs joined by InfiniBand): how many ways each
+    # axis splits across them (`--dcn data=2`); the rest of the axis stays within a slice/node, on
+    # the fast links. `tensor` never crosses (its collectives run in every layer)
+    dcn_stage: int = 1
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+    dcn_context: int = 1
 
     @property
     def n_devices(self) -> int:
         return math.prod(getattr(self, axis) for axis in MESH_AXES)
 
+    @property
+    def dcn(self) -> dict[str, int]:
+        """How many ways each mesh axis splits across slices/nodes (1 for all: one slice)."""
+        return {axis: getattr(self, f"dcn_{axis}", 1) for axis in MESH_AXES}
+
+    @property
+    def n_slices(self) -> int:
+        return math.prod(self.dcn.values())
+
     def describe(self, sep: str = " ") -> str:
         """`data=2 fsdp=1 tensor=4` (stage and context only when > 1)."""
         axes = (["stage"] if self.stage > 1 else []) + ["data", "fsdp"]
         axes += (["context"] if self.context > 1 else []) + ["tensor"]
-        return sep.join(f"{a}={getattr(self, a)}" for a in axes)
+        across = [f"{a}={n}" for a, n in self.dcn.items() if n > 1]
+        return sep.join(f"{a}={getattr(self, a)}" for a in axes) + (f" (dcn {','.join(across)})" if across else "")
 
     @property
     def context_chunks(self) -> int:
@@ -388,17 +405,23 @@ def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> R
     return cfg
 
 
-def parse_mesh(spec: str) -> dict[str, int]:
-    """`data=2,tensor=4` -> {'stage': 1, 'data': 2, 'fsdp': 1, 'context': 1, 'tensor': 4} (missing axes are 1)."""
-    sizes = dict.fromkeys(MESH_AXES, 1)
+def parse_mesh(spec: str, dcn: bool = False) -> dict[str, int]:
+    """`data=2,tensor=4` -> {'stage': 1, 'data': 2, 'fsdp': 1, 'context': 1, 'tensor': 4} (missing axes
+    are 1); with `dcn` (`--dcn data=2`: ways across slices/nodes) -> {'dcn_data': 2}, tensor refused."""
+    sizes, what = ({}, "--dcn") if dcn else (dict.fromkeys(MESH_AXES, 1), "mesh axis")
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, value = part.partition("=")
-        if name not in sizes:
-            raise ConfigError(f"unknown mesh axis {name!r}; axes: {', '.join(MESH_AXES)}")
+        if dcn and name == "tensor":
+            raise ConfigError(
+                "--dcn tensor: the tensor axis stays within a slice or node (its collectives run in every layer, "
+                "P2 4.2); put data, fsdp, stage or context across slices"
+            )
+        if name not in MESH_AXES:
+            raise ConfigError(f"unknown mesh axis {name!r}{' in --dcn' if dcn else ''}; axes: {', '.join(MESH_AXES)}")
         try:
-            sizes[name] = int(value)
+            sizes[f"dcn_{name}" if dcn else name] = int(value)
         except ValueError:
-            raise ConfigError(f"mesh axis {name} needs an integer size, got {value!r}") from None
+            raise ConfigError(f"{what} {name} needs an integer size, got {value!r}") from None
     return sizes
 
 
@@ -458,6 +481,12 @@ def _validate_parallel(cfg: RunConfig) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in MESH_AXES:
         _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
+    for name, ways in p.dcn.items():
+        _need(
+            ways >= 1 and getattr(p, name) % ways == 0,
+            f"parallel.dcn_{name}={ways} must be >= 1 and divide parallel.{name}={getattr(p, name)} "
+            f"(the axis is {ways} ways across slices x {name}/{ways} within each)",
+        )
     if p.sequence_parallel:
         _need(p.tensor > 1, "parallel.sequence_parallel needs a tensor axis > 1 (it shards over 'tensor')")
         _divides(t.seq_len, "train.seq_len", p.tensor, "tensor")

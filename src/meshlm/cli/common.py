@@ -44,6 +44,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--mesh", help="mesh axis sizes, e.g. data=2,fsdp=1,tensor=4 (product = devices)")
     p.add_argument("--devices", type=int, help="number of simulated CPU devices (default: the mesh size)")
+    p.add_argument(
+        "--dcn",
+        help="how many ways mesh axes split across TPU slices or GPU nodes, e.g. data=2 (docs/multihost.md)",
+    )
     p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
 
 
@@ -57,6 +61,8 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     overrides = list(args.overrides)
     if args.mesh:
         overrides += [f"parallel.{k}={v}" for k, v in parse_mesh(args.mesh).items()]
+    if getattr(args, "dcn", None):
+        overrides += [f"parallel.{k}={v}" for k, v in parse_mesh(args.dcn, dcn=True).items()]
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     if getattr(args, "no_compile_cache", False):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from meshlm.cli.common import add_run_args, mib, parse_bytes, prepare, set_device_count
-from meshlm.config import EXIT_CONFIG, EXIT_MISMATCH, ConfigError, apply_overrides
+from meshlm.config import EXIT_CONFIG, EXIT_MISMATCH, ConfigError, apply_overrides, parse_mesh
 from meshlm.platform.hardware import ACCELERATORS  # a jax-free table
 
 
@@ -28,6 +28,7 @@ def add_parsers(sub) -> dict:
     plan.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
     plan.add_argument("--device", default="a100", help="device kind: " + ", ".join(ACCELERATORS))
     plan.add_argument("--device-memory", help="memory per device, e.g. 80GiB (default: the device kind's)")
+    plan.add_argument("--dcn", help="mesh axes split across slices/nodes, e.g. data=2: priced at the slow links")
     plan.add_argument("--top", type=int, default=10, help="feasible plans to show")
     plan.add_argument("--verify", action="store_true", help="compile the best plan (2 layers) on simulated devices")
     plan.add_argument("--json", action="store_true")
@@ -156,7 +157,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     limit = parse_bytes(args.device_memory) if args.device_memory else None
     from meshlm import recipes
 
-    cfg = apply_overrides(recipes.get(args.recipe), args.overrides)
+    dcn = [f"parallel.{k}={v}" for k, v in parse_mesh(args.dcn, dcn=True).items()] if args.dcn else []
+    cfg = apply_overrides(recipes.get(args.recipe), [*args.overrides, *dcn])
     set_device_count(min(args.devices, 8) if args.verify else 1, explicit=True)
     from meshlm.insight import plan as planner
     from meshlm.insight import plan_report

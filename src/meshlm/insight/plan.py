@@ -192,9 +192,15 @@ CONTEXT_STRATEGIES: tuple[str, ...] = typing.get_args(ContextStrategy)
 EXCHANGE = "context-parallel exchange"  # the roofline part of K/V (ring, all_gather) or Q/K/V/output (all_to_all)
 
 
-def _link(device: Accelerator, span: int) -> float:
-    """Bandwidth of a collective over `span` devices: inside one node, else across nodes."""
-    return device.intra_bw if span <= device.per_node else device.inter_bw
+def _link(device: Accelerator, span: int, across: bool = False) -> float:
+    """Bandwidth of a collective over `span` devices: inside one node, else across nodes - and
+    across them whenever one of its axes is split over slices/nodes (`across`: `parallel.dcn_*`)."""
+    return device.intra_bw if span <= device.per_node and not across else device.inter_bw
+
+
+def _across(cfg: RunConfig, *axes: str) -> bool:
+    """Whether a collective over these mesh axes crosses slices/nodes (`--dcn`)."""
+    return any(cfg.parallel.dcn[a] > 1 for a in axes)
 
 
 def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: int, interleave: int) -> dict:
@@ -210,16 +216,18 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
             t.microbatches * layers_here * tp_layer_bytes(cfg) / _link(device, par.tensor)
         )
     if par.context > 1:
-        comm = sum(accounting.context_comm_bytes(cfg).values()) / _link(device, par.context * par.tensor) / pipeline
+        link = _link(device, par.context * par.tensor, _across(cfg, "context"))
+        comm = sum(accounting.context_comm_bytes(cfg).values()) / link / pipeline
         if par.context_strategy == "ring":  # each hop overlaps the attention on the block in hand
             comm = max(0.0, comm - accounting.attention_core_flops(cfg) / (n * peak))
         out[EXCHANGE] = comm
     dp = par.data * par.fsdp * par.context  # gradients are reduced over every replica of a weight
     if dp > 1:
-        out["data/FSDP collectives"] = _data_parallel_bytes(cfg, own, pipeline) / _link(device, par.tensor * dp)
+        link = _link(device, par.tensor * dp, _across(cfg, "data", "fsdp", "context"))
+        out["data/FSDP collectives"] = _data_parallel_bytes(cfg, own, pipeline) / link
     if pipeline > 1:
         stage_work = out["compute"] + out.get("tensor-parallel collectives", 0.0)
-        out |= _pipeline_parts(cfg, pipeline, interleave, stage_work, _link(device, n))
+        out |= _pipeline_parts(cfg, pipeline, interleave, stage_work, _link(device, n, _across(cfg, "stage")))
     return out
 
 
@@ -328,7 +336,9 @@ def calibrated_time(
     out["output layer"] = logits / (last_stage * rate)
     if pipeline > 1:
         # inside one node over NVLink at the calibrated link efficiency, else over the network
-        bw = device.intra_bw * link_efficiency if n <= device.per_node else device.inter_bw
+        bw = (
+            device.intra_bw * link_efficiency if n <= device.per_node and not _across(cfg, "stage") else device.inter_bw
+        )
         out |= _pipeline_parts(cfg, pipeline, interleave, out["GEMMs"] + tp, bw)
     for part in (EXCHANGE, "data/FSDP collectives"):
         if roofline.get(part):

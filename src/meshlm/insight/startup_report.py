@@ -74,6 +74,7 @@ def startup_report(
     attention, context = _attention(cfg)
     return {
         "mesh": dict(layout.mesh.shape),
+        "dcn": {axis: n for axis, n in cfg.parallel.dcn.items() if n > 1},
         "attention": attention,
         "context": context,
         "pipeline": pipeline,
@@ -155,6 +156,8 @@ def _size(n: float) -> str:
 
 def format_report(r: dict[str, Any]) -> list[str]:
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
+    if r.get("dcn"):  # ways each axis splits across slices/nodes
+        mesh += " (across slices/nodes: " + ", ".join(f"{k}={v}" for k, v in r["dcn"].items()) + ")"
     lines = [f"mesh {mesh}{' + sequence parallel' if r['sequence_parallel'] else ''}, remat {r['remat']}"]
     if "attention" in r:
         lines.append(f"attention: {r['attention']}")

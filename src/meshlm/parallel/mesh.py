@@ -296,7 +296,35 @@ def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
         )
         mesh = "mesh " + " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, shape, strict=True))
         raise ConfigError(f"{mesh} needs {int(np.prod(shape))} devices but {where}")
+    if parallel.n_slices > 1:
+        return Mesh(hybrid_devices(parallel, devices), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def hybrid_devices(parallel: ParallelConfig, devices: list) -> np.ndarray:
+    """The device array of a mesh over several slices (TPU: `slice_index`) or nodes (elsewhere: one
+    process per node, `process_index`): each axis is `dcn` ways across them x the rest within one,
+    laid out by `mesh_utils.create_hybrid_device_mesh` (the within-slice part topology-aware on TPU),
+    so that a collective over `tensor` - and over any axis not split across - stays on the fast links."""
+    from jax.experimental import mesh_utils
+
+    dcn = tuple(parallel.dcn.values())
+    ici = tuple(size // ways for size, ways in zip(mesh_shape(parallel), dcn, strict=True))
+    by_process = devices[0].platform != "tpu"
+    unit = "processes (one per node)" if by_process else "TPU slices"
+    found = len({getattr(d, "process_index" if by_process else "slice_index", 0) for d in devices})
+    if found != parallel.n_slices:
+        across = ", ".join(f"{a}={n}" for a, n in parallel.dcn.items() if n > 1)
+        raise ConfigError(
+            f"--dcn {across} splits the mesh over {parallel.n_slices} {unit}, but the devices come from {found}; "
+            f"run on {parallel.n_slices} {unit} or change --dcn"
+        )
+    try:
+        return mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=by_process, allow_split_physical_axes=True
+        )
+    except ValueError as e:  # e.g. slices of unequal size
+        raise ConfigError(f"cannot lay out the mesh over {parallel.n_slices} {unit}: {e}") from None
 
 
 def mesh_shape(parallel: ParallelConfig) -> tuple[int, ...]:

@@ -56,6 +56,17 @@ def test_blockwise_equals_explicit(t, block, docs):
         np.testing.assert_allclose(g, w, atol=5e-6, rtol=0)
 
 
+def test_blockwise_tiles_run_folded_in_one_loop_of_nb_plus_one_steps():
+    """The compiled forward + backward of blockwise attention over nb = 8 blocks: two loops (forward,
+    backward), each of nb + 1 = 9 steps, nothing nested - each step runs nb/2 block pairs at once,
+    where a loop over query blocks with a loop over key blocks inside would run them one by one."""
+    q, k, v, _ = _qkv(64)
+    fn = jax.jit(jax.grad(lambda q, k, v: blockwise_attention(q, k, v, block=8).sum(), argnums=(0, 1, 2)))
+    text = fn.lower(q, k, v).compile().as_text()
+    assert text.count(" while(") == 2
+    assert re.findall(r'known_trip_count":\{"n":"(\d+)"', text) == ["9", "9"]
+
+
 def _causal(q, k, v, segs, rate, chunk):
     """`causal_attention` for queries that are the last t of s positions, with (query, key)
     segment ids; the dropout mask is drawn over the whole [.., t, s], as `causal_attention` does."""

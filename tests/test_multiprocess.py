@@ -1,6 +1,7 @@
 """Multi-process runs on JAX's distributed runtime (gloo on CPU), launched and supervised by
 `meshlm launch`: equal to one process, restart after SIGKILL and after a hang, clear errors."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -76,7 +77,9 @@ def _launch_cmd(train_args, *options):
 
 def _final_state(run_dir):
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
-    layout = make_layout(cfg.parallel)
+    # read back in this one process: the mesh's shape, not its split over nodes (--dcn)
+    one_node = {f"dcn_{axis}": 1 for axis in cfg.parallel.dcn if axis != "tensor"}
+    layout = make_layout(dataclasses.replace(cfg.parallel, **one_node))
     specs, tx, _ = setup(cfg, layout)
     r = Checkpointer(run_dir / "checkpoints", CheckpointConfig()).restore_latest(abstract_state(specs, layout, tx))
     return int(r.state.step), {k: np.asarray(v) for k, v in named_leaves(r.state.params).items()}

@@ -1,12 +1,15 @@
 """Blockwise (memory-efficient) causal attention in pure JAX: online softmax over key/value blocks
 with a custom VJP that keeps only the output and one fp32 log-sum-exp per query row.
 
-Forward (per query block i, over key blocks j = 0..i only: causal block skipping): running max m,
-running sum l and an unnormalised accumulator, rescaled when the max grows (Milakov & Gimelshein's
-online softmax; FlashAttention's schedule). Backward (per key block j, over query blocks i >= j):
-the probabilities of each block are rebuilt from the saved log-sum-exp, P = exp(S - lse), and
-dS = P * (dP - D) with D = rowsum(dO * O) (FlashAttention-2). No s x s tensor exists at any time;
-the residuals are Q, K, V, O and lse.
+One sequence (`blockwise_attention`): the tiles run folded (`folded_forward` / `folded_backward`,
+described above them): nb/2 rows of (query block, key block) pairs advance together for nb+1
+steps, one pair per row per step, so every causal pair runs once and in parallel with nb/2 - 1
+others, the only loop being the nb+1 steps. Forward: running max m, running sum l and an
+unnormalised accumulator per query row, rescaled when the max grows (Milakov & Gimelshein's online
+softmax; FlashAttention's schedule). Backward, folded by key block: the probabilities of each pair
+are rebuilt from the saved log-sum-exp, P = exp(S - lse), and dS = P * (dP - D) with
+D = rowsum(dO * O) (FlashAttention-2); dK, dV accumulate per row, dQ is scattered (added) into its
+block. No s x s tensor exists at any time; the residuals are Q, K, V, O and lse.
 
 Dropout on the probabilities (gpt family): the keep mask of block (i, j) is drawn from
 fold_in(fold_in(key, i), j), so the backward pass regenerates exactly the forward's bits and
@@ -14,14 +17,15 @@ nothing mask-sized is stored. (The bits therefore differ from `causal_attention`
 the whole s x s mask at once; `keep_mask` assembles the blockwise one for tests.)
 
 Shapes: q [b, t, n, h], k and v [b, t, kv, h] (grouped heads: n = kv * g), segment ids [b, t].
-The sequence is padded to a multiple of the block; padded keys lie after every real query, so the
-causal mask hides them.
+The sequence is padded to a multiple of the block (and an even number of blocks when folded);
+padded keys lie after every query, so the causal mask hides them.
 
-`forward_blocks` / `backward_blocks` also take explicit positions in the original sequence for
-queries and keys (context parallelism: a rank's own tokens in load-balanced order, or another
-rank's keys); block pairs with every key after every query are then skipped by a `lax.cond`
-instead of by the loop bounds, a query that sees no key gets output 0 and lse -inf, and backward
-takes the log-sum-exp and D of the *whole* row, so partial results over key sets can be merged.
+`forward_blocks` / `backward_blocks` (context parallelism) take explicit positions in the original
+sequence for queries and keys (a rank's own tokens in load-balanced order, or another rank's keys):
+a loop over query blocks with a loop over key blocks inside, each pair with every key after every
+query skipped by a `lax.cond`, since which pairs see each other is known only at run time; a query
+that sees no key gets output 0 and lse -inf, and backward takes the log-sum-exp and D of the *whole*
+row, so partial results over key sets can be merged.
 """
 
 from __future__ import annotations
@@ -69,31 +73,23 @@ def blocks_visible(pos_q_block, pos_k_block):
     return pos_k_block.min() <= pos_q_block.max()
 
 
-def _positions(pos, t: int, block: int):
-    """[nb, block] original-sequence positions; `None`: 0..t-1 padded past the end."""
-    nb = -(-t // block)
-    return jnp.arange(nb * block).reshape(nb, block) if pos is None else pos.reshape(nb, block)
-
-
-def _block_range(diagonal: bool, lo: int | jax.Array, hi: int | jax.Array, n: int, visible, body, init):
-    """Run `body(j, carry)` over the block pairs that can see each other: j in [lo, hi) when the
-    positions are 0..t-1 on both sides (causal skipping decided statically), else every block with
-    a `lax.cond` on `visible(j)` (context parallelism: positions arrive permuted or from other ranks)."""
-    if diagonal:
-        return jax.lax.fori_loop(lo, hi, body, init)
+def _visible_blocks(n: int, visible, body, init):
+    """Run `body(j, carry)` over the n blocks, skipping by a `lax.cond` those `visible(j)` rules out
+    (context parallelism: positions arrive permuted or from other ranks, so which pairs see each
+    other is known only at run time)."""
     skip_or_run = lambda j, c: jax.lax.cond(visible(j), body, lambda j, c: c, j, c)
     return jax.lax.fori_loop(0, n, skip_or_run, init)
 
 
 def _block_operands(q, k, v, seg_q, seg_k, pos_q, pos_k, block: int):
     """Operands cut into blocks: q [b, nq, B, kv, g, h], k and v [b, nk, B, kv, h], document ids
-    [b, n, B] (padding: -1), positions [n, B] (see `_positions`)."""
+    [b, n, B] (padding: -1), positions [n, B] (the sequences are whole blocks under CP)."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     qb = _blocked(q.reshape(b, t, kv, n // kv, h), block)
     segq = None if seg_q is None else _blocked(seg_q, block, -1)
     segk = None if seg_k is None else _blocked(seg_k, block, -1)
-    pq, pk = _positions(pos_q, t, block), _positions(pos_k, k.shape[1], block)
+    pq, pk = pos_q.reshape(-1, block), pos_k.reshape(-1, block)
     return qb, _blocked(k, block), _blocked(v, block), segq, segk, pq, pk
 
 
@@ -101,13 +97,12 @@ def forward_blocks(q, k, v, seg_q, seg_k, pos_q, pos_k, key, block: int, rate: f
     """(out [b, t, n, h] fp32, lse [b, t, n] fp32) of queries q against keys k, v.
 
     `pos_q` [t] / `pos_k` [s]: each row's position in the original sequence (the causal mask and
-    the dropout blocks follow them); `None` for both means 0..t-1 with causal block skipping. A
-    query that sees no key gets out 0 and lse -inf (a ring step where every key is in its future)."""
+    the dropout blocks follow them; whole blocks). A query that sees no key gets out 0 and lse -inf
+    (a ring step where every key is in its future)."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     g = n // kv
     scale = 1.0 / math.sqrt(h)
-    diagonal = pos_q is None
     qb, kb, vb, segq, segk, pq, pk = _block_operands(q, k, v, seg_q, seg_k, pos_q, pos_k, block)
     nq, nk = qb.shape[1], kb.shape[1]
     dropout = key is not None and rate > 0
@@ -137,7 +132,7 @@ def forward_blocks(q, k, v, seg_q, seg_k, pos_q, pos_k, key, block: int, rate: f
             jnp.zeros((b, kv, g, block, h), jnp.float32),
         )
         visible = lambda j: blocks_visible(pq[i], pk[j])
-        m, denom, acc = _block_range(diagonal, 0, i + 1, nk, visible, k_block, init)  # causal: later keys skipped
+        m, denom, acc = _visible_blocks(nk, visible, k_block, init)
         out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
         return out, m + jnp.log(denom)
 
@@ -154,7 +149,6 @@ def backward_blocks(q, k, v, seg_q, seg_k, pos_q, pos_k, key, lse, delta, d_out,
     kv = k.shape[2]
     g = n // kv
     scale = 1.0 / math.sqrt(h)
-    diagonal = pos_q is None
     qb, kb, vb, segq, segk, pq, pk = _block_operands(q, k, v, seg_q, seg_k, pos_q, pos_k, block)
     nq, nk = qb.shape[1], kb.shape[1]
     dob = _blocked(d_out.reshape(b, t, kv, g, h), block)
@@ -191,7 +185,7 @@ def backward_blocks(q, k, v, seg_q, seg_k, pos_q, pos_k, key, lse, delta, d_out,
 
         zeros = jnp.zeros((b, block, kv, h), jnp.float32)
         visible = lambda i: blocks_visible(pq[i], pk[j])
-        dk, dv, dq = _block_range(diagonal, j, nq, nq, visible, q_block, (zeros, zeros, dq))  # causal: queries from j
+        dk, dv, dq = _visible_blocks(nq, visible, q_block, (zeros, zeros, dq))
         return dq, (dk, dv)
 
     dq0 = jnp.zeros((b, nq, block, kv, g, h), jnp.float32)
@@ -200,6 +194,169 @@ def backward_blocks(q, k, v, seg_q, seg_k, pos_q, pos_k, key, lse, delta, d_out,
     s = k.shape[1]
     unblock = lambda x: jnp.transpose(x, (1, 0, 2, 3, 4)).reshape(b, nk * block, kv, h)[:, :s]
     return dq, unblock(dk), unblock(dv)
+
+
+# ----------------------------------------------------------------------------- folded tiles (one sequence)
+#
+# Causal attention over nb blocks has nb(nb+1)/2 block pairs; query block i needs key blocks 0..i.
+# Fold the rows: pair query block r with query block nb-1-r, whose key blocks together number
+# (r+1) + (nb-r) = nb+1 for every r. So nb/2 folded rows advance in lockstep for nb+1 steps, each
+# step one (query block, key block) pair per row: every pair executed once, none wasted, and the
+# only loop is over the nb+1 steps - each a batched program over the nb/2 rows. The backward folds
+# key blocks the same way (key block j meets query blocks j..nb-1). nb is made even by one more
+# padded block (padded keys lie after every query; padded queries' rows are cut off).
+
+
+def _fold(nb: int, t: jax.Array, by_key: bool):
+    """Per folded row r at step t: (the row's block, the other side's block, whether t is the step at
+    which the row moves to its second block). Forward (`by_key` False): query block r over key blocks
+    0..r, then query block nb-1-r over key blocks 0..nb-1-r. Backward: key block r over query blocks
+    r..nb-1, then key block nb-1-r over query blocks nb-1-r..nb-1."""
+    r = jnp.arange(nb // 2)
+    if not by_key:
+        first = t <= r
+        return jnp.where(first, r, nb - 1 - r), jnp.where(first, t, t - r - 1), t == r + 1
+    first = t < nb - r
+    return jnp.where(first, r, nb - 1 - r), jnp.where(first, r + t, t - 1), t == nb - r
+
+
+def _even_blocks(x, block: int, value=0):
+    """`_blocked` to an even number of blocks (the fold pairs them)."""
+    nb = -(-x.shape[1] // block)
+    return _blocked(_pad(x, (nb + nb % 2) * block, value), block, value)
+
+
+def _tile_scores(qi, kj, i, j, seg_i, seg_j, block: int, scale: float):
+    """Scores [r, b, kv, g, B, B] of each row's (query block i, key block j), causal and document masked."""
+    s = jnp.einsum("brqkgh,brskh->rbkgqs", qi, kj, preferred_element_type=jnp.float32) * scale
+    pos_i = i[:, None] * block + jnp.arange(block)
+    pos_j = j[:, None] * block + jnp.arange(block)
+    allowed = (pos_i[:, :, None] >= pos_j[:, None, :])[:, None]  # [r, 1, B, B]
+    if seg_i is not None:
+        allowed = allowed & (seg_i[:, :, :, None] == seg_j[:, :, None, :])  # [r, b, B, B]
+    return jnp.where(allowed[:, :, None, None], s, NEG)
+
+
+def _tile_keep(key, i, j, rate: float, shape):
+    """The keep masks of each row's block pair: `_block_keep` per row (the same bits as any kernel)."""
+    return jax.vmap(lambda i, j: _block_keep(key, i, j, rate, shape))(i, j)
+
+
+def _rows(x, blocks):
+    """Blocks `blocks` [r] of a blocked operand [b, nb, ...] -> [b, r, ...]."""
+    return jnp.take(x, blocks, axis=1)
+
+
+def folded_forward(q, k, v, seg, key, block: int, rate: float):
+    """(out [b, t, n, h] fp32, lse [b, t, n] fp32) of causal self-attention, by folded tiles."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    g = n // kv
+    scale = 1.0 / math.sqrt(h)
+    qb = _even_blocks(q.reshape(b, t, kv, g, h), block)
+    kb, vb = _even_blocks(k, block), _even_blocks(v, block)
+    segb = None if seg is None else _even_blocks(seg, block, -1)
+    nb = qb.shape[1]
+    half = nb // 2
+    dropout = key is not None and rate > 0
+    state0 = (
+        jnp.full((half, b, kv, g, block), NEG, jnp.float32),
+        jnp.zeros((half, b, kv, g, block), jnp.float32),
+        jnp.zeros((half, b, kv, g, block, h), jnp.float32),
+    )
+
+    def finish(state):
+        m, denom, acc = state
+        out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+        return out, m + jnp.log(denom)
+
+    def step(carry, t):
+        state, first_out = carry
+        i, j, switch = _fold(nb, t, by_key=False)  # at `switch` the row's first query block is done
+        done = finish(state)
+        first_out = jax.tree.map(lambda old, new: jnp.where(_bcast(switch, old), new, old), first_out, done)
+        state = jax.tree.map(lambda x, x0: jnp.where(_bcast(switch, x), x0, x), state, state0)
+        m, denom, acc = state
+        seg_i = None if segb is None else jnp.swapaxes(_rows(segb, i), 0, 1)
+        seg_j = None if segb is None else jnp.swapaxes(_rows(segb, j), 0, 1)
+        s = _tile_scores(_rows(qb, i), _rows(kb, j), i, j, seg_i, seg_j, block, scale)
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(m_new == NEG, 0.0, m_new)
+        p = jnp.exp(s - m_safe[..., None])
+        corr = jnp.exp(jnp.where(m == NEG, NEG, m - m_safe))
+        denom = denom * corr + p.sum(-1)
+        if dropout:
+            p = jnp.where(_tile_keep(key, i, j, rate, p.shape[1:]), p / (1.0 - rate), 0.0)
+        pv = jnp.einsum("rbkgqs,brskh->rbkgqh", p.astype(vb.dtype), _rows(vb, j), preferred_element_type=jnp.float32)
+        return ((m_new, denom, acc * corr[..., None] + pv), first_out), None
+
+    out0 = (jnp.zeros((half, b, kv, g, block, h), jnp.float32), jnp.zeros((half, b, kv, g, block), jnp.float32))
+    (state, (low_out, low_lse)), _ = jax.lax.scan(step, (state0, out0), jnp.arange(nb + 1))
+    high_out, high_lse = finish(state)
+    # rows hold blocks r (low) and nb-1-r (high): blocks in order = low, then high reversed
+    out = jnp.concatenate([low_out, high_out[::-1]])  # [nb, b, kv, g, B, h]
+    lse = jnp.concatenate([low_lse, high_lse[::-1]])
+    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, nb * block, n, h)[:, :t]
+    lse = jnp.transpose(lse, (1, 0, 4, 2, 3)).reshape(b, nb * block, n)[:, :t]
+    return out, lse
+
+
+def _bcast(rows: jax.Array, like: jax.Array) -> jax.Array:
+    """A per-row flag [r] shaped to broadcast against an array whose first axis is the row."""
+    return rows.reshape(rows.shape + (1,) * (like.ndim - 1))
+
+
+def folded_backward(q, k, v, seg, key, lse, delta, d_out, block: int, rate: float):
+    """(dq, dk, dv) in fp32 of `folded_forward`, given its lse and delta = rowsum(dO * O)."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    g = n // kv
+    scale = 1.0 / math.sqrt(h)
+    qb = _even_blocks(q.reshape(b, t, kv, g, h), block)
+    kb, vb = _even_blocks(k, block), _even_blocks(v, block)
+    dob = _even_blocks(d_out.reshape(b, t, kv, g, h), block)
+    segb = None if seg is None else _even_blocks(seg, block, -1)
+    nb = qb.shape[1]
+    half = nb // 2
+    # [b, nb, B, kv, g] -> [nb, b, kv, g, B]; a row that sees nothing (lse -inf) has p = 0 anyway
+    to_rows = lambda x: jnp.transpose(_even_blocks(x.reshape(b, t, kv, g), block), (1, 0, 3, 4, 2))
+    lse_b, delta_b = to_rows(jnp.where(lse == NEG, 0.0, lse)), to_rows(delta)
+    dropout = key is not None and rate > 0
+    zeros = jnp.zeros((half, b, block, kv, h), jnp.float32)
+    f32, dt = jnp.float32, q.dtype
+
+    def step(carry, t):
+        (dk, dv), (dk_first, dv_first), dq = carry
+        j, i, switch = _fold(nb, t, by_key=True)  # at `switch` the row's first key block is done
+        dk_first, dv_first = (jnp.where(_bcast(switch, x), new, x) for x, new in ((dk_first, dk), (dv_first, dv)))
+        dk, dv = (jnp.where(_bcast(switch, x), 0.0, x) for x in (dk, dv))
+        qi, doi, kj, vj = _rows(qb, i), _rows(dob, i), _rows(kb, j), _rows(vb, j)
+        seg_i = None if segb is None else jnp.swapaxes(_rows(segb, i), 0, 1)
+        seg_j = None if segb is None else jnp.swapaxes(_rows(segb, j), 0, 1)
+        s = _tile_scores(qi, kj, i, j, seg_i, seg_j, block, scale)
+        p = jnp.exp(s - jnp.take(lse_b, i, axis=0)[..., None])
+        dp = jnp.einsum("brqkgh,brskh->rbkgqs", doi, vj, preferred_element_type=f32)
+        if dropout:
+            keep = _tile_keep(key, i, j, rate, p.shape[1:])
+            p_used, dp = jnp.where(keep, p / (1.0 - rate), 0.0), jnp.where(keep, dp / (1.0 - rate), 0.0)
+        else:
+            p_used = p
+        dv = dv + jnp.einsum("rbkgqs,brqkgh->rbskh", p_used.astype(dt), doi, preferred_element_type=f32)
+        ds = (p * (dp - jnp.take(delta_b, i, axis=0)[..., None]) * scale).astype(dt)
+        dk = dk + jnp.einsum("rbkgqs,brqkgh->rbskh", ds, qi, preferred_element_type=f32)
+        dqi = jnp.einsum("rbkgqs,brskh->brqkgh", ds, kj, preferred_element_type=f32)
+        dq = dq.at[:, i].add(dqi)  # rows in their second phase share a query block: the adds sum
+        return ((dk, dv), (dk_first, dv_first), dq), None
+
+    dq0 = jnp.zeros(qb.shape, jnp.float32)
+    init = ((zeros, zeros), (zeros, zeros), dq0)
+    ((dk, dv), (dk_first, dv_first), dq), _ = jax.lax.scan(step, init, jnp.arange(nb + 1))
+    s_len = k.shape[1]
+    unblock = lambda low, high: jnp.transpose(jnp.concatenate([low, high[::-1]]), (1, 0, 2, 3, 4)).reshape(
+        b, nb * block, kv, h
+    )[:, :s_len]
+    dq = dq.reshape(b, nb * block, n, h)[:, :t]
+    return dq, unblock(dk_first, dk), unblock(dv_first, dv)
 
 
 def row_delta(out: jax.Array, d_out: jax.Array) -> jax.Array:
@@ -213,7 +370,7 @@ def _attention(q, k, v, seg, key, block, rate):
 
 
 def _attention_fwd(q, k, v, seg, key, block, rate):
-    out, lse = forward_blocks(q, k, v, seg, seg, None, None, key, block, rate)
+    out, lse = folded_forward(q, k, v, seg, key, block, rate)
     out = out.astype(q.dtype)
     return out, (q, k, v, seg, key, out, lse)
 
@@ -221,7 +378,7 @@ def _attention_fwd(q, k, v, seg, key, block, rate):
 def _attention_bwd(block, rate, res, d_out):
     q, k, v, seg, key, out, lse = res
     delta = row_delta(out, d_out)
-    dq, dk, dv = backward_blocks(q, k, v, seg, seg, None, None, key, lse, delta, d_out, block, rate)
+    dq, dk, dv = folded_backward(q, k, v, seg, key, lse, delta, d_out, block, rate)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 

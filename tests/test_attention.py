@@ -63,8 +63,11 @@ def test_blockwise_tiles_run_folded_in_one_loop_of_nb_plus_one_steps():
     q, k, v, _ = _qkv(64)
     fn = jax.jit(jax.grad(lambda q, k, v: blockwise_attention(q, k, v, block=8).sum(), argnums=(0, 1, 2)))
     text = fn.lower(q, k, v).compile().as_text()
-    assert text.count(" while(") == 2
-    assert re.findall(r'known_trip_count":\{"n":"(\d+)"', text) == ["9", "9"]
+    # (at the suite's -O0 flags XLA:CPU expands the dQ scatter-add into a loop over the 4 rows; with
+    # its default flags the scatter is one op and these two loops are all there is)
+    loops = [line for line in text.splitlines() if " while(" in line and "scatter" not in line]
+    assert len(loops) == 2
+    assert [re.search(r'known_trip_count":\{"n":"(\d+)"', line).group(1) for line in loops] == ["9", "9"]
 
 
 def _causal(q, k, v, segs, rate, chunk):

@@ -2,9 +2,9 @@
 with a custom VJP that keeps only the output and one fp32 log-sum-exp per query row.
 
 One sequence (`blockwise_attention`): the tiles run folded (`folded_forward` / `folded_backward`,
-described above them): nb/2 rows of (query block, key block) pairs advance together for nb+1
-steps, one pair per row per step, so every causal pair runs once and in parallel with nb/2 - 1
-others, the only loop being the nb+1 steps. Forward: running max m, running sum l and an
+described above them): about nb/2 rows of (query block, key block) pairs advance together for
+nb+1 steps (nb when odd), one pair per row per step, so every causal pair runs once, in parallel
+with the other rows' pairs, the only loop being over the steps. Forward: running max m, running sum l and an
 unnormalised accumulator per query row, rescaled when the max grows (Milakov & Gimelshein's online
 softmax; FlashAttention's schedule). Backward, folded by key block: the probabilities of each pair
 are rebuilt from the saved log-sum-exp, P = exp(S - lse), and dS = P * (dP - D) with
@@ -17,8 +17,8 @@ nothing mask-sized is stored. (The bits therefore differ from `causal_attention`
 the whole s x s mask at once; `keep_mask` assembles the blockwise one for tests.)
 
 Shapes: q [b, t, n, h], k and v [b, t, kv, h] (grouped heads: n = kv * g), segment ids [b, t].
-The sequence is padded to a multiple of the block (and an even number of blocks when folded);
-padded keys lie after every query, so the causal mask hides them.
+The sequence is padded to a multiple of the block; padded keys lie after every query, so the
+causal mask hides them.
 
 `forward_blocks` / `backward_blocks` (context parallelism) take explicit positions in the original
 sequence for queries and keys (a rank's own tokens in load-balanced order, or another rank's keys):
@@ -31,10 +31,12 @@ row, so partial results over key sets can be merged.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NEG = -jnp.inf
 
@@ -200,30 +202,61 @@ def backward_blocks(q, k, v, seg_q, seg_k, pos_q, pos_k, key, lse, delta, d_out,
 #
 # Causal attention over nb blocks has nb(nb+1)/2 block pairs; query block i needs key blocks 0..i.
 # Fold the rows: pair query block r with query block nb-1-r, whose key blocks together number
-# (r+1) + (nb-r) = nb+1 for every r. So nb/2 folded rows advance in lockstep for nb+1 steps, each
-# step one (query block, key block) pair per row: every pair executed once, none wasted, and the
-# only loop is over the nb+1 steps - each a batched program over the nb/2 rows. The backward folds
-# key blocks the same way (key block j meets query blocks j..nb-1). nb is made even by one more
-# padded block (padded keys lie after every query; padded queries' rows are cut off).
+# (r+1) + (nb-r) = nb+1 for every r (odd nb: r with nb-2-r, nb in all, and block nb-1 alone, also
+# nb). So the rows advance in lockstep for nb+1 (odd: nb) steps, each step one (query block, key
+# block) pair per row: every pair executed once, none wasted, and the only loop is over the steps -
+# each a batched program over the rows. The backward folds key blocks the same way (key block j
+# meets query blocks j..nb-1: pairs j and nb-1-j, or for odd nb j and nb-j, and block 0 alone).
 
 
-def _fold(nb: int, t: jax.Array, by_key: bool):
-    """Per folded row r at step t: (the row's block, the other side's block, whether t is the step at
-    which the row moves to its second block). Forward (`by_key` False): query block r over key blocks
-    0..r, then query block nb-1-r over key blocks 0..nb-1-r. Backward: key block r over query blocks
-    r..nb-1, then key block nb-1-r over query blocks nb-1-r..nb-1."""
-    r = jnp.arange(nb // 2)
-    if not by_key:
-        first = t <= r
-        return jnp.where(first, r, nb - 1 - r), jnp.where(first, t, t - r - 1), t == r + 1
-    first = t < nb - r
-    return jnp.where(first, r, nb - 1 - r), jnp.where(first, r + t, t - 1), t == nb - r
+@dataclass(frozen=True)
+class _Folding:
+    """Static plan of the fold: per row its first block `a`, its second block `b` (= `a` for a row
+    that holds one block), how many steps the first takes (all of them for a one-block row), and the
+    number of steps."""
+
+    a: np.ndarray
+    b: np.ndarray
+    first_steps: np.ndarray
+    steps: int
+
+    @property
+    def switching(self) -> np.ndarray:
+        """The rows that move on to a second block (all but the one-block row of odd nb)."""
+        return self.first_steps < self.steps
 
 
-def _even_blocks(x, block: int, value=0):
-    """`_blocked` to an even number of blocks (the fold pairs them)."""
-    nb = -(-x.shape[1] // block)
-    return _blocked(_pad(x, (nb + nb % 2) * block, value), block, value)
+def _folding(nb: int, by_key: bool) -> _Folding:
+    """Forward (by query block: block i takes i+1 steps) or backward (by key block: nb-j steps)."""
+    size = (lambda j: nb - j) if by_key else (lambda i: i + 1)
+    if nb % 2 == 0:
+        a = np.arange(nb // 2)
+        b = nb - 1 - a
+    else:  # the lone block is the one with nb pairs (key block 0; query block nb-1)
+        a = np.arange(1, (nb + 1) // 2) if by_key else np.arange((nb - 1) // 2)
+        b = nb - a if by_key else nb - 2 - a
+        lone = np.array([0 if by_key else nb - 1])
+        a, b = np.concatenate([a, lone]), np.concatenate([b, lone])
+    steps = nb + 1 if nb % 2 == 0 else nb
+    first = np.where(a == b, steps, np.array([size(x) for x in a]))
+    return _Folding(a, b, first, steps)
+
+
+def _fold(plan: _Folding, t: jax.Array, by_key: bool):
+    """Per row at step t: (the row's block, the other side's block, whether t is the step at which
+    the row moves to its second block)."""
+    first = t < plan.first_steps
+    block = jnp.where(first, plan.a, plan.b)
+    u = jnp.where(first, t, t - plan.first_steps)  # the step within the row's current block
+    return block, (block + u) if by_key else u, t == plan.first_steps
+
+
+def _unfold(plan: _Folding, firsts, lasts):
+    """Per-block results [nb, ...] from the rows' first-block results (rows that switch) and their
+    final ones (every row's second block, or its only one)."""
+    blocks = np.concatenate([plan.a[plan.switching], plan.b])
+    rows = jnp.concatenate([firsts[np.flatnonzero(plan.switching)], lasts])
+    return rows[np.argsort(blocks)]
 
 
 def _tile_scores(qi, kj, i, j, seg_i, seg_j, block: int, scale: float):
@@ -253,11 +286,12 @@ def folded_forward(q, k, v, seg, key, block: int, rate: float):
     kv = k.shape[2]
     g = n // kv
     scale = 1.0 / math.sqrt(h)
-    qb = _even_blocks(q.reshape(b, t, kv, g, h), block)
-    kb, vb = _even_blocks(k, block), _even_blocks(v, block)
-    segb = None if seg is None else _even_blocks(seg, block, -1)
+    qb = _blocked(q.reshape(b, t, kv, g, h), block)
+    kb, vb = _blocked(k, block), _blocked(v, block)
+    segb = None if seg is None else _blocked(seg, block, -1)
     nb = qb.shape[1]
-    half = nb // 2
+    plan = _folding(nb, by_key=False)
+    half = len(plan.a)
     dropout = key is not None and rate > 0
     state0 = (
         jnp.full((half, b, kv, g, block), NEG, jnp.float32),
@@ -272,7 +306,7 @@ def folded_forward(q, k, v, seg, key, block: int, rate: float):
 
     def step(carry, t):
         state, first_out = carry
-        i, j, switch = _fold(nb, t, by_key=False)  # at `switch` the row's first query block is done
+        i, j, switch = _fold(plan, t, by_key=False)  # at `switch` the row's first query block is done
         done = finish(state)
         first_out = jax.tree.map(lambda old, new: jnp.where(_bcast(switch, old), new, old), first_out, done)
         state = jax.tree.map(lambda x, x0: jnp.where(_bcast(switch, x), x0, x), state, state0)
@@ -291,11 +325,9 @@ def folded_forward(q, k, v, seg, key, block: int, rate: float):
         return ((m_new, denom, acc * corr[..., None] + pv), first_out), None
 
     out0 = (jnp.zeros((half, b, kv, g, block, h), jnp.float32), jnp.zeros((half, b, kv, g, block), jnp.float32))
-    (state, (low_out, low_lse)), _ = jax.lax.scan(step, (state0, out0), jnp.arange(nb + 1))
-    high_out, high_lse = finish(state)
-    # rows hold blocks r (low) and nb-1-r (high): blocks in order = low, then high reversed
-    out = jnp.concatenate([low_out, high_out[::-1]])  # [nb, b, kv, g, B, h]
-    lse = jnp.concatenate([low_lse, high_lse[::-1]])
+    (state, (first_out, first_lse)), _ = jax.lax.scan(step, (state0, out0), jnp.arange(plan.steps))
+    last_out, last_lse = finish(state)
+    out, lse = _unfold(plan, first_out, last_out), _unfold(plan, first_lse, last_lse)  # [nb, b, kv, g, B(, h)]
     out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, nb * block, n, h)[:, :t]
     lse = jnp.transpose(lse, (1, 0, 4, 2, 3)).reshape(b, nb * block, n)[:, :t]
     return out, lse
@@ -312,14 +344,15 @@ def folded_backward(q, k, v, seg, key, lse, delta, d_out, block: int, rate: floa
     kv = k.shape[2]
     g = n // kv
     scale = 1.0 / math.sqrt(h)
-    qb = _even_blocks(q.reshape(b, t, kv, g, h), block)
-    kb, vb = _even_blocks(k, block), _even_blocks(v, block)
-    dob = _even_blocks(d_out.reshape(b, t, kv, g, h), block)
-    segb = None if seg is None else _even_blocks(seg, block, -1)
+    qb = _blocked(q.reshape(b, t, kv, g, h), block)
+    kb, vb = _blocked(k, block), _blocked(v, block)
+    dob = _blocked(d_out.reshape(b, t, kv, g, h), block)
+    segb = None if seg is None else _blocked(seg, block, -1)
     nb = qb.shape[1]
-    half = nb // 2
+    plan = _folding(nb, by_key=True)
+    half = len(plan.a)
     # [b, nb, B, kv, g] -> [nb, b, kv, g, B]; a row that sees nothing (lse -inf) has p = 0 anyway
-    to_rows = lambda x: jnp.transpose(_even_blocks(x.reshape(b, t, kv, g), block), (1, 0, 3, 4, 2))
+    to_rows = lambda x: jnp.transpose(_blocked(x.reshape(b, t, kv, g), block), (1, 0, 3, 4, 2))
     lse_b, delta_b = to_rows(jnp.where(lse == NEG, 0.0, lse)), to_rows(delta)
     dropout = key is not None and rate > 0
     zeros = jnp.zeros((half, b, block, kv, h), jnp.float32)
@@ -327,7 +360,7 @@ def folded_backward(q, k, v, seg, key, lse, delta, d_out, block: int, rate: floa
 
     def step(carry, t):
         (dk, dv), (dk_first, dv_first), dq = carry
-        j, i, switch = _fold(nb, t, by_key=True)  # at `switch` the row's first key block is done
+        j, i, switch = _fold(plan, t, by_key=True)  # at `switch` the row's first key block is done
         dk_first, dv_first = (jnp.where(_bcast(switch, x), new, x) for x, new in ((dk_first, dk), (dv_first, dv)))
         dk, dv = (jnp.where(_bcast(switch, x), 0.0, x) for x in (dk, dv))
         qi, doi, kj, vj = _rows(qb, i), _rows(dob, i), _rows(kb, j), _rows(vb, j)
@@ -350,9 +383,9 @@ def folded_backward(q, k, v, seg, key, lse, delta, d_out, block: int, rate: floa
 
     dq0 = jnp.zeros(qb.shape, jnp.float32)
     init = ((zeros, zeros), (zeros, zeros), dq0)
-    ((dk, dv), (dk_first, dv_first), dq), _ = jax.lax.scan(step, init, jnp.arange(nb + 1))
+    ((dk, dv), (dk_first, dv_first), dq), _ = jax.lax.scan(step, init, jnp.arange(plan.steps))
     s_len = k.shape[1]
-    unblock = lambda low, high: jnp.transpose(jnp.concatenate([low, high[::-1]]), (1, 0, 2, 3, 4)).reshape(
+    unblock = lambda firsts, lasts: jnp.transpose(_unfold(plan, firsts, lasts), (1, 0, 2, 3, 4)).reshape(
         b, nb * block, kv, h
     )[:, :s_len]
     dq = dq.reshape(b, nb * block, n, h)[:, :t]

@@ -3,6 +3,7 @@
 
 import dataclasses
 import re
+from functools import partial
 from types import SimpleNamespace
 
 import jax
@@ -16,7 +17,7 @@ from meshlm import accounting
 from meshlm import axes as ax
 from meshlm.cli import main
 from meshlm.config import ParallelConfig, validate
-from meshlm.model import layers
+from meshlm.model import kernels, layers
 from meshlm.model.blockwise import blockwise_attention, keep_mask
 from meshlm.parallel.remat import POLICIES
 from test_memory import S, T, _measure, paper_config
@@ -221,30 +222,81 @@ def _device(platform="gpu", version="cuda 12.8", capability="9.0"):
     return SimpleNamespace(platform=platform, client=client, compute_capability=capability)
 
 
-def test_fused_is_cudnn_where_it_applies_and_blockwise_elsewhere(tmp_path, capsys, monkeypatch, devices):
-    pick = layers.fused_implementation
+def test_fused_picks_cudnn_pallas_or_splash_by_device_and_blockwise_elsewhere(tmp_path, capsys, monkeypatch, devices):
+    pick = kernels.fused_implementation
     h100, v100 = _device(), _device(capability="7.0")
     assert pick("bfloat16", 64, False, h100) == ("cudnn", "cuDNN flash attention")
     assert pick("bfloat16", 64, False, v100)[0] == "blockwise"  # flash needs Ampere or newer
     assert pick("bfloat16", 64, False, _device(version="rocm 6.2"))[0] == "blockwise"
-    assert pick("float32", 64, False, h100)[0] == "blockwise"
-    assert pick("bfloat16", 256, False, h100)[0] == "blockwise"
-    assert pick("bfloat16", 64, True, h100)[0] == "blockwise"
-    assert pick("bfloat16", 64, False, _device("cpu")) == ("blockwise", "no cuDNN on cpu")
-    assert pick("bfloat16", 64, False) == ("blockwise", "no cuDNN on cpu")  # this machine
+    # where cuDNN does not apply on such a GPU: the Pallas (Triton) kernel, with the reason
+    assert pick("float32", 64, False, h100) == (
+        "pallas-gpu",
+        "Pallas GPU flash attention (cuDNN's needs bf16, the model computes in float32)",
+    )
+    assert pick("bfloat16", 256, False, h100)[0] == "pallas-gpu"
+    assert pick("bfloat16", 64, True, h100) == (
+        "pallas-gpu",
+        "Pallas GPU flash attention (document masks: segment ids)",
+    )
+    assert pick("float32", 64, True, _device("tpu")) == ("splash", "TPU splash attention (Pallas)")
+    assert pick("bfloat16", 64, False, _device("cpu")) == ("blockwise", "no cuDNN or Pallas GPU kernel on cpu")
+    assert pick("bfloat16", 64, False)[0] == "blockwise"  # this machine
     # a private cache: this in-process run (8 simulated devices) must not leave its CPU peak probe
     # for the CLI tests' runs to read (a low probe there would push their MFU above 1)
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
     args = ["train", "--dry-run", "--run-dir", str(tmp_path), "--set", "model.attention=fused"]
     assert main(args) == 0
-    assert "attention: fused -> blockwise (no cuDNN on cpu)" in capsys.readouterr().out
-    # where cuDNN applies, fused_attention asks JAX for exactly that kernel, causal, unmasked
+    assert "attention: fused -> blockwise (no cuDNN or Pallas GPU kernel on cpu)" in capsys.readouterr().out
+    # each choice calls its kernel: cuDNN's through JAX, causal and unmasked; the Pallas ones by name
     calls = []
-    monkeypatch.setattr(layers, "fused_implementation", lambda *a: ("cudnn", ""))
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or a[0])
+    for kind in ("pallas-gpu", "splash"):
+        monkeypatch.setattr(
+            kernels, f"{kind.replace('-gpu', '_gpu')}_attention", lambda *a, kind=kind, **kw: calls.append(kind) or a[0]
+        )
     q, k, v, _ = _qkv(16)
-    layers.fused_attention(q.astype(jnp.bfloat16), k, v)
-    assert calls == [{"is_causal": True, "implementation": "cudnn"}]
+    for kind in ("cudnn", "pallas-gpu", "splash"):
+        monkeypatch.setattr(kernels, "fused_implementation", lambda *a, kind=kind: (kind, ""))
+        kernels.fused_attention(q.astype(jnp.bfloat16), k, v)
+    assert calls == [{"is_causal": True, "implementation": "cudnn"}, "pallas-gpu", "splash"]
+
+
+@pytest.mark.parametrize("kernel", ["pallas_gpu", "splash"])
+@pytest.mark.parametrize("docs", [False, True])
+def test_pallas_kernels_in_interpret_mode_equal_explicit_attention(kernel, docs):
+    """The GPU (Triton) and TPU (splash) Pallas kernels, run on this CPU in interpret mode: outputs
+    and gradients equal explicit attention's (fp32), grouped KV heads, s not a multiple of the block,
+    with and without documents."""
+    t = 40
+    q, k, v, d_out = _qkv(t, seed=3)
+    seg = _segments(t) if docs else None
+    fn = getattr(kernels, f"{kernel}_attention")
+    want, want_grads = _value_and_grads(lambda q, k, v: layers.causal_attention(q, k, v, seg), q, k, v, d_out)
+    got, got_grads = _value_and_grads(lambda q, k, v: fn(q, k, v, seg, block=16, interpret=True), q, k, v, d_out)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=5e-5, rtol=0)
+
+
+def test_pallas_kernels_run_per_device_on_a_mesh(devices):
+    """On data=2 x tensor=2 a Pallas kernel runs on each device's rows and heads (`kernels.sharded`):
+    the same outputs and gradients as on one device, and no operand gathered (no all-gather)."""
+    from meshlm.insight import hlo
+    from meshlm.parallel.mesh import make_layout
+
+    t = 32
+    q, k, v, d_out = _qkv(t, seed=4)
+    seg = _segments(t)
+    layout = make_layout(ParallelConfig(data=2, tensor=2), jax.devices()[:4])
+    fn = partial(kernels.splash_attention, block=16, interpret=True)
+    run = kernels.sharded(layout, ("tensor",), fn)
+    want = _value_and_grads(lambda q, k, v: fn(q, k, v, seg), q, k, v, d_out)
+    on_mesh = jax.jit(lambda q, k, v, d: _value_and_grads(lambda q, k, v: run(q, k, v, seg), q, k, v, d))
+    got = on_mesh(q, k, v, d_out)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=0)
+    text = on_mesh.lower(q, k, v, d_out).compile().as_text()
+    assert hlo.collectives(text)["all-gather"] == 0
 
 
 def test_blockwise_bf16_multiplies_bf16_and_accumulates_fp32():

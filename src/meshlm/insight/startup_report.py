@@ -16,7 +16,7 @@ import jax
 from meshlm import accounting
 from meshlm.config import RunConfig
 from meshlm.insight.memory import device_bytes
-from meshlm.model.layers import fused_implementation
+from meshlm.model.kernels import fused_implementation
 from meshlm.model.params import named_leaves
 from meshlm.parallel.pipeline import schedule_for
 from meshlm.parallel.rules import Layout
@@ -144,7 +144,7 @@ def _kernel_label(cfg: RunConfig) -> str:
     if m.attention == "blockwise":
         return f"blockwise (block {m.attention_block})"
     kind, why = fused_implementation(m.dtype, m.dim_head, cfg.data.document_mask)
-    return "fused -> cuDNN flash attention" if kind == "cudnn" else f"fused -> blockwise ({why})"
+    return f"fused -> blockwise ({why})" if kind == "blockwise" else f"fused -> {why}"
 
 
 def _size(n: float) -> str:

@@ -458,51 +458,6 @@ def causal_attention(
     return masked_causal_attention(q_btnh, k_bskh, v_bskh, keep, same_doc, dropout_rate, chunk)
 
 
-def fused_implementation(dtype: str, head_dim: int, document_mask: bool, device=None) -> tuple[str, str]:
-    """What `model.attention=fused` runs: ("cudnn", why) - cuDNN's flash attention through
-    `jax.nn.dot_product_attention(implementation="cudnn")` - where it applies (an NVIDIA GPU of
-    compute capability >= 8.0 under CUDA, bf16, head_dim a multiple of 8 up to 128, no document
-    mask), else ("blockwise", why not cudnn). `device`: default the first JAX device."""
-    device = device or jax.devices()[0]
-    if device.platform != "gpu":
-        return "blockwise", f"no cuDNN on {device.platform}"
-    version = str(getattr(getattr(device, "client", None), "platform_version", ""))
-    if "cuda" not in version.lower():
-        return "blockwise", f"not a CUDA GPU ({version or 'unknown platform'})"
-    try:
-        capability = float(getattr(device, "compute_capability", "0"))
-    except ValueError:
-        capability = 0.0
-    if capability < 8.0:
-        return "blockwise", f"cuDNN flash attention needs compute capability >= 8.0, the device has {capability:g}"
-    if dtype != "bfloat16":
-        return "blockwise", f"cuDNN flash attention needs bf16, the model computes in {dtype}"
-    if head_dim % 8 or head_dim > 128:
-        return "blockwise", f"cuDNN flash attention needs head_dim a multiple of 8 up to 128, got {head_dim}"
-    if document_mask:
-        return "blockwise", "document masks are not passed to cuDNN here"
-    return "cudnn", "cuDNN flash attention"
-
-
-def fused_attention(
-    q_btnh: jax.Array,
-    k_bskh: jax.Array,
-    v_bskh: jax.Array,
-    segment_ids_bt: jax.Array | None = None,
-    block: int = 128,
-) -> jax.Array:
-    """cuDNN's flash attention where `fused_implementation` says it applies, else the blockwise
-    kernel: either way only Q, K, V, the output and a log-sum-exp per row are kept for backward.
-    (The choice is in the startup report.)"""
-    from meshlm.model.blockwise import blockwise_attention
-
-    dtype = jnp.dtype(q_btnh.dtype).name
-    kind, _ = fused_implementation(dtype, q_btnh.shape[-1], segment_ids_bt is not None)
-    if kind == "cudnn":
-        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, implementation="cudnn")
-    return blockwise_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, block=block)
-
-
 def cached_attention(
     q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, q_slots_t: jax.Array, start_b: jax.Array
 ) -> jax.Array:

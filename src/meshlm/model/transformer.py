@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
-from meshlm.model import layers
+from meshlm.model import kernels, layers
 from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.params import param_specs
 from meshlm.parallel import remat
@@ -162,7 +162,7 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
         RESIDUAL,
         extras,
     )
-    kernel = _kernel(cfg, key, remat_policy)
+    kernel = _kernel(cfg, key, remat_policy, layout)
     if context:  # the sequence is split over `context`: ring, all-gather or all-to-all (any kernel)
         drop_key = _site_key(key, _ATTN_PROBS)
         a = context_attention(
@@ -177,11 +177,13 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
     return out, None
 
 
-def _kernel(cfg: ModelConfig, key, remat_policy: str):
+def _kernel(cfg: ModelConfig, key, remat_policy: str, layout: Layout | None):
     """The attention core `model.attention` names, as `(q, k, v, segment_ids) -> output`."""
     drop_key = _site_key(key, _ATTN_PROBS)
-    if cfg.attention == "fused":
-        return partial(layers.fused_attention, block=cfg.attention_block)
+    if cfg.attention == "fused":  # heads as the kernel sees them: Ulysses splits them over context too
+        ulysses = _context(layout) and layout.context_strategy == "all_to_all"
+        heads = ("tensor", "context") if ulysses else ("tensor",)
+        return partial(kernels.fused_attention, block=cfg.attention_block, layout=layout, heads=heads)
     if cfg.attention == "blockwise":  # stores O(s) per row already: no policy recomputes it
         return partial(blockwise_attention, block=cfg.attention_block, dropout_rate=cfg.dropout, key=drop_key)
     explicit = partial(layers.causal_attention, dropout_rate=cfg.dropout, chunk=cfg.attention_chunk)

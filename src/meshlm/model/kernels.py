@@ -1,0 +1,163 @@
+"""The accelerator kernels behind `model.attention=fused`, one per device kind, chosen by
+`fused_implementation` (the start-up report prints the choice and why):
+
+- **cuDNN** flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) on NVIDIA GPUs
+  of compute capability >= 8.0 under CUDA, for bf16 with head_dim a multiple of 8 up to 128 and no
+  document mask;
+- **Pallas GPU** flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`, Triton) on those
+  GPUs where cuDNN is not taken: document masks (segment ids), fp32, other head sizes. It wants as
+  many KV heads as query heads: grouped KV heads are repeated (their gradients summed back);
+- **TPU splash** attention (`jax.experimental.pallas.ops.tpu.splash_attention`) on TPUs: a causal
+  mask, segment ids for document masks, grouped KV heads as one multi-query kernel per KV head;
+- else the blockwise kernel (`model.blockwise`).
+
+All of them keep Q, K, V, the output and a log-sum-exp per row for backward (each has its own
+custom VJP), so the O(s) accounting of the blockwise kernel applies. Sequences are padded to a
+multiple of the kernel's block (padding is a document of its own, after every real token, so the
+causal mask hides it from real queries; its rows are cut off). The Pallas kernels run on this CPU
+in interpret mode (`interpret=True`), which is how tests/test_attention.py checks their outputs
+and gradients against explicit attention; on a GPU or TPU they are unmeasured until one is lent.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from meshlm import axes as ax
+from meshlm.parallel.rules import Layout
+
+PAD_DOCUMENT = -1  # the segment id of padding rows (real documents are numbered from 0)
+LANES = 128  # the TPU vector width: splash tiles keys in multiples of it
+
+
+def fused_implementation(dtype: str, head_dim: int, document_mask: bool, device=None) -> tuple[str, str]:
+    """What `model.attention=fused` runs on `device` (default: the first JAX device): ("cudnn" |
+    "pallas-gpu" | "splash" | "blockwise", why)."""
+    device = device or jax.devices()[0]
+    if device.platform == "tpu":
+        return "splash", "TPU splash attention (Pallas)"
+    if device.platform != "gpu":
+        return "blockwise", f"no cuDNN or Pallas GPU kernel on {device.platform}"
+    version = str(getattr(getattr(device, "client", None), "platform_version", ""))
+    if "cuda" not in version.lower():
+        return "blockwise", f"not a CUDA GPU ({version or 'unknown platform'})"
+    try:
+        capability = float(getattr(device, "compute_capability", "0"))
+    except ValueError:
+        capability = 0.0
+    if capability < 8.0:
+        return "blockwise", f"flash attention kernels need compute capability >= 8.0, the device has {capability:g}"
+    if dtype != "bfloat16":
+        return "pallas-gpu", f"Pallas GPU flash attention (cuDNN's needs bf16, the model computes in {dtype})"
+    if head_dim % 8 or head_dim > 128:
+        return "pallas-gpu", f"Pallas GPU flash attention (cuDNN's needs head_dim % 8 = 0 up to 128, got {head_dim})"
+    if document_mask:
+        return "pallas-gpu", "Pallas GPU flash attention (document masks: segment ids)"
+    return "cudnn", "cuDNN flash attention"
+
+
+def fused_attention(
+    q_btnh: jax.Array,
+    k_bskh: jax.Array,
+    v_bskh: jax.Array,
+    segment_ids_bt: jax.Array | None = None,
+    block: int = 128,
+    layout: Layout | None = None,
+    heads: tuple[str, ...] = ("tensor",),
+) -> jax.Array:
+    """Causal attention [b, t, n, h] by the kernel `fused_implementation` picks for this device; a
+    Pallas kernel on a mesh runs per device (`sharded`: batch over the data axes, heads over `heads`)."""
+    from meshlm.model.blockwise import blockwise_attention
+
+    dtype = jnp.dtype(q_btnh.dtype).name
+    kind, _ = fused_implementation(dtype, q_btnh.shape[-1], segment_ids_bt is not None)
+    if kind == "cudnn":
+        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, implementation="cudnn")
+    if kind in ("pallas-gpu", "splash"):
+        fn = partial(pallas_gpu_attention if kind == "pallas-gpu" else splash_attention, block=block)
+        return sharded(layout, heads, fn)(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+    return blockwise_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, block=block)
+
+
+def sharded(layout: Layout | None, heads: tuple[str, ...], fn):
+    """`fn(q, k, v, segment_ids)` run on each device's rows and heads (a `shard_map` manual over the
+    batch axes and `heads`; the sequence whole): the Pallas kernels have no partitioning rule of
+    their own, so under GSPMD alone their operands would be gathered onto every device."""
+    if layout is None or layout.mesh.size == 1:
+        return fn
+    batch = layout.mesh_axes(ax.BATCH) or None
+    heads = tuple(a for a in heads if layout.mesh.shape[a] > 1) or None
+    spec = P(batch, None, heads)
+
+    def run(q, k, v, seg):
+        # (check_vma off: pallas_call's outputs do not declare how they vary over the mesh)
+        if seg is None:
+            region = lambda q, k, v: fn(q, k, v, None)
+            specs = (spec,) * 3
+            return jax.shard_map(region, mesh=layout.mesh, in_specs=specs, out_specs=spec, check_vma=False)(q, k, v)
+        specs = (spec,) * 3 + (P(batch),)
+        return jax.shard_map(fn, mesh=layout.mesh, in_specs=specs, out_specs=spec, check_vma=False)(q, k, v, seg)
+
+    return run
+
+
+def _padded(q, k, v, segment_ids, block: int):
+    """Q, K, V [b, t', ...] and segment ids [b, t'] with t' the next multiple of `block` (padding
+    rows: zeros, document PAD_DOCUMENT; without a document mask every real row is document 0)."""
+    b, t = q.shape[:2]
+    size = -(-t // block) * block
+    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, size - t)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+    return pad(q), pad(k), pad(v), pad(seg, PAD_DOCUMENT)
+
+
+def pallas_gpu_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, block: int = 128, interpret: bool = False):
+    """Causal attention [b, t, n, h] by JAX's Pallas GPU flash attention (Triton), with segment ids;
+    grouped KV heads repeated to the query heads."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    t, n, h = q_btnh.shape[1:]
+    g = n // k_bskh.shape[2]
+    size = min(block, -(-t // 16) * 16)  # Triton tiles of at least 16 rows
+    q, k, v, seg = _padded(q_btnh, k_bskh, v_bskh, segment_ids_bt, size)
+    k, v = (jnp.repeat(x, g, axis=2) for x in (k, v))
+    sizes = pallas_attention.BlockSizes(
+        block_q=size, block_k=size, block_q_dkv=size, block_kv_dkv=size, block_q_dq=size, block_kv_dq=size
+    )
+    out = pallas_attention.mha(
+        q, k, v, seg, sm_scale=1.0 / math.sqrt(h), causal=True, block_sizes=sizes, interpret=interpret
+    )
+    return out[:, :t]
+
+
+def splash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, block: int = 128, interpret: bool = False):
+    """Causal attention [b, t, n, h] by JAX's TPU splash attention: per sequence and KV head, one
+    multi-query kernel over its g query heads (queries scaled by 1/sqrt(h) first, as splash expects)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    b, t, n, h = q_btnh.shape
+    kv = k_bskh.shape[2]
+    g = n // kv
+    size = -(-block // LANES) * LANES  # splash's key blocks are whole multiples of the TPU's 128 lanes
+    q, k, v, seg = _padded(q_btnh, k_bskh, v_bskh, segment_ids_bt, size)
+    s = q.shape[1]
+    mask = masks.MultiHeadMask([masks.CausalMask((s, s)) for _ in range(g)])
+    sizes = splash.BlockSizes(
+        block_q=size, block_kv=size, block_q_dkv=size, block_kv_dkv=size, block_q_dq=size, block_kv_dq=size
+    )
+    kernel = splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    q = (q / math.sqrt(h)).astype(q.dtype).reshape(b, s, kv, g, h).transpose(0, 2, 3, 1, 4)  # [b, kv, g, s, h]
+    k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [b, kv, s, h]
+
+    def one(q_gsh, k_sh, v_sh, seg_s):
+        return kernel(q_gsh, k_sh, v_sh, segment_ids=splash.SegmentIds(q=seg_s, kv=seg_s))
+
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))  # over KV heads
+    out = jax.vmap(per_head)(q, k, v, seg)  # over sequences: [b, kv, g, s, h]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, n, h)[:, :t]

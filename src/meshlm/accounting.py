@@ -53,11 +53,23 @@ def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, i
 
 def model_flops_per_step(cfg: RunConfig) -> int:
     """P2 Eq. 7 (generalised): forward + backward (= 3x forward) GEMM FLOPs of one optimizer step,
-    with B = sequences per step (global batch), as Table 5's MFU requires."""
+    with B = sequences per step (global batch), as Table 5's MFU requires. It counts causal
+    attention as the whole s x s; `causal_flops_per_step` does not."""
     m, t = cfg.model, cfg.train
     per_token = m.n_layers * sum(layer_forward_flops_per_token(m, t.seq_len).values())
     per_token += 2 * m.d_model * m.vocab_size  # logits
     return 3 * t.global_batch * t.seq_len * per_token
+
+
+def causal_flops_per_step(cfg: RunConfig) -> int:
+    """The model FLOPs meshlm's MFU divides by: P2 Eq. 7 without the masked half of causal
+    attention - QK^T and probs @ V over the s(s+1)/2 (query, key) pairs the mask leaves, not s^2 (the
+    convention of MaxText and the FlashAttention papers). Kernels that skip masked blocks then never
+    show an MFU above 100%; Eq. 7's figure stays `model_flops_per_step` (P2 Table 5)."""
+    m, t = cfg.model, cfg.train
+    terms = layer_forward_flops_per_token(m, t.seq_len)
+    attention = 3 * t.global_batch * t.seq_len * m.n_layers * (terms["attn_scores"] + terms["attn_values"])
+    return model_flops_per_step(cfg) - attention * (t.seq_len - 1) // (2 * t.seq_len)
 
 
 def recompute_flops_per_step(cfg: RunConfig) -> int:

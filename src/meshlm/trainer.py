@@ -190,7 +190,9 @@ def _compile(cfg: RunConfig, log: MetricsLogger) -> _Setup:
         "devices": [str(d) for d in jax.devices()],
         "mesh": dict(layout.mesh.shape),
         "params": accounting.param_count(cfg.model),
-        "model_flops_per_step": report["model_flops_per_step"],
+        "model_flops_per_step": report["model_flops_per_step"],  # MFU's: causal attention's masked half not counted
+        "eq7_flops_per_step": report["eq7_flops_per_step"],
+        "mfu_convention": "causal",
         "hardware_flops_per_step": report["hardware_flops_per_step"],
         "peak_flops_per_s": peak.flops,
         "peak_source": peak.source,

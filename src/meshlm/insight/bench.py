@@ -96,7 +96,7 @@ def run_bench(
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t0)
     if jax.process_count() == 1:  # a probe taken on a busy host reads low (`hardware.raise_cpu_peak`)
-        fastest = max(accounting.model_flops_per_step(v[0]) / statistics.median(v[5]) for v in variants.values())
+        fastest = max(accounting.causal_flops_per_step(v[0]) / statistics.median(v[5]) for v in variants.values())
         run_peak = hardware.raise_cpu_peak(run_peak, fastest, base.model.dtype)
         peak, peak_source = run_peak.flops, run_peak.source
     rows = []
@@ -108,7 +108,7 @@ def run_bench(
                 policy,
                 dt,
                 t.global_batch * t.seq_len / dt,
-                accounting.utilisation(accounting.model_flops_per_step(cfg), dt, peak),
+                accounting.utilisation(accounting.causal_flops_per_step(cfg), dt, peak),
                 accounting.utilisation(accounting.hardware_flops_per_step(cfg), dt, peak),
                 act,
             )

@@ -133,7 +133,7 @@ def estimate(
     plan.memory = _memory_parts(cfg, own, pipeline, interleave, bytes_per_param)
     plan.time = _roofline_parts(cfg, device, own, pipeline, interleave)
     peak = device_peak(device, cfg)
-    plan.mfu = accounting.model_flops_per_step(cfg) / (plan.step_time * n * peak)
+    plan.mfu = accounting.causal_flops_per_step(cfg) / (plan.step_time * n * peak)
     plan.calibrated = calibrated_time(cfg, device, plan.time, pipeline, interleave, bytes_per_param)
     if plan.total_memory > limit:
         act = plan.memory["activations"]

@@ -163,12 +163,7 @@ def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float)
         cal = CALIBRATIONS[device.name]
         lines[1] = lines[1].replace("  time split", f" {'calib. s':>9s} {'MFU':>6s}  time split")
         lines.insert(1, f"calibrated columns: achieved rates from {cal.source}; 'step s' / first MFU: roofline")
-    if any(p.mfu > 1 for p in feasible[:top]):
-        lines.insert(
-            1,
-            "(MFU counts causal attention as full s x s matmuls, P2 Eq. 7; kernels that skip the masked half "
-            "can exceed 100%)",
-        )
+    lines.insert(1, "MFU: model FLOPs with causal attention's masked half not counted (P2 Eq. 7 counts s x s)")
     for i, p in enumerate(feasible[:top], 1):
         split = ", ".join(f"{k} {v / p.step_time:.0%}" for k, v in p.time.items())
         row = f"{p.describe():68s} {p.total_memory / GiB:10.2f} {p.step_time:9.4f} {p.mfu:6.1%}"

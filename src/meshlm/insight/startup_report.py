@@ -85,7 +85,8 @@ def startup_report(
         "predicted_device_bytes": predicted,
         "predicted_device_total": sum(v for k, v in predicted.items() if "host" not in k),
         "xla_memory_analysis": xla,
-        "model_flops_per_step": accounting.model_flops_per_step(cfg),
+        "model_flops_per_step": accounting.causal_flops_per_step(cfg),  # what MFU divides by
+        "eq7_flops_per_step": accounting.model_flops_per_step(cfg),
         "hardware_flops_per_step": hardware_flops,
         "peak_flops_per_s": peak,
         "min_step_time_s": hardware_flops / peak if peak else None,
@@ -190,8 +191,9 @@ def format_report(r: dict[str, Any]) -> list[str]:
         lines.append("compiled train step, XLA memory_analysis per device:")
         lines.append("  " + ", ".join(f"{k} {_size(v)}" for k, v in r["xla_memory_analysis"].items()))
     lines.append(
-        f"FLOPs per step: model {r['model_flops_per_step']:.3e}, hardware {r['hardware_flops_per_step']:.3e} "
-        "(GEMMs; P2 Eq. 7 + recomputation that runs)"
+        f"FLOPs per step: model {r['model_flops_per_step']:.3e} (causal attention's masked half not counted; "
+        f"P2 Eq. 7: {r['eq7_flops_per_step']:.3e}), hardware {r['hardware_flops_per_step']:.3e} "
+        "(GEMMs that run: Eq. 7 with the attention blocks the kernel executes, + recomputation)"
     )
     if r["min_step_time_s"]:
         lines.append(

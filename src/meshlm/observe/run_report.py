@@ -111,7 +111,7 @@ def throughput_figure(runs: list[Run]):
         xs, ys = run.series("mfu")
         mfu.plot(xs, [100 * y for y in ys], label=run.name)
     rate.set(xlabel="step", ylabel="tokens / s", title="throughput")
-    mfu.set(xlabel="step", ylabel="MFU (%)", title="model FLOPs utilisation")
+    mfu.set(xlabel="step", ylabel="MFU (%)", title="model FLOPs utilisation (causal attention)")
     for ax in (rate, mfu):
         ax.legend(fontsize=7)
     fig.tight_layout()

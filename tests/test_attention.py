@@ -261,18 +261,17 @@ def test_fused_picks_cudnn_pallas_or_splash_by_device_and_blockwise_elsewhere(tm
     assert calls == [{"is_causal": True, "implementation": "cudnn"}, "pallas-gpu", "splash"]
 
 
-@pytest.mark.parametrize("kernel", ["pallas_gpu", "splash"])
+@pytest.mark.parametrize("kernel, t, block", [("pallas_gpu", 40, 16), ("splash", 300, 128)])
 @pytest.mark.parametrize("docs", [False, True])
-def test_pallas_kernels_in_interpret_mode_equal_explicit_attention(kernel, docs):
+def test_pallas_kernels_in_interpret_mode_equal_explicit_attention(kernel, t, block, docs):
     """The GPU (Triton) and TPU (splash) Pallas kernels, run on this CPU in interpret mode: outputs
-    and gradients equal explicit attention's (fp32), grouped KV heads, s not a multiple of the block,
-    with and without documents."""
-    t = 40
+    and gradients equal explicit attention's (fp32), grouped KV heads, s not a multiple of the block
+    and several blocks (3 of 16 rows; splash's keys come in 128s: 3 of 128), with and without documents."""
     q, k, v, d_out = _qkv(t, seed=3)
     seg = _segments(t) if docs else None
     fn = getattr(kernels, f"{kernel}_attention")
     want, want_grads = _value_and_grads(lambda q, k, v: layers.causal_attention(q, k, v, seg), q, k, v, d_out)
-    got, got_grads = _value_and_grads(lambda q, k, v: fn(q, k, v, seg, block=16, interpret=True), q, k, v, d_out)
+    got, got_grads = _value_and_grads(lambda q, k, v: fn(q, k, v, seg, block=block, interpret=True), q, k, v, d_out)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, atol=5e-5, rtol=0)

@@ -30,21 +30,22 @@ class StandIn:
     device_kind: str = "stand-in"
 
 
+def _shuffled(devices: list[StandIn]) -> list[StandIn]:
+    """In no particular order, as a runtime may list them: a plain reshape would mix the nodes."""
+    return [devices[i] for i in np.random.default_rng(0).permutation(len(devices))]
+
+
 def gpu_nodes(nodes: int, per_node: int) -> list[StandIn]:
-    return [
-        StandIn(n * per_node + i, "gpu", process_index=n, device_kind="NVIDIA H100")
-        for n in range(nodes)
-        for i in range(per_node)
-    ]
+    kind = "NVIDIA H100"
+    return _shuffled(
+        [StandIn(n * per_node + i, "gpu", n, device_kind=kind) for n in range(nodes) for i in range(per_node)]
+    )
 
 
 def tpu_slices(slices: int) -> list[StandIn]:  # 2x2x2 chips per slice
     cube = [(x, y, z) for z in range(2) for y in range(2) for x in range(2)]
-    return [
-        StandIn(s * 8 + i, "tpu", slice_index=s, coords=c, device_kind="TPU v4")
-        for s in range(slices)
-        for i, c in enumerate(cube)
-    ]
+    chips = [(s, i, c) for s in range(slices) for i, c in enumerate(cube)]
+    return _shuffled([StandIn(s * 8 + i, "tpu", slice_index=s, coords=c, device_kind="TPU v4") for s, i, c in chips])
 
 
 def _where(array: np.ndarray, attr: str) -> np.ndarray:
@@ -64,9 +65,7 @@ def test_an_axis_splits_across_nodes_and_tensor_stays_within_one(mesh, dcn, spli
     node 0); every other axis - tensor above all - varies within a node."""
     par = validate_parallel(ParallelConfig(**mesh, **dcn))
     array = hybrid_devices(par, gpu_nodes(2, 4))
-    assert array.shape == tuple(
-        par.dcn[a] * 0 + getattr(par, a) for a in par.dcn
-    )  # (stage, data, fsdp, context, tensor)
+    assert array.shape == tuple(getattr(par, a) for a in par.dcn)  # (stage, data, fsdp, context, tensor)
     node = _where(array, "process_index")
     axis = list(par.dcn).index(split_axis)
     index = np.indices(array.shape)[axis]

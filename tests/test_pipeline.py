@@ -7,6 +7,7 @@ pipelined and unpipelined meshes; bad pipelines are refused before compiling."""
 
 import dataclasses
 import json
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -183,6 +184,23 @@ def test_fsdp_inside_the_pipeline(params):
     gradients reduce-scattered back to their FSDP shards."""
     cfg = config("gpt", dict(stage=2, fsdp=2, tensor=2), "1f1b")
     assert_same_grads(grads(cfg, params["gpt"]), reference("gpt", params))
+
+
+def test_a_pallas_kernel_runs_inside_the_stages(params, monkeypatch):
+    """`model.attention=fused` where the device's kernel is a Pallas one (TPU splash here, chosen as
+    on a TPU and run in interpret mode): inside a pipeline stage it runs per device over the axes the
+    stage left automatic, and stage=2 x data=2 x tensor=2 gives the same kernel's one-device gradients."""
+    from meshlm.model import kernels
+
+    monkeypatch.setattr(kernels, "fused_implementation", lambda *a: ("splash", "as on a TPU"))
+    monkeypatch.setattr(kernels, "splash_attention", partial(kernels.splash_attention, interpret=True))
+
+    def fused(mesh):
+        cfg = config("llama", mesh)
+        return validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="fused")))
+
+    got = grads(fused(dict(stage=2, data=2, tensor=2)), params["llama"])
+    assert_same_grads(got, grads(fused(None), params["llama"]))
 
 
 def test_bubbles_are_inert(params):

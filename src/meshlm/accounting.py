@@ -155,8 +155,9 @@ def chunked_score_elements(t: int, chunk: int) -> int:
 def attention_executed_fraction(m: ModelConfig, seq_len: int, context_chunk: int | None = None) -> float:
     """Of the s x s score (and probs @ V) FLOPs the model counts, the share a kernel executes: for
     explicit attention the score blocks of its query chunks (`chunked_score_elements` / s^2; 1 with
-    `attention_chunk` = 0); for blockwise (and fused: cuDNN's flash kernel skips the same blocks) the
-    query/key block pairs on or below the diagonal, nb(nb+1)/2 blocks of B x B with nb = ceil(s/B).
+    `attention_chunk` = 0); for blockwise (and, approximately, fused: its kernels skip masked blocks
+    of their own size) the query/key block pairs on or below the diagonal, nb(nb+1)/2 blocks of
+    B x B with nb = ceil(s/B).
     Context parallelism skips the same pairs, spread over its ranks (`context_block_pairs`)."""
     if m.attention == "explicit":
         return chunked_score_elements(seq_len, m.attention_chunk) / seq_len**2

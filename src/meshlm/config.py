@@ -68,8 +68,8 @@ class ModelConfig:
     dropout: float = 0.0  # gpt only: embedding, attention probabilities, attention out, MLP out
     dtype: DType = "float32"  # compute (activation) dtype; parameters are always fp32 masters
     # "explicit": softmax(QK^T)V with the score matrix materialised (the papers' assumption);
-    # "fused": cuDNN flash attention where it applies (NVIDIA GPU, bf16, head_dim <= 128, no document
-    # mask), else "blockwise" - the startup report says which and why;
+    # "fused": the device's own kernel (`model.kernels`: cuDNN or Pallas flash attention on NVIDIA
+    # GPUs, splash on TPUs), else "blockwise" - the startup report says which and why;
     # "blockwise": online softmax over key/value blocks of `attention_block` tokens with a custom
     # VJP that keeps only the output and an fp32 log-sum-exp per row (no s x s tensor; any backend)
     attention: Attention = "explicit"

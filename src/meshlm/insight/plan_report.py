@@ -227,7 +227,12 @@ def verify(feasible: list[Plan]) -> str:
     n = plan.cfg.parallel.n_devices
     if n > len(jax.devices()):
         return f"verify: the plan needs {n} devices, {len(jax.devices())} are simulated here; not compiled"
-    small = dataclasses.replace(plan.cfg, model=dataclasses.replace(plan.cfg.model, n_layers=2))
+    one_slice = {f"dcn_{axis}": 1 for axis, ways in plan.cfg.parallel.dcn.items() if ways > 1}  # devices here
+    small = dataclasses.replace(
+        plan.cfg,
+        model=dataclasses.replace(plan.cfg.model, n_layers=2),
+        parallel=dataclasses.replace(plan.cfg.parallel, **one_slice),
+    )
     measured = measure_activations(small, make_layout(small.parallel, jax.devices()[:n])).activation_bytes
     predicted = accounting.activation_memory(small)["total"]
     return (

@@ -6,7 +6,8 @@
   document mask;
 - **Pallas GPU** flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`, Triton) on those
   GPUs where cuDNN is not taken: document masks (segment ids), fp32, other head sizes. It wants as
-  many KV heads as query heads: grouped KV heads are repeated (their gradients summed back);
+  many KV heads as query heads: grouped KV heads are repeated (their gradients summed back), so it
+  keeps K and V g times over for backward (n/kv: more than the O(s) accounting below counts);
 - **TPU splash** attention (`jax.experimental.pallas.ops.tpu.splash_attention`) on TPUs: a causal
   mask, segment ids for document masks, grouped KV heads as one multi-query kernel per KV head;
 - else the blockwise kernel (`model.blockwise`).
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
+from meshlm.parallel.collectives import manual_region
 from meshlm.parallel.rules import Layout
 
 PAD_DOCUMENT = -1  # the segment id of padding rows (real documents are numbered from 0)
@@ -95,13 +97,11 @@ def sharded(layout: Layout | None, heads: tuple[str, ...], fn):
     spec = P(batch, None, heads)
 
     def run(q, k, v, seg):
-        # (check_vma off: pallas_call's outputs do not declare how they vary over the mesh)
+        # manual over every axis (inside a pipeline stage: every axis the stage left automatic), as the
+        # tensor-parallel regions are; check_vma off: pallas_call's outputs do not declare how they vary
         if seg is None:
-            region = lambda q, k, v: fn(q, k, v, None)
-            specs = (spec,) * 3
-            return jax.shard_map(region, mesh=layout.mesh, in_specs=specs, out_specs=spec, check_vma=False)(q, k, v)
-        specs = (spec,) * 3 + (P(batch),)
-        return jax.shard_map(fn, mesh=layout.mesh, in_specs=specs, out_specs=spec, check_vma=False)(q, k, v, seg)
+            return manual_region(layout, lambda q, k, v: fn(q, k, v, None), (spec,) * 3, spec)(q, k, v)
+        return manual_region(layout, fn, (spec,) * 3 + (P(batch),), spec)(q, k, v, seg)
 
     return run
 
@@ -123,7 +123,8 @@ def pallas_gpu_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, block: 
 
     t, n, h = q_btnh.shape[1:]
     g = n // k_bskh.shape[2]
-    size = min(block, -(-t // 16) * 16)  # Triton tiles of at least 16 rows
+    power_of_2 = lambda x: 1 << (x - 1).bit_length()
+    size = max(16, min(power_of_2(block), power_of_2(t)))  # Triton tiles: powers of two, at least 16 rows
     q, k, v, seg = _padded(q_btnh, k_bskh, v_bskh, segment_ids_bt, size)
     k, v = (jnp.repeat(x, g, axis=2) for x in (k, v))
     sizes = pallas_attention.BlockSizes(

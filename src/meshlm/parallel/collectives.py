@@ -45,7 +45,7 @@ def _tensor_spec(layout: Layout, logical_axes: Sequence[str | None]) -> P:
     return P(*parts)
 
 
-def _manual(layout: Layout, fn, in_specs, out_specs):
+def manual_region(layout: Layout, fn, in_specs, out_specs):
     """Manual over every mesh axis - or, inside another manual region (a pipeline stage), over
     every axis that region left automatic."""
     outer = jax.sharding.get_abstract_mesh()
@@ -91,7 +91,7 @@ def column_parallel(
             x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
         return tuple(fn(x, *args))
 
-    region = _manual(
+    region = manual_region(
         layout,
         local,
         in_specs=(
@@ -127,7 +127,7 @@ def row_parallel(
     if layout is None or not layout.sequence_parallel:
         flat = flat and (layout is None or (layout.context_size == 1 and layout.tensor_size == 1))
         return constrain(layout, dense(equation, x, w, flat), out_axes)
-    return _manual(
+    return manual_region(
         layout,
         lambda xl, wl: jax.lax.psum_scatter(dense(equation, xl, wl, flat), "tensor", scatter_dimension=1, tiled=True),
         in_specs=(layout.spec(x_axes), _tensor_spec(layout, w_axes)),
@@ -159,6 +159,6 @@ def vocab_parallel_embed(
 
     tokens_spec = layout.spec((ax.BATCH, ax.SEQ))  # rows over (data, fsdp), sequence over context
     table_spec = _tensor_spec(layout, table_axes)
-    return _manual(layout, local, in_specs=(table_spec, tokens_spec), out_specs=layout.spec(out_axes))(
+    return manual_region(layout, local, in_specs=(table_spec, tokens_spec), out_specs=layout.spec(out_axes))(
         table_vd, tokens_bt
     )

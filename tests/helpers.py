@@ -78,14 +78,20 @@ def build(cfg: RunConfig):
     return layout, specs, tx, shardings, state
 
 
-def run_steps(cfg: RunConfig, batches) -> tuple[list[float], dict, object]:
-    """Train len(batches) steps; returns (losses, final params as numpy, final state)."""
+def train_steps(cfg: RunConfig, batches) -> tuple[object, list[float], object, object]:
+    """Train len(batches) steps; returns (final state, losses, the jitted step, its layout)."""
     layout, _, tx, shardings, state = build(cfg)
     step = make_train_step(cfg, layout, tx, shardings)
     losses = []
     for b in batches:
         state, metrics = step(state, b)
         losses.append(float(metrics["loss"]))
+    return state, losses, step, layout
+
+
+def run_steps(cfg: RunConfig, batches) -> tuple[list[float], dict, object]:
+    """Train len(batches) steps; returns (losses, final params as numpy, final state)."""
+    state, losses, *_ = train_steps(cfg, batches)
     return losses, jax.tree.map(np.asarray, state.params), state
 
 

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import build, random_batches, tiny_config
+from helpers import build, random_batches, tiny_config, train_steps
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, ParallelConfig, RunConfig, validate
 from meshlm.model.params import named_leaves
@@ -30,16 +30,6 @@ def _with(cfg: RunConfig, shard: bool = False, offload: bool = False) -> RunConf
         parallel=dataclasses.replace(cfg.parallel, shard_optimizer=shard),
         optim=dataclasses.replace(cfg.optim, offload_state=offload),
     )
-
-
-def _train(cfg: RunConfig, batches):
-    layout, _, tx, shardings, state = build(cfg)
-    step = make_train_step(cfg, layout, tx, shardings)
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    return state, losses, step, layout
 
 
 LAYOUTS = {
@@ -71,7 +61,7 @@ def runs():
             [(False, True), (True, True)] if name == "data=4 x tensor=2" else []
         )
         for shard, offload in variants:
-            out[name, shard, offload] = _train(_with(cfg, shard, offload), batches)
+            out[name, shard, offload] = train_steps(_with(cfg, shard, offload), batches)
     return out
 
 

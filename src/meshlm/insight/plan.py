@@ -155,10 +155,7 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
         else accounting.activation_memory(cfg, pipeline=pipeline, interleave=interleave)
     )
     params = sharded_params(cfg) if own else sharded_params(cfg) / pipeline
-    out = _state_parts(cfg, params, bytes_per_param, own or pipeline == 1) | {"activations": act["total"]}
-    if cfg.optim.offload_state:  # the update brings the moments to the device once the activations are freed
-        moments = out.pop("offloaded moments")
-        out["moments at the update, beyond the activations"] = max(0.0, moments - act["total"])
+    out = _state_parts(cfg, params, bytes_per_param, own or pipeline == 1, act["total"]) | {"activations": act["total"]}
     if own and par.fsdp > 1:  # the executor gathers a stage's fp32 weights once per step, and
         # accumulates their gradients unsharded until the step's end
         gathered = sharded_params(dataclasses.replace(cfg, parallel=dataclasses.replace(par, fsdp=1)))
@@ -172,19 +169,20 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
     return out
 
 
-def _state_parts(cfg: RunConfig, params: float, bytes_per_param: float, exact_zero1: bool) -> dict:
+def _state_parts(cfg: RunConfig, params: float, bytes_per_param: float, exact_zero1: bool, activations: float) -> dict:
     """Device bytes of the weights, their gradients and the optimizer state: together without ZeRO-1
     or offload (P2's Megatron layouts keep that one line); else the moments apart, ZeRO-1's sharded
     over the data-parallel axes. Offloaded moments live in host memory but visit the device whole
-    for the update, after the activations are freed ("offloaded moments": the caller counts the
-    device peak as the larger of the two)."""
-    par, offload = cfg.parallel, cfg.optim.offload_state
-    if not (par.shard_optimizer or offload):
+    for the update, after the activations are freed: only what they need beyond those is counted."""
+    par = cfg.parallel
+    if not (par.shard_optimizer or cfg.optim.offload_state):
         return {"parameters, gradients, optimizer": bytes_per_param * params}
-    moments = zero1_params(cfg) if par.shard_optimizer and exact_zero1 else params
+    moments = MOMENT_BYTES * (zero1_params(cfg) if par.shard_optimizer and exact_zero1 else params)
     out = {"parameters, gradients": (bytes_per_param - MOMENT_BYTES) * params}
-    name = "offloaded moments" if offload else "optimizer state (ZeRO-1)" if par.shard_optimizer else "optimizer state"
-    out[name] = MOMENT_BYTES * moments
+    if cfg.optim.offload_state:
+        out["moments at the update, beyond the activations"] = max(0.0, moments - activations)
+    else:
+        out["optimizer state (ZeRO-1)" if par.shard_optimizer else "optimizer state"] = moments
     return out
 
 

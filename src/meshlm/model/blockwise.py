@@ -83,16 +83,19 @@ def _visible_blocks(n: int, visible, body, init):
     return jax.lax.fori_loop(0, n, skip_or_run, init)
 
 
-def _block_operands(q, k, v, seg_q, seg_k, pos_q, pos_k, block: int):
-    """Operands cut into blocks: q [b, nq, B, kv, g, h], k and v [b, nk, B, kv, h], document ids
-    [b, n, B] (padding: -1), positions [n, B] (the sequences are whole blocks under CP)."""
+def _tiles(q, k, v, seg, block: int):
+    """Q [b, nq, B, kv, g, h], K and V [b, nk, B, kv, h] and document ids [b, n, B] (padding: -1)
+    cut into blocks."""
     b, t, n, h = q.shape
-    kv = k.shape[2]
-    qb = _blocked(q.reshape(b, t, kv, n // kv, h), block)
-    segq = None if seg_q is None else _blocked(seg_q, block, -1)
+    qb = _blocked(q.reshape(b, t, k.shape[2], n // k.shape[2], h), block)
+    return qb, _blocked(k, block), _blocked(v, block), None if seg is None else _blocked(seg, block, -1)
+
+
+def _block_operands(q, k, v, seg_q, seg_k, pos_q, pos_k, block: int):
+    """`_tiles`, with the keys' document ids apart and positions [n, B] (whole blocks under CP)."""
+    qb, kb, vb, segq = _tiles(q, k, v, seg_q, block)
     segk = None if seg_k is None else _blocked(seg_k, block, -1)
-    pq, pk = pos_q.reshape(-1, block), pos_k.reshape(-1, block)
-    return qb, _blocked(k, block), _blocked(v, block), segq, segk, pq, pk
+    return qb, kb, vb, segq, segk, pos_q.reshape(-1, block), pos_k.reshape(-1, block)
 
 
 def forward_blocks(q, k, v, seg_q, seg_k, pos_q, pos_k, key, block: int, rate: float):
@@ -286,9 +289,7 @@ def folded_forward(q, k, v, seg, key, block: int, rate: float):
     kv = k.shape[2]
     g = n // kv
     scale = 1.0 / math.sqrt(h)
-    qb = _blocked(q.reshape(b, t, kv, g, h), block)
-    kb, vb = _blocked(k, block), _blocked(v, block)
-    segb = None if seg is None else _blocked(seg, block, -1)
+    qb, kb, vb, segb = _tiles(q, k, v, seg, block)
     nb = qb.shape[1]
     plan = _folding(nb, by_key=False)
     half = len(plan.a)
@@ -344,10 +345,8 @@ def folded_backward(q, k, v, seg, key, lse, delta, d_out, block: int, rate: floa
     kv = k.shape[2]
     g = n // kv
     scale = 1.0 / math.sqrt(h)
-    qb = _blocked(q.reshape(b, t, kv, g, h), block)
-    kb, vb = _blocked(k, block), _blocked(v, block)
+    qb, kb, vb, segb = _tiles(q, k, v, seg, block)
     dob = _blocked(d_out.reshape(b, t, kv, g, h), block)
-    segb = None if seg is None else _blocked(seg, block, -1)
     nb = qb.shape[1]
     plan = _folding(nb, by_key=True)
     half = len(plan.a)

@@ -29,10 +29,11 @@ import jax
 import numpy as np
 
 from meshlm.checkpoint import Checkpointer, describe
-from meshlm.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig, validate
+from meshlm.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import make_train_step
 from meshlm.train_state import init_state, setup
+from meshlm.validation import validate
 
 
 def timed_step(step_fn, state, batch):

@@ -30,9 +30,10 @@ import jax
 from _markdown import write_section
 from _timing import median_step_seconds
 from meshlm import accounting
-from meshlm.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, validate
+from meshlm.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from meshlm.insight.memory import measure_activations
 from meshlm.parallel.mesh import make_layout
+from meshlm.validation import validate
 
 LENGTHS = (8192, 16384, 32768, 65536, 131072)
 MEMORY_MODES = {  # name: (attention, context, strategy)

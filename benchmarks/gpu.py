@@ -31,10 +31,11 @@ import jax
 from _markdown import write_section
 from _timing import prepared_step
 from meshlm import accounting, recipes
-from meshlm.config import RunConfig, validate
+from meshlm.config import RunConfig
 from meshlm.insight import plan as planner
 from meshlm.parallel.mesh import make_layout
 from meshlm.platform import hardware
+from meshlm.validation import validate
 
 
 def planned(cfg: RunConfig, n: int) -> tuple[RunConfig, str]:

@@ -22,9 +22,10 @@ import jax
 
 from _markdown import write_section
 from _timing import median_step_seconds
-from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, validate
+from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from meshlm.insight.memory import measure_activations
 from meshlm.parallel.mesh import make_layout
+from meshlm.validation import validate
 
 MODES = {"explicit": ("explicit", 128), "blockwise-128": ("blockwise", 128), "blockwise-256": ("blockwise", 256)}
 

@@ -27,11 +27,12 @@ import jax
 
 from _markdown import write_section
 from _timing import median_step_seconds
-from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, validate
+from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.pipeline import schedule_for
 from meshlm.step import abstract_batch, make_train_step
 from meshlm.train_state import abstract_state, placement, setup
+from meshlm.validation import validate
 
 MICRO = 2  # sequences per microbatch
 

@@ -57,7 +57,7 @@ import transformers
 
 from _markdown import publish
 from meshlm.accounting import model_flops_per_step
-from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, validate
+from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from meshlm.data.loader import WindowLoader, process_batch
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.transformer import forward
@@ -65,6 +65,7 @@ from meshlm.parallel.mesh import make_layout
 from meshlm.platform.hardware import cpu_description, probe_matmul_flops
 from meshlm.step import batch_sharding, make_train_step
 from meshlm.train_state import init_state, setup
+from meshlm.validation import validate
 
 SIZES = {"small": (4, 256, 8), "medium": (6, 384, 6)}  # layers, d_model, heads
 VOCAB, SEQ, BATCH = 8192, 256, 8

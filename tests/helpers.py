@@ -7,10 +7,11 @@ import os
 import jax
 import numpy as np
 
-from meshlm.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig, validate
+from meshlm.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import make_train_step
 from meshlm.train_state import init_state, placement, setup
+from meshlm.validation import validate
 
 MESHES = {
     "single": dict(data=1),

@@ -16,10 +16,11 @@ from helpers import tiny_config
 from meshlm import accounting
 from meshlm import axes as ax
 from meshlm.cli import main
-from meshlm.config import ParallelConfig, validate
+from meshlm.config import ParallelConfig
 from meshlm.model import kernels, layers
 from meshlm.model.blockwise import blockwise_attention, keep_mask
 from meshlm.parallel.remat import POLICIES
+from meshlm.validation import validate
 from test_memory import S, T, _measure, paper_config
 
 B, N, KV, H = 2, 4, 2, 8  # GQA: 2 query heads per kv head

@@ -16,11 +16,12 @@ import pytest
 from helpers import build, logged_losses, random_batches, subprocess_env, tiny_config
 from meshlm import train_loop
 from meshlm.checkpoint import Checkpointer
-from meshlm.config import CheckpointConfig, ConfigError, DataConfig, validate
+from meshlm.config import CheckpointConfig, ConfigError, DataConfig
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import make_train_step
 from meshlm.train_state import abstract_state, setup
 from meshlm.trainer import TrainingError, train
+from meshlm.validation import validate
 
 
 def _np(tree):

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from meshlm import recipes
-from meshlm.config import ConfigError, RunConfig, apply_overrides, from_dict, parse_mesh, validate
+from meshlm.config import ConfigError, RunConfig, apply_overrides, from_dict, parse_mesh
+from meshlm.validation import validate
 
 
 def test_overrides_are_typed():
@@ -112,9 +113,9 @@ def test_config_cli_and_device_table_import_no_jax():
     import sys
 
     code = (
-        "import sys; import meshlm.config, meshlm.platform.hardware, meshlm.cli, meshlm.launch.supervisor; "
-        "import meshlm.recipes; "
-        "meshlm.config.validate(meshlm.recipes.get('llama-1b')); "
+        "import sys; import meshlm.config, meshlm.validation, meshlm.platform.hardware, meshlm.cli; "
+        "import meshlm.launch.supervisor, meshlm.recipes; "
+        "meshlm.validation.validate(meshlm.recipes.get('llama-1b')); "
         "assert 'jax' not in sys.modules, [m for m in sys.modules if m.startswith('jax')][:5]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -16,12 +16,13 @@ import pytest
 import test_gradients
 from helpers import logged_losses, tiny_config
 from meshlm import accounting
-from meshlm.config import ConfigError, ParallelConfig, RematConfig, RunConfig, validate
+from meshlm.config import ConfigError, ParallelConfig, RematConfig, RunConfig
 from meshlm.data.loader import WindowLoader
 from meshlm.model.params import param_specs
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.rules import context_order, reorder_sequence, restore_sequence, sequence_index
 from meshlm.train_state import state_shardings
+from meshlm.validation import validate
 from test_gradients import assert_same_grads, batch_for, grads
 
 

@@ -11,10 +11,11 @@ import pytest
 from helpers import p2_gpt_model
 from meshlm import accounting
 from meshlm.cli import main
-from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig, validate
+from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
 from meshlm.insight.memory import measure_activations
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.remat import POLICIES
+from meshlm.validation import validate
 
 GiB = 2**30
 

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from meshlm import recipes
-from meshlm.config import ConfigError, ParallelConfig, parse_mesh, validate
+from meshlm.config import ConfigError, ParallelConfig, parse_mesh
 from meshlm.insight import plan
 from meshlm.parallel.mesh import hybrid_devices, make_mesh
 from meshlm.platform.hardware import ACCELERATORS
+from meshlm.validation import validate
 
 
 @dataclass(frozen=True)

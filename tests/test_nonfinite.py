@@ -15,8 +15,9 @@ from helpers import build, logged_losses, random_batches, tiny_config
 from meshlm import step as step_module
 from meshlm import train_loop
 from meshlm.checkpoint import Checkpointer
-from meshlm.config import CheckpointConfig, DataConfig, validate
+from meshlm.config import CheckpointConfig, DataConfig
 from meshlm.trainer import NonFiniteStep, train
+from meshlm.validation import validate
 
 POISON = 7  # a token id; a batch whose row 0 starts with it has a NaN loss
 

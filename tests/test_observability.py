@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from helpers import logged_losses, subprocess_env, tiny_config
-from meshlm.config import CheckpointConfig, DataConfig, validate
+from meshlm.config import CheckpointConfig, DataConfig
 from meshlm.observe.run_report import figures, read_run, write_report
 from meshlm.trainer import train
+from meshlm.validation import validate
 
 
 def _cfg(corpus_dir, cache, steps=10, **train_kw):

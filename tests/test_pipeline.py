@@ -17,13 +17,14 @@ import pytest
 
 from helpers import logged_losses, tiny_config
 from meshlm import accounting
-from meshlm.config import ConfigError, DataConfig, RematConfig, RunConfig, validate
+from meshlm.config import ConfigError, DataConfig, RematConfig, RunConfig
 from meshlm.model.params import init_params, param_specs
 from meshlm.parallel import pipeline
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.schedules import build, tables
 from meshlm.step import _split_microbatches, abstract_batch, dropout_key, make_grad_step
 from meshlm.train_state import state_shardings
+from meshlm.validation import validate
 from test_gradients import STEP, assert_leaves_close, assert_same_grads, assert_sgd_steps_equal, batch_for
 
 LAYERS = 8  # stage=4 x 2 virtual stages: one layer per chunk

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import tiny_config
 from meshlm import axes as ax
-from meshlm.config import ConfigError, ModelConfig, ParallelConfig, validate
+from meshlm.config import ConfigError, ModelConfig, ParallelConfig
 from meshlm.insight import hlo
 from meshlm.model import layers
 from meshlm.model.loss import cross_entropy_sum
@@ -20,6 +20,7 @@ from meshlm.model.transformer import RESIDUAL, forward, gpt_block, llama_block
 from meshlm.parallel import remat
 from meshlm.parallel.mesh import make_layout
 from meshlm.train_state import param_shardings
+from meshlm.validation import validate
 
 
 def _sp(cfg, on=True):

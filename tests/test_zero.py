@@ -16,10 +16,11 @@ import pytest
 
 from helpers import build, random_batches, tiny_config, train_steps
 from meshlm.checkpoint import Checkpointer
-from meshlm.config import CheckpointConfig, ParallelConfig, RunConfig, validate
+from meshlm.config import CheckpointConfig, ParallelConfig, RunConfig
 from meshlm.model.params import named_leaves
 from meshlm.step import batch_sharding, make_train_step
 from meshlm.train_state import abstract_state, placement
+from meshlm.validation import validate
 
 ZERO1_ATOL = 1e-6
 

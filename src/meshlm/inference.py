@@ -26,13 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm import axes as ax
-from meshlm.config import ConfigError, ParallelConfig, RunConfig, from_dict, validate
+from meshlm.config import ConfigError, ParallelConfig, RunConfig, from_dict
 from meshlm.data import tokenizer as toks
 from meshlm.model.params import abstract_params, param_specs
 from meshlm.model.transformer import CACHE_AXES, KVCache, forward
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.rules import Layout
 from meshlm.train_state import param_shardings
+from meshlm.validation import validate
 
 BUCKET = 16  # prompt and cache lengths are rounded up to this, so nearby lengths share a compile
 

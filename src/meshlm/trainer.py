@@ -18,7 +18,7 @@ import jax
 
 from meshlm import accounting
 from meshlm.checkpoint import Checkpointer
-from meshlm.config import RunConfig, validate
+from meshlm.config import RunConfig
 from meshlm.data.loader import WindowLoader
 from meshlm.data.prepare import prepare
 from meshlm.insight.startup_report import format_report, startup_report
@@ -38,6 +38,7 @@ from meshlm.train_loop import (
     write_json,
 )
 from meshlm.train_state import abstract_state, placement, setup
+from meshlm.validation import validate
 from meshlm.version import code_version
 
 __all__ = ["NonFiniteStep", "Preempted", "RunResult", "TrainingError", "train"]

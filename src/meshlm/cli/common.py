@@ -10,8 +10,9 @@ import argparse
 import dataclasses
 import json
 
-from meshlm.config import ConfigError, ParallelConfig, RunConfig, apply_overrides, parse_mesh, validate
+from meshlm.config import ConfigError, ParallelConfig, RunConfig, apply_overrides, parse_mesh
 from meshlm.platform import host_memory, xla_flags  # jax-free
+from meshlm.validation import validate
 
 EXIT_TRAINING = 1
 

@@ -19,13 +19,14 @@ import jax
 import numpy as np
 
 from meshlm import accounting
-from meshlm.config import ConfigError, RematConfig, RunConfig, apply_overrides, parse_mesh, validate
+from meshlm.config import ConfigError, RematConfig, RunConfig, apply_overrides, parse_mesh
 from meshlm.insight.memory import measure_activations
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.rules import reorder_sequence
 from meshlm.platform import hardware
 from meshlm.step import batch_sharding, make_train_step
 from meshlm.train_state import init_state, placement, setup
+from meshlm.validation import validate
 
 
 @dataclass

@@ -27,13 +27,14 @@ import numpy as np
 import optax
 
 from meshlm.axes import MESH_AXES
-from meshlm.config import ParallelConfig, RunConfig, validate
+from meshlm.config import ParallelConfig, RunConfig
 from meshlm.data.loader import document_segments
 from meshlm.model.params import init_params, named_leaves, param_specs
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.rules import reorder_sequence
 from meshlm.step import batch_sharding, make_grad_step
 from meshlm.train_state import state_shardings
+from meshlm.validation import validate
 
 # Relative error allowed per leaf (its norm), on the loss and on the gradient norm, by compute
 # dtype. fp32: the layouts differ only in the order of floating-point sums; the errors seen are at

@@ -24,7 +24,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from meshlm.config import ConfigError, RunConfig, apply_overrides, validate
+from meshlm.config import ConfigError, RunConfig, apply_overrides
+from meshlm.validation import validate
 
 DEVICES = 8  # every layout below fits in 8 simulated devices
 # Mesh layouts, each as `--mesh`-style overrides (+ what the layout needs to run: microbatches for

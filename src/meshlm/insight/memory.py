@@ -27,7 +27,7 @@ import numpy as np
 
 from meshlm import accounting
 from meshlm import axes as ax
-from meshlm.config import RematConfig, RunConfig, validate
+from meshlm.config import RematConfig, RunConfig
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.params import abstract_params, param_specs
 from meshlm.model.transformer import forward
@@ -35,6 +35,7 @@ from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.remat import POLICIES
 from meshlm.parallel.rules import Layout
 from meshlm.train_state import param_shardings
+from meshlm.validation import validate
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,12 @@ import jax
 
 from meshlm import accounting
 from meshlm.axes import MESH_AXES
-from meshlm.config import ConfigError, ContextStrategy, RematConfig, RunConfig, validate
+from meshlm.config import ConfigError, ContextStrategy, RematConfig, RunConfig
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel.mesh import abstract_layout
 from meshlm.parallel.schedules import build as build_schedule
 from meshlm.platform.hardware import Accelerator, matmul_precision, peak_for
+from meshlm.validation import validate
 
 GiB = 2**30
 

@@ -16,9 +16,10 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from meshlm.config import ConfigError, DataConfig, ParallelConfig, RunConfig, TrainConfig, validate
+from meshlm.config import ConfigError, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from meshlm.data import tokenizer as toks
 from meshlm.interop import hf, hf_tables
+from meshlm.validation import validate
 
 
 def _fresh_dir(path: str | Path) -> Path:

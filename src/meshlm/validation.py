@@ -1,0 +1,184 @@
+"""What a config must satisfy: internal consistency and divisibility by its mesh.
+
+`validate` is called once wherever a config enters (the CLI, the trainer, conversion, the planner,
+`meshlm check`); every refusal is a `ConfigError` whose message names the field to change. Plain
+Python: validating a config imports no JAX.
+"""
+
+from __future__ import annotations
+
+import typing
+
+from meshlm.axes import MESH_AXES
+from meshlm.config import ConfigError, ContextStrategy, ModelConfig, RematPolicy, RunConfig
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _divides(value: int, what: str, size: int, axis: str) -> None:
+    _need(
+        size >= 1 and value % size == 0,
+        f"{what}={value} is not divisible by mesh axis '{axis}' (size {size}); "
+        f"choose a mesh whose '{axis}' size divides {value}",
+    )
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Check a config for internal consistency and divisibility by its mesh. Returns it unchanged."""
+    _validate_model(cfg.model)
+    _validate_parallel(cfg)
+    _validate_run(cfg)
+    _validate_divisibility(cfg)
+    return cfg
+
+
+def _validate_model(m: ModelConfig) -> None:
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "scan_unroll", "attention_block"):
+        _need(getattr(m, name) > 0, f"model.{name} must be positive")
+    _need(m.attention_chunk >= 0, "model.attention_chunk must be >= 0 (0: the whole sequence at once)")
+    _need(m.n_heads % m.kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of n_kv_heads={m.kv_heads}")
+    _need(
+        m.head_dim > 0 or m.d_model % m.n_heads == 0,
+        f"model.d_model={m.d_model} is not divisible by n_heads={m.n_heads}; set model.head_dim",
+    )
+    _need(m.dim_head % 2 == 0 or m.family == "gpt", "llama needs an even head_dim for RoPE")
+    if m.rope_scaling == "llama3":
+        _need(m.family == "llama", "model.rope_scaling applies to the llama family (gpt has learned positions)")
+        _need(
+            m.rope_factor >= 1 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor and m.rope_original_len > 0,
+            "model.rope_scaling=llama3 needs rope_factor >= 1, 0 < rope_low_freq_factor < rope_high_freq_factor "
+            "and rope_original_len > 0",
+        )
+    _need(0.0 <= m.dropout < 1.0, "model.dropout must be in [0, 1)")
+    _need(m.family == "gpt" or m.dropout == 0.0, "model.dropout is only implemented for the gpt family")
+    _need(
+        m.attention != "fused" or m.dropout == 0.0,
+        "model.attention=fused has no attention-probability dropout; set model.dropout=0 or attention=explicit "
+        "(or blockwise)",
+    )
+
+
+def _validate_parallel(cfg: RunConfig) -> None:
+    """Sequence, context and pipeline parallelism: what each needs of the model and the sizes."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name in MESH_AXES:
+        _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
+    for name, ways in p.dcn.items():
+        _need(
+            ways >= 1 and getattr(p, name) % ways == 0,
+            f"parallel.dcn_{name}={ways} must be >= 1 and divide parallel.{name}={getattr(p, name)} "
+            f"(the axis is {ways} ways across slices x {name}/{ways} within each)",
+        )
+    if p.sequence_parallel:
+        _need(p.tensor > 1, "parallel.sequence_parallel needs a tensor axis > 1 (it shards over 'tensor')")
+        _divides(t.seq_len, "train.seq_len", p.tensor, "tensor")
+    if p.context > 1:
+        _validate_context(cfg)
+    if p.stage > 1 or p.virtual_stages > 1:
+        from meshlm.parallel.schedules import ScheduleError, check_sizes  # plain Python, no JAX
+
+        _need(p.stage > 1, f"parallel.virtual_stages={p.virtual_stages} needs a pipeline (parallel.stage > 1)")
+        try:
+            check_sizes(p.pipeline_schedule, p.stage, t.microbatches, p.virtual_stages, m.n_layers)
+        except ScheduleError as e:
+            raise ConfigError(str(e)) from None
+        _need(
+            p.context == 1,
+            "pipeline parallelism (parallel.stage > 1) does not compose with context parallelism yet; "
+            "use parallel.context=1 (docs/pipeline.md)",
+        )
+
+
+def _validate_context(cfg: RunConfig) -> None:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    strategies = typing.get_args(ContextStrategy)
+    _need(
+        p.context_strategy in strategies,
+        f"parallel.context_strategy={p.context_strategy!r} unknown; choose from {', '.join(strategies)}",
+    )
+    ulysses = p.context_strategy == "all_to_all"
+    _need(
+        m.attention != "explicit" or ulysses,
+        f"context parallelism (parallel.context > 1, context_strategy={p.context_strategy}) runs the blockwise "
+        "attention kernel; set model.attention=blockwise (or fused), or context_strategy=all_to_all, which "
+        "runs any kernel",
+    )
+    if ulysses:  # every rank attends with 1/(context x tensor) of the heads, over the whole sequence
+        split = p.context * p.tensor
+        for name, heads in (("model.n_heads", m.n_heads), ("the KV heads (model.n_kv_heads)", m.kv_heads)):
+            _need(
+                heads % split == 0,
+                f"parallel.context_strategy=all_to_all splits {name}={heads} over context x tensor = {split}, "
+                "which does not divide it (KV heads are not replicated); choose context and tensor sizes whose "
+                "product divides the heads, or context_strategy=ring / all_gather",
+            )
+    what = "2 x context (load balancing: chunks i and 2c-1-i)" if p.context_load_balance else "context"
+    _need(
+        t.seq_len % p.context_chunks == 0,
+        f"train.seq_len={t.seq_len} is not divisible by {what} = {p.context_chunks}; "
+        "choose a seq_len or a 'context' size that divides it",
+    )
+    chunk = t.seq_len // p.context_chunks
+    block = min(m.attention_block, chunk)
+    _need(
+        ulysses or chunk % block == 0,
+        f"model.attention_block={m.attention_block} does not divide the context chunk of {chunk} tokens "
+        f"(train.seq_len / {p.context_chunks}); choose a block that divides it",
+    )
+    if p.sequence_parallel:
+        _divides(t.seq_len // p.context, "the per-rank sequence train.seq_len/context", p.tensor, "tensor")
+
+
+def _validate_run(cfg: RunConfig) -> None:
+    """Training, data, checkpoint, optimizer and metrics settings."""
+    m, t = cfg.model, cfg.train
+    if m.family == "gpt":
+        _need(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    policies = typing.get_args(RematPolicy)
+    _need(cfg.remat.policy in policies, f"remat.policy={cfg.remat.policy!r} unknown; choose from {', '.join(policies)}")
+    _need(t.steps >= 0 and t.seq_len > 0 and t.global_batch > 0, "train.steps/seq_len/global_batch must be positive")
+    _need(t.microbatches >= 1, "train.microbatches must be >= 1")
+    _need(
+        t.global_batch % t.microbatches == 0,
+        f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}",
+    )
+    _need(t.log_every >= 1 and t.eval_every >= 0, "train.log_every must be >= 1, eval_every >= 0")
+    _need(t.max_consecutive_skips >= 0, "train.max_consecutive_skips must be >= 0")
+    profile = t.profile_range()  # raises on a malformed A:B
+    _need(
+        profile is None or profile[0] <= t.steps,
+        f"train.profile_steps={t.profile_steps!r} starts after the last step ({t.steps})",
+    )
+    if cfg.metrics.wandb:  # checked on every process before any work (importlib only looks, imports nothing)
+        import importlib.util
+
+        _need(
+            importlib.util.find_spec("wandb") is not None,
+            f"metrics.wandb={cfg.metrics.wandb!r} needs Weights & Biases: pip install 'meshlm[wandb]'",
+        )
+    _need(0.0 < cfg.data.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
+    c = cfg.checkpoint
+    _need(c.every >= 0 and c.keep_every >= 0, "checkpoint.every and checkpoint.keep_every must be >= 0")
+    _need(c.keep >= 1, "checkpoint.keep must be >= 1 (the latest checkpoint is always kept)")
+    o = cfg.optim
+    _need(o.lr > 0 and 0 <= o.min_lr_ratio <= 1 and o.warmup_steps >= 0, "optim: lr>0, 0<=min_lr_ratio<=1, warmup>=0")
+
+
+def _validate_divisibility(cfg: RunConfig) -> None:
+    """Every sharded dimension must divide by the product of its mesh axes. Named so the user
+    knows which number to change."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _divides(m.n_heads, "model.n_heads", p.tensor, "tensor")
+    _divides(m.kv_heads, "model.n_kv_heads", p.tensor, "tensor")
+    _divides(m.ffn, "model.d_ff", p.tensor, "tensor")
+    _divides(m.vocab_size, "model.vocab_size", p.tensor, "tensor")
+    _divides(m.d_model, "model.d_model", p.fsdp, "fsdp")
+    micro = t.global_batch // t.microbatches
+    _need(
+        micro % p.batch_shards == 0,
+        f"microbatch size {micro} (train.global_batch={t.global_batch} / train.microbatches={t.microbatches}) "
+        f"is not divisible by mesh axes data*fsdp={p.batch_shards}",
+    )

@@ -8,7 +8,9 @@ Imports nothing on purpose.
 """
 
 # Mesh axes, outermost first (`parallel.mesh.make_mesh` says why in this order).
-MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
+# The axes that split the batch (rows): every data-like axis; `expert` also shards the MoE experts.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # Parameter axes.
 LAYERS = "layers"  # the stacked-layer axis scanned by lax.scan
@@ -19,6 +21,7 @@ HEADS = "heads"
 KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 MLP = "mlp"
+EXPERT = "expert"  # the stacked experts of an MoE layer
 
 # Activation axes.
 BATCH = "batch"
@@ -30,5 +33,5 @@ ACT_KV_HEADS = "act_kv_heads"
 ACT_MLP = "act_mlp"
 ACT_VOCAB = "act_vocab"
 
-PARAM_AXES = (LAYERS, VOCAB, EMBED, POS, HEADS, KV_HEADS, HEAD_DIM, MLP)
+PARAM_AXES = (LAYERS, VOCAB, EMBED, POS, HEADS, KV_HEADS, HEAD_DIM, MLP, EXPERT)
 ACTIVATION_AXES = (BATCH, SEQ, ACT_SEQ, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_VOCAB)

@@ -98,6 +98,28 @@ class ModelConfig:
     # on CPU that helped gpt medium most (1.26x tokens/s on one device), elsewhere mixed (BENCHMARKS.md)
     scan_unroll: int = 1
     init_std: float = 0.02
+    # llama family: RMSNorm of queries and keys over head_dim before RoPE (Qwen3), biases on the
+    # Q, K and V projections (Qwen2)
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    # Mixture of Experts (llama family, docs/moe.md): every layer's MLP becomes `n_experts` SwiGLU
+    # experts of width `expert_d_ff` (0: d_ff), `experts_per_token` of them per token; 0: dense
+    n_experts: int = 0
+    experts_per_token: int = 2
+    expert_d_ff: int = 0
+    # always-on experts beside the routed ones (DeepSeekMoE, Qwen2-MoE), run as one SwiGLU of width
+    # `shared_expert_d_ff` (0: n_shared_experts x the expert width); Qwen2-MoE scales it by sigmoid(x . w)
+    n_shared_experts: int = 0
+    shared_expert_d_ff: int = 0
+    shared_expert_gate: bool = False
+    # the chosen experts' weights: softmax over the k chosen logits (true: Mixtral, Qwen3-MoE with
+    # norm_topk_prob) or the full softmax's probabilities of the chosen (false: Qwen-MoE's default)
+    router_renormalize: bool = True
+    # slots per expert in each capacity group (one sequence): min(t, ceil(factor t k / E)); 0: dropless
+    expert_capacity_factor: float = 0.0
+    # load-balancing loss (Switch/GShard, transformers' form) and router z-loss (ST-MoE) coefficients
+    moe_aux_loss_coef: float = 0.01
+    moe_z_loss_coef: float = 0.0
 
     @property
     def kv_heads(self) -> int:
@@ -118,6 +140,19 @@ class ModelConfig:
     @property
     def tied_embeddings(self) -> bool:
         return self.family == "gpt" or self.tie_embeddings
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.expert_d_ff or self.ffn
+
+    @property
+    def shared_ffn(self) -> int:
+        """Width of the fused shared experts (0: none)."""
+        return self.shared_expert_d_ff or self.n_shared_experts * self.expert_ffn
 
 
 @dataclass(frozen=True)
@@ -141,6 +176,7 @@ class ParallelConfig:
     stage: int = 1
     data: int = 1
     fsdp: int = 1
+    expert: int = 1  # MoE experts sharded over it; it splits the batch of every other layer (as data)
     context: int = 1
     tensor: int = 1
     sequence_parallel: bool = False
@@ -175,7 +211,7 @@ class ParallelConfig:
 
     def describe(self, sep: str = " ") -> str:
         """`data=2 fsdp=1 tensor=4` (stage and context only when > 1)."""
-        axes = (["stage"] if self.stage > 1 else []) + ["data", "fsdp"]
+        axes = (["stage"] if self.stage > 1 else []) + ["data", "fsdp"] + (["expert"] if self.expert > 1 else [])
         axes += (["context"] if self.context > 1 else []) + ["tensor"]
         across = [f"{a}={n}" for a, n in self.dcn.items() if n > 1]
         return sep.join(f"{a}={getattr(self, a)}" for a in axes) + (f" (dcn {','.join(across)})" if across else "")
@@ -187,7 +223,7 @@ class ParallelConfig:
 
     @property
     def batch_shards(self) -> int:
-        return self.data * self.fsdp
+        return self.data * self.fsdp * self.expert
 
 
 @dataclass(frozen=True)
@@ -406,11 +442,16 @@ def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> R
 
 
 def parse_mesh(spec: str, dcn: bool = False) -> dict[str, int]:
-    """`data=2,tensor=4` -> {'stage': 1, 'data': 2, 'fsdp': 1, 'context': 1, 'tensor': 4} (missing axes
+    """`data=2,tensor=4` -> {'stage': 1, 'data': 2, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 4} (missing axes
     are 1); with `dcn` (`--dcn data=2`: ways across slices/nodes) -> {'dcn_data': 2}, tensor refused."""
     sizes, what = ({}, "--dcn") if dcn else (dict.fromkeys(MESH_AXES, 1), "mesh axis")
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, value = part.partition("=")
+        if dcn and name == "expert":
+            raise ConfigError(
+                "--dcn expert: the expert axis stays within a slice or node (its all_to_all runs in every MoE "
+                "layer); put data, fsdp, stage or context across slices"
+            )
         if dcn and name == "tensor":
             raise ConfigError(
                 "--dcn tensor: the tensor axis stays within a slice or node (its collectives run in every layer, "

@@ -24,6 +24,7 @@ import optax
 from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model.loss import cross_entropy_sum
+from meshlm.model.moe import MOE_METRICS, moe_losses
 from meshlm.model.transformer import forward
 from meshlm.optim import lr_schedule
 from meshlm.parallel.pipeline import pipeline_gradients
@@ -51,7 +52,7 @@ def abstract_batch(cfg: RunConfig, layout: Layout) -> Batch:
     return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(layout)) for k in keys}
 
 
-def _forward(params, batch: Batch, cfg: RunConfig, layout: Layout, key=None, remat_policy: str = "elementwise"):
+def _forward(params, batch: Batch, cfg: RunConfig, layout: Layout, key=None, remat_policy: str = "elementwise", **kw):
     return forward(
         params,
         batch["inputs"],
@@ -61,12 +62,25 @@ def _forward(params, batch: Batch, cfg: RunConfig, layout: Layout, key=None, rem
         remat_policy=remat_policy,
         segment_ids=batch.get("segment_ids"),
         positions=batch.get("positions"),
+        **kw,
     )
 
 
 def _loss_sum(params, batch: Batch, cfg: RunConfig, layout: Layout, key):
-    logits = _forward(params, batch, cfg, layout, key, cfg.remat.policy)
-    return cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
+    """(objective summed over the microbatch's tokens, (cross-entropy sum, token count, MoE metrics)).
+
+    MoE: the objective adds count x (aux_coef x load-balancing loss + z_coef x z-loss), so that after
+    the one division by the batch's token count each microbatch's router losses weigh as its tokens."""
+    m = cfg.model
+    if not m.moe:
+        logits = _forward(params, batch, cfg, layout, key, cfg.remat.policy)
+        ce, count = cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
+        return ce, (ce, count, {})
+    logits, stats = _forward(params, batch, cfg, layout, key, cfg.remat.policy, router_stats=True)
+    ce, count = cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
+    metrics = moe_losses(stats, m)
+    router = m.moe_aux_loss_coef * metrics["moe_aux_loss"] + m.moe_z_loss_coef * metrics["moe_z_loss"]
+    return ce + count * router, (ce, count, metrics)
 
 
 def _split_microbatches(batch: Batch, k: int, layout: Layout) -> Batch:
@@ -88,7 +102,9 @@ def dropout_key(cfg: RunConfig, step: jax.Array | int) -> jax.Array | None:
 
 
 def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, param_shardings: dict):
-    """(raw gradients, mean token loss, token count) of one global batch, before any optimizer.
+    """(raw gradients, mean token loss, token count, MoE metrics averaged over the microbatches) of
+    one global batch, before any optimizer. The loss is the cross-entropy; the gradient also has the
+    MoE router losses' (`_loss_sum`).
 
     The gradient is of the mean loss over every counted token of the batch. With k microbatches it
     is accumulated in a `lax.scan` (microbatch i uses dropout key fold_in(key, i)) and divided once
@@ -101,25 +117,26 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         split = lambda b, m: _split_microbatches(b, m, layout)
         grads, loss_sum, count = pipeline_gradients(params, batch, key, cfg, layout, split)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-        return jax.tree.map(lambda g: g / count, grads), loss_sum / count, count
-    grad_fn = jax.value_and_grad(lambda p, b, key: _loss_sum(p, b, cfg, layout, key), has_aux=True)
+        return jax.tree.map(lambda g: g / count, grads), loss_sum / count, count, {}
+    grad_fn = jax.grad(lambda p, b, key: _loss_sum(p, b, cfg, layout, key), has_aux=True)
     if k == 1:
-        (loss_sum, count), grads = grad_fn(params, batch, key)
+        grads, (loss_sum, count, moe_metrics) = grad_fn(params, batch, key)
     else:
 
         def accumulate(carry, xs):
             g_acc, l_acc, c_acc = carry
             mb, i = xs
             mkey = None if key is None else jax.random.fold_in(key, i)
-            (loss_i, count_i), g = grad_fn(params, mb, mkey)
+            g, (loss_i, count_i, metrics_i) = grad_fn(params, mb, mkey)
             g_acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, g_acc, g), param_shardings)
-            return (g_acc, l_acc + loss_i, c_acc + count_i), None
+            return (g_acc, l_acc + loss_i, c_acc + count_i), metrics_i
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         micro = _split_microbatches(batch, k, layout)
-        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
-    return jax.tree.map(lambda g: g / count, grads), loss_sum / count, count
+        (grads, loss_sum, count), per_micro = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
+        moe_metrics = jax.tree.map(lambda a: jnp.mean(a, axis=0), per_micro)
+    return jax.tree.map(lambda g: g / count, grads), loss_sum / count, count, moe_metrics
 
 
 def make_grad_step(cfg: RunConfig, layout: Layout, param_shardings: dict) -> Callable:
@@ -127,10 +144,12 @@ def make_grad_step(cfg: RunConfig, layout: Layout, param_shardings: dict) -> Cal
     shardings: exactly the gradients the train step would hand to the optimizer at `step`."""
 
     def fn(params, batch, step):
-        grads, loss, _ = gradients(params, batch, dropout_key(cfg, step), cfg, layout, param_shardings)
-        return {"grads": grads, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+        grads, loss, _, moe_metrics = gradients(params, batch, dropout_key(cfg, step), cfg, layout, param_shardings)
+        return {"grads": grads, "loss": loss, "grad_norm": optax.tree.norm(grads)} | moe_metrics
 
-    out = {"grads": param_shardings, "loss": layout.replicated(), "grad_norm": layout.replicated()}
+    out = {"grads": param_shardings} | dict.fromkeys(("loss", "grad_norm", *MOE_METRICS), layout.replicated())
+    if not cfg.model.moe:
+        out = {k: v for k, v in out.items() if k not in MOE_METRICS}
     return jax.jit(fn, in_shardings=(param_shardings, batch_sharding(layout), None), out_shardings=out)
 
 
@@ -187,7 +206,8 @@ def make_train_step(
     update = _optimizer_update(cfg, layout, tx, shardings)
 
     def step(state: TrainState, batch: Batch):
-        grads, loss, count = gradients(state.params, batch, dropout_key(cfg, state.step), cfg, layout, shardings.params)
+        key = dropout_key(cfg, state.step)
+        grads, loss, count, moe_metrics = gradients(state.params, batch, key, cfg, layout, shardings.params)
         grad_norm = optax.tree.norm(grads)
         params, opt_state, old_opt_state = update(grads, state)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -214,7 +234,7 @@ def make_train_step(
             "applied": apply,
             "skipped": new_state.skipped,
             "halted": new_state.halted,
-        }
+        } | moe_metrics
         return new_state, metrics
 
     return jax.jit(

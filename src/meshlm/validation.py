@@ -30,6 +30,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     """Check a config for internal consistency and divisibility by its mesh. Returns it unchanged."""
     _validate_model(cfg.model)
     _validate_parallel(cfg)
+    _validate_moe(cfg)
     _validate_run(cfg)
     _validate_divisibility(cfg)
     return cfg
@@ -54,10 +55,50 @@ def _validate_model(m: ModelConfig) -> None:
         )
     _need(0.0 <= m.dropout < 1.0, "model.dropout must be in [0, 1)")
     _need(m.family == "gpt" or m.dropout == 0.0, "model.dropout is only implemented for the gpt family")
+    for flag in ("qk_norm", "qkv_bias"):
+        _need(not getattr(m, flag) or m.family == "llama", f"model.{flag} is a llama-family option")
     _need(
         m.attention != "fused" or m.dropout == 0.0,
         "model.attention=fused has no attention-probability dropout; set model.dropout=0 or attention=explicit "
         "(or blockwise)",
+    )
+
+
+def _validate_moe(cfg: RunConfig) -> None:
+    """Mixture of Experts: what the router needs, and the layouts it composes with."""
+    m, p = cfg.model, cfg.parallel
+    if not m.moe:
+        _need(
+            p.expert == 1,
+            f"parallel.expert={p.expert} shards MoE experts, but the model is dense (model.n_experts=0); "
+            f"use parallel.data={p.expert * p.data} to split the batch",
+        )
+        return
+    _need(m.family == "llama", "model.n_experts (Mixture of Experts) is implemented for the llama family")
+    _need(
+        1 <= m.experts_per_token <= m.n_experts,
+        f"model.experts_per_token={m.experts_per_token} must be in [1, n_experts={m.n_experts}]",
+    )
+    _need(m.expert_d_ff >= 0 and m.shared_expert_d_ff >= 0 and m.n_shared_experts >= 0, "MoE widths must be >= 0")
+    _need(m.expert_capacity_factor >= 0, "model.expert_capacity_factor must be >= 0 (0: dropless)")
+    _need(m.moe_aux_loss_coef >= 0 and m.moe_z_loss_coef >= 0, "model.moe_aux_loss_coef/moe_z_loss_coef must be >= 0")
+    _need(
+        not m.shared_expert_gate or m.shared_ffn > 0,
+        "model.shared_expert_gate needs a shared expert (model.n_shared_experts or shared_expert_d_ff)",
+    )
+    _divides(m.n_experts, "model.n_experts", p.expert, "expert")
+    _divides(m.expert_ffn, "model.expert_d_ff", p.tensor, "tensor")
+    if m.shared_ffn:
+        _divides(m.shared_ffn, "model.shared_expert_d_ff", p.tensor, "tensor")
+    _need(
+        p.stage == 1,
+        "Mixture of Experts does not compose with pipeline parallelism yet (parallel.stage > 1); use the "
+        "expert, data, fsdp and tensor axes (docs/moe.md)",
+    )
+    _need(
+        p.context == 1,
+        "Mixture of Experts routes each sequence as one capacity group, which context parallelism would "
+        "split (parallel.context > 1); use the expert, data, fsdp and tensor axes (docs/moe.md)",
     )
 
 
@@ -180,5 +221,5 @@ def _validate_divisibility(cfg: RunConfig) -> None:
     _need(
         micro % p.batch_shards == 0,
         f"microbatch size {micro} (train.global_batch={t.global_batch} / train.microbatches={t.microbatches}) "
-        f"is not divisible by mesh axes data*fsdp={p.batch_shards}",
+        f"is not divisible by the batch axes data*fsdp*expert={p.batch_shards}",
     )

@@ -105,10 +105,15 @@ def param_specs(cfg: ModelConfig) -> dict:
     layer |= {
         "attn_norm": ParamSpec((L, D), (ax.LAYERS, ax.EMBED), ones, decay=False),
         "mlp_norm": ParamSpec((L, D), (ax.LAYERS, ax.EMBED), ones, decay=False),
-        "w_gate": ParamSpec((L, D, F), (ax.LAYERS, ax.EMBED, ax.MLP), w),
-        "w_up": ParamSpec((L, D, F), (ax.LAYERS, ax.EMBED, ax.MLP), w),
-        "w_down": ParamSpec((L, F, D), (ax.LAYERS, ax.MLP, ax.EMBED), w_out),
     }
+    if cfg.qkv_bias:  # Qwen2
+        layer |= {
+            n: ParamSpec((L, heads, H), (ax.LAYERS, axis, ax.HEAD_DIM), zeros, decay=False)
+            for n, heads, axis in (("bq", N, ax.HEADS), ("bk", K, ax.KV_HEADS), ("bv", K, ax.KV_HEADS))
+        }
+    if cfg.qk_norm:  # Qwen3
+        layer |= {n: ParamSpec((L, H), (ax.LAYERS, ax.HEAD_DIM), ones, decay=False) for n in ("q_norm", "k_norm")}
+    layer |= _moe_specs(cfg, w, w_out) if cfg.moe else _swiglu_specs(L, D, F, w, w_out, "w_")
     tree = {
         "wte": ParamSpec((V, D), (ax.VOCAB, ax.EMBED), w),
         "layers": layer,
@@ -117,6 +122,30 @@ def param_specs(cfg: ModelConfig) -> dict:
     if not cfg.tied_embeddings:  # tied: the output layer is wte, as in GPT-2
         tree["lm_head"] = ParamSpec((D, V), (ax.EMBED, ax.VOCAB), w)
     return tree
+
+
+def _swiglu_specs(L: int, D: int, F: int, w: Init, w_out: Init, prefix: str, lead=()) -> dict:
+    """gate/up [L, *lead, D, F] and down [L, *lead, F, D] of a SwiGLU MLP (`lead`: (E, ax.EXPERT)
+    for stacked experts)."""
+    sizes, names = tuple(n for n, _ in lead), tuple(a for _, a in lead)
+    return {
+        f"{prefix}gate": ParamSpec((L, *sizes, D, F), (ax.LAYERS, *names, ax.EMBED, ax.MLP), w),
+        f"{prefix}up": ParamSpec((L, *sizes, D, F), (ax.LAYERS, *names, ax.EMBED, ax.MLP), w),
+        f"{prefix}down": ParamSpec((L, *sizes, F, D), (ax.LAYERS, *names, ax.MLP, ax.EMBED), w_out),
+    }
+
+
+def _moe_specs(cfg: ModelConfig, w: Init, w_out: Init) -> dict:
+    """The router [L, D, E] (experts never sharded: every device routes to all of them), the
+    stacked experts (`we_*`, sharded over `expert`) and the fused shared experts (`ws_*`)."""
+    L, D, E = cfg.n_layers, cfg.d_model, cfg.n_experts
+    out = {"w_router": ParamSpec((L, D, E), (ax.LAYERS, ax.EMBED, None), w)}
+    out |= _swiglu_specs(L, D, cfg.expert_ffn, w, w_out, "we_", ((E, ax.EXPERT),))
+    if cfg.shared_ffn:
+        out |= _swiglu_specs(L, D, cfg.shared_ffn, w, w_out, "ws_")
+        if cfg.shared_expert_gate:
+            out["ws_router"] = ParamSpec((L, D), (ax.LAYERS, ax.EMBED), w)
+    return out
 
 
 def init_params(specs: dict, key: jax.Array) -> dict:

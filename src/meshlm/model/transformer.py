@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
-from meshlm.model import kernels, layers
+from meshlm.model import kernels, layers, moe
 from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.params import param_specs
 from meshlm.parallel import remat
@@ -68,13 +68,22 @@ class KVCache(NamedTuple):
 CACHE_AXES = (None, ax.BATCH, None, ax.ACT_KV_HEADS, None)  # k/v of one layer (all layers: LAYERS first)
 
 
-def _project(h_btd, wq, wk, wv, *biases, flat: bool = True):
-    """Column-parallel QKV projections (+ gpt's biases). Runs per tensor rank on its heads (inside
-    `column_parallel`), so it must not name mesh axes."""
+def _qkv_names(cfg: ModelConfig) -> list[str]:
+    """The projection weights `_project` takes, in order: Q, K, V (+ their biases: gpt, Qwen2) (+ the
+    query and key norms: Qwen3)."""
+    names = ["wq", "wk", "wv"] + (["bq", "bk", "bv"] if cfg.family == "gpt" or cfg.qkv_bias else [])
+    return names + (["q_norm", "k_norm"] if cfg.qk_norm else [])
+
+
+def _project(h_btd, wq, wk, wv, *rest, cfg: ModelConfig, flat: bool = True):
+    """Column-parallel QKV projections (+ biases, + RMSNorm of q and k over head_dim). Runs per
+    tensor rank on its heads (inside `column_parallel`), so it must not name mesh axes."""
     q, k, v = layers.dense_shared("btd,dnh->btnh", h_btd, [wq, wk, wv], flat)
-    if biases:
-        bq, bk, bv = biases
-        return q + bq, k + bk, v + bv
+    if cfg.family == "gpt" or cfg.qkv_bias:
+        (bq, bk, bv), rest = rest[:3], rest[3:]
+        q, k, v = q + bq, k + bk, v + bv
+    if cfg.qk_norm:
+        q, k = layers.rms_norm(q, rest[0], cfg.norm_eps), layers.rms_norm(k, rest[1], cfg.norm_eps)
     return q, k, v
 
 
@@ -98,7 +107,7 @@ def _qkv(h_btd, *args, cfg: ModelConfig, context: bool = False):
     """Projections, then RoPE (llama) at positions 0..t-1 - or, under context parallelism, at the
     original positions of this rank's tokens, passed first in `args`."""
     positions = args[0] if context else None  # None: 0..t-1 (RoPE's tables constants up to CONSTANT_ROPE_MAX)
-    q, k, v = _project(h_btd, *args[1 if context else 0 :], flat=not context)
+    q, k, v = _project(h_btd, *args[1 if context else 0 :], cfg=cfg, flat=not context)
     if cfg.family == "gpt":
         return q, k, v
     return (*_rope_qk(q, k, positions, cfg), v)
@@ -112,10 +121,10 @@ def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cac
     """Attention of t new tokens over the cache: their K/V are written at slots index..index+t-1
     of layer `kv[2]` of the whole cache `kv[:2]`, then every query attends to the valid slots up
     to its own. Returns (output, (whole k, whole v))."""
-    names = ["wq", "wk", "wv"] + (["bq", "bk", "bv"] if cfg.family == "gpt" else [])
+    names = _qkv_names(cfg)
     q, k, v = column_parallel(
         layout,
-        _project,
+        partial(_project, cfg=cfg),
         h_btd,
         [p[n] for n in names],
         [weight_axes(cfg)[n] for n in names],
@@ -149,7 +158,7 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
     (output, (whole k, whole v))."""
     if dec is not None:
         return _attention_cached(h_btd, p, cfg, layout, *dec)
-    names = ["wq", "wk", "wv"] + (["bq", "bk", "bv"] if cfg.family == "gpt" else [])
+    names = _qkv_names(cfg)
     context = _context(layout)
     extras = [(jnp.asarray(layout.seq_index(h_btd.shape[1])), (ax.SEQ,))] if context else []
     q, k, v = column_parallel(
@@ -198,7 +207,7 @@ def _drop_positions(layout: Layout | None, t: int) -> jax.Array | None:
 
 def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None, dec=None):
     """Pre-LN GPT layer (P2 Fig. 2): LN -> attention -> dropout -> +x; LN -> GeLU MLP -> dropout -> +x.
-    Returns the new residual stream, and with `dec` (decoding) also the layer's updated (k, v)."""
+    Returns (the new residual stream, with `dec` (decoding) the layer's updated (k, v), else None)."""
     rate = cfg.dropout
     at = _drop_positions(layout, x_btd.shape[1])
     norm = remat.wrap_elementwise(partial(layers.layer_norm, eps=cfg.norm_eps), remat_policy)
@@ -215,18 +224,23 @@ def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_poli
     f = remat.wrap_elementwise(layers.gelu, remat_policy)(f)
     o = row_parallel(layout, "btf,fd->btd", f, p["w_proj"], MLP_ACT, axes["w_proj"], RESIDUAL) + p["b_proj"]
     x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _MLP_OUT), at), RESIDUAL)
-    return x_btd if dec is None else (x_btd, kv)
+    return x_btd, kv
 
 
 def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None, dec=None):
-    """Llama layer: RMSNorm -> GQA attention with RoPE -> +x; RMSNorm -> SwiGLU -> +x (and with
-    `dec`, the layer's updated (k, v), as gpt_block)."""
+    """Llama layer: RMSNorm -> GQA attention with RoPE -> +x; RMSNorm -> SwiGLU (or the MoE layer)
+    -> +x. Returns (the new residual stream, with `dec` the layer's updated (k, v), else the MoE
+    layer's RouterStats or None)."""
     norm = remat.wrap_elementwise(partial(layers.rms_norm, eps=cfg.norm_eps), remat_policy)
     h = norm(x_btd, p["attn_norm"])
     o, kv = _attention(h, p, key, cfg, layout, remat_policy, segments, dec)
     x_btd = constrain(layout, x_btd + o, RESIDUAL)
 
     h = norm(x_btd, p["mlp_norm"])
+    if cfg.moe:
+        o, stats = moe.moe_ffn(layout, h, p, cfg, weight_axes(cfg), RESIDUAL)
+        x_btd = constrain(layout, x_btd + o, RESIDUAL)
+        return x_btd, (stats if dec is None else kv)
     flat = not _context(layout)
     gate, up = column_parallel(
         layout,
@@ -241,7 +255,7 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
     act = remat.wrap_elementwise(layers.swiglu, remat_policy)(gate, up)
     o = row_parallel(layout, "btf,fd->btd", act, p["w_down"], MLP_ACT, down_axes, RESIDUAL)
     x_btd = constrain(layout, x_btd + o, RESIDUAL)
-    return x_btd if dec is None else (x_btd, kv)
+    return x_btd, kv
 
 
 BLOCKS = {"gpt": gpt_block, "llama": llama_block}
@@ -280,8 +294,10 @@ def run_layers(
     remat_policy: str = "elementwise",
     segment_ids: jax.Array | None = None,
     chain: bool = False,
-) -> jax.Array:
-    """`lax.scan` of the layer over stacked fp32 weights [n, ...]; layer j draws its dropout from
+) -> tuple[jax.Array, moe.RouterStats | None]:
+    """(the residual stream after the layers, the MoE layers' RouterStats stacked [n, ...] or None).
+
+    `lax.scan` of the layer over stacked fp32 weights [n, ...]; layer j draws its dropout from
     fold_in(key, layer_ids[j]) (its index in the whole model), so a pipeline chunk of layers
     draws what the whole model would. With `chain` there is no loop: the layers are called one
     after another on the parts of the split weights (no stacked residual buffers; the program grows
@@ -295,7 +311,7 @@ def run_layers(
     def body(x_btd, layer):
         p, i = layer
         layer_key = None if key is None else jax.random.fold_in(key, i)
-        return block(x_btd, cast(p), layer_key, segments=segment_ids), None
+        return block(x_btd, cast(p), layer_key, segments=segment_ids)  # (x, RouterStats or None)
 
     n = layer_ids.shape[0]
     layer = remat.wrap_layer(body, remat_policy)
@@ -305,11 +321,12 @@ def run_layers(
         # array, each of which XLA:CPU writes out (n times the gradient's bytes, mostly zeros).
         leaves, tree = jax.tree.flatten((stacked, layer_ids))
         parts = [jax.lax.split(a, [1] * n) for a in leaves]
+        stats = []
         for j in range(n):
-            x_btd, _ = layer(x_btd, jax.tree.unflatten(tree, [jnp.squeeze(p[j], 0) for p in parts]))
-        return x_btd
-    x, _ = jax.lax.scan(layer, x_btd, (stacked, layer_ids), unroll=min(cfg.scan_unroll, n))
-    return x
+            x_btd, s = layer(x_btd, jax.tree.unflatten(tree, [jnp.squeeze(p[j], 0) for p in parts]))
+            stats.append(s)
+        return x_btd, None if stats[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *stats)
+    return jax.lax.scan(layer, x_btd, (stacked, layer_ids), unroll=min(cfg.scan_unroll, n))
 
 
 def logits(
@@ -348,7 +365,8 @@ def forward(
     positions: jax.Array | None = None,
     cache: KVCache | None = None,
     prefill: bool = False,
-) -> jax.Array | tuple[jax.Array, KVCache]:
+    router_stats: bool = False,
+) -> jax.Array | tuple[jax.Array, KVCache] | tuple[jax.Array, moe.RouterStats]:
     """Logits [b, t, v] in fp32 for int tokens [b, t]: `embed` -> `run_layers` -> `logits`.
 
     `params` are fp32 masters; each layer casts its slice to `cfg.dtype` just before use. `key`
@@ -359,6 +377,7 @@ def forward(
     last position's logits [b, 1, v] and the cache with their K/V written and its index advanced.
     `prefill`: the cache is empty (index 0), so a blockwise/fused model attends among the new
     tokens with its O(s) kernel instead of over the whole cache.
+    `router_stats` (MoE, no cache): returns (logits, the layers' RouterStats [L, b, ...]).
     """
     t = tokens_bt.shape[1]
     if cache is not None:
@@ -367,8 +386,9 @@ def forward(
     ids = jnp.arange(cfg.n_layers)
     if cache is None:
         chain = cfg.scan_unroll >= cfg.n_layers > 1  # fully unrolled: no loop at all
-        x = run_layers(x, params["layers"], ids, cfg, layout, key, remat_policy, segment_ids, chain)
-        return logits(params, x, cfg, layout, remat_policy)
+        x, stats = run_layers(x, params["layers"], ids, cfg, layout, key, remat_policy, segment_ids, chain)
+        out = logits(params, x, cfg, layout, remat_policy)
+        return (out, stats) if router_stats else out
 
     dtype = jnp.dtype(cfg.dtype)
     cast = partial(jax.tree.map, lambda w: w.astype(dtype))

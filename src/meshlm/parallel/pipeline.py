@@ -139,7 +139,7 @@ def pipeline_gradients(
     x_shape = (b, s_len, mcfg.d_model)
 
     def chunk_fn(w, x, k, ids, seg):
-        return run_layers(x, w, ids, mcfg, layout, k, policy, seg)
+        return run_layers(x, w, ids, mcfg, layout, k, policy, seg)[0]
 
     def embed_fn(top, mb, k):
         return embed(top, mb["inputs"], mcfg, layout, k, mb.get("positions"))

@@ -4,7 +4,8 @@ the single place where a strategy becomes a sharding.
 One table serves data parallel, FSDP (ZeRO-3), Megatron tensor parallelism and their
 combinations, because the mesh always has all three axes and an axis of size 1 shards nothing:
 
-- batch over (data, fsdp): every data-like axis splits the batch;
+- batch over (data, fsdp, expert): every data-like axis splits the batch;
+- MoE experts (the stacked `expert` axis of their weights) over `expert` (`model.moe`);
 - weight `embed` dims over fsdp: parameters (and, through `optim.py`, optimizer state) are split
   ZeRO-3 style and gathered by XLA just in time for each layer;
 - heads / kv_heads / mlp / vocab over tensor: QKV and MLP-in are column-parallel, attention-out
@@ -42,8 +43,9 @@ RULES: dict[str, MeshAxes] = {
     ax.KV_HEADS: "tensor",
     ax.HEAD_DIM: None,
     ax.MLP: "tensor",
+    ax.EXPERT: "expert",
     # activations
-    ax.BATCH: ("data", "fsdp"),
+    ax.BATCH: ax.BATCH_AXES,
     ax.SEQ: "context",
     ax.ACT_SEQ: "context",
     ax.ACT_EMBED: None,

@@ -1,0 +1,216 @@
+"""Mixture-of-Experts feed-forward layer: top-k routing, capacity buffers, expert parallelism.
+
+Each token's router logits r = x W_r pick its k experts (top-k of the logits); the layer output is
+the sum over the chosen experts of weight_e * SwiGLU_e(x), plus always-on shared experts where the
+model has them. The weights are the softmax over the k chosen logits (`router_renormalize`,
+Mixtral; the same as renormalising the full softmax's top-k) or the full softmax's probabilities
+of the chosen (Qwen-MoE without `norm_topk_prob`).
+
+**Capacity groups.** Tokens compete for an expert's slots within one *group*: one sequence (a row
+of the batch). Each expert has C slots per group, C = min(t, ceil(factor * t * k / E)), or t
+(dropless: no token can be refused, since a token picks an expert at most once). Slots are filled
+in priority order: all first choices of the row in token order, then all second choices, and so on
+(GShard's rule: a token's first choice outranks anyone's second). An assignment past C is dropped:
+it adds nothing, and the residual stream carries the token past the layer. Because a group is one
+row, every layout that keeps rows whole (data, fsdp, expert, tensor, sequence parallelism) routes
+and drops exactly the same assignments as one device; splitting a row (context parallelism) would
+change the groups, so MoE refuses `context` > 1.
+
+**Expert GEMMs.** The tokens are gathered into capacity buffers [rows, E, C, d] (an index gather,
+no one-hot einsum), and every expert's SwiGLU runs as one batched GEMM over its C slots per row:
+the FLOPs are those of the buffers (capacity x the active FLOPs; dropless: E/k x), what XLA:CPU can
+run without a grouped GEMM (`jax.lax.ragged_dot` lowers there to a dense dot over every expert).
+
+**Expert parallelism.** Experts are sharded over the `expert` mesh axis, which also splits the
+batch for every other layer. Inside one `shard_map` region each device routes its own rows, then an
+`all_to_all` over `expert` sends each expert's slots to the device that holds it ([rows, E, C, d]
+-> [expert x rows, E/expert, C, d]), the local experts run, and a second `all_to_all` brings the
+outputs back to their rows. With a tensor axis each expert's FFN is split Megatron-style (gate/up
+column-parallel, down row-parallel) and the partial sums are reduced once at the region's exit
+(an all-reduce, or a reduce-scatter along the sequence under SP, whose entry all-gathers it).
+
+Shapes: b rows, t tokens, d d_model, E experts, k experts per token, C slots, f expert width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from meshlm import axes as ax
+from meshlm.config import ModelConfig
+from meshlm.model import layers
+from meshlm.parallel.rules import Layout
+
+EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
+SHARED_WEIGHTS = ("ws_gate", "ws_up", "ws_down")
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "expert_load", "dropped_fraction")  # `moe_losses`' keys
+
+
+class RouterStats(NamedTuple):
+    """Per row (capacity group) of one MoE layer, summed over its tokens; the step turns them into
+    the auxiliary losses and the load metrics over the whole microbatch (`moe_losses`)."""
+
+    counts: jax.Array  # [b, E] assignments routed to each expert (before any drop)
+    prob_sum: jax.Array  # [b, E] router probabilities summed over the row's tokens
+    z_sum: jax.Array  # [b] sum over tokens of logsumexp(logits)^2
+    dropped: jax.Array  # [b] assignments past their expert's capacity
+
+
+def capacity(cfg: ModelConfig, t: int) -> int:
+    """Slots per expert per group of t tokens: min(t, ceil(factor t k / E)), t when dropless."""
+    if cfg.expert_capacity_factor <= 0:
+        return t
+    return max(1, min(t, math.ceil(cfg.expert_capacity_factor * t * cfg.experts_per_token / cfg.n_experts)))
+
+
+def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(weights [.., k] fp32, experts [.., k] int32, probabilities [.., E] fp32) of fp32 logits."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    top, experts = jax.lax.top_k(logits, k)
+    weights = jax.nn.softmax(top, axis=-1) if renormalize else jnp.take_along_axis(probs, experts, axis=-1)
+    return weights, experts, probs
+
+
+def assign_slots(experts_btk: jax.Array, n_experts: int, slots: int) -> tuple[jax.Array, jax.Array]:
+    """(slot [b, k*t], kept [b, k*t]) of each assignment in priority order (choice-major: all first
+    choices of the row by token, then the second, ...): its flat slot e*C + position among the
+    assignments to e so far, or E*C (out of range) when past the capacity."""
+    b, t, k = experts_btk.shape
+    order = experts_btk.transpose(0, 2, 1).reshape(b, k * t)
+    one_hot = (order[..., None] == jnp.arange(n_experts, dtype=order.dtype)).astype(jnp.int32)
+    position = jnp.sum((jnp.cumsum(one_hot, axis=1) - 1) * one_hot, axis=-1)
+    kept = position < slots
+    return jnp.where(kept, order * slots + position, n_experts * slots), kept
+
+
+def _swiglu_experts(buf_recd: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """Every local expert's SwiGLU on its slots: one batched GEMM per weight (batch axis e)."""
+    gate = jnp.einsum("recd,edf->recf", buf_recd, w_gate)
+    up = jnp.einsum("recd,edf->recf", buf_recd, w_up)
+    return jnp.einsum("recf,efd->recd", layers.swiglu(gate, up), w_down)
+
+
+def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig, ep: str | None):
+    """The MoE layer on one device's rows (all of them without a mesh): routes, dispatches into
+    capacity buffers, exchanges them over `ep` (the expert axis, if sharded), runs the experts,
+    combines. Returns (partial output [b, t, d] (partial over `tensor` if sharded), RouterStats)."""
+    b, t, d = x_btd.shape
+    E, k = cfg.n_experts, cfg.experts_per_token
+    C = capacity(cfg, t)
+    logits = jnp.einsum("btd,de->bte", x_btd, router, preferred_element_type=jnp.float32)
+    weights, experts, probs = route(logits, k, cfg.router_renormalize)
+    slot, kept = assign_slots(experts, E, C)
+    token = jnp.arange(k * t, dtype=jnp.int32) % t
+    # which token fills each slot (t: none); then the buffers are one gather of x, filled with zeros
+    rows = jnp.arange(b)[:, None]
+    filler = jnp.full((b, E * C), t, jnp.int32).at[rows, slot].set(jnp.broadcast_to(token, slot.shape), mode="drop")
+    buf = jnp.take_along_axis(x_btd, filler[..., None], axis=1, mode="fill", fill_value=0).reshape(b, E, C, d)
+    if ep is not None:  # each expert's slots to the device holding it: [X b, E/X, C, d]
+        buf = jax.lax.all_to_all(buf, ep, split_axis=1, concat_axis=0, tiled=True)
+    out = _swiglu_experts(buf, we_gate, we_up, we_down)
+    if ep is not None:
+        out = jax.lax.all_to_all(out, ep, split_axis=0, concat_axis=1, tiled=True)
+    picked = jnp.take_along_axis(out.reshape(b, E * C, d), slot[..., None], axis=1, mode="fill", fill_value=0)
+    w_bkt = weights.transpose(0, 2, 1).astype(x_btd.dtype)
+    y = jnp.einsum("bktd,bkt->btd", picked.reshape(b, k, t, d), w_bkt)
+    if shared:
+        y = y + _shared_expert(x_btd, *shared)
+    counts = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(1, 2))
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    stats = RouterStats(
+        counts=counts,
+        prob_sum=jnp.sum(probs, axis=1),
+        z_sum=jnp.sum(jnp.square(lse), axis=1),
+        dropped=jnp.sum(1.0 - kept.astype(jnp.float32), axis=1),
+    )
+    return y, stats
+
+
+def _shared_expert(x_btd, w_gate, w_up, w_down, gate=None):
+    """The always-on experts, fused into one SwiGLU (Qwen2-MoE: scaled by sigmoid(x . gate))."""
+    gate_btf = layers.dense("btd,df->btf", x_btd, w_gate, False)
+    up_btf = layers.dense("btd,df->btf", x_btd, w_up, False)
+    y = layers.dense("btf,fd->btd", layers.swiglu(gate_btf, up_btf), w_down, False)
+    if gate is None:
+        return y
+    g = jax.nn.sigmoid(jnp.einsum("btd,d->bt", x_btd, gate, preferred_element_type=jnp.float32))
+    return y * g[..., None].astype(y.dtype)
+
+
+def moe_names(cfg: ModelConfig) -> list[str]:
+    """The layer's MoE weights, in the order `_moe_local` takes them."""
+    names = ["w_router", *EXPERT_WEIGHTS]
+    if cfg.shared_ffn:
+        names += [*SHARED_WEIGHTS] + (["ws_router"] if cfg.shared_expert_gate else [])
+    return names
+
+
+def _region_spec(layout: Layout, logical_axes, keep: tuple[str, ...]) -> P:
+    """A weight's spec restricted to the mesh axes in `keep` (replicated over the others, which
+    GSPMD gathers on entry, as for the tensor-parallel regions)."""
+    parts = []
+    for logical in logical_axes:
+        names = tuple(n for n in layout.mesh_axes(logical) if n in keep)
+        parts.append(None if not names else names[0] if len(names) == 1 else names)
+    return P(*parts)
+
+
+def moe_ffn(layout: Layout | None, x_btd: jax.Array, p: dict, cfg: ModelConfig, weight_axes: dict, residual_axes):
+    """The MoE feed-forward of one layer on the residual stream's normed input: (output laid out
+    like the residual, RouterStats with rows over the batch axes)."""
+    from meshlm.parallel.collectives import manual_region
+
+    names = moe_names(cfg)
+    weights = [p[n] for n in names]
+    if layout is None:
+        return _moe_local(x_btd, *weights, cfg=cfg, ep=None)
+    ep = "expert" if layout.mesh.shape["expert"] > 1 else None
+    tp = layout.tensor_size > 1
+    sp = layout.sequence_parallel
+
+    def local(x, *ws):
+        if sp:
+            x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
+        y, stats = _moe_local(x, *ws, cfg=cfg, ep=ep)
+        if sp:
+            y = jax.lax.psum_scatter(y, "tensor", scatter_dimension=1, tiled=True)
+        elif tp:
+            y = jax.lax.psum(y, "tensor")
+        return y, stats
+
+    rows = layout.spec((ax.BATCH,))
+    stats_specs = RouterStats(rows, rows, rows, rows)
+    weight_specs = [_region_spec(layout, weight_axes[n], ("expert", "tensor")) for n in names]
+    region = manual_region(
+        layout,
+        local,
+        in_specs=(layout.spec(residual_axes), *weight_specs),
+        out_specs=(layout.spec(residual_axes), stats_specs),
+    )
+    return region(x_btd, *weights)
+
+
+def moe_losses(stats: RouterStats, cfg: ModelConfig) -> dict[str, jax.Array]:
+    """From the per-layer, per-row statistics [L, b, ...] of one microbatch: the load-balancing loss
+    (Switch/GShard, in `transformers`' form: E * sum_e f_e P_e with f_e the fraction of tokens that
+    route to e (sums to k) and P_e its mean probability; k when perfectly balanced), the router
+    z-loss (ST-MoE: mean of logsumexp^2), each averaged over the MoE layers; the load of every
+    layer's experts (the fraction of routed assignments each receives; [L, E]) and the fraction of
+    assignments dropped."""
+    tokens = stats.counts.sum(axis=(1, 2)) / cfg.experts_per_token  # [L]
+    f = stats.counts.sum(axis=1) / tokens[:, None]
+    mean_p = stats.prob_sum.sum(axis=1) / tokens[:, None]
+    aux = jnp.mean(cfg.n_experts * jnp.sum(f * mean_p, axis=-1))
+    z = jnp.mean(stats.z_sum.sum(axis=1) / tokens)
+    routed = stats.counts.sum(axis=(1, 2))
+    return {
+        "moe_aux_loss": aux,
+        "moe_z_loss": z,
+        "expert_load": stats.counts.sum(axis=1) / routed[:, None],
+        "dropped_fraction": stats.dropped.sum() / routed.sum(),
+    }

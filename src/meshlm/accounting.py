@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from meshlm.config import ModelConfig, RunConfig
 from meshlm.parallel.schedules import build, first_stage_in_flight, tables
@@ -34,21 +35,64 @@ def param_count(cfg: ModelConfig) -> int:
     if cfg.family == "gpt":
         per_layer = attn + (n * h + 2 * k * h + d) + 2 * d * f + f + d + 4 * d  # + biases, 2 LNs
         return v * d + cfg.max_seq_len * d + L * per_layer + 2 * d
-    per_layer = attn + 3 * d * f + 2 * d
+    per_layer = attn + _mlp_params(cfg, cfg.n_experts) + 2 * d
+    per_layer += (n * h + 2 * k * h if cfg.qkv_bias else 0) + (2 * h if cfg.qk_norm else 0)
     return (1 if cfg.tied_embeddings else 2) * v * d + L * per_layer + d
 
 
+def _mlp_params(cfg: ModelConfig, experts: int) -> int:
+    """A llama layer's MLP parameters with `experts` routed experts counted (MoE: router, experts,
+    shared experts and their gate; dense: the SwiGLU)."""
+    d = cfg.d_model
+    if not cfg.moe:
+        return 3 * d * cfg.ffn
+    return d * cfg.n_experts + experts * 3 * d * cfg.expert_ffn + 3 * d * cfg.shared_ffn + d * cfg.shared_expert_gate
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all of a dense model's; an MoE model's with k of its E routed
+    experts (router, shared experts, attention and embeddings counted whole)."""
+    if not cfg.moe:
+        return param_count(cfg)
+    idle = _mlp_params(cfg, cfg.n_experts) - _mlp_params(cfg, cfg.experts_per_token)
+    return param_count(cfg) - cfg.n_layers * idle
+
+
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
-    """Forward GEMM FLOPs of one layer for one token, by term."""
+    """Forward GEMM FLOPs of one layer for one token, by term. MoE (Megatron's form): "mlp" is the
+    k routed experts' SwiGLUs plus the shared experts' (and their gate), "router" the router's."""
     d, n, k, h, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head, cfg.ffn
     n_mlp_mats = 2 if cfg.family == "gpt" else 3
-    return {
+    terms = {
         "qkv": 2 * d * (n + 2 * k) * h,
         "attn_scores": 2 * seq_len * n * h,  # QK^T, not halved for causality
         "attn_values": 2 * seq_len * n * h,  # probs @ V
         "attn_out": 2 * n * h * d,
         "mlp": 2 * n_mlp_mats * d * f,
     }
+    if cfg.moe:
+        routed = cfg.experts_per_token * 3 * d * cfg.expert_ffn
+        terms |= {"mlp": 2 * (routed + 3 * d * cfg.shared_ffn + d * cfg.shared_expert_gate)}
+        terms["router"] = 2 * d * cfg.n_experts
+    return terms
+
+
+def expert_capacity(cfg: ModelConfig, t: int) -> int:
+    """Slots per expert in a capacity group of t tokens (one sequence): min(t, ceil(factor t k / E)),
+    and t when dropless (`model.expert_capacity_factor` = 0): a token picks an expert at most once."""
+    if cfg.expert_capacity_factor <= 0:
+        return t
+    return max(1, min(t, math.ceil(cfg.expert_capacity_factor * t * cfg.experts_per_token / cfg.n_experts)))
+
+
+def expert_slot_flops(cfg: RunConfig) -> tuple[int, int]:
+    """Forward FLOPs per step of the routed experts' SwiGLUs: (as counted, k experts per token; as
+    executed, over the capacity buffers: E x C slots per sequence, filled or not). (0, 0) dense."""
+    m, t = cfg.model, cfg.train
+    if not m.moe:
+        return 0, 0
+    one = 2 * 3 * m.d_model * m.expert_ffn * t.global_batch * m.n_layers
+    return m.experts_per_token * t.seq_len * one, m.n_experts * expert_capacity(m, t.seq_len) * one
 
 
 def model_flops_per_step(cfg: RunConfig) -> int:
@@ -85,6 +129,10 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     - dots / offload: the weight-GEMM outputs are kept, but not the attention core's batched
       matmuls (QK^T and attention over V, or the O(s) kernel's forward): those run again, as
       backward needs the core's output; elementwise: none.
+
+    MoE: the routed experts' GEMMs run over the capacity buffers (`expert_slot_flops`), and `full`
+    recomputes all of them, down projection included (the combine's weight gradient reads its
+    output); `dots` and `offload` recompute them too (batched matmuls, like the attention core).
     """
     m, t = cfg.model, cfg.train
     terms = layer_forward_flops_per_token(m, t.seq_len)
@@ -92,11 +140,14 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     policy = cfg.remat.policy
     frac = attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
     attn = terms["attn_scores"] + terms["attn_values"]
+    counted, executed = expert_slot_flops(cfg)
     if policy == "full":
         last_mlp = terms["mlp"] // (2 if m.family == "gpt" else 3)
-        return round(tokens_layers * (sum(terms.values()) - last_mlp - attn + frac * attn))
+        if m.moe:  # only the shared experts' down projection, when no gate multiplies its output
+            last_mlp = 0 if m.shared_expert_gate else 2 * m.d_model * m.shared_ffn
+        return round(tokens_layers * (sum(terms.values()) - last_mlp - attn + frac * attn)) + executed - counted
     if policy in ("dots", "offload"):
-        return round(tokens_layers * frac * attn)
+        return round(tokens_layers * frac * attn) + executed
     if policy == "selective" and m.attention == "explicit":  # the O(s) kernels are never checkpointed
         return round(tokens_layers * frac * terms["attn_scores"])
     return 0
@@ -241,9 +292,12 @@ def forward_flops_per_step(cfg: RunConfig) -> int:
 def hardware_flops_per_step(cfg: RunConfig) -> int:
     """GEMM FLOPs actually executed per step: model FLOPs plus the policy's recomputation, with what
     the attention kernel executes (chunked explicit, blockwise, fused) instead of the counted s x s
-    terms. HFU uses this. (For P2's own HFU numbers, which assume more recomputation, see
+    terms, and (MoE) the routed experts over their whole capacity buffers instead of k per token.
+    HFU uses this. (For P2's own HFU numbers, which assume more recomputation, see
     `p2_eq8_flops`.)"""
-    return model_flops_per_step(cfg) + recompute_flops_per_step(cfg) + _attention_kernel_flops_adjustment(cfg)
+    counted, executed = expert_slot_flops(cfg)  # MoE: every capacity slot runs, filled or not
+    extra = 3 * (executed - counted)
+    return model_flops_per_step(cfg) + recompute_flops_per_step(cfg) + _attention_kernel_flops_adjustment(cfg) + extra
 
 
 def p2_eq8_flops(batch: int, n_layers: int, seq_len: int, d_model: int, vocab: int) -> float:

@@ -106,6 +106,79 @@ def llama_1b() -> RunConfig:
     )
 
 
+def moe_tiny() -> RunConfig:
+    """`llama-tiny` with a Mixture of Experts in every layer: 8 experts of width 128, top-2, capacity
+    factor 1.25 (GShard's), load-balancing and z losses, experts split over expert=2 (docs/moe.md)."""
+    base = llama_tiny()
+    model = dataclasses.replace(
+        base.model,
+        n_experts=8,
+        experts_per_token=2,
+        expert_d_ff=128,
+        expert_capacity_factor=1.25,
+        moe_aux_loss_coef=0.01,
+        moe_z_loss_coef=1e-3,
+    )
+    return dataclasses.replace(base, model=model, parallel=ParallelConfig(expert=2))
+
+
+def _moe_recipe(model: ModelConfig, mesh: ParallelConfig, batch: int, seq_len: int) -> RunConfig:
+    return RunConfig(
+        model=model,
+        parallel=mesh,
+        optim=OptimConfig(lr=3e-4, warmup_steps=2000),
+        train=TrainConfig(steps=100_000, global_batch=batch, seq_len=seq_len, eval_every=1000),
+    )
+
+
+def mixtral_8x7b() -> RunConfig:
+    """Mixtral-8x7B's shapes (its config.json): 32 layers, h=4096, 32 heads, 8 kv heads, 8 SwiGLU
+    experts of width 14336, top-2, vocabulary 32000, RoPE theta 1e6: 46,702,792,704 parameters,
+    12,879,925,248 active per token. Planner-sized (bf16, dropless)."""
+    model = ModelConfig(
+        family="llama",
+        vocab_size=32000,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        max_seq_len=32768,
+        dtype="bfloat16",
+        rope_theta=1e6,
+        n_experts=8,
+        experts_per_token=2,
+        moe_aux_loss_coef=0.02,
+    )
+    return _moe_recipe(model, ParallelConfig(data=2, expert=8, tensor=4), 256, 4096)
+
+
+def qwen3_30b_a3b() -> RunConfig:
+    """Qwen3-30B-A3B's shapes (its config.json): 48 layers, h=2048, 32 heads of 128, 4 kv heads,
+    q/k norms, 128 experts of width 768, top-8 renormalised, vocabulary 151936, RoPE theta 1e6, RMSNorm
+    eps 1e-6: 30,532,122,624 parameters, 3,353,032,704 active. Planner-sized (bf16, dropless)."""
+    model = ModelConfig(
+        family="llama",
+        vocab_size=151936,
+        d_model=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        d_ff=6144,
+        max_seq_len=40960,
+        dtype="bfloat16",
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        qk_norm=True,
+        n_experts=128,
+        experts_per_token=8,
+        expert_d_ff=768,
+        moe_aux_loss_coef=0.001,
+    )
+    return _moe_recipe(model, ParallelConfig(data=4, expert=16), 256, 4096)
+
+
 RECIPES: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
     "llama-tiny": llama_tiny,
@@ -114,6 +187,9 @@ RECIPES: dict[str, Callable[[], RunConfig]] = {
     "llama-1b": llama_1b,
     "gpt-22b": gpt_22b,
     "gpt-175b": gpt_175b,
+    "moe-tiny": moe_tiny,
+    "mixtral-8x7b": mixtral_8x7b,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
 }
 
 

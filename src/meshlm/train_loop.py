@@ -34,6 +34,21 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def moe_record(m: dict) -> dict:
+    """The MoE part of a logged step's record: the router losses (before their coefficients), the
+    fraction of routed assignments dropped by capacity, every layer's load per expert (fractions of
+    the layer's assignments; 1/E each when balanced) and the largest load x E over all layers (1:
+    perfectly balanced; E: one expert takes everything)."""
+    load = np.asarray(m["expert_load"], dtype=np.float64)
+    return {
+        "moe_aux_loss": float(m["moe_aux_loss"]),
+        "moe_z_loss": float(m["moe_z_loss"]),
+        "dropped_fraction": float(m["dropped_fraction"]),
+        "expert_load_max": float(load.max() * load.shape[-1]),
+        "expert_load": [[round(float(v), 6) for v in row] for row in load],
+    }
+
+
 class TrainingError(RuntimeError):
     """Training cannot continue (e.g. a non-finite loss); the message says where and why."""
 
@@ -254,6 +269,8 @@ class StepLoop:
         if not m["applied"]:  # a skipped step (on_nonfinite=skip): NaN and inf are not JSON
             record |= {"loss": None, "grad_norm": None}
         record["skipped"] = int(m["skipped"])  # non-finite steps skipped so far (on_nonfinite=skip)
+        if "expert_load" in m:  # MoE: router losses, drops and each layer's load per expert
+            record |= moe_record(m)
         now, steps = _clock(), n - self.step_last
         eta = None
         if steps > 0:  # the first step of an attempt compiles and warms up: no rate for it

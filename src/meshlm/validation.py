@@ -29,8 +29,8 @@ def _divides(value: int, what: str, size: int, axis: str) -> None:
 def validate(cfg: RunConfig) -> RunConfig:
     """Check a config for internal consistency and divisibility by its mesh. Returns it unchanged."""
     _validate_model(cfg.model)
-    _validate_parallel(cfg)
     _validate_moe(cfg)
+    _validate_parallel(cfg)
     _validate_run(cfg)
     _validate_divisibility(cfg)
     return cfg

@@ -191,9 +191,15 @@ def load_params(hf_dir: str | Path, cfg: ModelConfig, shardings: dict) -> dict:
 def _build_leaf(reader: st.Reader, rule: Rule, prefix: str, shape: tuple[int, ...], sharding) -> Any:
     import jax
 
-    def hf_name(i: int | None) -> str:
-        n = rule.hf.format(i=i) if i is not None else rule.hf
+    def hf_name(index) -> str:
+        n = rule.name(index)
         return n.removeprefix(prefix) if prefix else n
+
+    def read(i: int | None, per: tuple[int, ...]) -> np.ndarray:
+        """Layer i's value (stacked over the experts: each of them is its own tensor)."""
+        if rule.experts:
+            return np.stack([rule.to_meshlm(reader.get(hf_name((i, e))), per[1:]) for e in range(rule.experts)])
+        return rule.to_meshlm(reader.get(hf_name(i)), per)
 
     # Each HF tensor is read and converted once per leaf and dropped after the last device slice
     # that needs it; a slice several devices hold (replicas) is built once and dropped after its
@@ -208,7 +214,7 @@ def _build_leaf(reader: st.Reader, rule: Rule, prefix: str, shape: tuple[int, ..
 
     def one(i: int | None, per: tuple[int, ...], idx: tuple) -> np.ndarray:
         if i not in converted:
-            converted[i] = np.asarray(rule.to_meshlm(reader.get(hf_name(i)), per), dtype=np.float32)
+            converted[i] = np.asarray(read(i, per), dtype=np.float32)
         out = np.array(converted[i][idx])
         uses[i] -= 1
         if uses[i] <= 0:
@@ -234,7 +240,7 @@ def _build_leaf(reader: st.Reader, rule: Rule, prefix: str, shape: tuple[int, ..
 # ------------------------------------------------------------------------------------------ export
 
 
-Sources = list[tuple[Rule, "int | None"]]  # the meshlm leaves (and layer) one HF tensor is made of
+Sources = list[tuple[Rule, Any]]  # the meshlm leaves (and layer, or (layer, expert)) one HF tensor is made of
 
 
 def save_pretrained(
@@ -289,8 +295,8 @@ def _hf_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], Sources]]:
     """Every Hugging Face tensor of the model in natural name order: (name, shape, its sources)."""
     tensors: dict[str, tuple[tuple[int, ...], Sources]] = {}
     for r in rules(cfg):
-        for i, name in enumerate(r.names(cfg.n_layers)):
-            tensors.setdefault(name, (r.hf_shape, []))[1].append((r, i if r.layered else None))
+        for index in r.indices(cfg.n_layers):
+            tensors.setdefault(r.name(index), (r.hf_shape, []))[1].append((r, index))
     return [(name, shape, src) for name, (shape, src) in sorted(tensors.items(), key=lambda t: _natural(t[0]))]
 
 

@@ -23,6 +23,9 @@ import numpy as np
 
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.interop import safetensors_io as st
+from meshlm.interop.hf_moe import MOE_TYPES, moe_rules
+from meshlm.interop.hf_moe import hf_fields as moe_hf_fields
+from meshlm.interop.hf_moe import model_fields as moe_fields
 
 
 @dataclass(frozen=True)
@@ -38,13 +41,29 @@ class Rule:
     transpose: bool = False
     part: int = 0
     parts: int = 1
+    experts: int = 0  # > 0: one tensor per layer and expert, "{e}" standing for the expert index
 
     @property
     def layered(self) -> bool:
         return "{i}" in self.hf
 
+    def indices(self, n_layers: int) -> list:
+        """Where each of `names` sits in the stacked parameter: None (unstacked), the layer i, or
+        (i, e) for expert e of layer i."""
+        if not self.layered:
+            return [None]
+        if self.experts:
+            return [(i, e) for i in range(n_layers) for e in range(self.experts)]
+        return list(range(n_layers))
+
+    def name(self, index) -> str:
+        if index is None:
+            return self.hf
+        i, e = index if isinstance(index, tuple) else (index, None)
+        return self.hf.format(i=i, e=e)
+
     def names(self, n_layers: int) -> list[str]:
-        return [self.hf.format(i=i) for i in range(n_layers)] if self.layered else [self.hf]
+        return [self.name(ix) for ix in self.indices(n_layers)]
 
     def part_shape(self) -> tuple[int, ...]:
         *lead, last = self.hf_shape
@@ -96,10 +115,20 @@ def rules(cfg: ModelConfig) -> list[Rule]:
         Rule("layers/wk", m + "self_attn.k_proj.weight", (K * H, D), transpose=True),
         Rule("layers/wv", m + "self_attn.v_proj.weight", (K * H, D), transpose=True),
         Rule("layers/wo", m + "self_attn.o_proj.weight", (D, N * H), transpose=True),
-        Rule("layers/w_gate", m + "mlp.gate_proj.weight", (F, D), transpose=True),
-        Rule("layers/w_up", m + "mlp.up_proj.weight", (F, D), transpose=True),
-        Rule("layers/w_down", m + "mlp.down_proj.weight", (D, F), transpose=True),
     ]
+    if cfg.qkv_bias:
+        widths = (N * H, K * H, K * H)
+        out += [Rule(f"layers/b{n}", m + f"self_attn.{n}_proj.bias", (w,)) for n, w in zip("qkv", widths, strict=True)]
+    if cfg.qk_norm:
+        out += [Rule(f"layers/{n}_norm", m + f"self_attn.{n}_norm.weight", (H,)) for n in "qk"]
+    if cfg.moe:
+        out += moe_rules(cfg, m, Rule)
+    else:
+        out += [
+            Rule("layers/w_gate", m + "mlp.gate_proj.weight", (F, D), transpose=True),
+            Rule("layers/w_up", m + "mlp.up_proj.weight", (F, D), transpose=True),
+            Rule("layers/w_down", m + "mlp.down_proj.weight", (D, F), transpose=True),
+        ]
     if not cfg.tied_embeddings:
         out.append(Rule("lm_head", "lm_head.weight", (V, D), transpose=True))
     return out
@@ -189,12 +218,16 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
             dropout=f.float("resid_pdrop", 0.1, 0.0, 0.99),
             norm_eps=f.float("layer_norm_epsilon", 1e-5, 0.0, 1.0),
         )
-    elif kind == "llama":
+    elif kind in ("llama", *MOE_TYPES):
         f.require("hidden_act", ("silu",), "silu")
-        f.require("attention_bias", (False,), False)
+        if kind != "qwen3_moe":  # hf_moe checks Qwen3-MoE's
+            f.require("attention_bias", (False,), False)
         f.require("mlp_bias", (False,), False)
         d, n = f.int("hidden_size"), f.int("num_attention_heads")
         kv = f.int("num_key_value_heads", n)
+        if data.get("head_dim") is None:  # Mixtral writes null: d / n
+            data = {k: v for k, v in data.items() if k != "head_dim"}
+            f = _Fields(data, path)
         head_dim = f.int("head_dim", d // n if d % n == 0 else None)
         if n % kv:
             raise ConfigError(f"{path}: num_attention_heads={n} is not a multiple of num_key_value_heads={kv}")
@@ -214,12 +247,14 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
             norm_eps=f.float("rms_norm_eps", 1e-6, 0.0, 1.0),
             tie_embeddings=f.flag("tie_word_embeddings", False),
             **rope,
+            **(moe_fields(kind, data, f, path) if kind in MOE_TYPES else {}),
         )
     else:
         arch = data.get("architectures")
         raise ConfigError(
-            f"{path}: model_type {kind!r} ({arch}) is not supported; meshlm converts 'gpt2' (GPT2LMHeadModel) "
-            "and 'llama' (LlamaForCausalLM) checkpoints"
+            f"{path}: model_type {kind!r} ({arch}) is not supported; meshlm converts 'gpt2' (GPT2LMHeadModel), "
+            "'llama' (LlamaForCausalLM), 'mixtral' (MixtralForCausalLM), 'qwen3_moe' (Qwen3MoeForCausalLM) and "
+            "'qwen2_moe' (Qwen2MoeForCausalLM) checkpoints"
         )
     return cfg
 
@@ -292,7 +327,9 @@ def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str, ma
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_len,
         }
-    return {
+    if (cfg.qk_norm or cfg.qkv_bias or cfg.shared_ffn) and not cfg.moe:
+        raise ConfigError("a dense llama-family model with q/k norms, QKV biases or shared experts has no export")
+    out = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": cfg.vocab_size,
@@ -316,6 +353,7 @@ def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str, ma
         "dtype": torch_dtype,
         "torch_dtype": torch_dtype,
     }
+    return out | moe_hf_fields(cfg) if cfg.moe else out
 
 
 def with_model(cfg_run, model: ModelConfig):

@@ -34,7 +34,6 @@ Shapes: b rows, t tokens, d d_model, E experts, k experts per token, C slots, f 
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -42,6 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
+from meshlm.accounting import expert_capacity
 from meshlm.config import ModelConfig
 from meshlm.model import layers
 from meshlm.parallel.rules import Layout
@@ -59,13 +59,6 @@ class RouterStats(NamedTuple):
     prob_sum: jax.Array  # [b, E] router probabilities summed over the row's tokens
     z_sum: jax.Array  # [b] sum over tokens of logsumexp(logits)^2
     dropped: jax.Array  # [b] assignments past their expert's capacity
-
-
-def capacity(cfg: ModelConfig, t: int) -> int:
-    """Slots per expert per group of t tokens: min(t, ceil(factor t k / E)), t when dropless."""
-    if cfg.expert_capacity_factor <= 0:
-        return t
-    return max(1, min(t, math.ceil(cfg.expert_capacity_factor * t * cfg.experts_per_token / cfg.n_experts)))
 
 
 def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -101,7 +94,7 @@ def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig
     combines. Returns (partial output [b, t, d] (partial over `tensor` if sharded), RouterStats)."""
     b, t, d = x_btd.shape
     E, k = cfg.n_experts, cfg.experts_per_token
-    C = capacity(cfg, t)
+    C = expert_capacity(cfg, t)
     logits = jnp.einsum("btd,de->bte", x_btd, router, preferred_element_type=jnp.float32)
     weights, experts, probs = route(logits, k, cfg.router_renormalize)
     slot, kept = assign_slots(experts, E, C)

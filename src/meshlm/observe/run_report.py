@@ -211,6 +211,12 @@ def _summary(run: Run) -> list[str]:
         f"| compile | {info.get('compile_s', float('nan')):.1f} s"
         f"{' (persistent cache hit)' if info.get('compile_cache_hit') else ''} |",
     ]
+    if "moe_aux_loss" in last:  # Mixture of Experts: the router's health at the last logged step
+        lines.append(
+            f"| MoE router (last logged) | aux loss {_num(last['moe_aux_loss'])} ({m.experts_per_token} when "
+            f"balanced), z-loss {_num(last['moe_z_loss'])}, dropped {100 * last['dropped_fraction']:.2f}% of "
+            f"assignments, busiest expert at {last['expert_load_max']:.2f}x its fair share |"
+        )
     return lines
 
 

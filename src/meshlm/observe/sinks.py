@@ -34,6 +34,10 @@ TAGS = {
     "mfu": "perf/mfu",
     "hfu": "perf/hfu",
     "checkpoint_save_s": "checkpoint/save_s",
+    "moe_aux_loss": "moe/aux_loss",
+    "moe_z_loss": "moe/z_loss",
+    "dropped_fraction": "moe/dropped_fraction",
+    "expert_load_max": "moe/load_max",
 }
 
 
@@ -44,8 +48,12 @@ class Sink(Protocol):
 
 
 def chart_values(record: dict) -> dict[str, float]:
-    """The chartable numbers of a metrics record, under their chart names."""
-    return {TAGS[k]: float(v) for k, v in record.items() if k in TAGS and isinstance(v, int | float)}
+    """The chartable numbers of a metrics record, under their chart names; an MoE run's
+    `expert_load` [layer][expert] as one chart per expert, `moe/load/layer<l>/expert<e>`."""
+    out = {TAGS[k]: float(v) for k, v in record.items() if k in TAGS and isinstance(v, int | float)}
+    for layer, loads in enumerate(record.get("expert_load") or ()):
+        out |= {f"moe/load/layer{layer}/expert{e}": float(v) for e, v in enumerate(loads)}
+    return out
 
 
 class TensorBoardSink:

@@ -1,0 +1,299 @@
+"""Mixture of Experts: routing and capacity against NumPy, raw gradients on every expert-parallel
+layout against one device (dropless and with drops), a training run's router metrics in
+metrics.jsonl / TensorBoard / the report, checkpoints across layouts, and the configs it refuses."""
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from helpers import random_batches, tiny_config
+from meshlm import accounting, recipes
+from meshlm.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig, RunConfig
+from meshlm.model import moe
+from meshlm.model.params import count_params, init_params, named_leaves, param_specs
+from meshlm.parallel.mesh import make_layout
+from meshlm.step import make_grad_step
+from meshlm.train_state import state_shardings
+from meshlm.validation import validate
+
+RTOL = 1e-5  # per leaf, relative to the leaf's norm (test_gradients.py); fp32 summation order only
+
+
+def moe_config(mesh: dict | None = None, sp: bool = False, factor: float = 0.0, **model) -> RunConfig:
+    """The gradient tests' tiny llama (GQA, 2 layers) with 8 experts of width 32, top-2, a gated
+    shared expert, both router losses on."""
+    cfg = tiny_config("llama")
+    m = dataclasses.replace(
+        cfg.model,
+        n_experts=8,
+        experts_per_token=2,
+        expert_d_ff=32,
+        expert_capacity_factor=factor,
+        moe_z_loss_coef=1e-3,
+        n_shared_experts=1,
+        shared_expert_gate=True,
+        **model,
+    )
+    par = dataclasses.replace(cfg.parallel, sequence_parallel=sp, **(mesh or {}))
+    return validate(dataclasses.replace(cfg, model=m, parallel=par))
+
+
+# ------------------------------------------------------------------------------ routing vs NumPy
+
+
+def _np_softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def np_route(logits, k, renormalize, capacity):
+    """A direct NumPy reading of docs/moe.md's rules, token by token: top-k, weights, then the
+    slots in priority order (every first choice of the row in token order, then the second...)."""
+    b, t, E = logits.shape
+    probs = _np_softmax(logits)
+    experts = np.argsort(-logits, axis=-1, kind="stable")[..., :k]
+    top = np.take_along_axis(logits, experts, -1)
+    weights = _np_softmax(top) if renormalize else np.take_along_axis(probs, experts, -1)
+    kept = np.zeros((b, t, k), bool)
+    for r in range(b):
+        used = [0] * E
+        for j in range(k):
+            for i in range(t):
+                e = experts[r, i, j]
+                kept[r, i, j] = used[e] < capacity
+                used[e] += 1
+    return probs, experts, weights, kept
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_capacity_and_router_losses_equal_numpy(renormalize):
+    rng = np.random.default_rng(0)
+    b, t, E, k, C = 3, 16, 8, 2, 3  # 32 assignments for 24 slots per row: drops certain
+    logits = rng.normal(size=(b, t, E)).astype(np.float32) * 2
+    probs, experts, weights, kept = np_route(logits, k, renormalize, C)
+    w, ex, p = jax.device_get(moe.route(jnp.asarray(logits), k, renormalize))
+    np.testing.assert_array_equal(ex, experts)
+    np.testing.assert_allclose(w, weights, rtol=1e-6)
+    np.testing.assert_allclose(p, probs, rtol=1e-6)
+    slot, got_kept = jax.device_get(moe.assign_slots(jnp.asarray(ex), E, C))
+    got_kept = got_kept.reshape(b, k, t).transpose(0, 2, 1)
+    np.testing.assert_array_equal(got_kept, kept)
+    assert (~kept).sum() > 0 and np.all(slot.reshape(b, k, t).transpose(0, 2, 1)[~kept] == E * C)
+    # the losses over the whole microbatch, from the per-row statistics of two "layers"
+    lse = np.log(np.exp(logits).sum(-1))
+    counts = np.stack([(experts == e).sum(axis=(1, 2)) for e in range(E)], -1).astype(np.float32)
+    stats = moe.RouterStats(counts, probs.sum(1), (lse**2).sum(1), (~kept).sum(axis=(1, 2)).astype(np.float32))
+    stacked = moe.RouterStats(*[np.stack([a, a]) for a in stats])
+    cfg = dataclasses.replace(moe_config().model, n_experts=E, experts_per_token=k)
+    got = jax.device_get(moe.moe_losses(stacked, cfg))
+    f = counts.sum(0) / (b * t)  # the fraction of tokens routing to each expert (sums to k)
+    np.testing.assert_allclose(got["moe_aux_loss"], E * np.sum(f * probs.reshape(-1, E).mean(0)), rtol=1e-6)
+    np.testing.assert_allclose(got["moe_z_loss"], np.mean(lse**2), rtol=1e-6)
+    np.testing.assert_allclose(got["expert_load"][0], counts.sum(0) / (b * t * k), rtol=1e-6)
+    np.testing.assert_allclose(got["dropped_fraction"], (~kept).mean(), rtol=1e-6)
+
+
+def test_the_layer_drops_exactly_what_numpy_drops():
+    """The whole MoE layer on one device, with a finite capacity, equals a NumPy loop over tokens
+    that adds weight x SwiGLU_e(x) for the kept assignments only (plus the gated shared expert)."""
+    cfg = moe_config(factor=1.0).model
+    t = 32
+    C = accounting.expert_capacity(cfg, t)
+    assert C == math.ceil(1.0 * t * 2 / 8) == 8
+    specs = param_specs(cfg)
+    p = {k: np.asarray(v[0]) for k, v in init_params(specs, jax.random.key(1))["layers"].items()}
+    x = np.random.default_rng(2).normal(size=(2, t, cfg.d_model)).astype(np.float32)
+    y, stats = jax.device_get(jax.jit(lambda x, p: moe.moe_ffn(None, x, p, cfg, {}, None))(x, p))
+    logits = x @ p["w_router"]
+    _, experts, weights, kept = np_route(logits, 2, True, C)
+    silu = lambda a: a / (1 + np.exp(-a))
+    want = np.zeros_like(x)
+    for r in range(2):
+        for i in range(t):
+            v = x[r, i]
+            for j in range(2):
+                if kept[r, i, j]:
+                    e = experts[r, i, j]
+                    want[r, i] += weights[r, i, j] * (
+                        (silu(v @ p["we_gate"][e]) * (v @ p["we_up"][e])) @ p["we_down"][e]
+                    )
+            shared = (silu(v @ p["ws_gate"]) * (v @ p["ws_up"])) @ p["ws_down"]
+            want[r, i] += shared / (1 + np.exp(-(v @ p["ws_router"])))
+    np.testing.assert_allclose(y, want, atol=2e-5, rtol=1e-4)
+    np.testing.assert_array_equal(stats.dropped, (~kept).sum(axis=(1, 2)))
+    assert stats.dropped.sum() > 0
+
+
+# ------------------------------------------------------------------------- layouts vs one device
+
+
+def grads(cfg: RunConfig, params: dict) -> dict:
+    layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
+    shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
+    batch = random_batches(cfg, 1, seed=3)[0]
+    return jax.device_get(make_grad_step(cfg, layout, shardings)(jax.device_put(params, shardings), batch, 5))
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jax.device_get(init_params(param_specs(moe_config().model), jax.random.key(0)))
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    return {f: grads(moe_config(factor=f), params) for f in (0.0, 1.0)}
+
+
+LAYOUTS = {
+    "expert4": (dict(expert=4), False, 0.0),
+    "expert2_tensor2_data2+sp": (dict(expert=2, tensor=2, data=2), True, 0.0),
+    "fsdp2_expert4": (dict(fsdp=2, expert=4), False, 0.0),
+    "expert2_tensor2_data2+sp capacity 1": (dict(expert=2, tensor=2, data=2), True, 1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_parallel_layouts_give_the_one_device_gradients(name, params, reference):
+    mesh, sp, factor = LAYOUTS[name]
+    got, ref = grads(moe_config(mesh, sp, factor), params), reference[factor]
+    g, r = named_leaves(got["grads"]), named_leaves(ref["grads"])
+    assert g.keys() == r.keys() and "layers/we_gate" in g
+    errors = {n: float(np.linalg.norm(g[n] - r[n]) / np.linalg.norm(r[n])) for n in r}
+    assert max(errors.values()) < RTOL, errors
+    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
+        np.testing.assert_allclose(got[key], ref[key], rtol=RTOL, err_msg=key)
+    np.testing.assert_array_equal(got["dropped_fraction"], ref["dropped_fraction"])  # the same drops
+    np.testing.assert_allclose(got["expert_load"], ref["expert_load"], rtol=1e-6)
+    assert (ref["dropped_fraction"] > 0.05) == (factor > 0)
+
+
+def test_a_wrong_router_gradient_is_caught(params, reference):
+    """The comparison above sees a factor of 2 on the router's gradient (the leaf most exposed to
+    a doubled psum over tensor or expert)."""
+    got = grads(moe_config(dict(expert=2, tensor=2, data=2), True), params)
+    got["grads"]["layers"]["w_router"] = 2 * got["grads"]["layers"]["w_router"]
+    g, r = named_leaves(got["grads"]), named_leaves(reference[0.0]["grads"])
+    assert np.linalg.norm(g["layers/w_router"] - r["layers/w_router"]) / np.linalg.norm(r["layers/w_router"]) > 0.5
+
+
+# ---------------------------------------------------------------------------- accounting, configs
+
+
+@pytest.mark.parametrize("name", ["moe-tiny", "mixtral-8x7b", "qwen3-30b-a3b"])
+def test_moe_parameter_counts(name):
+    m = recipes.get(name).model
+    assert accounting.param_count(m) == count_params(param_specs(m))
+    active = accounting.active_param_count(m)
+    idle = (m.n_experts - m.experts_per_token) * 3 * m.d_model * m.expert_ffn * m.n_layers
+    assert active == accounting.param_count(m) - idle
+    if name == "mixtral-8x7b":  # the published figures
+        assert (accounting.param_count(m), active) == (46_702_792_704, 12_879_925_248)
+
+
+def test_moe_flops_count_k_experts_and_hardware_flops_the_buffers():
+    cfg = recipes.get("moe-tiny")
+    m, t = cfg.model, cfg.train
+    terms = accounting.layer_forward_flops_per_token(m, t.seq_len)
+    assert terms["mlp"] == 2 * 2 * 3 * m.d_model * m.expert_ffn and terms["router"] == 2 * m.d_model * m.n_experts
+    counted, executed = accounting.expert_slot_flops(cfg)
+    C = accounting.expert_capacity(m, t.seq_len)
+    assert C == 40 and executed * m.experts_per_token * t.seq_len == counted * m.n_experts * C  # 320 / 256 slots
+    dropless = dataclasses.replace(cfg, model=dataclasses.replace(m, expert_capacity_factor=0.0))
+    assert accounting.expert_slot_flops(dropless)[1] == counted * m.n_experts // m.experts_per_token  # E/k x
+    hw = accounting.hardware_flops_per_step
+    assert hw(dropless) - hw(cfg) == 3 * (accounting.expert_slot_flops(dropless)[1] - executed)
+    assert accounting.model_flops_per_step(dropless) == accounting.model_flops_per_step(cfg)  # MFU: active only
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(parallel=ParallelConfig(stage=2)), "pipeline"),
+        (dict(parallel=ParallelConfig(context=2)), "capacity group"),
+        (dict(parallel=ParallelConfig(expert=3)), "model.n_experts=8 is not divisible by mesh axis 'expert'"),
+        (dict(model=dict(experts_per_token=9)), "experts_per_token=9"),
+        (dict(model=dict(family="gpt")), "llama family"),
+    ],
+)
+def test_moe_configs_that_cannot_run_are_refused(change, message):
+    cfg = recipes.get("moe-tiny")
+    if "model" in change:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **change["model"]))
+    if "parallel" in change:
+        cfg = dataclasses.replace(cfg, parallel=change["parallel"])
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+    with pytest.raises(ConfigError, match="the model is dense"):
+        validate(dataclasses.replace(recipes.get("llama-tiny"), parallel=ParallelConfig(expert=2)))
+
+
+# ------------------------------------------------------------------- a run, its metrics, resume
+
+
+@pytest.fixture(scope="module")
+def moe_run(corpus_dir, tmp_path_factory):
+    """moe-tiny (small) for 6 steps on expert=2 x tensor=2 with checkpoints at 3 and 6."""
+    from meshlm.trainer import train
+
+    root = tmp_path_factory.mktemp("moe")
+    base = recipes.get("moe-tiny")
+    cfg = validate(
+        dataclasses.replace(
+            base,
+            model=dataclasses.replace(base.model, vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2),
+            parallel=ParallelConfig(expert=2, tensor=2),
+            train=dataclasses.replace(base.train, steps=6, global_batch=8, seq_len=32, log_every=1, eval_every=0),
+            data=DataConfig(paths=(str(corpus_dir),), cache_dir=str(root / "cache")),
+            checkpoint=CheckpointConfig(every=3, keep=5),
+        )
+    )
+    train(cfg, root / "run", quiet=True)
+    return cfg, root
+
+
+def test_router_metrics_reach_metrics_jsonl_tensorboard_and_the_report(moe_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from meshlm.observe.run_report import write_report
+
+    _, root = moe_run
+    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "moe_aux_loss" in r]
+    assert len(steps) == 6
+    for r in steps:
+        load = np.asarray(r["expert_load"])
+        assert load.shape == (2, 8) and np.allclose(load.sum(-1), 1, atol=1e-5)
+        assert r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0
+        assert 0 <= r["dropped_fraction"] < 0.5 and r["expert_load_max"] >= 1
+    acc = EventAccumulator(str(root / "run" / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"moe/aux_loss", "moe/z_loss", "moe/dropped_fraction", "moe/load/layer1/expert7"} <= set(tags)
+    assert [e.value for e in acc.Scalars("moe/aux_loss")] == pytest.approx([r["moe_aux_loss"] for r in steps])
+    report = write_report(root / "run")
+    assert "MoE router" in report.read_text()
+
+
+def test_saved_on_expert_x_tensor_resumes_on_data(moe_run):
+    """The step-3 checkpoint of the expert=2 x tensor=2 run, resumed on data=4, logs the same
+    losses for steps 4-6 as the uninterrupted run."""
+    import shutil
+
+    from helpers import logged_losses
+    from meshlm.trainer import train
+
+    cfg, root = moe_run
+    again = root / "again"
+    shutil.copytree(root / "run", again)
+    shutil.rmtree(again / "checkpoints" / "6")
+    (again / "metrics.jsonl").unlink()
+    train(dataclasses.replace(cfg, parallel=ParallelConfig(data=4)), again, quiet=True)
+    first, second = logged_losses(root / "run"), logged_losses(again)
+    assert sorted(second) == [4, 5, 6]
+    np.testing.assert_allclose([second[s] for s in (4, 5, 6)], [first[s] for s in (4, 5, 6)], rtol=2e-5)

@@ -1,0 +1,124 @@
+"""Mixture-of-Experts checkpoints in and out of Hugging Face: Mixtral (GQA), Qwen3-MoE (q/k norms,
+softmax-then-top-k) and Qwen2-MoE (QKV biases, a sigmoid-gated shared expert), made by
+`transformers` with random weights. Import gives its logits on one device and on expert=2 x
+tensor=2, export writes back the same tensors, and greedy decoding equals its `generate`."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from meshlm import inference
+from meshlm.config import ParallelConfig, RunConfig
+from meshlm.interop import hf, hf_tables
+from meshlm.model.params import param_specs
+from meshlm.model.transformer import forward
+from meshlm.parallel.mesh import make_layout
+from meshlm.train_state import param_shardings
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+EP_TP = ParallelConfig(expert=2, tensor=2)
+COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    bos_token_id=1,
+    eos_token_id=2,
+    rope_theta=1000.0,
+)
+
+
+def _hf_model(name: str):
+    if name == "mixtral":
+        c = transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **COMMON)
+        return transformers.MixtralForCausalLM(c)
+    qwen = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[]
+    )
+    if name == "qwen3_moe":
+        c = transformers.Qwen3MoeConfig(intermediate_size=64, head_dim=16, norm_topk_prob=True, **qwen, **COMMON)
+        return transformers.Qwen3MoeForCausalLM(c)
+    c = transformers.Qwen2MoeConfig(intermediate_size=64, shared_expert_intermediate_size=48, **qwen, **COMMON)
+    return transformers.Qwen2MoeForCausalLM(c)
+
+
+NAMES = ("mixtral", "qwen3_moe", "qwen2_moe")
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    out = {}
+    for i, name in enumerate(NAMES):
+        torch.manual_seed(i)
+        model = _hf_model(name).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        d = tmp_path_factory.mktemp(name)
+        model.save_pretrained(d, max_shard_size="100KB")
+        out[name] = (d, model)
+    return out
+
+
+def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+
+
+def _load(d, parallel):
+    cfg = hf_tables.model_config(d)
+    layout = make_layout(parallel)
+    return cfg, layout, hf.load_params(d, cfg, param_shardings(param_specs(cfg), layout))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_import_gives_transformers_logits_on_one_device_and_expert2_tensor2(hf_dirs, name, devices):
+    d, model = hf_dirs[name]
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 24)).astype(np.int32)
+    want = _hf_logits(model, tokens)
+    cfg = hf_tables.model_config(d)
+    assert cfg.n_experts == 4 and cfg.qk_norm == (name == "qwen3_moe") and cfg.qkv_bias == (name == "qwen2_moe")
+    for parallel in (ParallelConfig(), EP_TP):
+        cfg, layout, params = _load(d, parallel)
+        if parallel.expert > 1:  # built straight into shards: each device holds 2 of the 4 experts
+            assert {s.data.shape[1] for s in params["layers"]["we_gate"].addressable_shards} == {2}
+        got = np.asarray(jax.jit(lambda p, t, c=cfg, lay=layout: forward(p, t, c, lay))(params, tokens))
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_writes_back_the_same_tensors_and_config(hf_dirs, name, tmp_path, devices):
+    d, model = hf_dirs[name]
+    cfg, _, params = _load(d, EP_TP)
+    out = hf.save_pretrained(params, cfg, tmp_path / "out", log=lambda m: None)
+    original, exported = {}, {}
+    for src, dst in ((d, original), (out, exported)):
+        for f in sorted(src.glob("*.safetensors")):
+            dst |= safetensors_torch.load_file(f)
+    assert set(exported) == set(original)
+    for k, v in exported.items():
+        assert torch.equal(v, original[k]), k
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == name and written["architectures"] == [type(model).__name__]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = np.random.default_rng(1).integers(0, 64, (2, 16)).astype(np.int32)
+    np.testing.assert_array_equal(_hf_logits(reloaded, tokens), _hf_logits(model, tokens))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_decoding_on_expert2_tensor2_equals_transformers_generate(hf_dirs, name, devices):
+    d, model = hf_dirs[name]
+    cfg, layout, params = _load(d, EP_TP)
+    stops = hf.token_ids(d)["eos_token_id"]
+    m = inference.Model(RunConfig(model=cfg, parallel=EP_TP), params, layout, None, stops[0], "", tuple(stops))
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [20 + i for i in range(13)]]
+    gen = inference.Generator(m).generate(prompts, 8, stop_at_eos=False)
+    for prompt, tokens in zip(prompts, gen.tokens, strict=True):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
+        assert want == tokens[: len(want)] and (len(want) == 8 or want[-1] in stops)

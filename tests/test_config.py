@@ -41,7 +41,7 @@ def test_bad_override_is_named(override, message):
 
 
 def test_parse_mesh():
-    assert parse_mesh("data=2,tensor=4") == {"stage": 1, "data": 2, "fsdp": 1, "context": 1, "tensor": 4}
+    assert parse_mesh("data=2,tensor=4") == {"stage": 1, "data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 4}
     assert parse_mesh("stage=4,tensor=2")["stage"] == 4
     assert parse_mesh("context=4,tensor=2")["context"] == 4
     with pytest.raises(ConfigError, match="unknown mesh axis 'pipe'"):
@@ -68,7 +68,7 @@ def _with(cfg, **sections):
             dict(model=dict(d_model=100, head_dim=25), parallel=dict(fsdp=8)),
             "model.d_model=100 is not divisible by mesh axis 'fsdp'",
         ),
-        (dict(parallel=dict(data=3)), "microbatch size 16 .* data\\*fsdp=3"),
+        (dict(parallel=dict(data=3)), "microbatch size 16 .* data\\*fsdp\\*expert=3"),
         (dict(train=dict(microbatches=3)), "train.global_batch=16 is not divisible by train.microbatches=3"),
         (dict(model=dict(n_heads=6)), "d_model=128 is not divisible by n_heads=6"),
         (dict(train=dict(seq_len=256)), "train.seq_len=256 exceeds model.max_seq_len=128"),

@@ -102,7 +102,8 @@ def validate_parallel(par: ParallelConfig) -> ParallelConfig:
     "spec, message",
     [
         ("tensor=2", "the tensor axis stays within a slice or node"),
-        ("expert=2", "unknown mesh axis 'expert' in --dcn"),
+        ("expert=2", "the expert axis stays within a slice"),
+        ("pipe=2", "unknown mesh axis 'pipe' in --dcn"),
         ("data=two", "--dcn data needs an integer size"),
     ],
 )

@@ -150,7 +150,7 @@ def mixtral_8x7b() -> RunConfig:
         experts_per_token=2,
         moe_aux_loss_coef=0.02,
     )
-    return _moe_recipe(model, ParallelConfig(data=2, expert=8, tensor=4), 256, 4096)
+    return _moe_recipe(model, ParallelConfig(expert=8, tensor=8), 256, 4096)
 
 
 def qwen3_30b_a3b() -> RunConfig:

@@ -394,6 +394,11 @@ def enumerate_plans(
 ) -> list[Plan]:
     """Every layout x SP x policy x microbatch count, feasible ones first (fastest first), then the
     rejected ones with their reason."""
+    if cfg.model.moe:
+        raise ConfigError(
+            "meshlm plan does not model Mixture-of-Experts layers yet (the expert axis, its all_to_all and the "
+            "dispatch buffers' memory; issue 31); `meshlm check` and `meshlm bench` run MoE configs"
+        )
     plans = []
     for c in _candidates(cfg, n_devices, policies):
         try:
@@ -424,7 +429,8 @@ def _meshes(cfg: RunConfig, n_devices: int) -> list[dict[str, int]]:
             for context in _divisors(n_devices // stage // tensor) if stage == 1 else [1]:
                 for fsdp in _divisors(n_devices // stage // tensor // context):
                     data = n_devices // stage // tensor // context // fsdp
-                    out.append(dict(zip(MESH_AXES, (stage, data, fsdp, context, tensor), strict=True)))
+                    expert = 1  # MoE models are not planned yet (`enumerate_plans`)
+                    out.append(dict(zip(MESH_AXES, (stage, data, fsdp, expert, context, tensor), strict=True)))
     return out
 
 

@@ -14,10 +14,11 @@ import pytest
 
 from helpers import random_batches, tiny_config
 from meshlm import accounting, recipes
-from meshlm.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig, RunConfig
+from meshlm.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig, RematConfig, RunConfig
 from meshlm.model import moe
 from meshlm.model.params import count_params, init_params, named_leaves, param_specs
 from meshlm.parallel.mesh import make_layout
+from meshlm.parallel.remat import POLICIES
 from meshlm.step import make_grad_step
 from meshlm.train_state import state_shardings
 from meshlm.validation import validate
@@ -25,7 +26,9 @@ from meshlm.validation import validate
 RTOL = 1e-5  # per leaf, relative to the leaf's norm (test_gradients.py); fp32 summation order only
 
 
-def moe_config(mesh: dict | None = None, sp: bool = False, factor: float = 0.0, **model) -> RunConfig:
+def moe_config(
+    mesh: dict | None = None, sp: bool = False, factor: float = 0.0, policy: str = "elementwise", **model
+) -> RunConfig:
     """The gradient tests' tiny llama (GQA, 2 layers) with 8 experts of width 32, top-2, a gated
     shared expert, both router losses on."""
     cfg = tiny_config("llama")
@@ -41,7 +44,7 @@ def moe_config(mesh: dict | None = None, sp: bool = False, factor: float = 0.0, 
         **model,
     )
     par = dataclasses.replace(cfg.parallel, sequence_parallel=sp, **(mesh or {}))
-    return validate(dataclasses.replace(cfg, model=m, parallel=par))
+    return validate(dataclasses.replace(cfg, model=m, parallel=par, remat=RematConfig(policy)))
 
 
 # ------------------------------------------------------------------------------ routing vs NumPy
@@ -158,10 +161,15 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_expert_parallel_layouts_give_the_one_device_gradients(name, params, reference):
+CASES = [(n, "elementwise") for n in LAYOUTS]
+CASES += [("expert2_tensor2_data2+sp capacity 1", p) for p in POLICIES if p != "elementwise"]
+
+
+@pytest.mark.parametrize("name, policy", CASES)
+def test_expert_parallel_layouts_give_the_one_device_gradients(name, policy, params, reference):
+    """Every layout, and every remat policy on the most composed one (with drops)."""
     mesh, sp, factor = LAYOUTS[name]
-    got, ref = grads(moe_config(mesh, sp, factor), params), reference[factor]
+    got, ref = grads(moe_config(mesh, sp, factor, policy), params), reference[factor]
     g, r = named_leaves(got["grads"]), named_leaves(ref["grads"])
     assert g.keys() == r.keys() and "layers/we_gate" in g
     errors = {n: float(np.linalg.norm(g[n] - r[n]) / np.linalg.norm(r[n])) for n in r}

@@ -72,9 +72,12 @@ def test_model_flops_is_eq7_and_generalises():
     assert terms["qkv"] == 2 * 256 * (8 + 2 * 2) * 32 and terms["mlp"] == 2 * 3 * 256 * 512
 
 
-def _step_programs(family: str, policy: str, n_layers: int = 1):
+def _step_programs(family: str, policy: str, n_layers: int = 1, capacity_factor: float = 1.5):
+    """moe: llama with 4 experts of width 32, top-2, capacity factor 1.5 (48 slots per expert for
+    the 2 x 64 assignments of a sequence: the buffers run 1.5x the routed FLOPs)."""
+    moe = dict(n_experts=4, experts_per_token=2, expert_d_ff=32, expert_capacity_factor=capacity_factor)
     model = ModelConfig(
-        family=family,
+        family="llama" if family == "moe" else family,
         vocab_size=256,
         d_model=64,
         n_layers=n_layers,
@@ -82,6 +85,7 @@ def _step_programs(family: str, policy: str, n_layers: int = 1):
         n_kv_heads=2,
         max_seq_len=64,
         attention_chunk=24,  # query chunks of 24, 24, 16 rows
+        **(moe if family == "moe" else {}),
     )
     cfg = RunConfig(model=model, remat=RematConfig(policy), train=TrainConfig(global_batch=4, seq_len=64, steps=3))
     layout = make_layout(ParallelConfig(), jax.devices()[:1])
@@ -106,7 +110,7 @@ def _lowered_dot_flops(stablehlo: str) -> int:
     return total
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "moe"])
 @pytest.mark.parametrize("policy", ["elementwise", "selective", "full", "dots", "offload"])
 def test_gemm_flops_match_the_programs(family, policy):
     """One layer (a scan body appears once in program text), one microbatch, GQA for llama.
@@ -119,7 +123,7 @@ def test_gemm_flops_match_the_programs(family, policy):
     attention runs in query chunks here, so hardware FLOPs are below model FLOPs."""
     cfg, lowered, compiled = _step_programs(family, policy)
     hardware = accounting.hardware_flops_per_step(cfg)
-    assert hardware < accounting.model_flops_per_step(cfg) or policy == "full"
+    assert hardware < accounting.model_flops_per_step(cfg) or policy == "full" or family == "moe"
     assert _lowered_dot_flops(lowered.as_text()) == hardware
     compiled_dots = hlo.dot_flops(compiled.as_text())
     if policy in ("selective", "dots", "offload"):  # attention recomputation XLA may merge (see above)
@@ -128,6 +132,19 @@ def test_gemm_flops_match_the_programs(family, policy):
         assert compiled_dots == hardware
     xla = compiled.cost_analysis()["flops"]
     assert compiled_dots <= xla <= 1.15 * hardware
+
+
+def test_moe_at_capacity_factor_one_runs_exactly_the_active_flops():
+    """At capacity factor 1 (t k / E slots per expert, here 32) the buffers hold exactly the routed
+    assignments' slots: the program's GEMMs are the active-parameter FLOPs (k experts per token),
+    the ones MFU counts, however the router balances."""
+    cfg, lowered, _ = _step_programs("moe", "elementwise", capacity_factor=1.0)
+    counted, executed = accounting.expert_slot_flops(cfg)
+    assert counted == executed > 0
+    assert _lowered_dot_flops(lowered.as_text()) == accounting.hardware_flops_per_step(cfg)
+    # beyond the model's FLOPs, only what the chunked attention kernel skips (no slot padding)
+    extra = accounting.hardware_flops_per_step(cfg) - accounting.model_flops_per_step(cfg)
+    assert extra == accounting._attention_kernel_flops_adjustment(cfg)
 
 
 def test_llama_1b_flops_are_six_n_plus_attention():

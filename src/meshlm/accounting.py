@@ -386,12 +386,46 @@ def layer_activation_terms(
     if m.family == "gpt":
         terms["gelu_input"] = e * s * b * f / t
         terms["fc2_input"] = e * s * b * f / t
+    elif m.moe:
+        terms |= _moe_terms(m, s, b, t, sequence_parallel)
     else:
         terms["gate"] = e * s * b * f / t
         terms["up"] = e * s * b * f / t
         terms["down_input"] = e * s * b * f / t
     if dropout:
         terms["mlp_dropout_mask"] = MASK_BYTES * s * b * d / r
+    return terms
+
+
+def _moe_terms(m: ModelConfig, s: int, b: int, t: int, sequence_parallel: bool) -> dict[str, float]:
+    """What an MoE layer keeps (`model.moe`; b rows per device, after the expert axis split them):
+    the capacity buffer entering the experts and each expert SwiGLU's gate, up and down-projection
+    input over all E x C slots of a row (the slots are the expert parallel all_to_all's, the same
+    bytes per device after it), the expert outputs each assignment reads back (`combine_input`),
+    the router's fp32 logits and probabilities, the routing indices and weights, and the shared
+    experts' SwiGLU (+ their gated output). The region replicates the tokens over `tensor`: only
+    the experts' widths split by t, and under SP the region keeps its all-gathered input."""
+    e, d, E, k, f = dtype_bytes(m.dtype), m.d_model, m.n_experts, m.experts_per_token, m.expert_ffn
+    slots = b * E * expert_capacity(m, s)
+    terms = {
+        "expert_input": e * slots * d,
+        "expert_gate": e * slots * f / t,
+        "expert_up": e * slots * f / t,
+        "expert_down_input": e * slots * f / t,
+        "combine_input": e * s * b * k * d,
+        "router_logits_probs": 2 * 4 * s * b * E,
+        # slot of each row's token (int32 per slot); per assignment: expert and slot (int32), weight
+        # (fp32 and compute dtype); per token: fp32 softmax/logsumexp statistics (6) and a flag
+        "routing": 4 * slots + (12 + e) * s * b * k + 25 * s * b,
+    }
+    if sequence_parallel:  # the region keeps its all-gathered input instead of the local shard
+        terms["mlp_input"] = e * s * b * d
+    if m.shared_ffn:
+        fs = m.shared_ffn
+        terms |= {"shared_gate": e * s * b * fs / t, "shared_up": e * s * b * fs / t}
+        terms["shared_down_input"] = e * s * b * fs / t
+        if m.shared_expert_gate:  # the output and the sigmoid the gate multiplies it by
+            terms["shared_gated_output"] = e * s * b * d + (4 + e) * s * b
     return terms
 
 
@@ -405,6 +439,12 @@ def _dot_output_terms(m: ModelConfig, s: int, b: int, t: int, r: int) -> dict[st
     terms["attn_out"] = e * s * b * d
     if m.family == "gpt":
         terms["fc1_out"] = e * s * b * f / t
+    elif m.moe:  # the experts' matmuls are batched (over experts): recomputed, like the attention core
+        terms["router_logits"] = 4 * s * b * m.n_experts
+        if m.shared_ffn:
+            terms |= {"shared_gate": e * s * b * m.shared_ffn / t, "shared_up": e * s * b * m.shared_ffn / t}
+        if m.shared_expert_gate:  # its output, for the gate's gradient, and the gate's logit
+            terms["shared_gated_output"] = e * s * b * d + 4 * s * b
     else:
         terms |= {"gate": e * s * b * f / t, "up": e * s * b * f / t}
     return terms

@@ -66,7 +66,7 @@ def _forward(params, batch: Batch, cfg: RunConfig, layout: Layout, key=None, rem
     )
 
 
-def _loss_sum(params, batch: Batch, cfg: RunConfig, layout: Layout, key):
+def objective_sum(params, batch: Batch, cfg: RunConfig, layout: Layout, key):
     """(objective summed over the microbatch's tokens, (cross-entropy sum, token count, MoE metrics)).
 
     MoE: the objective adds count x (aux_coef x load-balancing loss + z_coef x z-loss), so that after
@@ -104,7 +104,7 @@ def dropout_key(cfg: RunConfig, step: jax.Array | int) -> jax.Array | None:
 def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, param_shardings: dict):
     """(raw gradients, mean token loss, token count, MoE metrics averaged over the microbatches) of
     one global batch, before any optimizer. The loss is the cross-entropy; the gradient also has the
-    MoE router losses' (`_loss_sum`).
+    MoE router losses' (`objective_sum`).
 
     The gradient is of the mean loss over every counted token of the batch. With k microbatches it
     is accumulated in a `lax.scan` (microbatch i uses dropout key fold_in(key, i)) and divided once
@@ -118,7 +118,7 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         grads, loss_sum, count = pipeline_gradients(params, batch, key, cfg, layout, split)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         return jax.tree.map(lambda g: g / count, grads), loss_sum / count, count, {}
-    grad_fn = jax.grad(lambda p, b, key: _loss_sum(p, b, cfg, layout, key), has_aux=True)
+    grad_fn = jax.grad(lambda p, b, key: objective_sum(p, b, cfg, layout, key), has_aux=True)
     if k == 1:
         grads, (loss_sum, count, moe_metrics) = grad_fn(params, batch, key)
     else:

@@ -28,12 +28,11 @@ import numpy as np
 from meshlm import accounting
 from meshlm import axes as ax
 from meshlm.config import RematConfig, RunConfig
-from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.params import abstract_params, param_specs
-from meshlm.model.transformer import forward
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.remat import POLICIES
 from meshlm.parallel.rules import Layout
+from meshlm.step import objective_sum
 from meshlm.train_state import param_shardings
 from meshlm.validation import validate
 
@@ -60,9 +59,8 @@ def _residual_fn(cfg: RunConfig, layout: Layout):
     key = jax.random.key(0) if cfg.model.dropout > 0 else None
 
     def residuals(params, inputs, targets):
-        def loss(p):
-            logits = forward(p, inputs, cfg.model, layout, key=key, remat_policy=cfg.remat.policy)
-            return cross_entropy_sum(logits, targets)
+        def loss(p):  # the train step's objective (MoE: with the router losses)
+            return objective_sum(p, {"inputs": inputs, "targets": targets}, cfg, layout, key)[0]
 
         _, vjp_fn = jax.vjp(loss, params)
         return jax.tree.leaves(vjp_fn)

@@ -44,6 +44,7 @@ from meshlm import axes as ax
 from meshlm.accounting import expert_capacity
 from meshlm.config import ModelConfig
 from meshlm.model import layers
+from meshlm.parallel import remat
 from meshlm.parallel.rules import Layout
 
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
@@ -81,14 +82,14 @@ def assign_slots(experts_btk: jax.Array, n_experts: int, slots: int) -> tuple[ja
     return jnp.where(kept, order * slots + position, n_experts * slots), kept
 
 
-def _swiglu_experts(buf_recd: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+def _swiglu_experts(buf_recd: jax.Array, w_gate, w_up, w_down, act) -> jax.Array:
     """Every local expert's SwiGLU on its slots: one batched GEMM per weight (batch axis e)."""
     gate = jnp.einsum("recd,edf->recf", buf_recd, w_gate)
     up = jnp.einsum("recd,edf->recf", buf_recd, w_up)
-    return jnp.einsum("recf,efd->recd", layers.swiglu(gate, up), w_down)
+    return jnp.einsum("recf,efd->recd", act(gate, up), w_down)
 
 
-def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig, ep: str | None):
+def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig, ep: str | None, policy: str):
     """The MoE layer on one device's rows (all of them without a mesh): routes, dispatches into
     capacity buffers, exchanges them over `ep` (the expert axis, if sharded), runs the experts,
     combines. Returns (partial output [b, t, d] (partial over `tensor` if sharded), RouterStats)."""
@@ -105,7 +106,8 @@ def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig
     buf = jnp.take_along_axis(x_btd, filler[..., None], axis=1, mode="fill", fill_value=0).reshape(b, E, C, d)
     if ep is not None:  # each expert's slots to the device holding it: [X b, E/X, C, d]
         buf = jax.lax.all_to_all(buf, ep, split_axis=1, concat_axis=0, tiled=True)
-    out = _swiglu_experts(buf, we_gate, we_up, we_down)
+    act = remat.wrap_elementwise(layers.swiglu, policy)  # keeps gate and up only, as the dense MLP
+    out = _swiglu_experts(buf, we_gate, we_up, we_down, act)
     if ep is not None:
         out = jax.lax.all_to_all(out, ep, split_axis=0, concat_axis=1, tiled=True)
     picked = jnp.take_along_axis(out.reshape(b, E * C, d), slot[..., None], axis=1, mode="fill", fill_value=0)
@@ -113,7 +115,7 @@ def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig
     # a weighted sum, not an einsum: no dot (the GEMM count stays the model's, tests/test_flops.py)
     y = jnp.sum(picked.reshape(b, k, t, d) * w_bkt[..., None], axis=1)
     if shared:
-        y = y + _shared_expert(x_btd, *shared)
+        y = y + _shared_expert(x_btd, *shared, act=act)
     counts = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(1, 2))
     lse = jax.nn.logsumexp(logits, axis=-1)
     stats = RouterStats(
@@ -125,11 +127,11 @@ def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig
     return y, stats
 
 
-def _shared_expert(x_btd, w_gate, w_up, w_down, gate=None):
+def _shared_expert(x_btd, w_gate, w_up, w_down, gate=None, *, act):
     """The always-on experts, fused into one SwiGLU (Qwen2-MoE: scaled by sigmoid(x . gate))."""
     gate_btf = layers.dense("btd,df->btf", x_btd, w_gate, False)
     up_btf = layers.dense("btd,df->btf", x_btd, w_up, False)
-    y = layers.dense("btf,fd->btd", layers.swiglu(gate_btf, up_btf), w_down, False)
+    y = layers.dense("btf,fd->btd", act(gate_btf, up_btf), w_down, False)
     if gate is None:
         return y
     g = jax.nn.sigmoid(jnp.einsum("btd,d->bt", x_btd, gate, preferred_element_type=jnp.float32))
@@ -154,7 +156,15 @@ def _region_spec(layout: Layout, logical_axes, keep: tuple[str, ...]) -> P:
     return P(*parts)
 
 
-def moe_ffn(layout: Layout | None, x_btd: jax.Array, p: dict, cfg: ModelConfig, weight_axes: dict, residual_axes):
+def moe_ffn(
+    layout: Layout | None,
+    x_btd: jax.Array,
+    p: dict,
+    cfg: ModelConfig,
+    weight_axes: dict,
+    residual_axes,
+    remat_policy: str = "elementwise",
+):
     """The MoE feed-forward of one layer on the residual stream's normed input: (output laid out
     like the residual, RouterStats with rows over the batch axes)."""
     from meshlm.parallel.collectives import manual_region
@@ -162,7 +172,7 @@ def moe_ffn(layout: Layout | None, x_btd: jax.Array, p: dict, cfg: ModelConfig, 
     names = moe_names(cfg)
     weights = [p[n] for n in names]
     if layout is None:
-        return _moe_local(x_btd, *weights, cfg=cfg, ep=None)
+        return _moe_local(x_btd, *weights, cfg=cfg, ep=None, policy=remat_policy)
     ep = "expert" if layout.mesh.shape["expert"] > 1 else None
     tp = layout.tensor_size > 1
     sp = layout.sequence_parallel
@@ -170,7 +180,7 @@ def moe_ffn(layout: Layout | None, x_btd: jax.Array, p: dict, cfg: ModelConfig, 
     def local(x, *ws):
         if sp:
             x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
-        y, stats = _moe_local(x, *ws, cfg=cfg, ep=ep)
+        y, stats = _moe_local(x, *ws, cfg=cfg, ep=ep, policy=remat_policy)
         if sp:
             y = jax.lax.psum_scatter(y, "tensor", scatter_dimension=1, tiled=True)
         elif tp:

@@ -238,7 +238,7 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
 
     h = norm(x_btd, p["mlp_norm"])
     if cfg.moe:
-        o, stats = moe.moe_ffn(layout, h, p, cfg, weight_axes(cfg), RESIDUAL)
+        o, stats = moe.moe_ffn(layout, h, p, cfg, weight_axes(cfg), RESIDUAL, remat_policy)
         x_btd = constrain(layout, x_btd + o, RESIDUAL)
         return x_btd, (stats if dec is None else kv)
     flat = not _context(layout)

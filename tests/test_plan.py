@@ -286,3 +286,32 @@ def test_zero1_and_offload_memory_and_when_zero1_beats_fsdp():
     assert best.cfg.parallel.shard_optimizer
     why = plan_report.explain_optimizer(plans)
     assert why.startswith("ZeRO-1:") and "the best FSDP layout" in why
+
+
+def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
+    """Mixtral-8x7B on 64 H100s: the expert axis is enumerated over sizes that divide the 8 experts
+    (never with pipelines or context), and a plan on it has the all_to_all part: per MoE layer and
+    microbatch the capacity buffer out and back, forward and backward, (X-1)/X of it leaving the
+    device, at NVLink bandwidth. The experts' weights are split over `expert` (exact shard sizes) and
+    reduced over data x fsdp only."""
+    cfg = recipes.get("mixtral-8x7b")
+    meshes = planner._meshes(cfg, 64)
+    assert {m["expert"] for m in meshes} == {1, 2, 4, 8}
+    assert all(m["stage"] == 1 and m["context"] == 1 for m in meshes)
+    run = dataclasses.replace(cfg, parallel=ParallelConfig(data=8, expert=2, tensor=4))  # expert x tensor: a node
+    m, t = run.model, run.train
+    b = t.global_batch // 16
+    buffer = b * m.n_experts * t.seq_len * m.d_model * 2  # dropless: C = seq_len slots per expert, bf16
+    assert planner.expert_exchange_bytes(run) == 32 * 4 * buffer * 1 / 2
+    plan = planner.estimate(run, ACCELERATORS["h100"])
+    h100 = ACCELERATORS["h100"]
+    assert plan.time["expert all_to_all"] == planner.expert_exchange_bytes(run) / h100.intra_bw
+    experts = planner.sharded_params(run, experts_only=True)
+    assert experts == m.n_layers * 3 * m.d_model * m.expert_ffn * m.n_experts / 2 / 4
+    dense_only = planner.sharded_params(run) - experts
+    # fp32 all-reduces: the non-expert weights over data x expert = 16, the experts over data = 8
+    assert planner._data_parallel_bytes(run, False, 1) == pytest.approx(
+        2 * 4 * (dense_only * 15 / 16 + experts * 7 / 8), rel=1e-12
+    )
+    plans = [p for p in planner.enumerate_plans(cfg, 64, ACCELERATORS["h100"]) if not p.rejected]
+    assert plans and any(p.cfg.parallel.expert > 1 for p in plans)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import jax
 
 from meshlm import accounting
+from meshlm import axes as ax
 from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ContextStrategy, RematConfig, RunConfig
 from meshlm.model.params import ParamSpec, param_specs
@@ -103,11 +104,14 @@ def zero1_params(cfg: RunConfig) -> float:
     return float(sum(math.prod(shard(s)) for s in specs))
 
 
-def sharded_params(cfg: RunConfig) -> float:
+def sharded_params(cfg: RunConfig, experts_only: bool = False) -> float:
     """Parameters one device holds, from the rules table and the mesh sizes (exact): the same
-    `Layout.sharding` the trainer uses, over an abstract mesh (no devices needed)."""
+    `Layout.sharding` the trainer uses, over an abstract mesh (no devices needed). `experts_only`:
+    of the MoE experts' stacked weights alone."""
     layout = abstract_layout(cfg.parallel)
     specs = jax.tree.leaves(param_specs(cfg.model), is_leaf=lambda x: isinstance(x, ParamSpec))
+    if experts_only:
+        specs = [s for s in specs if ax.EXPERT in s.axes]
     return float(sum(math.prod(layout.sharding(s.axes).shard_shape(s.shape)) for s in specs))
 
 
@@ -189,6 +193,7 @@ def _state_parts(cfg: RunConfig, params: float, bytes_per_param: float, exact_ze
 
 CONTEXT_STRATEGIES: tuple[str, ...] = typing.get_args(ContextStrategy)
 EXCHANGE = "context-parallel exchange"  # the roofline part of K/V (ring, all_gather) or Q/K/V/output (all_to_all)
+EXPERT_EXCHANGE = "expert all_to_all"  # MoE's dispatch and return over the expert axis
 
 
 def _link(device: Accelerator, span: int, across: bool = False) -> float:
@@ -220,7 +225,9 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
         if par.context_strategy == "ring":  # each hop overlaps the attention on the block in hand
             comm = max(0.0, comm - accounting.attention_core_flops(cfg) / (n * peak))
         out[EXCHANGE] = comm
-    dp = par.data * par.fsdp * par.context  # gradients are reduced over every replica of a weight
+    if par.expert > 1:  # MoE: each layer's dispatch and return, forward and backward
+        out[EXPERT_EXCHANGE] = expert_exchange_bytes(cfg) / _link(device, par.expert * par.tensor)
+    dp = par.data * par.fsdp * par.context * par.expert  # gradients are reduced over every replica of a weight
     if dp > 1:
         link = _link(device, par.tensor * dp, _across(cfg, "data", "fsdp", "context"))
         out["data/FSDP collectives"] = _data_parallel_bytes(cfg, own, pipeline) / link
@@ -230,12 +237,36 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
     return out
 
 
+def expert_exchange_bytes(cfg: RunConfig) -> float:
+    """Bytes one device sends per step in MoE's all_to_alls over `expert`: per layer and microbatch,
+    the capacity buffer [b, E, C, d] out to the experts' devices and back, forward and again (as
+    cotangents) backward; (X-1)/X of it leaves the device."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    if not m.moe or par.expert == 1:
+        return 0.0
+    b = t.global_batch // t.microbatches // par.batch_shards
+    buffer = b * m.n_experts * accounting.expert_capacity(m, t.seq_len) * m.d_model * accounting.dtype_bytes(m.dtype)
+    return t.microbatches * m.n_layers * 4 * buffer * (par.expert - 1) / par.expert
+
+
 def _data_parallel_bytes(cfg: RunConfig, own: bool, pipeline: int) -> float:
     """Bytes one device sends per step reducing gradients (and gathering FSDP weights) over the
-    data-like axes."""
-    par, t = cfg.parallel, cfg.train
-    dp = par.data * par.fsdp * par.context
+    data-like axes. MoE: the experts' weights are reduced over data x fsdp only, every other weight
+    over `expert` too."""
+    par = cfg.parallel
     params = sharded_params(cfg) if own else sharded_params(cfg) / pipeline
+    experts = sharded_params(cfg, experts_only=True) * (params / sharded_params(cfg)) if cfg.model.moe else 0.0
+    dense_dp = par.data * par.fsdp * par.context * par.expert
+    return _reduce_bytes(cfg, own, params - experts, dense_dp) + _reduce_bytes(
+        cfg, own, experts, dense_dp // par.expert
+    )
+
+
+def _reduce_bytes(cfg: RunConfig, own: bool, params: float, dp: int) -> float:
+    """`_data_parallel_bytes` for `params` per device replicated over `dp` devices."""
+    par, t = cfg.parallel, cfg.train
+    if dp == 1 or params == 0:
+        return 0.0
     replica = params * par.fsdp  # parameters of one tensor shard, summed over the data group
     if own:  # the executor all-reduces each backward tick's chunk gradients (fp32), m per step
         comm = t.microbatches * 2 * 4 * replica * (dp - 1) / dp
@@ -339,7 +370,7 @@ def calibrated_time(
             device.intra_bw * link_efficiency if n <= device.per_node and not _across(cfg, "stage") else device.inter_bw
         )
         out |= _pipeline_parts(cfg, pipeline, interleave, out["GEMMs"] + tp, bw)
-    for part in (EXCHANGE, "data/FSDP collectives"):
+    for part in (EXCHANGE, EXPERT_EXCHANGE, "data/FSDP collectives"):
         if roofline.get(part):
             out[part] = roofline[part] / link_efficiency
     states = sharded_params(cfg) if own else sharded_params(cfg) / pipeline
@@ -394,11 +425,6 @@ def enumerate_plans(
 ) -> list[Plan]:
     """Every layout x SP x policy x microbatch count, feasible ones first (fastest first), then the
     rejected ones with their reason."""
-    if cfg.model.moe:
-        raise ConfigError(
-            "meshlm plan does not model Mixture-of-Experts layers yet (the expert axis, its all_to_all and the "
-            "dispatch buffers' memory; issue 31); `meshlm check` and `meshlm bench` run MoE configs"
-        )
     plans = []
     for c in _candidates(cfg, n_devices, policies):
         try:
@@ -422,15 +448,19 @@ def enumerate_plans(
 
 def _meshes(cfg: RunConfig, n_devices: int) -> list[dict[str, int]]:
     """Every factorisation of the device count over the mesh axes; pipelines only over stage counts
-    that split the layers, and not combined with context (unsupported)."""
-    out = []
-    for stage in (p for p in _divisors(n_devices) if cfg.model.n_layers % p == 0):
+    that split the layers, and not combined with context (unsupported). MoE models: `expert` over
+    the sizes that divide the experts, without pipelines or context (which MoE refuses)."""
+    m, out = cfg.model, []
+    for stage in (p for p in _divisors(n_devices) if m.n_layers % p == 0 and (p == 1 or not m.moe)):
         for tensor in _divisors(n_devices // stage):
-            for context in _divisors(n_devices // stage // tensor) if stage == 1 else [1]:
-                for fsdp in _divisors(n_devices // stage // tensor // context):
-                    data = n_devices // stage // tensor // context // fsdp
-                    expert = 1  # MoE models are not planned yet (`enumerate_plans`)
-                    out.append(dict(zip(MESH_AXES, (stage, data, fsdp, expert, context, tensor), strict=True)))
+            rest = n_devices // stage // tensor
+            experts = [e for e in _divisors(rest) if m.n_experts % e == 0] if m.moe else [1]
+            for expert in experts:
+                contexts = _divisors(rest // expert) if stage == 1 and not m.moe else [1]
+                for context in contexts:
+                    for fsdp in _divisors(rest // expert // context):
+                        data = rest // expert // context // fsdp
+                        out.append(dict(zip(MESH_AXES, (stage, data, fsdp, expert, context, tensor), strict=True)))
     return out
 
 

@@ -37,6 +37,8 @@ MESHES: dict[str, tuple[str, ...]] = {
     "tensor=2+SP": ("parallel.tensor=2", "parallel.sequence_parallel=true"),
     "data=2 x tensor=2+SP": ("parallel.data=2", "parallel.tensor=2", "parallel.sequence_parallel=true"),
     "fsdp=2 x tensor=2": ("parallel.fsdp=2", "parallel.tensor=2"),
+    "expert=2": ("parallel.expert=2",),
+    "expert=2 x tensor=2+SP": ("parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true"),
     "context=2 ring": ("parallel.context=2", "parallel.context_strategy=ring"),
     "context=2 all_gather": ("parallel.context=2", "parallel.context_strategy=all_gather"),
     "context=2 all_to_all": ("parallel.context=2", "parallel.context_strategy=all_to_all"),
@@ -62,7 +64,7 @@ MESHES: dict[str, tuple[str, ...]] = {
     ),
 }
 FACTORS: dict[str, tuple] = {
-    "family": ("gpt", "llama"),
+    "family": ("gpt", "llama", "moe"),
     "mesh": tuple(MESHES),
     "attention": ("explicit", "blockwise"),
     "remat": ("elementwise", "selective", "full", "dots", "offload"),
@@ -70,7 +72,8 @@ FACTORS: dict[str, tuple] = {
     "document_mask": (False, True),
 }
 DOC = Path(__file__).resolve().parents[3] / "docs" / "compatibility.md"
-RECIPES = {"gpt": "tiny", "llama": "llama-tiny"}  # gpt's recipe has dropout 0.1 (P2's model), llama none
+# gpt's recipe has dropout 0.1 (P2's model), llama none; moe is llama with 8 experts, top-2 (capacity 1.25)
+RECIPES = {"gpt": "tiny", "llama": "llama-tiny", "moe": "moe-tiny"}
 BASE = ("model.attention_block=32", "model.attention_chunk=32", "train.seq_len=64")
 
 
@@ -82,7 +85,7 @@ def config_for(row: dict) -> RunConfig:
     cfg = recipes.get(RECIPES[row["family"]])
     if row["family"] == "gpt":
         cfg = apply_overrides(cfg, ["model.dropout=0.1"])
-    sets = [*BASE, "parallel.data=1", *MESHES[row["mesh"]], f"model.attention={row['attention']}"]
+    sets = [*BASE, "parallel.data=1", "parallel.expert=1", *MESHES[row["mesh"]], f"model.attention={row['attention']}"]
     sets += [f"remat.policy={row['remat']}", f"model.dtype={row['dtype']}"]
     sets.append(f"data.document_mask={str(row['document_mask']).lower()}")
     return apply_overrides(cfg, sets)
@@ -176,7 +179,8 @@ def markdown(rows: list[dict], outcomes: list[dict | None], how: str, seconds: f
         "*refused*: the configuration error meshlm gives before compiling. Every pair of option values",
         "that meshlm runs is in at least one checked row, and every pair it refuses in a refused row (an",
         f"all-pairs design over the factors below); `--full` runs all {len(list(all_rows()))} combinations.",
-        "gpt runs with dropout 0.1 (P2's model), llama without.",
+        "gpt runs with dropout 0.1 (P2's model), llama without; moe is moe-tiny (llama, 8 experts, top-2,",
+        "capacity factor 1.25).",
         "",
         "| # | family | mesh | attention | remat | dtype | document mask | result |",
         "|---:|---|---|---|---|---|---|---|",

@@ -305,3 +305,16 @@ def test_saved_on_expert_x_tensor_resumes_on_data(moe_run):
     first, second = logged_losses(root / "run"), logged_losses(again)
     assert sorted(second) == [4, 5, 6]
     np.testing.assert_allclose([second[s] for s in (4, 5, 6)], [first[s] for s in (4, 5, 6)], rtol=2e-5)
+
+
+def test_meshlm_eval_on_an_moe_run_is_the_same_on_expert_x_tensor(moe_run, capsys):
+    """`meshlm eval` of the trained MoE run: one device and expert=2 x tensor=2 give the same loss."""
+    from meshlm.cli import main
+
+    _, root = moe_run
+    results = []
+    for mesh in ([], ["--mesh", "expert=2,tensor=2"]):
+        assert main(["eval", "--run-dir", str(root / "run"), "--max-tokens", "300", "--json", *mesh]) == 0
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert results[0]["tokens"] == results[1]["tokens"] == 300
+    assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-5) and results[0]["loss"] < 6.5

@@ -11,9 +11,10 @@ in alternating rounds in one process:
   with the same shapes and optimizer.
 
 The dispatch's share of one MoE layer is itemised with forward + backward of its parts, jitted apart
-on one device at the recipe's shapes, as a fraction of the 1-device step: routing (router GEMM,
-softmax, top-k, slot assignment), dispatch + combine (the gathers into and out of the capacity
-buffers), and the expert GEMMs.
+at the recipe's shapes, as a fraction of the 1-device step: routing (router GEMM, softmax, top-k,
+slot assignment), dispatch + combine (the gathers into and out of the capacity buffers), the expert
+GEMMs (and, for comparison, the same GEMMs on the rows-major buffers meshlm first used), and the
+expert=2 all_to_alls (two simulated devices: memory copies here, not a network).
 
     python benchmarks/moe.py [--rounds 5] [--steps 3] [--write]
 """
@@ -121,12 +122,34 @@ def layer_parts(cfg: RunConfig) -> dict[str, float]:
     def experts_fn(buf, *ws):
         return jnp.sum(moe._swiglu_experts(buf, *ws, moe.layers.swiglu))
 
+    def rows_major(buf, w_gate, w_up, w_down):  # the buffers' first layout: [rows, E, C, d]
+        gate = jnp.einsum("recd,edf->recf", buf, w_gate)
+        up = jnp.einsum("recd,edf->recf", buf, w_up)
+        return jnp.sum(jnp.einsum("recf,efd->recd", moe.layers.swiglu(gate, up), w_down))
+
+    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
+
+    def exchange(buf):  # expert=2: dispatch and return, as the layer's region runs them
+        def local(b):
+            there = jax.lax.all_to_all(b, "expert", split_axis=0, concat_axis=1, tiled=True)
+            return jax.lax.all_to_all(there * 1.5, "expert", split_axis=1, concat_axis=0, tiled=True)
+
+        spec = jax.sharding.PartitionSpec(None, "expert")
+        return jnp.sum(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)(buf))
+
     buf = moe.dispatch(x, slot, E, C)
     ws = [p["we_gate"], p["we_up"], p["we_down"]]
+    grads = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2, 3)))
     return {
         "routing": _timed(jax.jit(jax.grad(routing, argnums=(0, 1))), x, p["w_router"]),
         "dispatch + combine": _timed(jax.jit(jax.grad(dispatch_combine)), x),
-        "expert GEMMs": _timed(jax.jit(jax.grad(experts_fn, argnums=(0, 1, 2, 3))), buf, *ws),
+        "expert GEMMs": _timed(grads(experts_fn), buf, *ws),
+        "expert GEMMs, rows-major buffers [rows, E, C, d] (before 2026-12-03)": _timed(
+            grads(rows_major), buf.transpose(1, 0, 2, 3), *ws
+        ),
+        "all_to_all dispatch + return on expert=2 (the global batch's buffers)": _timed(
+            jax.jit(jax.grad(exchange)), buf
+        ),
     }
 
 

@@ -276,3 +276,25 @@ def test_the_matrix_checks_every_pair_that_runs_and_lists_every_refused_one():
     all_pairs = set().union(*(compat._pairs(r) for r in everything))
     assert all_pairs - valid_pairs <= set().union(*(compat._pairs(r) for r in rows if not compat.runs(r)))
     assert len(rows) < len(everything) / 10  # an all-pairs design, not the product
+
+
+def test_moe_layouts_are_checked_and_a_lost_expert_reduction_is_caught(monkeypatch, capsys, devices):
+    """An MoE layout (expert=2 x tensor=2 + SP) checks equal; in bf16 it is checked in float32, and
+    the report says why. Then the experts' gradients doubled only where the layer's region runs
+    sharded over `expert` (a psum over expert too many, say) make the check fail on them."""
+    sets = ("parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true")
+    result = check.run_check(_cfg("moe", *sets, "model.dtype=bfloat16"))
+    assert result.equal and result.dtype == "float32" and "checked in float32" in result.note
+    assert "checked in float32" in "\n".join(check.format_result(result))
+    from meshlm.model import moe
+
+    real = moe._moe_local
+
+    def buggy(x, router, we_gate, *rest, ep, **kw):
+        if ep is not None:
+            we_gate = _double_the_gradient(we_gate)
+        return real(x, router, we_gate, *rest, ep=ep, **kw)
+
+    monkeypatch.setattr(moe, "_moe_local", buggy)
+    result = check.run_check(_cfg("moe", *sets))
+    assert not result.equal and "layers/we_gate" in result.mismatched

@@ -122,3 +122,25 @@ def test_greedy_decoding_on_expert2_tensor2_equals_transformers_generate(hf_dirs
     for prompt, tokens in zip(prompts, gen.tokens, strict=True):
         want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
         assert want == tokens[: len(want)] and (len(want) == 8 or want[-1] in stops)
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 is not supported"),
+        ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers=\\[0\\] is not supported"),
+        ("mixtral", {"sliding_window": 4096}, "sliding_window=4096 is not supported"),
+        ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds the 4 experts"),
+        ("qwen3_moe", {"num_experts": None, "num_local_experts": None}, "missing the expert count"),
+    ],
+)
+def test_moe_configs_meshlm_does_not_compute_are_refused(hf_dirs, name, change, message, tmp_path):
+    """Dense layers among the sparse ones, sliding windows and impossible routing are named, not
+    imported as something else."""
+    from meshlm.config import ConfigError
+
+    data = json.loads((hf_dirs[name][0] / "config.json").read_text())
+    data = {k: v for k, v in (data | change).items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=message):
+        hf_tables.model_config(tmp_path)

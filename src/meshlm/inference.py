@@ -28,6 +28,7 @@ import numpy as np
 from meshlm import axes as ax
 from meshlm.config import ConfigError, ParallelConfig, RunConfig, from_dict
 from meshlm.data import tokenizer as toks
+from meshlm.model.moe import without_capacity
 from meshlm.model.params import abstract_params, param_specs
 from meshlm.model.transformer import CACHE_AXES, KVCache, forward
 from meshlm.parallel.mesh import make_layout
@@ -206,7 +207,8 @@ class Generator:
         cache_sh = KVCache(self._cache_sharding, self._cache_sharding, layout.replicated(), self._row_sh)
 
         def run(params, tokens_bt, cache, key, temperature, top_k, top_p, prefill):
-            logits, cache = forward(params, tokens_bt, m, layout, cache=cache, prefill=prefill)
+            # MoE: dropless (a decode step is a capacity group of one token; a prefill's padding would take slots)
+            logits, cache = forward(params, tokens_bt, without_capacity(m), layout, cache=cache, prefill=prefill)
             last = logits[:, -1]
             if n_valid < m.vocab_size:
                 last = jnp.where(jnp.arange(m.vocab_size) < n_valid, last, -jnp.inf)

@@ -15,6 +15,7 @@ hide a constant factor on a leaf.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -24,7 +25,7 @@ import optax
 from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model.loss import cross_entropy_sum
-from meshlm.model.moe import MOE_METRICS, moe_losses
+from meshlm.model.moe import MOE_METRICS, moe_losses, without_capacity
 from meshlm.model.transformer import forward
 from meshlm.optim import lr_schedule
 from meshlm.parallel.pipeline import pipeline_gradients
@@ -246,7 +247,9 @@ def make_train_step(
 
 
 def make_eval_step(cfg: RunConfig, layout: Layout, param_shardings: dict) -> Callable:
-    """`eval(params, batch) -> (loss_sum, token_count)`, deterministic (no dropout)."""
+    """`eval(params, batch) -> (loss_sum, token_count)`, deterministic (no dropout); MoE routes
+    without a capacity limit, as generation does (`moe.without_capacity`)."""
+    cfg = dataclasses.replace(cfg, model=without_capacity(cfg.model))
 
     def evaluate(params, batch: Batch):
         logits = _forward(params, batch, cfg, layout)

@@ -67,6 +67,7 @@ def _validate_model(m: ModelConfig) -> None:
 def _validate_moe(cfg: RunConfig) -> None:
     """Mixture of Experts: what the router needs, and the layouts it composes with."""
     m, p = cfg.model, cfg.parallel
+    _need(m.n_experts >= 0, f"model.n_experts={m.n_experts} must be >= 0 (0: a dense model)")
     if not m.moe:
         _need(
             p.expert == 1,

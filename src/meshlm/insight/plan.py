@@ -239,14 +239,17 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
 
 def expert_exchange_bytes(cfg: RunConfig) -> float:
     """Bytes one device sends per step in MoE's all_to_alls over `expert`: per layer and microbatch,
-    the capacity buffer [b, E, C, d] out to the experts' devices and back, forward and again (as
-    cotangents) backward; (X-1)/X of it leaves the device."""
+    the capacity buffer [E, b, C, d] out to the experts' devices and back, forward and again (as
+    cotangents) backward, and once more forward where the policy recomputes the layer (`full`) or
+    the experts' batched matmuls (`dots`, `offload`); (X-1)/X of it leaves the device. The compiled
+    step has exactly these all-to-alls (tests/test_moe.py)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     if not m.moe or par.expert == 1:
         return 0.0
     b = t.global_batch // t.microbatches // par.batch_shards
     buffer = b * m.n_experts * accounting.expert_capacity(m, t.seq_len) * m.d_model * accounting.dtype_bytes(m.dtype)
-    return t.microbatches * m.n_layers * 4 * buffer * (par.expert - 1) / par.expert
+    passes = 6 if cfg.remat.policy in ("full", "dots", "offload") else 4
+    return t.microbatches * m.n_layers * passes * buffer * (par.expert - 1) / par.expert
 
 
 def _data_parallel_bytes(cfg: RunConfig, own: bool, pipeline: int) -> float:

@@ -34,6 +34,7 @@ Shapes: b rows, t tokens, d d_model, E experts, k experts per token, C slots, f 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -217,6 +218,14 @@ def moe_ffn(
         out_specs=(layout.spec(residual_axes), stats_specs),
     )
     return region(x_btd, *weights)
+
+
+def without_capacity(cfg: ModelConfig) -> ModelConfig:
+    """The model as evaluation and generation run it: MoE routes dropless. A capacity group is a
+    sequence, so a finite capacity would depend on how a call cuts the text (a decode step is a
+    group of one token, a prefill's left padding takes slots): dropless, every token gets its k
+    experts wherever it stands. Training keeps its capacity (the load-balancing pressure)."""
+    return dataclasses.replace(cfg, expert_capacity_factor=0.0) if cfg.moe else cfg
 
 
 def moe_losses(stats: RouterStats, cfg: ModelConfig) -> dict[str, jax.Array]:

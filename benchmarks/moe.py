@@ -127,7 +127,7 @@ def layer_parts(cfg: RunConfig) -> dict[str, float]:
         up = jnp.einsum("recd,edf->recf", buf, w_up)
         return jnp.sum(jnp.einsum("recf,efd->recd", moe.layers.swiglu(gate, up), w_down))
 
-    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
+    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
 
     def exchange(buf):  # expert=2: dispatch and return, as the layer's region runs them
         def local(b):

@@ -191,6 +191,7 @@ def _compile(cfg: RunConfig, log: MetricsLogger) -> _Setup:
         "devices": [str(d) for d in jax.devices()],
         "mesh": dict(layout.mesh.shape),
         "params": accounting.param_count(cfg.model),
+        "active_params": accounting.active_param_count(cfg.model),
         "model_flops_per_step": report["model_flops_per_step"],  # MFU's: causal attention's masked half not counted
         "eq7_flops_per_step": report["eq7_flops_per_step"],
         "mfu_convention": "causal",

@@ -230,9 +230,10 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     for name, fn in recipes.RECIPES.items():
         c = fn()
         m, p = c.model, c.parallel
+        moe = f"  E={m.n_experts} k={m.experts_per_token} ({accounting.active_param_count(m) / 1e6:.1f}M active)"
         print(
-            f"{name:12s} {m.family:5s} {accounting.param_count(m) / 1e6:10.1f}M params  "
+            f"{name:13s} {m.family:5s} {accounting.param_count(m) / 1e6:10.1f}M params  "
             f"L={m.n_layers} h={m.d_model} a={m.n_heads} kv={m.kv_heads} v={m.vocab_size}  "
-            f"mesh {p.describe(',')}"
+            f"mesh {p.describe(',')}{moe if m.moe else ''}"
         )
     return 0

@@ -82,6 +82,7 @@ def startup_report(
         "remat": cfg.remat.policy,
         "parameters": params,
         "param_count": accounting.param_count(cfg.model),
+        "active_param_count": accounting.active_param_count(cfg.model),  # MoE: k of E experts per token
         "predicted_device_bytes": predicted,
         "predicted_device_total": sum(v for k, v in predicted.items() if "host" not in k),
         "xla_memory_analysis": xla,
@@ -180,7 +181,9 @@ def format_report(r: dict[str, Any]) -> list[str]:
             f"{p['ticks']} ticks, bubble {p['bubble_fraction']:.1%} of the busy time; microbatch-chunks in flight "
             f"per stage {p['peak_in_flight']}"
         )
-    lines.append(f"parameters: {r['param_count'] / 1e6:.2f}M; per-device shards:")
+    active = r["active_param_count"]
+    moe = f" ({active / 1e6:.2f}M active per token)" if active != r["param_count"] else ""
+    lines.append(f"parameters: {r['param_count'] / 1e6:.2f}M{moe}; per-device shards:")
     for p in r["parameters"]:
         lines.append(f"  {p['name']:18s} {tuple(p['shape'])!s:24s} {p['spec']:32s} {_size(p['device_bytes'])}")
     lines.append("predicted per device:")

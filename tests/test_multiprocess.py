@@ -78,7 +78,7 @@ def _launch_cmd(train_args, *options):
 def _final_state(run_dir):
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
     # read back in this one process: the mesh's shape, not its split over nodes (--dcn)
-    one_node = {f"dcn_{axis}": 1 for axis in cfg.parallel.dcn if axis != "tensor"}
+    one_node = {f"dcn_{axis}": 1 for axis, ways in cfg.parallel.dcn.items() if ways > 1}
     layout = make_layout(dataclasses.replace(cfg.parallel, **one_node))
     specs, tx, _ = setup(cfg, layout)
     r = Checkpointer(run_dir / "checkpoints", CheckpointConfig()).restore_latest(abstract_state(specs, layout, tx))

@@ -37,16 +37,16 @@ def _nan_gradient_if(x: jax.Array, poisoned: jax.Array) -> jax.Array:
 def poisonable(request, monkeypatch):
     """A batch whose first token is POISON has a NaN loss, or (param "gradient") a finite loss and
     a NaN gradient. Data-driven, so a resumed run meets it at the same step."""
-    real = step_module._loss_sum
+    real = step_module.objective_sum
 
     def loss_sum(params, batch, cfg, layout, key):
-        total, count = real(params, batch, cfg, layout, key)
+        total, (ce, count, metrics) = real(params, batch, cfg, layout, key)
         poisoned = batch["inputs"][0, 0] == POISON
         if request.param == "gradient":
-            return _nan_gradient_if(total, poisoned), count
-        return jnp.where(poisoned, jnp.nan, total), count
+            return _nan_gradient_if(total, poisoned), (ce, count, metrics)
+        return jnp.where(poisoned, jnp.nan, total), (jnp.where(poisoned, jnp.nan, ce), count, metrics)
 
-    monkeypatch.setattr(step_module, "_loss_sum", loss_sum)
+    monkeypatch.setattr(step_module, "objective_sum", loss_sum)
     return request.param
 
 

@@ -47,7 +47,7 @@ def test_layer_collectives_are_the_papers(block, devices):
 
         def loss(x, p, layout=layout):
             p = jax.tree.map(lambda w: w[0].astype(jnp.bfloat16), p)
-            return jnp.sum(block(x, p, None, model, layout, "elementwise").astype(jnp.float32) ** 2)
+            return jnp.sum(block(x, p, None, model, layout, "elementwise")[0].astype(jnp.float32) ** 2)
 
         in_sh = (layout.sharding(RESIDUAL), param_shardings(specs, layout)["layers"])
         fn = jax.jit(jax.grad(loss, argnums=(0, 1)), in_shardings=in_sh)

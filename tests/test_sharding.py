@@ -5,6 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import MESHES, build, tiny_config
+from meshlm.axes import MESH_AXES
 from meshlm.model.params import named_leaves
 from meshlm.train_state import TrainState
 
@@ -100,9 +101,7 @@ def test_param_and_optimizer_shardings_match_golden(mesh, devices):
     for name, arr in params.items():
         want = GOLDEN[mesh].get(name, P())
         assert arr.sharding.spec == want, f"{mesh}: {name} is {arr.sharding.spec}, want {want}"
-        assert arr.sharding.mesh.shape == MESHES[mesh] | {
-            k: 1 for k in ("stage", "data", "fsdp", "context", "tensor") if k not in MESHES[mesh]
-        }
+        assert arr.sharding.mesh.shape == MESHES[mesh] | {k: 1 for k in MESH_AXES if k not in MESHES[mesh]}
     # AdamW moments mirror the parameters leaf for leaf (ZeRO: sharded exactly like them).
     adam = state.opt_state[1][0]
     for moment in (adam.mu, adam.nu):

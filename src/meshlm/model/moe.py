@@ -39,13 +39,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
 from meshlm.accounting import expert_capacity
 from meshlm.config import ModelConfig
 from meshlm.model import layers
 from meshlm.parallel import remat
+from meshlm.parallel.collectives import manual_region, region_weight_spec
 from meshlm.parallel.rules import Layout
 
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
@@ -167,16 +167,6 @@ def moe_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def _region_spec(layout: Layout, logical_axes, keep: tuple[str, ...]) -> P:
-    """A weight's spec restricted to the mesh axes in `keep` (replicated over the others, which
-    GSPMD gathers on entry, as for the tensor-parallel regions)."""
-    parts = []
-    for logical in logical_axes:
-        names = tuple(n for n in layout.mesh_axes(logical) if n in keep)
-        parts.append(None if not names else names[0] if len(names) == 1 else names)
-    return P(*parts)
-
-
 def moe_ffn(
     layout: Layout | None,
     x_btd: jax.Array,
@@ -188,8 +178,6 @@ def moe_ffn(
 ):
     """The MoE feed-forward of one layer on the residual stream's normed input: (output laid out
     like the residual, RouterStats with rows over the batch axes)."""
-    from meshlm.parallel.collectives import manual_region
-
     names = moe_names(cfg)
     weights = [p[n] for n in names]
     if layout is None:
@@ -210,7 +198,7 @@ def moe_ffn(
 
     rows = layout.spec((ax.BATCH,))
     stats_specs = RouterStats(rows, rows, rows, rows)
-    weight_specs = [_region_spec(layout, weight_axes[n], ("expert", "tensor")) for n in names]
+    weight_specs = [region_weight_spec(layout, weight_axes[n], ("expert", "tensor")) for n in names]
     region = manual_region(
         layout,
         local,

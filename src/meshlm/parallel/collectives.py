@@ -37,11 +37,13 @@ from meshlm.model.layers import dense
 from meshlm.parallel.rules import Layout, constrain
 
 
-def _tensor_spec(layout: Layout, logical_axes: Sequence[str | None]) -> P:
-    """A weight's partition spec restricted to the `tensor` axis (replicated over the others)."""
+def region_weight_spec(layout: Layout, logical_axes: Sequence[str | None], keep: tuple[str, ...] = ("tensor",)) -> P:
+    """A weight's partition spec restricted to the mesh axes in `keep` (default `tensor`; an MoE
+    region also keeps `expert`), replicated over the others, which GSPMD gathers on entry."""
     parts = []
     for logical in logical_axes:
-        parts.append("tensor" if "tensor" in layout.mesh_axes(logical) else None)
+        names = tuple(n for n in layout.mesh_axes(logical) if n in keep)
+        parts.append(None if not names else names[0] if len(names) == 1 else names)
     return P(*parts)
 
 
@@ -97,7 +99,7 @@ def column_parallel(
         in_specs=(
             layout.spec(residual_axes),
             *(layout.spec(a) for _, a in extras),
-            *(_tensor_spec(layout, a) for a in weight_axes),
+            *(region_weight_spec(layout, a) for a in weight_axes),
         ),
         out_specs=tuple(layout.spec(a) for a in out_axes),
     )
@@ -130,7 +132,7 @@ def row_parallel(
     return manual_region(
         layout,
         lambda xl, wl: jax.lax.psum_scatter(dense(equation, xl, wl, flat), "tensor", scatter_dimension=1, tiled=True),
-        in_specs=(layout.spec(x_axes), _tensor_spec(layout, w_axes)),
+        in_specs=(layout.spec(x_axes), region_weight_spec(layout, w_axes)),
         out_specs=layout.spec(out_axes),
     )(x, w)
 
@@ -158,7 +160,7 @@ def vocab_parallel_embed(
         return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
 
     tokens_spec = layout.spec((ax.BATCH, ax.SEQ))  # rows over (data, fsdp), sequence over context
-    table_spec = _tensor_spec(layout, table_axes)
+    table_spec = region_weight_spec(layout, table_axes)
     return manual_region(layout, local, in_specs=(table_spec, tokens_spec), out_specs=layout.spec(out_axes))(
         table_vd, tokens_bt
     )

@@ -1,5 +1,5 @@
-"""Pipeline schedules as tables (pure Python): invariants, tick counts, bubble fractions and the
-microbatches each stage keeps in flight, for GPipe, 1F1B and interleaved 1F1B."""
+"""Pipeline schedules as tables (pure Python): invariants, tick counts, lockstep bubbles and the
+microbatches each stage keeps in flight, for GPipe, 1F1B and interleaved 1F1B (paired cells)."""
 
 import dataclasses
 
@@ -9,6 +9,7 @@ from meshlm.parallel.schedules import (
     Action,
     ScheduleError,
     build,
+    cell,
     check_sizes,
     first_stage_in_flight,
     orders,
@@ -16,94 +17,108 @@ from meshlm.parallel.schedules import (
 )
 
 GRID = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
+RATIOS = (0.5, 1.0, 2.0, 3.0)  # backward / forward
 
 
 @pytest.mark.parametrize("p, m", GRID)
 def test_gpipe_and_1f1b(p, m):
     for name in ("gpipe", "1f1b"):
         s = build(name, p, m)  # build validates the table
-        assert s.ticks == 2 * (m + p - 1)
+        assert s.ticks == (2 * (m + p - 1) if name == "gpipe" else m + 2 * p - 1)
+        for r in RATIOS:  # the textbook bubble in lockstep, whatever a backward costs
+            assert s.lockstep_overhead(r) == pytest.approx((p - 1) / m)
         assert s.bubble_fraction == pytest.approx((p - 1) / m)
         peaks = [s.peak_in_flight(i) for i in range(p)]
-        assert peaks == ([m] * p if name == "gpipe" else [min(p - i, m) for i in range(p)])
+        assert peaks == ([m] * p if name == "gpipe" else [min(2 * (p - i - 1) + 1, m) for i in range(p)])
         assert first_stage_in_flight(name, p, m) == peaks[0] == max(peaks)
         assert all(x == 0 for x in [s.in_flight(i)[-1] for i in range(p)])  # everything drained
 
 
 @pytest.mark.parametrize("p, m", GRID)
-@pytest.mark.parametrize("v", [1, 2])
+@pytest.mark.parametrize("v", [1, 2, 3])
 def test_interleaved(p, m, v):
     s = build("interleaved", p, m, v)
-    assert s.ticks == 2 * (m * v + p - 1)
-    assert s.bubble_fraction == pytest.approx((p - 1) / (v * m))  # v times smaller than 1F1B's
-    # Megatron's warm-up: (p - s - 1) * 2 + (v - 1) * p forwards, then one more before the first
-    # backward; with m == p every forward first
-    want = [m * v if m == p else min((p - i - 1) * 2 + (v - 1) * p + 1, m * v) for i in range(p)]
+    assert s.ticks == m * v + (v + 1) * p - 1
+    for r in RATIOS:  # v times smaller than 1F1B's, whatever a backward costs
+        assert s.lockstep_overhead(r) == pytest.approx((p - 1) / (v * m))
+    # Megatron's warm-up (p - s - 1) * 2 + (v - 1) * p forwards, then one more before the first pair
+    want = [min((p - i - 1) * 2 + (v - 1) * p + 1, m * v) for i in range(p)]
     assert [s.peak_in_flight(i) for i in range(p)] == want
     assert first_stage_in_flight("interleaved", p, m, v) == want[0] == max(want)
 
 
 @pytest.mark.parametrize("p, m", GRID)
 def test_lockstep_time(p, m):
-    """Ticks last as long as their slowest action: GPipe's forward and backward phases are
-    (m + p - 1) ticks each; 1F1B's steady ticks each hold a backward, so it costs more."""
-    gpipe, one = build("gpipe", p, m), build("1f1b", p, m)
-    assert gpipe.lockstep_time(1.0, 2.0) == (m + p - 1) * 3.0
-    assert gpipe.lockstep_overhead(2.0) == pytest.approx((p - 1) / m)
-    assert one.lockstep_time(1.0, 1.0) == one.ticks  # equal costs: the tick count
-    assert one.lockstep_time(1.0, 2.0) > gpipe.lockstep_time(1.0, 2.0)
+    """Ticks last as long as their slowest cell: GPipe's forward and backward phases are (m + p - 1)
+    ticks each; 1F1B's steady ticks each hold a forward and a backward, so it costs the same."""
+    for name in ("gpipe", "1f1b"):
+        s = build(name, p, m)
+        assert s.lockstep_time(1.0, 2.0) == (m + p - 1) * 3.0
+    assert build("1f1b", p, m).lockstep_time(1.0, 1.0) == (m + p - 1) * 2.0  # not the tick count
 
 
 def test_lockstep_1f1b_example():
-    # p = 4, m = 8, b = 2f: 4 forward-only warm-up ticks + 18 ticks holding a backward (the picture)
-    assert build("1f1b", 4, 8).lockstep_time(1.0, 2.0) == 4 * 1.0 + 18 * 2.0
+    # p = 4, m = 8, b = 2f (the picture): 4 forward-only warm-up ticks (stage 3 idle or starting),
+    # 7 paired ticks, 4 backward-only ticks - 33 forward-times, GPipe's; one action per tick took 40
+    s = build("1f1b", 4, 8)
+    costs = [max(sum({"F": 1, "B": 2}[a.kind] for a in c) for c in row) for row in s.table]
+    assert costs == [1] * 4 + [3] * 7 + [2] * 4
+    assert s.lockstep_time(1.0, 2.0) == 33
 
 
 def test_1f1b_memory_is_flat_in_m_and_gpipe_grows():
-    assert [build("1f1b", 4, m).peak_in_flight(0) for m in (4, 8, 16, 32)] == [4, 4, 4, 4]
+    assert [build("1f1b", 4, m).peak_in_flight(0) for m in (4, 8, 16, 32)] == [4, 7, 7, 7]
     assert [build("gpipe", 4, m).peak_in_flight(0) for m in (4, 8, 16, 32)] == [4, 8, 16, 32]
 
 
 def test_the_validator_catches_broken_tables():
     good = build("1f1b", 4, 8)
     rows = [list(r) for r in good.table]
+    find = lambda t, s, pred: next(i for i, r in enumerate(t) if pred(r[s]))
 
     def broken(edit) -> dataclasses.replace:
         t = [list(r) for r in rows]
         edit(t)
         return dataclasses.replace(good, table=tuple(tuple(r) for r in t))
 
-    def swap_first_backward_earlier(t):  # stage 3's first backward one tick before its forward
-        i = next(i for i, r in enumerate(t) if r[3] == Action("B", 0, 3))
-        t[i - 1][3], t[i][3] = t[i][3], t[i - 1][3]
+    def backward_with_its_forward(t):  # stage 3's first backward in the tick of its forward
+        i = find(t, 3, lambda c: Action("B", 0, 3) in c)
+        t[i - 1][3], t[i][3] = cell(Action("B", 0, 3), *t[i - 1][3]), cell(*(a for a in t[i][3] if a.kind == "F"))
 
     def drop_one(t):
-        i = next(i for i, r in enumerate(t) if r[2] is not None)
-        t[i][2] = None
+        i = find(t, 2, bool)
+        t[i][2] = ()
 
     def wrong_stage(t):
-        i = next(i for i, r in enumerate(t) if r[1] is not None)
-        t[i][0], t[i][1] = t[i][1], None
+        i = find(t, 1, bool)
+        t[i][0], t[i][1] = t[i][1], ()
 
     def too_early(t):  # stage 1 forwards microbatch 0 in the same tick as stage 0 does
-        t[0][1] = t[1][1]
-        t[1][1] = None
+        t[0][1], t[1][1] = t[1][1], ()
 
-    def extra_chunk(t):  # a forward of a chunk that does not exist, in an idle slot of stage 0
-        i = next(i for i, r in enumerate(t) if r[0] is None)
-        t[i][0] = Action("F", 0, 4)
+    def extra_chunk(t):  # a forward of a chunk that does not exist, in an idle cell of stage 3
+        t[find(t, 3, lambda c: not c)][3] = cell(Action("F", 0, 4))
 
     def renumbered(t):
-        i = next(i for i, r in enumerate(t) if r[1] is not None)
-        t[i][1] = Action(t[i][1].kind, 9, t[i][1].chunk)
+        i = find(t, 1, bool)
+        t[i][1] = tuple(Action(a.kind, 9, a.chunk) for a in t[i][1])
+
+    def two_forwards(t):  # stage 0's first two forwards in one cell
+        t[0][0], t[1][0] = (t[0][0][0], t[1][0][0]), ()
+
+    def forward_first(t):  # a pair in the wrong order: the forward before the backward
+        i = find(t, 3, lambda c: len(c) == 2)
+        t[i][3] = tuple(reversed(t[i][3]))
 
     for edit, message in [
         (extra_chunk, "outside 8 microbatches x 4 chunks"),
         (renumbered, "outside"),
-        (swap_first_backward_earlier, "before"),
+        (backward_with_its_forward, "before"),
         (drop_one, "runs 7"),
         (wrong_stage, "lives on"),
         (too_early, "before"),
+        (two_forwards, "at most one backward, then one forward"),
+        (forward_first, "at most one backward, then one forward"),
     ]:
         with pytest.raises(ScheduleError, match=message):
             validate(broken(edit))
@@ -141,8 +156,8 @@ def test_schedules_that_cannot_run_are_refused(args, message):
 def test_pictures():
     picture = build("1f1b", 2, 3).picture()
     assert picture.splitlines() == [
-        "stage 0: F0 F1 .  B0 F2 B1 .  B2",
-        "stage 1: .  F0 B0 F1 B1 F2 B2 .",
+        "stage 0: F0    F1    F2    B0    B1    B2",
+        "stage 1: .     F0    B0+F1 B1+F2 B2    .",
     ]
     assert "F0/1" in build("interleaved", 2, 2, 2).picture()
 

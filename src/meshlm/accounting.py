@@ -17,7 +17,7 @@ import functools
 import math
 
 from meshlm.config import ModelConfig, RunConfig
-from meshlm.parallel.schedules import build, first_stage_in_flight, tables
+from meshlm.parallel.schedules import build, first_stage_in_flight, megatron_in_flight, tables
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -479,14 +479,13 @@ def pipeline_in_flight(cfg: RunConfig, pipeline: int | None = None, interleave: 
     layouts) as Megatron runs it: 1F1B, interleaved when `interleave` > 1."""
     par, micro = cfg.parallel, cfg.train.microbatches
     if pipeline is None:
-        pipeline, interleave, name = par.stage, par.virtual_stages, par.pipeline_schedule
-    else:  # P2's Eq. 5 assumes a full pipeline: more microbatches than stages
-        interleave = interleave or 1
-        name = "interleaved" if interleave > 1 else "1f1b"
-        micro = max(micro, 2 * pipeline)
+        if par.stage == 1:
+            return 1
+        return first_stage_in_flight(par.pipeline_schedule, par.stage, micro, par.virtual_stages)
     if pipeline == 1:
         return 1
-    return first_stage_in_flight(name, pipeline, micro, interleave)
+    # Megatron's asynchronous schedules; P2's Eq. 5 assumes a full pipeline (more microbatches than stages)
+    return megatron_in_flight(pipeline, max(micro, 2 * pipeline), interleave or 1)
 
 
 def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:

@@ -35,6 +35,7 @@ from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ContextStrategy, RematConfig, RunConfig
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel.mesh import abstract_layout
+from meshlm.parallel.schedules import Schedule
 from meshlm.parallel.schedules import build as build_schedule
 from meshlm.platform.hardware import Accelerator, matmul_precision, peak_for
 from meshlm.validation import validate
@@ -390,7 +391,7 @@ def pipeline_send_bytes(cfg: RunConfig, interleave: int = 1) -> float:
     b = t.global_batch // t.microbatches // par.batch_shards
     activation = t.seq_len * b * m.d_model * accounting.dtype_bytes(m.dtype)
     if par.stage > 1:
-        ticks = 2 * (t.microbatches * par.virtual_stages + par.stage - 1)
+        ticks = _schedule(par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages).ticks
         return 2 * ticks * activation / (par.tensor if par.sequence_parallel else 1)
     return 2 * t.microbatches * interleave * activation / par.tensor
 
@@ -398,10 +399,10 @@ def pipeline_send_bytes(cfg: RunConfig, interleave: int = 1) -> float:
 def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> float:
     """Time a pipeline adds, as a fraction of a stage's work. Megatron's asynchronous schedules (an
     explicit `pipeline`): the bubble (p-1)/(v m). meshlm's executor (`parallel.stage`) runs in
-    lockstep, every tick as long as its slowest action: the schedule table's lockstep time with
+    lockstep, every tick as long as its slowest cell: the schedule table's lockstep time with
     backward/forward = the step's executed FLOPs over its executed forward FLOPs, minus 1
-    (recomputation included), which is the bubble for GPipe and more for 1F1B
-    (`Schedule.lockstep_overhead`)."""
+    (recomputation included) - the textbook bubble for all three tables, since 1F1B's and
+    interleaved's steady ticks pair a forward with a backward (`Schedule.lockstep_overhead`)."""
     par, micro = cfg.parallel, cfg.train.microbatches
     if par.stage == 1:
         return (pipeline - 1) / (interleave * micro)
@@ -410,9 +411,14 @@ def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> flo
     return _lockstep_overhead(par.pipeline_schedule, par.stage, micro, par.virtual_stages, ratio)
 
 
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, stages: int, micro: int, virtual: int) -> Schedule:
+    return build_schedule(name, stages, micro, virtual)
+
+
 @functools.lru_cache(maxsize=1024)
 def _lockstep_overhead(name: str, stages: int, micro: int, virtual: int, ratio: float) -> float:
-    return build_schedule(name, stages, micro, virtual).lockstep_overhead(ratio)
+    return _schedule(name, stages, micro, virtual).lockstep_overhead(ratio)
 
 
 def _divisors(n: int) -> list[int]:
@@ -467,6 +473,21 @@ def _meshes(cfg: RunConfig, n_devices: int) -> list[dict[str, int]]:
     return out
 
 
+MAX_INTERLEAVE = 4  # virtual stages the planner tries (P2 ran 175B and 530B with 3)
+
+
+def _schedules(cfg: RunConfig, stages: int) -> list[tuple[str, int]]:
+    """The pipeline schedules weighed for `stages`: 1F1B, and interleaved with v = 2 .. MAX_INTERLEAVE
+    chunks per stage where the layers split into p v chunks. GPipe is not: in lockstep it takes
+    1F1B's time (both lose (p-1)/m) and holds m microbatches in flight, never fewer than 1F1B's
+    min(2p - 1, m); the microbatch counts interleaving refuses (not a multiple of p) are refused
+    by validation, with the reason."""
+    if stages == 1:
+        return [("1f1b", 1)]
+    layers = cfg.model.n_layers
+    return [("1f1b", 1)] + [("interleaved", v) for v in range(2, MAX_INTERLEAVE + 1) if layers % (stages * v) == 0]
+
+
 def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
     """The configs `enumerate_plans` weighs, unvalidated: mesh factorisations x attention kernel x
     SP x pipeline schedule x remat policy x microbatch count."""
@@ -480,15 +501,15 @@ def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
             if sizes["context"] > 1 and kernel == "explicit" and strategy != "all_to_all":
                 continue
             model = dataclasses.replace(cfg.model, attention=kernel)
-            # pipelines: 1F1B (p in flight) or GPipe (m in flight, but shorter in lockstep)
-            schedules = ("1f1b", "gpipe") if sizes["stage"] > 1 else ("1f1b",)
-            for sp, schedule in itertools.product((False, True) if sizes["tensor"] > 1 else (False,), schedules):
+            for sp, (schedule, v) in itertools.product(
+                (False, True) if sizes["tensor"] > 1 else (False,), _schedules(cfg, sizes["stage"])
+            ):
                 par = dataclasses.replace(
                     cfg.parallel,
                     **sizes,
                     sequence_parallel=sp,
                     pipeline_schedule=schedule,
-                    virtual_stages=1,
+                    virtual_stages=v,
                     context_strategy=strategy,
                 )
                 # ZeRO-1 where the weights are replicated over data or context (fsdp shards the moments already)

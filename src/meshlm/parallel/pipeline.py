@@ -58,7 +58,7 @@ from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.params import param_specs
 from meshlm.model.transformer import RESIDUAL, embed, logits, run_layers
 from meshlm.parallel.rules import Layout, constrain
-from meshlm.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, build, tables
+from meshlm.parallel.schedules import Schedule, build, tables
 
 AXIS = "stage"
 
@@ -99,6 +99,186 @@ def _take(buf: jax.Array, slot: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
 
 
+class _Stage:
+    """One stage's tick inside the pipeline region: the constants of the trace (schedule tables,
+    shapes, the chunk weights of this stage, the residuals' structure) and the phases as methods.
+    Built inside the `shard_map` body, so `stage` is this device's stage index."""
+
+    def __init__(self, cfg: RunConfig, layout: Layout, tab, local, top, micro, key, idle_fill: float):
+        self.cfg, self.layout, self.tab, self.idle_fill = cfg, layout, tab, idle_fill
+        self.local, self.top, self.micro, self.key = local, top, micro, key
+        self.p, self.m = cfg.parallel.stage, cfg.train.microbatches
+        self.per_chunk = cfg.model.n_layers // (self.p * cfg.parallel.virtual_stages)
+        self.dtype = jnp.dtype(cfg.model.dtype)
+        b, s_len = micro["inputs"].shape[1:3]
+        self.x_shape = (b, s_len, cfg.model.d_model)
+        self.stage = jax.lax.axis_index(AXIS)
+        specs = param_specs(cfg.model)
+        self.top_axes = {n: spec.axes for n, spec in specs.items() if n != "layers"}
+        self._probe_residuals()
+
+    # ------------------------------------------------------------------ pieces
+
+    def keep(self, axes) -> NamedSharding:
+        return NamedSharding(self.layout.mesh, P(*(_kept(self.layout, a) for a in axes)))
+
+    def top_layout(self, tree: dict) -> dict:
+        return {n: jax.lax.with_sharding_constraint(w, self.keep(self.top_axes[n])) for n, w in tree.items()}
+
+    def resid(self, x: jax.Array) -> jax.Array:
+        return constrain(self.layout, x, RESIDUAL)
+
+    def filled(self) -> jax.Array:
+        return self.resid(jnp.full(self.x_shape, self.idle_fill, self.dtype))
+
+    def no_top_grads(self) -> dict:
+        return self.top_layout(jax.tree.map(jnp.zeros_like, self.top))
+
+    def chunk_weights(self, lc):  # cast before the vjp, so residual weights are these very arrays
+        return jax.tree.map(lambda w: _take(w, lc).astype(self.dtype), self.local)
+
+    def mb_key(self, i):
+        if self.key is None:
+            return None
+        return self.key if self.m == 1 else jax.random.fold_in(self.key, i)
+
+    def context(self, micro_i, chunk):
+        """The microbatch, its dropout key and the global layer ids of this stage's local chunk."""
+        ids = (chunk * self.p + self.stage) * self.per_chunk + jnp.arange(self.per_chunk)
+        return jax.tree.map(lambda a: _take(a, micro_i), self.micro), self.mb_key(micro_i), ids
+
+    def embed(self, top, mb, k):
+        return embed(top, mb["inputs"], self.cfg.model, self.layout, k, mb.get("positions")).astype(self.dtype)
+
+    def loss(self, y, top, mb):
+        out = logits(top, y, self.cfg.model, self.layout, self.cfg.remat.policy)
+        return cross_entropy_sum(out, mb["targets"], mb.get("mask"))
+
+    def vjp_parts(self, w, x, k, ids, seg):
+        """The chunk's output, its vjp, and which residuals are the chunk's weights themselves
+        (index into w's leaves, else None): those are not stashed but taken again in B."""
+        run = lambda w, x: run_layers(x, w, ids, self.cfg.model, self.layout, k, self.cfg.remat.policy, seg)[0]
+        y, vjp_fn = jax.vjp(run, w, x)
+        w_leaves = jax.tree.leaves(w)
+        where = tuple(next((j for j, q in enumerate(w_leaves) if q is r), None) for r in jax.tree.leaves(vjp_fn))
+        return y, vjp_fn, where
+
+    def _probe_residuals(self) -> None:
+        """Trace one chunk's vjp abstractly: the residuals' structure, which are weights, where each lives."""
+        probe = {}
+
+        def residuals(w, x):
+            mb, k, ids = self.context(0, 0)
+            _, vjp_fn, probe["where"] = self.vjp_parts(w, x, k, ids, mb.get("segment_ids"))
+            probe["host"] = [jax.typeof(r).memory_space == jax.memory.Space.Host for r in jax.tree.leaves(vjp_fn)]
+            return vjp_fn
+
+        w0 = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], self.dtype), self.local)
+        x0 = jax.ShapeDtypeStruct(self.x_shape, self.dtype)
+        leaves, self.treedef = jax.tree.flatten(jax.eval_shape(residuals, w0, x0))
+        self.where = probe["where"]
+        kinds = zip(leaves, self.where, probe["host"], strict=True)
+        self.stashed = [(leaf, host) for leaf, j, host in kinds if j is None]
+
+    def stash_of(self, vjp_fn, w_where) -> list:
+        if w_where != self.where:
+            raise AssertionError("the chunk's residuals changed structure between traces")
+        return [leaf for leaf, j in zip(jax.tree.leaves(vjp_fn), self.where, strict=True) if j is None]
+
+    def rebuilt_vjp(self, res, lc):
+        w_leaves, it = jax.tree.leaves(self.chunk_weights(lc)), iter(res)
+        return jax.tree.unflatten(self.treedef, [next(it) if j is None else w_leaves[j] for j in self.where])
+
+    # ------------------------------------------------------------------ the phases
+
+    def backward(self, r, res, dy):
+        """B(i, c), or nothing when the cell has no backward: (chunk weight gradients, the
+        embedding's gradients, the cotangent to send to the previous stage)."""
+
+        def run():
+            mb, k, _ = self.context(r["b_micro"], r["b_chunk"])
+            dw, dx = self.rebuilt_vjp(res, r["b_chunk"])(self.resid(dy))
+            dw = jax.tree.map(lambda g: g.astype(jnp.float32), dw)
+
+            def through_embedding():
+                _, vjp_embed = jax.vjp(lambda t: self.embed(t, mb, k), self.top)
+                return self.top_layout(vjp_embed(dx)[0])
+
+            first = r["b_first"].astype(bool)
+            dtop = jax.lax.cond(first, through_embedding, self.no_top_grads)
+            return dw, dtop, jnp.where(first, self.filled(), self.resid(dx.astype(self.dtype)))
+
+        def idle():
+            no_dw = jax.tree.map(lambda w: jnp.zeros_like(w[0]), self.local)
+            return no_dw, self.no_top_grads(), self.filled()
+
+        return jax.lax.cond(r["b"].astype(bool), run, idle)
+
+    def forward(self, r, x_in, res_keep):
+        """F(i, c), or nothing: (residuals to stash, activation to send, the loss's cotangent to
+        file, the head's gradients, loss, token count). `res_keep` is what an idle forward writes
+        back into the stash slot."""
+        zero = jnp.zeros((), jnp.float32)
+
+        def run():
+            mb, k, ids = self.context(r["f_micro"], r["f_chunk"])
+            first, last = r["f_first"].astype(bool), r["f_last"].astype(bool)
+            # both branches of every cond state their outputs' layout (XLA requires them equal)
+            x = jax.lax.cond(first, lambda: self.resid(self.embed(self.top, mb, k)), lambda: self.resid(x_in))
+            w = self.chunk_weights(r["f_chunk"])
+            y, vjp_fn, w_where = self.vjp_parts(w, x, k, ids, mb.get("segment_ids"))
+
+            def with_loss():
+                (ls, cnt), (dy, dtop) = jax.value_and_grad(self.loss, argnums=(0, 1), has_aux=True)(y, self.top, mb)
+                return self.resid(dy.astype(self.dtype)), self.top_layout(dtop), ls, cnt
+
+            dy, dtop, ls, cnt = jax.lax.cond(last, with_loss, lambda: (self.filled(), self.no_top_grads(), zero, zero))
+            send = jnp.where(last, self.filled(), self.resid(y.astype(self.dtype)))
+            return self.stash_of(vjp_fn, w_where), send, dy, dtop, ls, cnt
+
+        def idle():
+            return res_keep, self.filled(), self.filled(), self.no_top_grads(), zero, zero
+
+        return jax.lax.cond(r["f"].astype(bool), run, idle)
+
+    def carry(self) -> dict:
+        full = lambda n: jnp.full((n, *self.x_shape), self.idle_fill, self.dtype)
+        inbox = lambda n: constrain(self.layout, full(n), (None, *RESIDUAL))
+        return {
+            "act": inbox(self.tab.act_slots),
+            "grad": inbox(self.tab.grad_slots),
+            "stash": [_zeros((self.tab.stash_slots,), leaf, self.idle_fill, host) for leaf, host in self.stashed],
+            "g_layers": jax.tree.map(jnp.zeros_like, self.local),
+            "g_top": jax.tree.map(jnp.zeros_like, self.top),
+            "loss": jnp.zeros((), jnp.float32),
+            "count": jnp.zeros((), jnp.float32),
+        }
+
+    def tick(self, c: dict, row: dict):
+        """One tick: the cell's backward, its cotangent sent left, the cell's forward, its
+        activation sent right. Every buffer is read before a phase and written after it, so XLA
+        updates the loop's buffers in place instead of copying them through a conditional. Sends
+        are entered by every device on every tick, outside any branch (idle stages send a filler
+        that lands in a spare slot)."""
+        r = {k: _take(a, self.stage) for k, a in row.items()}
+        res_b = [_take(buf, r["b_stash"]) for buf in c["stash"]]
+        dw, dtop_b, send_grad = self.backward(r, res_b, _take(c["grad"], r["grad_read"]))
+        got_grad = jax.lax.ppermute(send_grad, AXIS, [(j, (j - 1) % self.p) for j in range(self.p)])
+        res, send_act, dy, dtop_f, ls, cnt = self.forward(r, _take(c["act"], r["act_read"]), res_b)
+        got_act = jax.lax.ppermute(send_act, AXIS, [(j, (j + 1) % self.p) for j in range(self.p)])
+        lc = r["b_chunk"]
+        grad = _put(c["grad"], r["grad_write"], dy)
+        return {
+            "act": _put(c["act"], r["recv_act"], got_act),
+            "grad": _put(grad, r["recv_grad"], got_grad),
+            "stash": [_put(buf, r["f_stash"], leaf) for buf, leaf in zip(c["stash"], res, strict=True)],
+            "g_layers": jax.tree.map(lambda acc, g: _put(acc, lc, _take(acc, lc) + g), c["g_layers"], dw),
+            "g_top": jax.tree.map(lambda a, b, f: a + b + f, c["g_top"], dtop_b, dtop_f),
+            "loss": c["loss"] + ls,
+            "count": c["count"] + cnt,
+        }, None
+
+
 def pipeline_gradients(
     params: dict,
     batch: dict,
@@ -116,15 +296,12 @@ def pipeline_gradients(
     schedule = schedule_for(cfg)
     tab = tables(schedule)
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
-    mcfg, policy = cfg.model, cfg.remat.policy
-    per_chunk = mcfg.n_layers // (p * v)
-    dtype = jnp.dtype(mcfg.dtype)
+    per_chunk = cfg.model.n_layers // (p * v)
 
     def regroup(w):  # [L, ...] -> [p, v, L/(pv), ...]: stage s gets chunks s, s+p, ...
         return jnp.swapaxes(w.reshape(v, p, per_chunk, *w.shape[1:]), 0, 1)
 
-    specs = param_specs(mcfg)
-    top_axes = {n: spec.axes for n, spec in specs.items() if n != "layers"}
+    specs = param_specs(cfg.model)
     # FSDP inside a pipeline: each stage's weights are gathered once per step (not once per tick),
     # their gradients reduce-scattered once at the end (the caller's constraint). Only the stage
     # and tensor splits remain inside.
@@ -133,159 +310,21 @@ def pipeline_gradients(
         n: jax.lax.with_sharding_constraint(regroup(w), keep((ax.LAYERS, None, None, *specs["layers"][n].axes[1:])))
         for n, w in params["layers"].items()
     }
-    top = {n: jax.lax.with_sharding_constraint(w, keep(top_axes[n])) for n, w in params.items() if n != "layers"}
+    top = {n: jax.lax.with_sharding_constraint(w, keep(specs[n].axes)) for n, w in params.items() if n != "layers"}
     micro = split_microbatches(batch, m)
-    b, s_len = micro["inputs"].shape[1:3]
-    x_shape = (b, s_len, mcfg.d_model)
 
-    def chunk_fn(w, x, k, ids, seg):
-        return run_layers(x, w, ids, mcfg, layout, k, policy, seg)[0]
-
-    def embed_fn(top, mb, k):
-        return embed(top, mb["inputs"], mcfg, layout, k, mb.get("positions"))
-
-    def loss_fn(y, top, mb):
-        out = logits(top, y, mcfg, layout, policy)
-        return cross_entropy_sum(out, mb["targets"], mb.get("mask"))
-
-    def body(stacked, top, micro, key_arr):
-        stage = jax.lax.axis_index(AXIS)
+    def body(stacked, top, micro, key_arr=None):
         local = jax.tree.map(lambda w: w[0], stacked)  # [v, L/(pv), ...]
+        stage = _Stage(cfg, layout, tab, local, top, micro, key_arr, idle_fill)
         rows = jax.tree.map(jnp.asarray, tab.rows)
-        pick = lambda tree, i: jax.tree.map(lambda a: _take(a, i), tree)
-        resid = lambda x: constrain(layout, x, RESIDUAL)
-        top_layout = lambda tree: {n: jax.lax.with_sharding_constraint(w, keep(top_axes[n])) for n, w in tree.items()}
-
-        def chunk_weights(lc):  # cast before the vjp, so residual weights are these very arrays
-            return jax.tree.map(lambda w: w.astype(dtype), pick(local, lc))
-
-        def mb_key(i):
-            if key_arr is None:
-                return None
-            return key_arr if m == 1 else jax.random.fold_in(key_arr, i)
-
-        def vjp_parts(w, x, k, ids, seg):
-            """The chunk's output, its vjp, and which residuals are the chunk's weights themselves
-            (index into w's leaves, else None): those are not stashed but taken again in B."""
-            y, vjp_fn = jax.vjp(lambda w, x: chunk_fn(w, x, k, ids, seg), w, x)
-            w_leaves = jax.tree.leaves(w)
-            where = tuple(next((j for j, q in enumerate(w_leaves) if q is r), None) for r in jax.tree.leaves(vjp_fn))
-            return y, vjp_fn, where
-
-        probe = {}  # what eval_shape's trace saw: which residuals are weights, and where each lives
-
-        def residual_shapes(w, x):
-            _, vjp_fn, probe["where"] = vjp_parts(
-                w, x, mb_key(0), jnp.arange(per_chunk), pick(micro, 0).get("segment_ids")
-            )
-            probe["host"] = [jax.typeof(r).memory_space == jax.memory.Space.Host for r in jax.tree.leaves(vjp_fn)]
-            return vjp_fn
-
-        w0 = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], dtype), local)
-        leaves, treedef = jax.tree.flatten(jax.eval_shape(residual_shapes, w0, jax.ShapeDtypeStruct(x_shape, dtype)))
-        where = probe["where"]
-        stashed = [(leaf, host) for leaf, j, host in zip(leaves, where, probe["host"], strict=True) if j is None]
-
-        def stash_of(vjp_fn, w_where):
-            if w_where != where:
-                raise AssertionError("the chunk's residuals changed structure between traces")
-            return [leaf for leaf, j in zip(jax.tree.leaves(vjp_fn), where, strict=True) if j is None]
-
-        def rebuilt_vjp(res, lc):
-            w_leaves, it = jax.tree.leaves(chunk_weights(lc)), iter(res)
-            return jax.tree.unflatten(treedef, [next(it) if j is None else w_leaves[j] for j in where])
-
-        inbox = lambda n: constrain(layout, jnp.full((n, *x_shape), idle_fill, dtype), (None, *RESIDUAL))
-        carry = {
-            "act": inbox(tab.act_slots),
-            "grad": inbox(tab.grad_slots),
-            "stash": [_zeros((tab.stash_slots,), leaf, idle_fill, host) for leaf, host in stashed],
-            "g_layers": jax.tree.map(jnp.zeros_like, local),
-            "g_top": jax.tree.map(jnp.zeros_like, top),
-            "loss": jnp.zeros((), jnp.float32),
-            "count": jnp.zeros((), jnp.float32),
-        }
-        filled = lambda: resid(jnp.full(x_shape, idle_fill, dtype))
-        no_grads = lambda: (jax.tree.map(jnp.zeros_like, pick(local, 0)), jax.tree.map(jnp.zeros_like, top))
-        zero = jnp.zeros((), jnp.float32)
-
-        # The branches only compute: every buffer is read before the switch and written after it,
-        # so XLA updates the loop's buffers in place instead of copying them through a conditional.
-        # Each returns (residuals to stash, activation to send, cotangent to send, the loss's
-        # cotangent to file, chunk weight gradients, top gradients, loss, token count).
-        def context(r):
-            ids = (r["chunk"] * p + stage) * per_chunk + jnp.arange(per_chunk)
-            return pick(micro, r["micro"]), mb_key(r["micro"]), ids
-
-        def idle(x_in, dy_in, res_in, r):
-            return res_in, filled(), filled(), filled(), *no_grads(), zero, zero
-
-        def forward(x_in, dy_in, res_in, r):
-            mb, k, ids = context(r)
-            first, last = r["first"].astype(bool), r["last"].astype(bool)
-            # both branches of every cond state their outputs' layout (XLA requires them equal)
-            x = jax.lax.cond(first, lambda: resid(embed_fn(top, mb, k).astype(dtype)), lambda: resid(x_in))
-            y, vjp_fn, w_where = vjp_parts(chunk_weights(r["chunk"]), x, k, ids, mb.get("segment_ids"))
-
-            def with_loss():
-                (ls, cnt), (dy, dtop) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(y, top, mb)
-                return resid(dy.astype(dtype)), top_layout(dtop), ls, cnt
-
-            dy, dtop, ls, cnt = jax.lax.cond(last, with_loss, lambda: (filled(), top_layout(no_grads()[1]), zero, zero))
-            send = jnp.where(last, filled(), resid(y.astype(dtype)))
-            return stash_of(vjp_fn, w_where), send, filled(), dy, no_grads()[0], dtop, ls, cnt
-
-        def backward(x_in, dy_in, res_in, r):
-            mb, k, _ = context(r)
-            dw, dx = rebuilt_vjp(res_in, r["chunk"])(resid(dy_in))
-            dw = jax.tree.map(lambda g: g.astype(jnp.float32), dw)
-
-            def through_embedding():
-                _, vjp_embed = jax.vjp(lambda t: embed_fn(t, mb, k).astype(dtype), top)
-                return top_layout(vjp_embed(dx)[0])
-
-            first = r["first"].astype(bool)
-            dtop = jax.lax.cond(first, through_embedding, lambda: top_layout(no_grads()[1]))
-            send = jnp.where(first, filled(), resid(dx.astype(dtype)))
-            return res_in, filled(), send, filled(), dw, dtop, zero, zero
-
-        right = [(j, (j + 1) % p) for j in range(p)]
-        left = [(j, (j - 1) % p) for j in range(p)]
-
-        def tick(c, row):
-            r = {k: _take(a, stage) for k, a in row.items()}
-            reads = (
-                _take(c["act"], r["act_read"]),
-                _take(c["grad"], r["grad_read"]),
-                [_take(buf, r["stash"]) for buf in c["stash"]],
-            )
-            branches = {IDLE: idle, FORWARD: forward, BACKWARD: backward}
-            res, send_act, send_grad, dy, dw, dtop, ls, cnt = jax.lax.switch(
-                r["kind"], [branches[k] for k in sorted(branches)], *reads, r
-            )
-            lc = r["chunk"]
-            got_act = jax.lax.ppermute(send_act, AXIS, right)
-            got_grad = jax.lax.ppermute(send_grad, AXIS, left)
-            grad = _put(c["grad"], r["grad_write"], dy)
-            return {
-                "act": _put(c["act"], r["recv_act"], got_act),
-                "grad": _put(grad, r["recv_grad"], got_grad),
-                "stash": [_put(buf, r["stash"], leaf) for buf, leaf in zip(c["stash"], res, strict=True)],
-                "g_layers": jax.tree.map(lambda acc, g: _put(acc, lc, _take(acc, lc) + g), c["g_layers"], dw),
-                "g_top": jax.tree.map(jnp.add, c["g_top"], dtop),
-                "loss": c["loss"] + ls,
-                "count": c["count"] + cnt,
-            }, None
-
-        c, _ = jax.lax.scan(tick, carry, rows)
+        c, _ = jax.lax.scan(stage.tick, stage.carry(), rows)
         total = lambda t: jax.lax.psum(t, AXIS)
         g_layers = jax.tree.map(lambda g: g[None], c["g_layers"])
         return g_layers, jax.tree.map(total, c["g_top"]), total(c["loss"]), total(c["count"])
 
     args = (stacked, top, micro) + ((key,) if key is not None else ())
-    fn = body if key is not None else (lambda st, tp, mi: body(st, tp, mi, None))
     region = jax.shard_map(
-        fn,
+        body,
         mesh=layout.mesh,
         in_specs=(P(AXIS), P(), P()) + ((P(),) if key is not None else ()),
         out_specs=(P(AXIS), P(), P(), P()),
@@ -293,10 +332,9 @@ def pipeline_gradients(
         check_vma=False,
     )
     g_layers, g_top, loss_sum, count = region(*args)
-    n_layers = mcfg.n_layers
 
     def ungroup(g):  # [p, v, L/(pv), ...] -> [L, ...]
-        return jnp.swapaxes(g, 0, 1).reshape(n_layers, *g.shape[3:])
+        return jnp.swapaxes(g, 0, 1).reshape(cfg.model.n_layers, *g.shape[3:])
 
     grads = {"layers": jax.tree.map(ungroup, g_layers), **g_top}
     return grads, loss_sum, count

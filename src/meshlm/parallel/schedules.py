@@ -1,29 +1,41 @@
-"""Pipeline schedules as data: a static table of (tick, stage) -> action, built and checked in
-plain Python before anything is compiled.
+"""Pipeline schedules as data: a static table of (tick, stage) -> the actions that stage runs in
+that tick, built and checked in plain Python before anything is compiled.
 
 A pipeline of p stages runs m microbatches; with interleaving each stage holds v model chunks
 (stage s holds chunks s, s+p, ..., s+(v-1)p of the p*v chunks, Megatron's virtual stages). An
-action is the forward or backward pass of one microbatch through one chunk on one stage, and
-takes one tick; stages run in lockstep and a result sent at one tick is usable at the next.
+action is the forward (F) or backward (B) pass of one microbatch through one chunk on one stage.
+A tick's cell holds at most one backward and one forward, run in that order; stages run in
+lockstep and a result sent at one tick is usable at the next, so a tick lasts as long as the
+slowest stage's cell.
 
-Each schedule is a per-stage *order* of actions (GPipe: all forwards, then all backwards; 1F1B:
-p-s-1 warm-up forwards, then one forward / one backward alternately, then the remaining backwards;
-interleaved 1F1B: Megatron's order over virtual chunks with (p-s-1)*2 + (v-1)*p warm-up forwards,
-all of them when m = p).
-`build` turns an order into a table by simulation: at every tick each stage runs its next action
-if the action it depends on finished at an earlier tick, else idles. `validate` checks a table
-independently: every stage runs m forwards and m backwards of each of its chunks, a forward
-before its backward, every dependency one tick earlier. A schedule whose orders cannot finish
-(a deadlock) is refused when built.
+Each schedule is a per-stage *order* of cells:
+- GPipe: m forward cells, then m backward cells (one action each);
+- 1F1B: 2(p-s-1) + 1 warm-up forwards, then cells pairing the backward of the oldest microbatch
+  with the forward of the next, then the remaining backwards;
+- interleaved 1F1B: Megatron's order over virtual chunks (microbatches in groups of p) with
+  2(p-s-1) + (v-1)p + 1 warm-up forwards, paired the same way (Megatron runs every forward
+  first when m = p; the pairs need not).
+Because a steady tick holds a forward *and* a backward, every tick where any stage is in its
+steady state costs f + b, and the lockstep time is exactly (m v + p - 1)(f + b), GPipe's: the
+textbook bubble, `lockstep_overhead` == (p-1)/m for 1F1B and (p-1)/(v m) interleaved, for every
+backward/forward ratio (tested). The price of pairing: a backward's cotangent comes back
+one tick per hop, so stage 0 holds 2p - 1 microbatches in flight under 1F1B (Megatron's
+interleaved warm-up at v = 1) rather than asynchronous 1F1B's p.
 
-Derived numbers (`Schedule`): ticks, bubble fraction (idle over busy time: (p-1)/m for GPipe and
-1F1B, (p-1)/(v m) interleaved) and the peak number of microbatch-chunks in flight per stage (whose
-inputs must be kept: m for GPipe, min(p-s, m) for 1F1B, Megatron's warm-up + 1 interleaved, m v
-when m = p).
+`build` turns the orders into a table by simulation: at every tick each stage runs its next cell
+if every action in it depends only on actions finished at earlier ticks, else idles. `validate`
+checks a table independently: every stage runs m forwards and m backwards of each of its chunks,
+a forward before its backward, every dependency one tick earlier, at most one action of a kind
+per cell. A schedule whose orders cannot finish (a deadlock) is refused when built.
+
+Derived numbers (`Schedule`): ticks, lockstep time and overhead (the bubble), and the peak number
+of microbatch-chunks in flight per stage (whose residuals must be kept: m for GPipe,
+min(2(p-s-1) + (v-1)p + 1, m v) for 1F1B (v = 1) and interleaved).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,49 +63,53 @@ class Action:
         return f"{self.kind} microbatch {self.microbatch} chunk {self.chunk}"
 
 
+Cell = tuple[Action, ...]  # what one stage runs in one tick: its backward first, then its forward
+_PHASES = ("B", "F")  # the order of a cell's actions
+
+
+def cell(*actions: Action) -> Cell:
+    """A cell in execution order (backward, then forward)."""
+    return tuple(sorted(actions, key=lambda a: _PHASES.index(a.kind)))
+
+
 @dataclass(frozen=True)
 class Schedule:
     name: str
     stages: int  # p
     microbatches: int  # m
     virtual: int  # v
-    table: tuple[tuple[Action | None, ...], ...]  # [tick][stage]
+    table: tuple[tuple[Cell, ...], ...]  # [tick][stage] -> the cell (empty: idle)
 
     @property
     def ticks(self) -> int:
         return len(self.table)
 
-    @property
-    def busy_ticks(self) -> int:
-        """Ticks each stage works: a forward and a backward per microbatch and chunk."""
-        return 2 * self.microbatches * self.virtual
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle over busy time of a stage (P2 / Narayanan et al.'s bubble time fraction)."""
-        return (self.ticks - self.busy_ticks) / self.busy_ticks
-
     def lockstep_time(self, forward: float, backward: float) -> float:
-        """Wall time of the table when every tick lasts as long as its slowest action (stages
-        exchange results every tick, so none runs ahead): sum over ticks of the max cost. With
-        backward > forward, 1F1B's steady ticks pair a forward with a backward and each costs a
-        backward, so 1F1B is slower than GPipe in lockstep (GPipe: (m v + p - 1)(f + b) exactly)."""
+        """Wall time of the table when every tick lasts as long as its slowest cell (stages
+        exchange results every tick, so none runs ahead): sum over ticks of the max over stages of
+        the cell's cost: (m v + p - 1)(f + b) for every schedule here (GPipe's phases; the paired
+        tables' warm-up forwards, steady pairs and cool-down backwards), tested."""
         cost = {"F": forward, "B": backward}
-        return sum(max((cost[a.kind] for a in row if a is not None), default=0.0) for row in self.table)
+        return sum(max(sum(cost[a.kind] for a in c) for c in row) for row in self.table)
 
     def lockstep_overhead(self, backward_over_forward: float) -> float:
         """Lockstep time over the busy time of one stage (m v (f + b)), minus 1: what the executor
-        adds to a stage's work (the bubble (p-1)/(v m) for GPipe; more for 1F1B)."""
+        adds to a stage's work - the textbook bubble, (p-1)/m for GPipe and 1F1B, (p-1)/(v m)
+        interleaved, whatever the ratio."""
         busy = self.microbatches * self.virtual * (1.0 + backward_over_forward)
         return self.lockstep_time(1.0, backward_over_forward) / busy - 1.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle over busy time of a stage (P2 / Narayanan et al.'s bubble time fraction), in lockstep
+        with a backward costing two forwards."""
+        return self.lockstep_overhead(2.0)
 
     def in_flight(self, stage: int) -> list[int]:
         """Microbatch-chunks forwarded but not yet backwarded on `stage`, after each tick."""
         out, live = [], 0
         for row in self.table:
-            action = row[stage]
-            if action is not None:
-                live += 1 if action.kind == "F" else -1
+            live += sum(1 if a.kind == "F" else -1 for a in row[stage])
             out.append(live)
         return out
 
@@ -101,9 +117,9 @@ class Schedule:
         return max(self.in_flight(stage))
 
     def picture(self) -> str:
-        """The table as text: one line per stage, one column per tick ('.' idle)."""
-        label = lambda a: "." if a is None else a.label(self.stages, self.virtual)
-        width = max(len(label(a)) for row in self.table for a in row)
+        """The table as text: one line per stage, one column per tick ('.' idle, `B0+F4` a pair)."""
+        label = lambda c: "+".join(a.label(self.stages, self.virtual) for a in c) or "."
+        width = max(len(label(c)) for row in self.table for c in row)
         lines = []
         for s in range(self.stages):
             cells = [label(row[s]).ljust(width) for row in self.table]
@@ -132,50 +148,50 @@ def check_sizes(name: str, stages: int, microbatches: int, virtual: int = 1, lay
 
 def first_stage_in_flight(name: str, stages: int, microbatches: int, virtual: int = 1) -> int:
     """Stage 0's peak microbatch-chunks in flight (the most of any stage), in closed form - what
-    `Schedule.peak_in_flight(0)` counts on the table (tests keep the two equal): GPipe m, 1F1B
-    min(p, m), interleaved Megatron's warm-up + 1 = 2(p-1) + (v-1)p + 1 (all m v when m = p)."""
+    `Schedule.peak_in_flight(0)` counts on the table (tests keep the two equal): GPipe m; 1F1B and
+    interleaved the paired warm-up + 1 = 2(p-1) + (v-1)p + 1, at most m v."""
     p, m, v = stages, microbatches, virtual
     if name == "gpipe":
         return m
-    if name == "1f1b":
-        return min(p, m)
-    return m * v if m == p else min(2 * (p - 1) + (v - 1) * p + 1, m * v)
+    return min(2 * (p - 1) + (v - 1) * p + 1, m * v)
 
 
-def orders(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
-    """Each stage's actions in the order it runs them."""
+def megatron_in_flight(stages: int, microbatches: int, virtual: int = 1) -> int:
+    """Stage 0's peak in flight under Megatron's asynchronous schedules (P2's pipelines, priced by
+    the planner's explicit `pipeline`): 1F1B p (a cotangent hop takes a backward's time, not a
+    tick), interleaved 2(p-1) + (v-1)p + 1; at most m v."""
+    p, m, v = stages, microbatches, virtual
+    return min(p if v == 1 else 2 * (p - 1) + (v - 1) * p + 1, m * v)
+
+
+def _warm_up(stage: int, stages: int, microbatches: int, virtual: int) -> int:
+    """Forwards a stage runs before its first paired cell: the round trip of a microbatch to the
+    last stage and back, one tick per hop (interleaved: plus the other v-1 chunk groups)."""
+    return min(2 * (stages - stage - 1) + (virtual - 1) * stages + 1, microbatches * virtual)
+
+
+def orders(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Cell]]:
+    """Each stage's cells in the order it runs them."""
     p, m, v = stages, microbatches, virtual
     out = []
     for s in range(p):
+
+        def chunk_of(k: int, forward: bool, s: int = s) -> int:  # interleaved: groups of p per chunk
+            c = (k // p) % v
+            return (c if forward else v - 1 - c) * p + s
+
+        def micro_of(k: int) -> int:
+            return (k // (p * v)) * p + k % p
+
+        total = m * v
+        fwd = [Action("F", micro_of(k), chunk_of(k, True)) for k in range(total)]
+        bwd = [Action("B", micro_of(k), chunk_of(k, False)) for k in range(total)]
         if name == "gpipe":
-            order = [Action("F", i, s) for i in range(m)] + [Action("B", i, s) for i in range(m)]
-        elif name == "1f1b":
-            warm = min(p - s - 1, m)
-            fwd = [Action("F", i, s) for i in range(m)]
-            bwd = [Action("B", i, s) for i in range(m)]
-            order = fwd[:warm]
-            for i in range(m - warm):
-                order += [fwd[warm + i], bwd[i]]
-            order += bwd[m - warm :]
-        else:  # interleaved: Megatron's order over virtual chunks, microbatches in groups of p
-            total = m * v
-
-            def chunk_of(k: int, forward: bool, s: int = s) -> int:
-                c = (k // p) % v
-                return (c if forward else v - 1 - c) * p + s
-
-            def micro_of(k: int) -> int:
-                return (k // (p * v)) * p + k % p
-
-            fwd = [Action("F", micro_of(k), chunk_of(k, True)) for k in range(total)]
-            bwd = [Action("B", micro_of(k), chunk_of(k, False)) for k in range(total)]
-            # Megatron: with m == p every forward runs first ("all warm-up")
-            warm = total if m == p else min((p - s - 1) * 2 + (v - 1) * p, total)
-            order = fwd[:warm]
-            for i in range(total - warm):
-                order += [fwd[warm + i], bwd[i]]
-            order += bwd[total - warm :]
-        out.append(order)
+            out.append([cell(a) for a in fwd + bwd])
+            continue
+        warm = _warm_up(s, p, m, v)
+        pairs = [cell(bwd[i], fwd[warm + i]) for i in range(total - warm)]
+        out.append([cell(a) for a in fwd[:warm]] + pairs + [cell(a) for a in bwd[total - warm :]])
     return out
 
 
@@ -194,24 +210,22 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedu
     p, chunks = stages, stages * virtual
     queues = orders(name, stages, microbatches, virtual)
     done: dict[Action, int] = {}  # action -> tick it ran
-    table: list[tuple[Action | None, ...]] = []
+    table: list[tuple[Cell, ...]] = []
     tick = 0
+
+    def ready(c: Cell) -> bool:
+        needs = [_dependency(a, stages, chunks) for a in c]
+        return all(n is None or done.get(n, tick) < tick for n in needs)
+
     while any(queues):
-        row: list[Action | None] = []
-        for s in range(p):
-            action = queues[s][0] if queues[s] else None
-            need = None if action is None else _dependency(action, stages, chunks)
-            if action is not None and (need is None or done.get(need, tick) < tick):
-                row.append(queues[s].pop(0))
-            else:
-                row.append(None)
-        if all(a is None for a in row):
-            waiting = ", ".join(f"stage {s}: {q[0]}" for s, q in enumerate(queues) if q)
+        row = tuple(queues[s].pop(0) if queues[s] and ready(queues[s][0]) else () for s in range(p))
+        if not any(row):
+            waiting = ", ".join(f"stage {s}: {' + '.join(map(str, q[0]))}" for s, q in enumerate(queues) if q)
             raise ScheduleError(f"{name} (p={p}, m={microbatches}, v={virtual}) deadlocks at tick {tick}: {waiting}")
-        for a in row:
-            if a is not None:
+        for c in row:
+            for a in c:
                 done[a] = tick
-        table.append(tuple(row))
+        table.append(row)
         tick += 1
     schedule = Schedule(name, stages, microbatches, virtual, tuple(table))
     validate(schedule)
@@ -226,21 +240,23 @@ def validate(schedule: Schedule) -> None:
     for tick, row in enumerate(schedule.table):
         if len(row) != p:
             raise ScheduleError(f"tick {tick} has {len(row)} stages, not {p}")
-        for stage, action in enumerate(row):
-            if action is None:
-                continue
-            if not (0 <= action.microbatch < m and 0 <= action.chunk < chunks):
-                raise ScheduleError(f"{action} is outside {m} microbatches x {chunks} chunks")
-            if action.chunk % p != stage:
-                where = f"chunk {action.chunk} lives on stage {action.chunk % p}"
-                raise ScheduleError(f"{action} runs on stage {stage}, but {where}")
-            if action in ran:
-                raise ScheduleError(f"{action} runs twice")
-            ran[action] = (tick, stage)
+        for stage, c in enumerate(row):
+            if [a.kind for a in c] != [k for k in _PHASES if k in {a.kind for a in c}]:
+                raise ScheduleError(f"tick {tick} stage {stage}: a cell holds at most one backward, then one forward")
+            for action in c:
+                if not (0 <= action.microbatch < m and 0 <= action.chunk < chunks):
+                    raise ScheduleError(f"{action} is outside {m} microbatches x {chunks} chunks")
+                if action.chunk % p != stage:
+                    where = f"chunk {action.chunk} lives on stage {action.chunk % p}"
+                    raise ScheduleError(f"{action} runs on stage {stage}, but {where}")
+                if action in ran:
+                    raise ScheduleError(f"{action} runs twice")
+                ran[action] = (tick, stage)
+    runs = Counter((a.kind, a.chunk) for a in ran)
     for stage in range(p):
         for c in range(stage, chunks, p):
             for kind in ("F", "B"):
-                got = sum(1 for a in ran if a.kind == kind and a.chunk == c)
+                got = runs[kind, c]
                 if got != m:
                     raise ScheduleError(f"stage {stage} runs {got} {kind} of chunk {c}, not {m}")
     for action, (tick, _) in ran.items():
@@ -260,8 +276,6 @@ def validate(schedule: Schedule) -> None:
 
 
 # ----------------------------------------------------------------------------- executor tables
-
-IDLE, FORWARD, BACKWARD = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -292,61 +306,63 @@ def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
     return slot_of, len(free_at)
 
 
+# The rows of `tables`: the backward phase's (b...), the forward phase's (f...), the receives.
+ROWS = ("b", "b_micro", "b_chunk", "b_first", "b_stash", "grad_read")
+ROWS += ("f", "f_micro", "f_chunk", "f_first", "f_last", "f_stash", "act_read", "grad_write", "recv_act", "recv_grad")
+
+
 def tables(schedule: Schedule) -> Tables:
-    """The per-tick actions and slots of every stage. Times are half ticks: 2t is tick t's
-    branch (reads, the stash write, the loss's cotangent write), 2t+1 its end (receives).
-    The inboxes have a spare last slot: a receive of nothing real (an idle neighbour's filler)
-    and a forward that makes no loss cotangent write there."""
+    """The per-tick actions and slots of every stage. Times are quarter ticks: 4t is tick t's
+    backward (it reads its residuals and cotangent), 4t+1 the forward's read of its input, 4t+2
+    the forward's writes (its residuals, the loss's cotangent), 4t+3 the end (receives) - so a
+    slot freed by a tick's backward takes that tick's forward. The inboxes have a spare last
+    slot: a receive of nothing real (an idle neighbour's filler) and a forward that makes no loss
+    cotangent write there. The stash has none: a tick without a forward writes back the slot its
+    backward read (slot 0 when idle), so the buffer is exactly the peak in flight."""
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
     chunks = p * v
     when = {}  # (kind, microbatch, chunk) -> tick
     for t, row in enumerate(schedule.table):
-        for a in row:
-            if a is not None:
+        for c in row:
+            for a in c:
                 when[a.kind, a.microbatch, a.chunk] = t
     stash, act, grad = ([[] for _ in range(p)] for _ in range(3))
     for i in range(m):
         for c in range(chunks):
             s, tf, tb = c % p, when["F", i, c], when["B", i, c]
-            stash[s].append((2 * tf, 2 * tb, (i, c)))
+            stash[s].append((4 * tf + 2, 4 * tb, (i, c)))
             if c > 0:
-                act[s].append((2 * when["F", i, c - 1] + 1, 2 * tf, (i, c)))
-            written = 2 * tf if c == chunks - 1 else 2 * when["B", i, c + 1] + 1
-            grad[s].append((written, 2 * tb, (i, c)))
+                act[s].append((4 * when["F", i, c - 1] + 3, 4 * tf + 1, (i, c)))
+            written = 4 * tf + 2 if c == chunks - 1 else 4 * when["B", i, c + 1] + 3
+            grad[s].append((written, 4 * tb, (i, c)))
     coloured = [[_colour(lists[s]) for s in range(p)] for lists in (stash, act, grad)]
     n_stash, n_act, n_grad = (max(1, max(n for _, n in col)) for col in coloured)
-    names = ("kind", "micro", "chunk", "first", "last", "stash", "act_read", "grad_read")
-    names += ("grad_write", "recv_act", "recv_grad")
-    rows = {k: np.zeros((schedule.ticks, p), np.int32) for k in names}
-    rows["kind"][:] = IDLE
+    rows = {k: np.zeros((schedule.ticks, p), np.int32) for k in ROWS}
     for keys, spare in (("act_read recv_act", n_act), ("grad_read grad_write recv_grad", n_grad)):
         for k in keys.split():
             rows[k][:] = spare
-    # the stash has no spare slot: each tick reads and writes its one "stash" slot, and a tick that
-    # stashes nothing writes back what it read (idle: slot 0, B: the slot it frees), so the buffer
-    # is exactly the peak in flight
     slot = lambda which, s, i, c: coloured[which][s][0][i, c]
     for t, row in enumerate(schedule.table):
-        for s, a in enumerate(row):
-            if a is None:
-                continue
-            i, c = a.microbatch, a.chunk
-            r = {"micro": i, "chunk": c // p, "first": c == 0, "last": c == chunks - 1}
-            if a.kind == "F":
-                r["kind"] = FORWARD
-                r["stash"] = slot(0, s, i, c)
+        for s, cell_ in enumerate(row):
+            r: dict[str, int] = {}
+            for a in cell_:
+                i, c = a.microbatch, a.chunk
+                if a.kind == "B":
+                    r |= {"b": 1, "b_micro": i, "b_chunk": c // p, "b_first": c == 0}
+                    r |= {"b_stash": slot(0, s, i, c), "grad_read": slot(2, s, i, c)}
+                    if c > 0:
+                        rows["recv_grad"][t, (s - 1) % p] = slot(2, (s - 1) % p, i, c - 1)
+                    continue
+                r |= {"f": 1, "f_micro": i, "f_chunk": c // p, "f_first": c == 0, "f_last": c == chunks - 1}
+                r["f_stash"] = slot(0, s, i, c)
                 if c > 0:
                     r["act_read"] = slot(1, s, i, c)
                 if c == chunks - 1:
                     r["grad_write"] = slot(2, s, i, c)
                 else:
                     rows["recv_act"][t, (s + 1) % p] = slot(1, (s + 1) % p, i, c + 1)
-            else:
-                r["kind"] = BACKWARD
-                r["stash"] = slot(0, s, i, c)
-                r["grad_read"] = slot(2, s, i, c)
-                if c > 0:
-                    rows["recv_grad"][t, (s - 1) % p] = slot(2, (s - 1) % p, i, c - 1)
+            if "f" not in r:  # write back what the backward read
+                r["f_stash"] = r.get("b_stash", 0)
             for k, val in r.items():
                 rows[k][t, s] = int(val)
     return Tables(rows, n_stash, n_act + 1, n_grad + 1)

@@ -217,8 +217,9 @@ def test_a_batch_left_in_original_order_is_caught(params, devices):
 
 
 def test_dropout_bits_by_original_position_are_jax_bits():
-    """`positional_bernoulli` is jax.random.bernoulli bit for bit (identity positions) and its
-    permutation (permuted positions); its 64-bit flat index is exact past 2^32 elements."""
+    """`positional_bernoulli` is jax.random.bernoulli bit for bit (identity positions), its
+    permutation (permuted positions) and its rows (a batch shard's); its 64-bit flat index is exact
+    past 2^32 elements."""
     from meshlm.model.layers import flat_index_2x32, positional_bernoulli
 
     key = jax.random.key(7)
@@ -226,8 +227,12 @@ def test_dropout_bits_by_original_position_are_jax_bits():
         perm = np.random.default_rng(0).permutation(shape[1])
         for p in (0.9, 0.5):
             ref = np.asarray(jax.random.bernoulli(key, p, shape))
-            assert np.array_equal(positional_bernoulli(key, p, shape, jnp.arange(shape[1])), ref)
-            assert np.array_equal(positional_bernoulli(key, p, shape, jnp.asarray(perm)), np.take(ref, perm, axis=1))
+            assert np.array_equal(positional_bernoulli(key, p, shape, {1: (jnp.arange(shape[1]), shape[1])}), ref)
+            got = positional_bernoulli(key, p, shape, {1: (jnp.asarray(perm), shape[1])})
+            assert np.array_equal(got, np.take(ref, perm, axis=1))
+            rows = (1, *shape[1:])  # one batch row of the whole, as a batch shard holds it
+            got = positional_bernoulli(key, p, rows, {0: (jnp.asarray([shape[0] - 1]), shape[0])})
+            assert np.array_equal(got, ref[-1:])
     shape = (4096, 131072, 16384)  # 2^43 elements: the high word matters
     rng = np.random.default_rng(1)
     coords = [rng.integers(0, s, 50, dtype=np.uint64) for s in shape]

@@ -208,6 +208,57 @@ def test_a_pallas_kernel_runs_inside_the_stages(params, monkeypatch):
     assert_same_grads(got, grads(fused(None), params["llama"]))
 
 
+def compiled_grad_step(cfg: RunConfig) -> tuple[str, object]:
+    """The compiled gradient step's text (fp32 parameters) and its layout."""
+    layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
+    shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), param_specs(cfg.model))
+    fn = make_grad_step(cfg, layout, shardings)
+    return fn.lower(abstract, abstract_batch(cfg, layout), 0).compile().as_text(), layout
+
+
+def reductions_by_axis(text: str, layout) -> dict[str, int]:
+    """All-reduces and reduce-scatters in `text`, counted by the mesh axes their replica groups span
+    (a group's devices differ in those coordinates of the mesh)."""
+    from meshlm.insight import hlo
+
+    shape, names = layout.mesh.devices.shape, layout.mesh.axis_names
+    found: dict[str, int] = {}
+    for kind in ("all-reduce", "reduce-scatter"):
+        for groups in hlo.collective_groups(text, kind):
+            if max(len(g) for g in groups) == 1:
+                continue
+            coords = np.array(np.unravel_index(np.asarray(groups[0]), shape)).T  # [group size, axes]
+            spans = "+".join(n for n, col in zip(names, coords.T, strict=True) if len(set(col)) > 1)
+            found[spans] = found.get(spans, 0) + 1
+    return found
+
+
+def test_one_batch_reduction_per_step_after_the_tick_loop(monkeypatch):
+    """stage=2 x data=2 x tensor=2 + SP, gpt with dropout: inside the tick loop (the `while` whose
+    body sends with collective-permute) the only reductions are the tensor-parallel ones; the
+    data-parallel gradient reduction runs after it, once. With the stage region manual over `stage`
+    alone (the old executor) GSPMD reduces each backward tick's chunk gradients over `data` inside
+    the loop - the check sees it."""
+    from meshlm.insight import hlo
+
+    cfg = config("gpt", LAYOUTS["stage2_tensor2_data2+sp"], "1f1b")
+
+    def tick_loop_and_rest(text):
+        loops = [body for body in hlo.loop_bodies(text) if "collective-permute" in body]
+        assert len(loops) == 1
+        return reductions_by_axis(loops[0], layout), reductions_by_axis(text, layout)
+
+    text, layout = compiled_grad_step(cfg)
+    in_loop, everywhere = tick_loop_and_rest(text)
+    assert in_loop.get("tensor", 0) > 0 and set(in_loop) == {"tensor"}
+    assert everywhere.get("data", 0) > 0  # after the loop
+
+    monkeypatch.setattr(pipeline, "manual_batch_axes", lambda layout: ())
+    in_loop, _ = tick_loop_and_rest(compiled_grad_step(cfg)[0])
+    assert in_loop.get("data", 0) > 0
+
+
 def test_bubbles_are_inert(params):
     """Idle stages send NaN and every empty slot holds NaN: none of it reaches a gradient."""
     cfg = config("gpt", LAYOUTS["stage4_tensor2"], "interleaved")
@@ -330,7 +381,7 @@ def test_train_moves_between_pipelined_and_unpipelined_meshes(corpus_dir, tmp_pa
         "stages": 2,
         "virtual_stages": 1,
         "microbatches": 2,
-        "ticks": 6,
+        "ticks": 5,
         "bubble_fraction": 0.5,
         "peak_in_flight": None,
     }

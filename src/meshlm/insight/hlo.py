@@ -94,3 +94,51 @@ def collective_groups(hlo_text: str, kind: str) -> list[list[tuple[int, ...]]]:
         if m and m.group(2) == kind and (groups := replica_groups(line)) is not None:
             found.append(groups)
     return found
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_CALLED = re.compile(
+    r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}"
+)
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    """Each computation's lines, by name."""
+    found: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in hlo_text.splitlines():
+        if current is None:
+            if (m := _COMPUTATION.match(line)) and "=" not in line.split("(")[0]:
+                current = found.setdefault(m.group(1), [])
+            continue
+        if line.strip() == "}":
+            current = None
+        else:
+            current.append(line)
+    return found
+
+
+def _called(lines: list[str]) -> set[str]:
+    names = set()
+    for line in lines:
+        for single, branches in _CALLED.findall(line):
+            names |= {single} if single else {b.strip().lstrip("%") for b in branches.split(",")}
+    return names
+
+
+def loop_bodies(hlo_text: str) -> list[str]:
+    """The text of every `while` loop's body together with every computation it calls (branches,
+    fusions, nested loops), one string per loop: what runs on each iteration."""
+    comps = _computations(hlo_text)
+    bodies = [m for lines in comps.values() for line in lines for m in re.findall(r"body=%?([\w.\-]+)", line)]
+    out = []
+    for body in bodies:
+        seen, todo = set(), [body]
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in comps:
+                continue
+            seen.add(name)
+            todo.extend(_called(comps[name]))
+        out.append("\n".join(line for name in sorted(seen) for line in comps[name]))
+    return out

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlm.model.layers import global_keep_mask
+
 NEG = -jnp.inf
 
 
@@ -51,7 +53,7 @@ def _pad(x: jax.Array, length: int, value=0) -> jax.Array:
 
 
 def _block_keep(key, i, j, rate: float, shape) -> jax.Array:
-    return jax.random.bernoulli(jax.random.fold_in(jax.random.fold_in(key, i), j), 1.0 - rate, shape)
+    return global_keep_mask(jax.random.fold_in(jax.random.fold_in(key, i), j), 1.0 - rate, shape)
 
 
 def _scores(qi, kj, pos_q, pos_k, seg_q, seg_k, scale: float):

@@ -22,6 +22,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from meshlm.accounting import query_chunks
+from meshlm.axes import BATCH_AXES
 
 
 def layer_norm(x_btd: jax.Array, scale_d: jax.Array, bias_d: jax.Array, eps: float) -> jax.Array:
@@ -153,11 +154,32 @@ def dropout(
     balancing); the bits are then those of the unpermuted tensor (`positional_bernoulli`)."""
     if key is None or rate == 0.0:
         return x
-    if positions is None:
-        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    else:
-        keep = positional_bernoulli(key, 1.0 - rate, x.shape, positions, axis)
-    return _apply_keep_mask(x, keep, rate)
+    return _apply_keep_mask(x, global_keep_mask(key, 1.0 - rate, x.shape, positions, axis), rate)
+
+
+def batch_shard() -> tuple[jax.Array, int] | None:
+    """(this device's shard index, shard count) of the batch when a surrounding manual region
+    (a pipeline stage, which is manual over the batch axes) holds only its rows; None when the
+    batch is global here (GSPMD or no mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(a for a in BATCH_AXES if a in mesh.manual_axes)
+    count = math.prod(mesh.shape[a] for a in names)
+    return (jax.lax.axis_index(names), count) if count > 1 else None
+
+
+def global_keep_mask(
+    key: jax.Array, p: float, shape: tuple[int, ...], positions: jax.Array | None = None, axis: int = 1
+) -> jax.Array:
+    """`jax.random.bernoulli(key, p, shape)` of the global tensor, whatever part of it is here:
+    `positions` gives the original position of each index of `axis` (a permuted sequence), and
+    inside a region manual over the batch axes (`batch_shard`) axis 0 holds this shard's rows of
+    the whole batch. Every layout draws the same bits for the same element."""
+    at = {} if positions is None else {axis: (positions, shape[axis])}
+    shard = batch_shard()
+    if shard is not None:
+        index, count = shard
+        at[0] = (index * shape[0] + jnp.arange(shape[0]), shape[0] * count)
+    return positional_bernoulli(key, p, shape, at) if at else jax.random.bernoulli(key, p, shape)
 
 
 def _mul_wide(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -185,20 +207,22 @@ def flat_index_2x32(coords: list[jax.Array], shape: tuple[int, ...]) -> tuple[ja
 
 
 def positional_bernoulli(
-    key: jax.Array, p: float, shape: tuple[int, ...], positions: jax.Array, axis: int = 1
+    key: jax.Array, p: float, shape: tuple[int, ...], at: dict[int, tuple[jax.Array, int]]
 ) -> jax.Array:
-    """`jax.random.bernoulli(key, p, shape)` with index i of `axis` read at `positions[i]`: the same
-    bits as drawing the unpermuted tensor and permuting it, computed where each element lives
+    """`jax.random.bernoulli(key, p, whole)[...]` for the elements at `shape`, where `at` maps an axis
+    to (the index in the whole tensor of each of its indices here, that axis's length in the whole
+    tensor): the bits of the whole tensor at these coordinates, computed where each element lives
     (elementwise in its coordinates, so it partitions like any elementwise op). Reproduces JAX's
     partitionable threefry and its float conversion; `tests/test_context.py` checks it bit for bit."""
     from jax.extend.random import threefry2x32_p
 
     coords = [jax.lax.broadcasted_iota(jnp.uint32, shape, a) for a in range(len(shape))]
-    along = [1] * len(shape)
-    along[axis] = shape[axis]
-    coords[axis] = jnp.broadcast_to(positions.astype(jnp.uint32).reshape(along), shape)
     total = list(shape)
-    total[axis] = shape[axis]  # the permuted axis has the same length as the original one
+    for axis, (positions, length) in at.items():
+        along = [1] * len(shape)
+        along[axis] = shape[axis]
+        coords[axis] = jnp.broadcast_to(positions.astype(jnp.uint32).reshape(along), shape)
+        total[axis] = length
     hi, lo = flat_index_2x32(coords, tuple(total))
     data = jax.random.key_data(key)
     bits1, bits2 = threefry2x32_p.bind(data[0], data[1], hi, lo)
@@ -451,7 +475,7 @@ def causal_attention(
     keep = None
     if key is not None and dropout_rate > 0:
         shape = (b, kv, n // kv, t, s) if grouped else (b, kv, t, s)
-        keep = jax.random.bernoulli(key, 1.0 - dropout_rate, shape)
+        keep = global_keep_mask(key, 1.0 - dropout_rate, shape)
     same_doc = None if segment_ids_bt is None else same_document(segment_ids_bt)
     if same_doc is not None and not grouped:
         same_doc = same_doc[:, :, 0]  # [b, 1, t, s]

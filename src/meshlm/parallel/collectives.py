@@ -47,12 +47,29 @@ def region_weight_spec(layout: Layout, logical_axes: Sequence[str | None], keep:
     return P(*parts)
 
 
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def _without(spec: P, names: set[str]) -> P:
+    """`spec` with the mesh axes in `names` removed."""
+    parts = []
+    for part in spec:
+        kept = tuple(a for a in ((part,) if isinstance(part, str) else part or ()) if a not in names)
+        parts.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*parts)
+
+
 def manual_region(layout: Layout, fn, in_specs, out_specs):
     """Manual over every mesh axis - or, inside another manual region (a pipeline stage), over
     every axis that region left automatic."""
     outer = jax.sharding.get_abstract_mesh()
     if outer.manual_axes:
         rest = set(outer.axis_names) - set(outer.manual_axes)
+        # the axes the outer region made manual (a pipeline stage's batch axes) already split these
+        # arrays: leave them out of the specs
+        drop = lambda spec: _without(spec, set(outer.manual_axes))
+        in_specs, out_specs = (jax.tree.map(drop, s, is_leaf=_is_spec) for s in (in_specs, out_specs))
         return jax.shard_map(fn, mesh=outer, in_specs=in_specs, out_specs=out_specs, axis_names=rest, check_vma=False)
     return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 

@@ -279,6 +279,11 @@ class _Stage:
         }, None
 
 
+def manual_batch_axes(layout: Layout) -> tuple[str, ...]:
+    """The batch axes the stage region is manual over (those of size > 1)."""
+    return layout.mesh_axes(ax.BATCH)
+
+
 def pipeline_gradients(
     params: dict,
     batch: dict,
@@ -313,22 +318,28 @@ def pipeline_gradients(
     top = {n: jax.lax.with_sharding_constraint(w, keep(specs[n].axes)) for n, w in params.items() if n != "layers"}
     micro = split_microbatches(batch, m)
 
+    # Manual over `stage` and the batch axes: each device accumulates the gradients of its own rows
+    # through the whole tick loop, and they are summed over the batch axes once, after it.
+    batch_axes = manual_batch_axes(layout)
+
     def body(stacked, top, micro, key_arr=None):
         local = jax.tree.map(lambda w: w[0], stacked)  # [v, L/(pv), ...]
         stage = _Stage(cfg, layout, tab, local, top, micro, key_arr, idle_fill)
         rows = jax.tree.map(jnp.asarray, tab.rows)
         c, _ = jax.lax.scan(stage.tick, stage.carry(), rows)
-        total = lambda t: jax.lax.psum(t, AXIS)
-        g_layers = jax.tree.map(lambda g: g[None], c["g_layers"])
+        over_batch = lambda t: jax.lax.psum(t, batch_axes)
+        total = lambda t: jax.lax.psum(t, (AXIS, *batch_axes))
+        g_layers = jax.tree.map(lambda g: over_batch(g)[None], c["g_layers"])
         return g_layers, jax.tree.map(total, c["g_top"]), total(c["loss"]), total(c["count"])
 
     args = (stacked, top, micro) + ((key,) if key is not None else ())
+    rows_split = P(None, batch_axes or None)  # every microbatch array is [m, b, ...]
     region = jax.shard_map(
         body,
         mesh=layout.mesh,
-        in_specs=(P(AXIS), P(), P()) + ((P(),) if key is not None else ()),
+        in_specs=(P(AXIS), P(), rows_split) + ((P(),) if key is not None else ()),
         out_specs=(P(AXIS), P(), P(), P()),
-        axis_names={AXIS},
+        axis_names={AXIS, *batch_axes},
         check_vma=False,
     )
     g_layers, g_top, loss_sum, count = region(*args)

@@ -114,8 +114,11 @@ class Layout:
         return tuple(n for n in names if self.mesh.shape[n] > 1)
 
     def spec(self, logical_axes: Sequence[str | None]) -> P:
+        """The PartitionSpec of logical axes. Inside a manual region (a pipeline stage is manual over
+        `stage` and the batch axes) the axes it made manual are left out: the array here is already
+        that region's piece."""
         parts: list[MeshAxes] = []
-        used: set[str] = set()
+        used: set[str] = set(jax.sharding.get_abstract_mesh().manual_axes)
         for logical in logical_axes:
             names = tuple(n for n in self.mesh_axes(logical) if n not in used)
             used.update(names)

@@ -25,7 +25,7 @@ from meshlm.parallel.schedules import build, tables
 from meshlm.step import _split_microbatches, abstract_batch, dropout_key, make_grad_step
 from meshlm.train_state import state_shardings
 from meshlm.validation import validate
-from test_gradients import STEP, assert_leaves_close, assert_same_grads, assert_sgd_steps_equal, batch_for
+from test_gradients import STEP, assert_leaves_close, assert_same_grads, assert_sgd_steps_equal, batch_for, grads
 
 LAYERS = 8  # stage=4 x 2 virtual stages: one layer per chunk
 MICRO = 4
@@ -60,13 +60,6 @@ def params():
             tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
         )
     return jax.device_get(out)
-
-
-def grads(cfg: RunConfig, params: dict) -> dict:
-    layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
-    shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
-    fn = make_grad_step(cfg, layout, shardings)
-    return jax.device_get(fn(jax.device_put(params, shardings), batch_for(cfg), STEP))
 
 
 _REFERENCE: dict = {}
@@ -189,6 +182,24 @@ def test_fsdp_inside_the_pipeline(params):
     gradients reduce-scattered back to their FSDP shards."""
     cfg = config("gpt", dict(stage=2, fsdp=2, tensor=2), "1f1b")
     assert_same_grads(grads(cfg, params["gpt"]), reference("gpt", params))
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "all_to_all"])
+def test_context_parallelism_inside_the_stages(strategy, params):
+    """stage=2 x context=2 x tensor=2, gpt with dropout and blockwise attention (block 8, so a
+    context rank's 16 tokens are two blocks), the sequence load-balanced: K/V all-gathered over the
+    context ranks, or Ulysses' tokens-for-heads exchange, inside each pipeline stage (regions
+    nested in the stage's); the raw gradients are one device's with the same kernel, dropout bits
+    and all. (The ring is refused with a pipeline: test_bad_pipeline_configs_are_refused.)"""
+
+    def blockwise(mesh):
+        cfg = config("gpt")
+        model = dataclasses.replace(cfg.model, attention="blockwise", attention_block=8)
+        par = dataclasses.replace(cfg.parallel, **mesh, context_strategy=strategy)
+        return validate(dataclasses.replace(cfg, model=model, parallel=par))
+
+    got = grads(blockwise(dict(stage=2, context=2, tensor=2)), params["gpt"])
+    assert_same_grads(got, grads(blockwise({}), params["gpt"]))
 
 
 def test_a_pallas_kernel_runs_inside_the_stages(params, monkeypatch):
@@ -330,7 +341,7 @@ def test_stage_zero_memory_follows_the_formula():
         (dict(stage=4, virtual_stages=2, pipeline_schedule="interleaved", data=1), "not a multiple of stage=4"),
         (dict(virtual_stages=2), "needs a pipeline"),
         (dict(stage=2, pipeline_schedule="zb"), "unknown pipeline schedule 'zb'"),
-        (dict(stage=2, context=2), "does not compose with context parallelism"),
+        (dict(stage=2, context=2), "the ring .* does not run inside pipeline stages"),
     ],
 )
 def test_bad_pipeline_configs_are_refused(change, message):

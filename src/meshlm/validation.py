@@ -128,9 +128,11 @@ def _validate_parallel(cfg: RunConfig) -> None:
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
         _need(
-            p.context == 1,
-            "pipeline parallelism (parallel.stage > 1) does not compose with context parallelism yet; "
-            "use parallel.context=1 (docs/pipeline.md)",
+            p.context == 1 or p.context_strategy != "ring",
+            "the ring (parallel.context_strategy=ring) does not run inside pipeline stages: its "
+            "collective-permutes would sit in a stage's forward/backward branch, and XLA matches one "
+            "such op across every device of the program (on CPU a stage's ring step meets another "
+            "stage's, at another tick); use context_strategy=all_gather or all_to_all with parallel.stage > 1",
         )
 
 

@@ -60,18 +60,22 @@ def _without(spec: P, names: set[str]) -> P:
     return P(*parts)
 
 
-def manual_region(layout: Layout, fn, in_specs, out_specs):
-    """Manual over every mesh axis - or, inside another manual region (a pipeline stage), over
-    every axis that region left automatic."""
+def manual_region(layout: Layout, fn, in_specs, out_specs, axes: set[str] | None = None):
+    """A `shard_map` manual over `axes` (default: every mesh axis). Inside another manual region
+    (a pipeline stage, manual over `stage` and the batch axes) it nests: over the axes named that
+    the outer region left automatic (all of them by default), with the outer region's axes left
+    out of the specs - they split these arrays already."""
     outer = jax.sharding.get_abstract_mesh()
     if outer.manual_axes:
-        rest = set(outer.axis_names) - set(outer.manual_axes)
-        # the axes the outer region made manual (a pipeline stage's batch axes) already split these
-        # arrays: leave them out of the specs
-        drop = lambda spec: _without(spec, set(outer.manual_axes))
+        done = set(outer.manual_axes)
+        rest = set(outer.axis_names if axes is None else axes) - done
+        drop = lambda spec: _without(spec, done)
         in_specs, out_specs = (jax.tree.map(drop, s, is_leaf=_is_spec) for s in (in_specs, out_specs))
         return jax.shard_map(fn, mesh=outer, in_specs=in_specs, out_specs=out_specs, axis_names=rest, check_vma=False)
-    return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    names = set(layout.mesh.axis_names if axes is None else axes)
+    return jax.shard_map(
+        fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=names, check_vma=False
+    )
 
 
 def column_parallel(

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
 from meshlm.model.blockwise import NEG, backward_blocks, blockwise_attention, forward_blocks, row_delta
+from meshlm.parallel.collectives import manual_region
 from meshlm.parallel.rules import Layout
 
 AXIS = "context"
@@ -191,10 +192,7 @@ def _to_heads(layout: Layout, q, k, v):
         return tuple(mixed[:, :, e - n : e].astype(x.dtype) for x, n, e in zip((q, k, v), sizes, ends, strict=True))
 
     tokens, heads, manual = _specs(layout)
-    region = jax.shard_map(
-        local, mesh=layout.mesh, in_specs=(tokens,) * 3, out_specs=(heads,) * 3, axis_names=manual, check_vma=False
-    )
-    return region(q, k, v)
+    return manual_region(layout, local, (tokens,) * 3, (heads,) * 3, manual)(q, k, v)
 
 
 def _to_tokens(layout: Layout, out):
@@ -207,10 +205,7 @@ def _to_tokens(layout: Layout, out):
         return jax.lax.all_to_all(o.reshape(b, c, t // c, n, h), AXIS, 1, 3, tiled=True).reshape(b, t // c, c * n, h)
 
     tokens, heads, manual = _specs(layout)
-    region = jax.shard_map(
-        local, mesh=layout.mesh, in_specs=(heads,), out_specs=tokens, axis_names=manual, check_vma=False
-    )
-    return region(out)
+    return manual_region(layout, local, (heads,), tokens, manual)(out)
 
 
 def ulysses_attention(
@@ -279,7 +274,4 @@ def context_attention(
     if key is not None:
         args.append(key)
         specs.append(P())
-    region = jax.shard_map(
-        local, mesh=layout.mesh, in_specs=tuple(specs), out_specs=seq, axis_names={AXIS}, check_vma=False
-    )
-    return region(*args)
+    return manual_region(layout, local, tuple(specs), seq, {AXIS})(*args)

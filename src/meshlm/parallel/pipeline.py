@@ -84,10 +84,11 @@ def _zeros(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, fill: float, host
     return jnp.zeros(shape + like.shape, like.dtype)
 
 
-def _kept(layout: Layout, logical: str | None) -> str | None:
-    """The mesh axis a weight dimension keeps inside the pipeline: `stage` or `tensor`, not fsdp."""
-    names = [a for a in layout.mesh_axes(logical) if a in (AXIS, "tensor")]
-    return names[0] if names else None
+def _kept(layout: Layout, axes) -> NamedSharding:
+    """The layout a weight keeps inside the pipeline: its `tensor` split (and `stage` on the stacked
+    layer axis, logical LAYERS); the fsdp split and the embeddings' stage split are gathered."""
+    part = lambda a: AXIS if a == ax.LAYERS else ("tensor" if "tensor" in layout.mesh_axes(a) else None)
+    return NamedSharding(layout.mesh, P(*(part(a) for a in axes)))
 
 
 def _put(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -119,20 +120,14 @@ class _Stage:
 
     # ------------------------------------------------------------------ pieces
 
-    def keep(self, axes) -> NamedSharding:
-        return NamedSharding(self.layout.mesh, P(*(_kept(self.layout, a) for a in axes)))
-
     def top_layout(self, tree: dict) -> dict:
-        return {n: jax.lax.with_sharding_constraint(w, self.keep(self.top_axes[n])) for n, w in tree.items()}
+        return {n: jax.lax.with_sharding_constraint(w, _kept(self.layout, self.top_axes[n])) for n, w in tree.items()}
 
     def resid(self, x: jax.Array) -> jax.Array:
         return constrain(self.layout, x, RESIDUAL)
 
     def filled(self) -> jax.Array:
         return self.resid(jnp.full(self.x_shape, self.idle_fill, self.dtype))
-
-    def no_top_grads(self) -> dict:
-        return self.top_layout(jax.tree.map(jnp.zeros_like, self.top))
 
     def chunk_weights(self, lc):  # cast before the vjp, so residual weights are these very arrays
         return jax.tree.map(lambda w: _take(w, lc).astype(self.dtype), self.local)
@@ -191,33 +186,31 @@ class _Stage:
 
     # ------------------------------------------------------------------ the phases
 
-    def backward(self, r, res, dy):
-        """B(i, c), or nothing when the cell has no backward: (chunk weight gradients, the
-        embedding's gradients, the cotangent to send to the previous stage)."""
+    def backward(self, r, res, dy, g_layers, g_top):
+        """B(i, c), or nothing when the cell has no backward: (the accumulated chunk weight
+        gradients and embedding gradients with this backward's added, the cotangent to send to the
+        previous stage). Accumulated inside the branches, so no tick adds zeros."""
 
         def run():
             mb, k, _ = self.context(r["b_micro"], r["b_chunk"])
             dw, dx = self.rebuilt_vjp(res, r["b_chunk"])(self.resid(dy))
-            dw = jax.tree.map(lambda g: g.astype(jnp.float32), dw)
+            lc = r["b_chunk"]
+            acc = jax.tree.map(lambda a, g: _put(a, lc, _take(a, lc) + g.astype(jnp.float32)), g_layers, dw)
 
             def through_embedding():
                 _, vjp_embed = jax.vjp(lambda t: self.embed(t, mb, k), self.top)
-                return self.top_layout(vjp_embed(dx)[0])
+                return self.top_layout(jax.tree.map(jnp.add, g_top, vjp_embed(dx)[0]))
 
             first = r["b_first"].astype(bool)
-            dtop = jax.lax.cond(first, through_embedding, self.no_top_grads)
-            return dw, dtop, jnp.where(first, self.filled(), self.resid(dx.astype(self.dtype)))
+            top = jax.lax.cond(first, through_embedding, lambda: self.top_layout(g_top))
+            return acc, top, jnp.where(first, self.filled(), self.resid(dx.astype(self.dtype)))
 
-        def idle():
-            no_dw = jax.tree.map(lambda w: jnp.zeros_like(w[0]), self.local)
-            return no_dw, self.no_top_grads(), self.filled()
+        return jax.lax.cond(r["b"].astype(bool), run, lambda: (g_layers, self.top_layout(g_top), self.filled()))
 
-        return jax.lax.cond(r["b"].astype(bool), run, idle)
-
-    def forward(self, r, x_in, res_keep):
+    def forward(self, r, x_in, res_keep, g_top):
         """F(i, c), or nothing: (residuals to stash, activation to send, the loss's cotangent to
-        file, the head's gradients, loss, token count). `res_keep` is what an idle forward writes
-        back into the stash slot."""
+        file, the accumulated head gradients with this forward's added, loss, token count).
+        `res_keep` is what an idle forward writes back into the stash slot."""
         zero = jnp.zeros((), jnp.float32)
 
         def run():
@@ -230,14 +223,15 @@ class _Stage:
 
             def with_loss():
                 (ls, cnt), (dy, dtop) = jax.value_and_grad(self.loss, argnums=(0, 1), has_aux=True)(y, self.top, mb)
-                return self.resid(dy.astype(self.dtype)), self.top_layout(dtop), ls, cnt
+                return self.resid(dy.astype(self.dtype)), self.top_layout(jax.tree.map(jnp.add, g_top, dtop)), ls, cnt
 
-            dy, dtop, ls, cnt = jax.lax.cond(last, with_loss, lambda: (self.filled(), self.no_top_grads(), zero, zero))
+            no_loss = lambda: (self.filled(), self.top_layout(g_top), zero, zero)
+            dy, top, ls, cnt = jax.lax.cond(last, with_loss, no_loss)
             send = jnp.where(last, self.filled(), self.resid(y.astype(self.dtype)))
-            return self.stash_of(vjp_fn, w_where), send, dy, dtop, ls, cnt
+            return self.stash_of(vjp_fn, w_where), send, dy, top, ls, cnt
 
         def idle():
-            return res_keep, self.filled(), self.filled(), self.no_top_grads(), zero, zero
+            return res_keep, self.filled(), self.filled(), self.top_layout(g_top), zero, zero
 
         return jax.lax.cond(r["f"].astype(bool), run, idle)
 
@@ -262,18 +256,19 @@ class _Stage:
         that lands in a spare slot)."""
         r = {k: _take(a, self.stage) for k, a in row.items()}
         res_b = [_take(buf, r["b_stash"]) for buf in c["stash"]]
-        dw, dtop_b, send_grad = self.backward(r, res_b, _take(c["grad"], r["grad_read"]))
+        g_layers, g_top, send_grad = self.backward(
+            r, res_b, _take(c["grad"], r["grad_read"]), c["g_layers"], c["g_top"]
+        )
         got_grad = jax.lax.ppermute(send_grad, AXIS, [(j, (j - 1) % self.p) for j in range(self.p)])
-        res, send_act, dy, dtop_f, ls, cnt = self.forward(r, _take(c["act"], r["act_read"]), res_b)
+        res, send_act, dy, g_top, ls, cnt = self.forward(r, _take(c["act"], r["act_read"]), res_b, g_top)
         got_act = jax.lax.ppermute(send_act, AXIS, [(j, (j + 1) % self.p) for j in range(self.p)])
-        lc = r["b_chunk"]
         grad = _put(c["grad"], r["grad_write"], dy)
         return {
             "act": _put(c["act"], r["recv_act"], got_act),
             "grad": _put(grad, r["recv_grad"], got_grad),
             "stash": [_put(buf, r["f_stash"], leaf) for buf, leaf in zip(c["stash"], res, strict=True)],
-            "g_layers": jax.tree.map(lambda acc, g: _put(acc, lc, _take(acc, lc) + g), c["g_layers"], dw),
-            "g_top": jax.tree.map(lambda a, b, f: a + b + f, c["g_top"], dtop_b, dtop_f),
+            "g_layers": g_layers,
+            "g_top": g_top,
             "loss": c["loss"] + ls,
             "count": c["count"] + cnt,
         }, None
@@ -307,15 +302,15 @@ def pipeline_gradients(
         return jnp.swapaxes(w.reshape(v, p, per_chunk, *w.shape[1:]), 0, 1)
 
     specs = param_specs(cfg.model)
-    # FSDP inside a pipeline: each stage's weights are gathered once per step (not once per tick),
-    # their gradients reduce-scattered once at the end (the caller's constraint). Only the stage
-    # and tensor splits remain inside.
-    keep = lambda axes: NamedSharding(layout.mesh, P(*(_kept(layout, a) for a in axes)))
+    # Gathered once per step (not once per tick), their gradients reduce-scattered back once at the
+    # end (the caller's constraint): each stage's layers over fsdp, and the embeddings and output
+    # layer, stored split over fsdp x stage (1/p of them and their optimizer state per device), over
+    # both. Only the stage split of the layers and the tensor splits remain inside.
+    keep = lambda w, axes: jax.lax.with_sharding_constraint(w, _kept(layout, axes))
     stacked = {
-        n: jax.lax.with_sharding_constraint(regroup(w), keep((ax.LAYERS, None, None, *specs["layers"][n].axes[1:])))
-        for n, w in params["layers"].items()
+        n: keep(regroup(w), (ax.LAYERS, None, None, *specs["layers"][n].axes[1:])) for n, w in params["layers"].items()
     }
-    top = {n: jax.lax.with_sharding_constraint(w, keep(specs[n].axes)) for n, w in params.items() if n != "layers"}
+    top = {n: keep(w, specs[n].axes) for n, w in params.items() if n != "layers"}
     micro = split_microbatches(batch, m)
 
     # Manual over `stage` and the batch axes: each device accumulates the gradients of its own rows

@@ -37,7 +37,8 @@ RULES: dict[str, MeshAxes] = {
     # parameters
     ax.LAYERS: "stage",
     ax.VOCAB: "tensor",
-    ax.EMBED: "fsdp",
+    ax.EMBED: ("fsdp", "stage"),  # layer weights take `stage` on LAYERS first; the embeddings and
+    # output layer are stored split over it (a pipeline gathers them once per step)
     ax.POS: None,
     ax.HEADS: "tensor",
     ax.KV_HEADS: "tensor",

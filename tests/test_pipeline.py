@@ -7,6 +7,7 @@ pipelined and unpipelined meshes; bad pipelines are refused before compiling."""
 
 import dataclasses
 import json
+import math
 from functools import partial
 
 import jax
@@ -328,6 +329,37 @@ def test_stage_zero_memory_follows_the_formula():
     grown = one_f_one_b[16][0] - one_f_one_b[8][0]
     assert abs(grown - (flat[16] - flat[8])) < 0.01 * measured  # token ids only, in both
     assert accounting.activation_memory(one_f_one_b[16][1])["layers"] == 7 * (LAYERS // 4) * per_layer
+
+
+def test_embeddings_are_stored_split_over_the_stages(monkeypatch):
+    """The embeddings and output layer, with their Adam moments, are stored 1/p per device (their
+    width split over stage): the compiled train step's arguments on stage=4 are smaller than with
+    them whole on every stage (the rule before) by exactly 12 bytes x (1 - 1/p) of them, and equal
+    the planner's count (exact, from the rules table)."""
+    from meshlm import axes
+    from meshlm.insight import plan as planner
+    from meshlm.parallel import rules
+    from meshlm.step import make_train_step
+    from meshlm.train_state import abstract_state, placement, setup
+
+    cfg = tiny_config("llama", dict(stage=4), n_layers=LAYERS, global_batch=8, microbatches=4)
+
+    def argument_bytes() -> int:
+        layout = make_layout(cfg.parallel, jax.devices()[:4])
+        specs, tx, shardings = setup(cfg, layout)
+        state = abstract_state(specs, layout, tx, **placement(cfg))
+        compiled = make_train_step(cfg, layout, tx, shardings).lower(state, abstract_batch(cfg, layout)).compile()
+        return compiled.memory_analysis().argument_size_in_bytes
+
+    split, params = argument_bytes(), planner.sharded_params(cfg)
+    top = sum(math.prod(s.shape) for k, s in param_specs(cfg.model).items() if k != "layers")
+    assert planner.sharded_params(cfg, part="top") == top / 4
+    monkeypatch.setitem(rules.RULES, axes.EMBED, "fsdp")
+    whole = argument_bytes()
+    assert whole - split == 12 * top * 3 / 4  # fp32 weights + Adam's two moments
+    assert planner.sharded_params(cfg) - params == top * 3 / 4
+    batch = 2 * 4 * cfg.train.global_batch * cfg.train.seq_len  # int32 inputs and targets
+    assert split - batch == pytest.approx(12 * params, abs=64)  # + the step counter
 
 
 # ----------------------------------------------------------------------------- configs and runs

@@ -34,7 +34,7 @@ class TrainState(NamedTuple):
 
 
 def param_shardings(specs: dict, layout: Layout) -> dict:
-    return map_specs(lambda s: layout.sharding(s.axes), specs)
+    return map_specs(lambda s: layout.param_sharding(s.axes, s.shape), specs)
 
 
 def zero1_sharding(layout: Layout, sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:

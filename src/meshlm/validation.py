@@ -220,12 +220,6 @@ def _validate_divisibility(cfg: RunConfig) -> None:
     _divides(m.ffn, "model.d_ff", p.tensor, "tensor")
     _divides(m.vocab_size, "model.vocab_size", p.tensor, "tensor")
     _divides(m.d_model, "model.d_model", p.fsdp, "fsdp")
-    _divides(
-        m.d_model,
-        "model.d_model (the embeddings' width, stored split over fsdp x stage)",
-        p.fsdp * p.stage,
-        "fsdp x stage",
-    )
     micro = t.global_batch // t.microbatches
     _need(
         micro % p.batch_shards == 0,

@@ -101,19 +101,23 @@ def zero1_params(cfg: RunConfig) -> float:
 
     layout = abstract_layout(cfg.parallel)
     specs = jax.tree.leaves(param_specs(cfg.model), is_leaf=lambda x: isinstance(x, ParamSpec))
-    shard = lambda s: zero1_sharding(layout, layout.sharding(s.axes), s.shape).shard_shape(s.shape)
+    shard = lambda s: zero1_sharding(layout, layout.param_sharding(s.axes, s.shape), s.shape).shard_shape(s.shape)
     return float(sum(math.prod(shard(s)) for s in specs))
 
 
-def sharded_params(cfg: RunConfig, experts_only: bool = False) -> float:
+def sharded_params(cfg: RunConfig, experts_only: bool = False, part: str | None = None) -> float:
     """Parameters one device holds, from the rules table and the mesh sizes (exact): the same
     `Layout.sharding` the trainer uses, over an abstract mesh (no devices needed). `experts_only`:
-    of the MoE experts' stacked weights alone."""
+    of the MoE experts' stacked weights alone; `part`: "layers" (the stacked layer weights) or
+    "top" (embeddings, final norm, output layer) alone."""
     layout = abstract_layout(cfg.parallel)
-    specs = jax.tree.leaves(param_specs(cfg.model), is_leaf=lambda x: isinstance(x, ParamSpec))
+    tree = param_specs(cfg.model)
+    if part is not None:
+        tree = tree["layers"] if part == "layers" else {k: v for k, v in tree.items() if k != "layers"}
+    specs = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, ParamSpec))
     if experts_only:
         specs = [s for s in specs if ax.EXPERT in s.axes]
-    return float(sum(math.prod(layout.sharding(s.axes).shard_shape(s.shape)) for s in specs))
+    return float(sum(math.prod(layout.param_sharding(s.axes, s.shape).shard_shape(s.shape)) for s in specs))
 
 
 def estimate(
@@ -126,11 +130,12 @@ def estimate(
     bytes_per_param: float = MESHLM_BYTES_PER_PARAM,
 ) -> Plan:
     """Predicted memory and step time of one layout. A run's own pipeline (`parallel.stage`) is
-    counted exactly (stage-sharded layers, replicated embeddings, the executor's first-stage
-    activations). An explicit `pipeline` > 1 on an unpipelined config models P2's Table 3 layouts
-    as Megatron runs them: states split p ways, P2's first-stage formula. Both add the pipeline's
-    idle time (`pipeline_overhead`: Megatron's bubble, or meshlm's lockstep ticks) and its sends to
-    the bound (idle ticks are the schedule's structure, not an efficiency)."""
+    counted exactly (stage-sharded layers, embeddings stored split over stage and gathered for the
+    step, the executor's first-stage activations). An explicit `pipeline` > 1 on an unpipelined
+    config models P2's Table 3 layouts as Megatron runs them: states split p ways, P2's
+    first-stage formula. Both add the pipeline's idle time (`pipeline_overhead`: Megatron's bubble,
+    or meshlm's lockstep ticks) and its sends to the bound (idle ticks are the schedule's
+    structure, not an efficiency)."""
     if cfg.parallel.stage > 1 and pipeline != 1:
         raise ValueError("estimate: an explicit pipeline models an unpipelined config (parallel.stage == 1)")
     own, pipeline, interleave, n = _pipeline_shape(cfg, pipeline, interleave)
@@ -162,17 +167,30 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
     )
     params = sharded_params(cfg) if own else sharded_params(cfg) / pipeline
     out = _state_parts(cfg, params, bytes_per_param, own or pipeline == 1, act["total"]) | {"activations": act["total"]}
-    if own and par.fsdp > 1:  # the executor gathers a stage's fp32 weights once per step, and
-        # accumulates their gradients unsharded until the step's end
-        gathered = sharded_params(dataclasses.replace(cfg, parallel=dataclasses.replace(par, fsdp=1)))
-        out["FSDP gathered weights"] = 4 * gathered
-        out["unsharded gradient accumulators"] = 4 * (gathered - params)
+    if own and par.stage > 1 and (copies := _pipeline_gathered(cfg)):
+        # the executor gathers its fp32 weights once per step (a stage's layers over fsdp, the
+        # embeddings and output layer over fsdp x stage) and accumulates their gradients unsharded
+        out["gathered weights"] = 4 * sum(copies.values())
+        out["unsharded gradient accumulators"] = 4 * sum(n - sharded_params(cfg, part=k) for k, n in copies.items())
     elif par.fsdp > 1:  # one layer's weights gathered in the compute dtype, forward and backward
         layer = accounting.param_count(dataclasses.replace(m, n_layers=1)) - accounting.param_count(
             dataclasses.replace(m, n_layers=0)
         )
         out["FSDP gathered weights"] = 2 * layer / par.tensor * accounting.dtype_bytes(m.dtype)
     return out
+
+
+def _pipeline_gathered(cfg: RunConfig) -> dict[str, float]:
+    """The weights meshlm's pipeline step gathers, by part ("layers", "top"): parameters per device
+    of each copy it makes - its stage's layers split over tensor alone (when stored split over
+    fsdp), the embeddings and output layer whole but for tensor (when stored split)."""
+    par = cfg.parallel
+    whole = lambda **sizes: dataclasses.replace(cfg, parallel=dataclasses.replace(par, **sizes))
+    inside = {
+        "layers": sharded_params(whole(fsdp=1), part="layers"),
+        "top": sharded_params(whole(fsdp=1, stage=1), part="top"),
+    }
+    return {k: n for k, n in inside.items() if n > sharded_params(cfg, part=k)}
 
 
 def _state_parts(cfg: RunConfig, params: float, bytes_per_param: float, exact_zero1: bool, activations: float) -> dict:

@@ -21,6 +21,7 @@ combinations, because the mesh always has all three axes and an axis of size 1 s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -130,6 +131,20 @@ class Layout:
 
     def sharding(self, logical_axes: Sequence[str | None]) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(logical_axes))
+
+    def param_sharding(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+        """A parameter's storage sharding: `sharding`, except that `stage` is left off a dimension
+        it does not divide (the embeddings' width is split over fsdp x stage where it divides - 1/p
+        of them per device - and kept whole on every stage where it does not, e.g. d=20480 over 35
+        stages). The stacked layer axis must divide (validation says so first)."""
+        spec = self.spec(logical_axes)
+        parts = []
+        for dim, part in zip(shape, (*spec, *[None] * (len(shape) - len(spec))), strict=True):
+            names = (part,) if isinstance(part, str) else tuple(part or ())
+            if "stage" in names and dim % math.prod(self.mesh.shape[n] for n in names):
+                names = tuple(n for n in names if n != "stage")
+            parts.append(None if not names else names[0] if len(names) == 1 else names)
+        return NamedSharding(self.mesh, P(*parts))
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())

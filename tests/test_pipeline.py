@@ -421,9 +421,10 @@ def test_train_moves_between_pipelined_and_unpipelined_meshes(corpus_dir, tmp_pa
     (resumed from the context mesh's): the losses are one device's."""
     from meshlm.trainer import train
 
-    def cfg_for(mesh: dict, schedule: str = "1f1b") -> RunConfig:
-        cfg = config("gpt", None, schedule)
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **mesh, context_strategy="all_to_all"))
+    def cfg_for(mesh: dict) -> RunConfig:
+        cfg = config("gpt")
+        par = dataclasses.replace(cfg.parallel, **mesh, context_strategy="all_to_all")
+        cfg = dataclasses.replace(cfg, parallel=par)
         return validate(
             dataclasses.replace(
                 cfg,

@@ -1,17 +1,20 @@
-"""Pipeline parallelism on CPU (simulated devices): step time against the bubble, compile time
-against m and p.
+"""Pipeline parallelism on CPU (simulated devices): step time against the bubble, where the
+executor's time goes, compile time against m and p.
 
-1. Step time vs m at p = 4 for GPipe, 1F1B and interleaved 1F1B (v = 2): a llama of d=256,
-   8 layers, fp32, s=256, 2 sequences per microbatch, m = 4, 8, 16 microbatches (so the batch
-   grows with m), next to the schedule's ticks and predicted bubble (p-1)/(v m), and two
-   unpipelined baselines accumulating the same microbatches: one device, and data=2. Alternating
-   rounds, medians. This machine has 2 cores under 4 simulated devices, so idle stages cost no CPU
-   and the bubble cannot show as wall time here; what the rows measure is the executor's overhead
-   per microbatch against the unpipelined step.
-2. Compile time of the whole train step vs m (p = 4, 1F1B) and vs p (m = 8): the schedule is data
+1. Step time vs m at p = 4 for 1F1B, interleaved 1F1B (v = 2) and GPipe: a llama of d=256,
+   8 layers, fp32, s=256, 2 sequences per microbatch, m = 8 and 16 microbatches (so the batch
+   grows with m), next to the schedule's ticks and lockstep bubble (p-1)/(v m), and one device
+   accumulating the same microbatches. Alternating rounds, medians. 2 cores under 4 simulated
+   devices: an idle stage's core goes to the busy ones, so a bubble shows only in part.
+2. Where the time goes at m = 16 (1F1B against one device): one profiled step each
+   (`jax.profiler`), the device threads' time per microbatch by kind of XLA op - the chunk's
+   compute, the stash and inbox slots, sends (collective-permute, which includes waiting for the
+   slowest stage), buffer fills, the embeddings' gather. Thread time, summed over devices: 4
+   devices contend for 2 cores, which stretches every row, compute included.
+3. Compile time of the whole train step vs m (p = 4, 1F1B) and vs p (m = 8): the schedule is data
    (a table scanned over), so it must not grow with m.
 
-    python benchmarks/pipeline.py [--rounds 3] [--write]
+    python benchmarks/pipeline.py [--rounds 5] [--write]
 """
 
 from __future__ import annotations
@@ -49,19 +52,18 @@ def config(m: int, mesh: dict, schedule: str = "1f1b", v: int = 1, layers: int =
 def variants(m: int) -> dict[str, RunConfig]:
     return {
         "1 device": config(m, {}),
-        "data=2": config(m, dict(data=2)),
-        "gpipe stage=4": config(m, dict(stage=4), "gpipe"),
         "1f1b stage=4": config(m, dict(stage=4), "1f1b"),
         "interleaved stage=4 v=2": config(m, dict(stage=4), "interleaved", 2),
+        "gpipe stage=4": config(m, dict(stage=4), "gpipe"),
     }
 
 
 def step_rows(rounds: int) -> list[str]:
     lines = [
-        "| m | layout | ticks | predicted bubble | step s | ms per microbatch | vs 1 device |",
+        "| m | layout | ticks | lockstep bubble | step s | ms per microbatch | vs 1 device |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for m in (4, 8, 16):
+    for m in (8, 16):
         cfgs = variants(m)
         runs = {k: (c, make_layout(c.parallel, jax.devices()[: c.parallel.n_devices])) for k, c in cfgs.items()}
         seconds = median_step_seconds(runs, rounds)
@@ -78,6 +80,69 @@ def step_rows(rounds: int) -> list[str]:
     return lines
 
 
+# XLA op names (their numeric suffix dropped) by what they do; containers (while, conditional) and
+# runtime events are left out, so nothing is counted twice
+KINDS = [
+    ("sends and lockstep waits (collective-permute, rendezvous)", ("ppermute", "collective-permute", "Rendezvous")),
+    ("stash and inbox slots (dynamic-slice / dynamic-update-slice)", ("dynamic-slice", "dynamic-update-slice")),
+    ("buffer fills (broadcast)", ("broadcast",)),
+    ("copies and transposes", ("copy", "transpose")),
+    ("embeddings' gather, gradient reductions", ("all-gather", "all-reduce", "reduce-scatter")),
+    ("chunk compute (GEMMs, fused elementwise)", ("fusion", "dot", "convolution", "add", "multiply", "select")),
+]
+CONTAINERS = ("while", "conditional", "call", "PjitFunction")
+
+
+def thread_ms(cfg: RunConfig) -> dict[str, float]:
+    """Device-thread milliseconds of one profiled train step, by kind of op (`KINDS`)."""
+    import gzip
+    import json
+    import re
+    import tempfile
+    from pathlib import Path
+
+    from _timing import prepared_step
+
+    layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
+    fn, state, batch = prepared_step(cfg, layout)
+    for _ in range(2):  # compile, then one warm step
+        state, m = fn(state, batch)
+        jax.block_until_ready(m)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            state, m = fn(state, batch)
+            jax.block_until_ready(m)
+        with gzip.open(next(Path(d).rglob("*.trace.json.gz"))) as f:
+            events = json.load(f)["traceEvents"]
+    out = dict.fromkeys([k for k, _ in KINDS] + ["other"], 0.0)
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or name.startswith(("$", *CONTAINERS)) or not re.match(r"[\w.-]+$", name):
+            continue
+        base = re.sub(r"\.\d+$", "", name)
+        kind = next((k for k, words in KINDS if any(w in base for w in words)), "other")
+        out[kind] += e["dur"] / 1e3
+    return out
+
+
+def tick_rows(m: int = 16) -> list[str]:
+    one, piped = config(m, {}), config(m, dict(stage=4), "1f1b")
+    sched = schedule_for(piped)
+    a, b = thread_ms(one), thread_ms(piped)
+    lines = [
+        f"| op kind | 1 device, ms per microbatch | 1f1b stage=4 ({sched.ticks} ticks), same | added per tick |",
+        "|---|---:|---:|---:|",
+    ]
+    for kind in a:
+        added = (b[kind] - a[kind]) / sched.ticks
+        lines.append(f"| {kind} | {a[kind] / m:.1f} | {b[kind] / m:.1f} | {added:+.1f} ms |")
+    lines.append(
+        f"| all | {sum(a.values()) / m:.1f} | {sum(b.values()) / m:.1f} | "
+        f"{(sum(b.values()) - sum(a.values())) / sched.ticks:+.1f} ms |"
+    )
+    return lines
+
+
 def compile_seconds(cfg: RunConfig) -> float:
     layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
     specs, tx, shardings = setup(cfg, layout)
@@ -89,8 +154,8 @@ def compile_seconds(cfg: RunConfig) -> float:
 
 def compile_rows() -> list[str]:
     lines = ["| p | m | schedule | ticks | compile s |", "|---:|---:|---|---:|---:|"]
-    cases = [(4, m, "1f1b", 1) for m in (4, 8, 16, 32)] + [(p, 8, "1f1b", 1) for p in (2, 8)]
-    cases += [(4, m, "interleaved", 2) for m in (4, 16)]
+    cases = [(4, m, "1f1b", 1) for m in (4, 16, 32)] + [(p, 8, "1f1b", 1) for p in (2, 8)]
+    cases += [(4, 16, "interleaved", 2)]
     for p, m, schedule, v in cases:
         cfg = config(m, dict(stage=p), schedule, v)
         lines.append(f"| {p} | {m} | {schedule} | {schedule_for(cfg).ticks} | {compile_seconds(cfg):.1f} |")
@@ -99,17 +164,22 @@ def compile_rows() -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     text = "\n".join(
         [
             "Command: `python benchmarks/pipeline.py --rounds "
-            f"{args.rounds}{' --write' if args.write else ''}` (CPU, 8 simulated devices on 2 cores).",
+            f"{args.rounds}{' --write' if args.write else ''}` ({time.strftime('%Y-%m-%d')}, CPU, 8 simulated "
+            "devices on 2 cores; llama d=256, 8 layers, fp32, s=256, 2 sequences per microbatch).",
             "",
-            "Step time vs m, p = 4 (llama d=256, 8 layers, fp32, s=256, 2 sequences per microbatch):",
+            "Step time, p = 4:",
             "",
             *step_rows(args.rounds),
+            "",
+            "Where the time goes at m = 16 (device-thread time of one profiled step, summed over devices):",
+            "",
+            *tick_rows(),
             "",
             "Compile time of the train step:",
             "",

@@ -68,17 +68,21 @@ def schedule_for(cfg: RunConfig) -> Schedule:
     return build(par.pipeline_schedule, par.stage, cfg.train.microbatches, par.virtual_stages)
 
 
-def _zeros(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, fill: float, host: bool = False) -> jax.Array:
-    """A slot buffer for residual leaves like `like`: floats hold `fill`, PRNG keys (the dropout
-    keys a recomputed region keeps) key(0). `host`: the residual lives in host memory (the
-    `offload` policy), and so does its buffer."""
+def _slots(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, fill: float, host: bool = False) -> jax.Array:
+    """A slot buffer for values like `like` (residual leaves, activations). Every slot is written
+    before it is read (the table interpreter test), so with `fill` = 0 it is `lax.empty`: left
+    uninitialised on GPUs and TPUs, zeros on CPU (XLA:CPU has no uninitialised buffer). Otherwise
+    floats hold `fill` (tests fill NaN); PRNG keys (the dropout keys a recomputed region keeps)
+    key(0). `host`: the residual lives in host memory (the `offload` policy), and so does its buffer."""
     if host:
-        return jax.device_put(_zeros(shape, like, fill), jax.memory.Space.Host)
+        return jax.device_put(_slots(shape, like, fill), jax.memory.Space.Host)
     if jax.dtypes.issubdtype(like.dtype, jax.dtypes.prng_key):
         keys = jnp.broadcast_to(jax.random.key(0), shape + like.shape)
         if keys.dtype != like.dtype:
             raise TypeError(f"the pipeline stash holds keys of the default PRNG ({keys.dtype}), not {like.dtype}")
         return keys
+    if fill == 0.0:
+        return jax.lax.empty(shape + like.shape, like.dtype)
     if jnp.issubdtype(like.dtype, jnp.floating):
         return jnp.full(shape + like.shape, fill, like.dtype)
     return jnp.zeros(shape + like.shape, like.dtype)
@@ -236,12 +240,12 @@ class _Stage:
         return jax.lax.cond(r["f"].astype(bool), run, idle)
 
     def carry(self) -> dict:
-        full = lambda n: jnp.full((n, *self.x_shape), self.idle_fill, self.dtype)
-        inbox = lambda n: constrain(self.layout, full(n), (None, *RESIDUAL))
+        x = jax.ShapeDtypeStruct(self.x_shape, self.dtype)
+        inbox = lambda n: constrain(self.layout, _slots((n,), x, self.idle_fill), (None, *RESIDUAL))
         return {
             "act": inbox(self.tab.act_slots),
             "grad": inbox(self.tab.grad_slots),
-            "stash": [_zeros((self.tab.stash_slots,), leaf, self.idle_fill, host) for leaf, host in self.stashed],
+            "stash": [_slots((self.tab.stash_slots,), leaf, self.idle_fill, host) for leaf, host in self.stashed],
             "g_layers": jax.tree.map(jnp.zeros_like, self.local),
             "g_top": jax.tree.map(jnp.zeros_like, self.top),
             "loss": jnp.zeros((), jnp.float32),

@@ -282,6 +282,9 @@ def test_one_batch_reduction_per_step_after_the_tick_loop(monkeypatch):
     in_loop, everywhere = tick_loop_and_rest(text)
     assert in_loop.get("tensor", 0) > 0 and set(in_loop) == {"tensor"}
     assert everywhere.get("data", 0) > 0  # after the loop
+    # docs/pipeline.md, "Overlap": XLA:CPU runs collective-permute synchronously (no start/done
+    # pair it could schedule around compute); if this starts failing, the overlap can be shown here
+    assert "collective-permute-start" not in text and "collective-permute(" in text
 
     monkeypatch.setattr(pipeline, "manual_batch_axes", lambda layout: ())
     in_loop, _ = tick_loop_and_rest(compiled_grad_step(cfg)[0])

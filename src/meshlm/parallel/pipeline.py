@@ -1,45 +1,44 @@
-"""Pipeline parallelism: GPipe, 1F1B and interleaved 1F1B inside the one jitted train step.
+"""Pipeline parallelism: 1F1B, interleaved 1F1B and GPipe inside the one jitted train step.
 
-The schedule is data (`parallel.schedules`): a static table of (tick, stage) -> forward or
-backward of one microbatch through one model chunk, or idle. `tables` turns it into integer
-arrays - what each stage does at each tick, and which buffer slot it reads and writes - and
-`pipeline_gradients` runs them: one `lax.scan` over ticks inside a `shard_map` that is manual
-over the `stage` axis only (data, fsdp, tensor and sequence parallelism stay what they are
-inside each stage: GSPMD plus the tensor-parallel regions, which become manual over the
-remaining axes).
+The schedule is data (`parallel.schedules`): a static table of (tick, stage) -> a cell holding at
+most one backward and one forward of different microbatches (1F1B's and interleaved's steady
+ticks pair them, so lockstep costs the textbook bubble). `tables` turns it into integer arrays -
+what each stage does at each tick, and which buffer slot it reads and writes - and
+`pipeline_gradients` runs them: one `lax.scan` over ticks inside a `shard_map` manual over the
+`stage` axis and the batch axes. Tensor, context and sequence parallelism stay what they are
+inside each stage (GSPMD plus the tensor-parallel and context regions, which nest: manual over
+the axes the stage left automatic).
 
-At each tick every stage takes one branch of a `lax.switch` on its own action:
+Each tick (`_Stage.tick`) every device runs its cell's backward phase, sends the cotangent to the
+previous stage, runs its forward phase, sends the activation to the next stage:
 
-- forward F(i, c): its input is the embedded microbatch (first chunk) or the activation that
-  arrived from the previous stage; `jax.vjp` of the chunk's layers gives the output and the
-  residuals the remat policy keeps, which are stashed in a slot until B(i, c) - exactly what
-  one device's autodiff would keep for those layers, so every remat policy means what it means
-  without pipelining. On the last chunk the output layer and loss run at once, forward and
-  backward, and the output's cotangent waits for B(i, c) (the pipeline output is not kept).
 - backward B(i, c): the stashed residuals and the arrived cotangent give the chunk's weight
-  gradients (accumulated in the carry) and its input cotangent, which goes to the previous stage
-  (or, on the first chunk, back through the embedding).
-- idle: nothing.
+  gradients and its input cotangent (on the first chunk: back through the embedding);
+- forward F(i, c): its input is the embedded microbatch (first chunk) or the arrived activation;
+  `jax.vjp` of the chunk's layers gives the output and the residuals the remat policy keeps,
+  stashed in a slot until B(i, c) - exactly what one device's autodiff would keep for those
+  layers. On the last chunk the output layer and loss run at once, forward and backward, and the
+  output's cotangent waits for B(i, c).
 
-Then every stage, whatever it did, sends its outgoing activation to the next stage and its
-outgoing cotangent to the previous one (two `ppermute`s, entered by all devices on every tick,
-outside any branch); the receiver files them into the slot the table names. Collectives inside
-a branch (tensor parallelism, GSPMD's data-parallel reduction of each backward tick's chunk
-gradients) are those of one stage's devices, which all take the same branch.
+Each phase is a `lax.cond` (idle when the cell has none); gradients are added to their
+accumulators inside the branch that makes them. The two `ppermute`s are entered by every device
+on every tick, outside any branch (idle stages send a filler that lands in a spare slot).
+Collectives inside a branch are those of one stage's devices, which all take the same branch.
 
 Buffers are slot arrays whose sizes come from the table: the stash holds the schedule's peak
-number of microbatch-chunks in flight (GPipe m, 1F1B min(p, m) on stage 0), the inboxes what has
-arrived and not yet been used. Slots are assigned in Python by interval colouring, so nothing
-is searched at run time. Every buffer is read before the switch and written after it (in place);
-an inbox's spare last slot takes what an idle neighbour sends.
+number of microbatch-chunks in flight, the inboxes what has arrived and not yet been used. Slots
+are assigned in Python by interval colouring, so nothing is searched at run time.
+
+Gradients: each device accumulates those of its own rows through the loop; they are summed over
+the batch axes once, after it (one reduction per step). Dropout bits are drawn at each element's
+global position (`layers.global_keep_mask`), so a batch shard draws what the whole batch would.
 
 Weights: the stacked layer axis [L, ...] is sharded over `stage` in contiguous blocks (the rules
 table), so checkpoints do not depend on the pipeline. Inside the step it is viewed as
 [v, p, L/(pv), ...] and regrouped to [p, v, L/(pv), ...], giving stage s its chunks s, s+p, ...
-(no data moves when v = 1; with v > 1 the chunks not already on their stage move in, and their
-gradients back, once per step: 6 of 8 at p = 4, v = 2). With FSDP, a stage's weights are gathered
-once per step before the region. Embedding, positions, final norm and output layer are
-replicated over `stage` (used by the first and last stages); their gradients are summed over it.
+(no data moves when v = 1). With FSDP, a stage's weights are gathered once per step. The
+embeddings, final norm and output layer are stored split over fsdp x stage and gathered once per
+step; their gradients are summed over the stages and batch axes after the loop.
 
 Dropout: microbatch i draws from fold_in(key, i) and layer l from fold_in(that, l), as the
 accumulation loop of `step.gradients` does, so a pipelined step equals the unpipelined one.

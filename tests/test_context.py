@@ -233,6 +233,8 @@ def test_dropout_bits_by_original_position_are_jax_bits():
             rows = (1, *shape[1:])  # one batch row of the whole, as a batch shard holds it
             got = positional_bernoulli(key, p, rows, {0: (jnp.asarray([shape[0] - 1]), shape[0])})
             assert np.array_equal(got, ref[-1:])
+            both = {0: (jnp.asarray([shape[0] - 1]), shape[0]), 1: (jnp.asarray(perm), shape[1])}
+            assert np.array_equal(positional_bernoulli(key, p, rows, both), np.take(ref[-1:], perm, axis=1))
     shape = (4096, 131072, 16384)  # 2^43 elements: the high word matters
     rng = np.random.default_rng(1)
     coords = [rng.integers(0, s, 50, dtype=np.uint64) for s in shape]

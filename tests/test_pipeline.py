@@ -109,7 +109,8 @@ def run_tables(schedule, tab) -> None:
                 if c == chunks - 1:
                     assert at("grad_write", t, s) not in grad[s]
                     grad[s][at("grad_write", t, s)] = ("dy", i, c)
-                else:
+                else:  # its filler cotangent goes to the spare slot
+                    assert at("grad_write", t, s) == tab.grad_slots - 1
                     send_act[s] = ("y", i, c)
             else:  # an idle forward writes back the slot the backward read
                 assert at("f_stash", t, s) == at("b_stash", t, s)
@@ -185,13 +186,18 @@ def test_fsdp_inside_the_pipeline(params):
     assert_same_grads(grads(cfg, params["gpt"]), reference("gpt", params))
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "all_to_all"])
-def test_context_parallelism_inside_the_stages(strategy, params):
-    """stage=2 x context=2 x tensor=2, gpt with dropout and blockwise attention (block 8, so a
-    context rank's 16 tokens are two blocks), the sequence load-balanced: K/V all-gathered over the
-    context ranks, or Ulysses' tokens-for-heads exchange, inside each pipeline stage (regions
-    nested in the stage's); the raw gradients are one device's with the same kernel, dropout bits
-    and all. (The ring is refused with a pipeline: test_bad_pipeline_configs_are_refused.)"""
+@pytest.mark.parametrize(
+    "strategy, mesh",
+    [("all_gather", dict(stage=2, context=2, tensor=2)), ("all_to_all", dict(stage=2, data=2, context=2))],
+)
+def test_context_parallelism_inside_the_stages(strategy, mesh, params):
+    """gpt with dropout and blockwise attention (block 8, so a context rank's 16 tokens are two
+    blocks), the sequence load-balanced: K/V all-gathered over the context ranks on stage=2 x
+    context=2 x tensor=2, or Ulysses' tokens-for-heads exchange on stage=2 x data=2 x context=2 (the
+    batch axis manual in the stage, so the dropout bits take both a row offset and original
+    positions), inside each pipeline stage (regions nested in the stage's); the raw gradients are
+    one device's with the same kernel, dropout bits and all. (The ring is refused with a pipeline:
+    test_bad_pipeline_configs_are_refused.)"""
 
     def blockwise(mesh):
         cfg = config("gpt")
@@ -199,7 +205,7 @@ def test_context_parallelism_inside_the_stages(strategy, params):
         par = dataclasses.replace(cfg.parallel, **mesh, context_strategy=strategy)
         return validate(dataclasses.replace(cfg, model=model, parallel=par))
 
-    got = grads(blockwise(dict(stage=2, context=2, tensor=2)), params["gpt"])
+    got = grads(blockwise(mesh), params["gpt"])
     assert_same_grads(got, grads(blockwise({}), params["gpt"]))
 
 
@@ -282,6 +288,7 @@ def test_one_batch_reduction_per_step_after_the_tick_loop(monkeypatch):
     in_loop, everywhere = tick_loop_and_rest(text)
     assert in_loop.get("tensor", 0) > 0 and set(in_loop) == {"tensor"}
     assert everywhere.get("data", 0) > 0  # after the loop
+    assert not any("data" in axes for body in hlo.loop_bodies(text) for axes in reductions_by_axis(body, layout))
     # docs/pipeline.md, "Overlap": XLA:CPU runs collective-permute synchronously (no start/done
     # pair it could schedule around compute); if this starts failing, the overlap can be shown here
     assert "collective-permute-start" not in text and "collective-permute(" in text

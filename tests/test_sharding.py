@@ -69,8 +69,11 @@ GOLDEN = {
         "ln_f_bias": P(F),
     },
     # pipeline: the stacked layer axis over `stage` (contiguous blocks); embeddings replicated over it
-    "stage2_tensor4": {
-        "wte": P(T),
+    "stage2_tensor4": {  # the embeddings and final norm stored split over stage (their width)
+        "wte": P(T, S),
+        "wpe": P(None, S),
+        "ln_f_scale": P(S),
+        "ln_f_bias": P(S),
         "layers/wq": P(S, None, T),
         "layers/wk": P(S, None, T),
         "layers/wv": P(S, None, T),

@@ -523,8 +523,9 @@ def activation_memory(
     host memory, offload policy)}.
 
     'layers' without a pipeline: L x layer_total. With one, stage 0's: the microbatch-chunks it
-    holds at its peak (`pipeline_in_flight`) x L/(p v) layers each - P2's Eq. 5 (L layers' worth,
-    x (1 + (p-1)/(p v)) interleaved) when m > p, m/p of it for GPipe and less when m < p. A run's
+    holds at its peak (`pipeline_in_flight`) x L/(p v) layers each. Megatron's (an explicit
+    `pipeline`): P2's Eq. 5, L layers' worth (x (1 + (p-1)/(p v)) interleaved) when m > p. A run's
+    own: interleaved the same; 1F1B in lockstep pairs (2p - 1)/p x L; GPipe m/p x L. A run's
     own pipeline (`parallel.stage`) lists its executor's buffers outside the layers; an explicit
     `pipeline` (P2's layouts) follows P2 4.3's outside terms."""
     m, par, t = cfg.model, cfg.parallel, cfg.train

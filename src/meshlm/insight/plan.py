@@ -107,7 +107,7 @@ def zero1_params(cfg: RunConfig) -> float:
 
 def sharded_params(cfg: RunConfig, experts_only: bool = False, part: str | None = None) -> float:
     """Parameters one device holds, from the rules table and the mesh sizes (exact): the same
-    `Layout.sharding` the trainer uses, over an abstract mesh (no devices needed). `experts_only`:
+    `Layout.param_sharding` the trainer uses, over an abstract mesh (no devices needed). `experts_only`:
     of the MoE experts' stacked weights alone; `part`: "layers" (the stacked layer weights) or
     "top" (embeddings, final norm, output layer) alone."""
     layout = abstract_layout(cfg.parallel)
@@ -176,7 +176,7 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
         layer = accounting.param_count(dataclasses.replace(m, n_layers=1)) - accounting.param_count(
             dataclasses.replace(m, n_layers=0)
         )
-        out["FSDP gathered weights"] = 2 * layer / par.tensor * accounting.dtype_bytes(m.dtype)
+        out["gathered weights"] = 2 * layer / par.tensor * accounting.dtype_bytes(m.dtype)
     return out
 
 
@@ -424,6 +424,8 @@ def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> flo
     par, micro = cfg.parallel, cfg.train.microbatches
     if par.stage == 1:
         return (pipeline - 1) / (interleave * micro)
+    # every table here costs the textbook bubble at any ratio; the ratio stays for tables whose
+    # cost depends on it (a zero-bubble table would: docs/pipeline.md)
     forward = accounting.forward_flops_per_step(cfg)
     ratio = round(accounting.hardware_flops_per_step(cfg) / forward - 1, 3)
     return _lockstep_overhead(par.pipeline_schedule, par.stage, micro, par.virtual_stages, ratio)

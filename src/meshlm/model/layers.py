@@ -164,6 +164,9 @@ def batch_shard() -> tuple[jax.Array, int] | None:
     mesh = jax.sharding.get_abstract_mesh()
     names = tuple(a for a in BATCH_AXES if a in mesh.manual_axes)
     count = math.prod(mesh.shape[a] for a in names)
+    if count > 1 and mesh.shape.get("tensor", 1) > 1 and "tensor" in mesh.manual_axes:
+        # the bits would be global in the batch but local in the heads / features: say so
+        raise NotImplementedError("dropout bits inside a region manual over the batch axes and `tensor`")
     return (jax.lax.axis_index(names), count) if count > 1 else None
 
 

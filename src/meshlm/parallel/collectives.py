@@ -16,7 +16,7 @@ GPU and TPU pipelines fuse that pair back), which would hide exactly what P2 is 
 differentiates `all_gather` into `psum_scatter` and back, giving the conjugates for free.
 
 The shard_maps are manual over every mesh axis (inside a pipeline stage, which is already manual over
-`stage`, over every remaining one). Activations enter with their full logical spec;
+`stage` and the batch axes, over every remaining one). Activations enter with their full logical spec;
 weights with their `tensor` spec only, so an FSDP-sharded weight is gathered by GSPMD on entry, as
 it would be for any matmul. (Manual over `tensor` alone would be tidier, but XLA 0.10's CPU
 all-reduce promotion aborts on a bf16 reduce-scatter in a partially manual computation.)
@@ -58,6 +58,12 @@ def _without(spec: P, names: set[str]) -> P:
         kept = tuple(a for a in ((part,) if isinstance(part, str) else part or ()) if a not in names)
         parts.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return P(*parts)
+
+
+def outside_manual(spec: P) -> P:
+    """`spec` without the axes a surrounding manual region (a pipeline stage) made manual: for
+    sharding constraints built from mesh axes directly rather than through `Layout.spec`."""
+    return _without(spec, set(jax.sharding.get_abstract_mesh().manual_axes))
 
 
 def manual_region(layout: Layout, fn, in_specs, out_specs, axes: set[str] | None = None):

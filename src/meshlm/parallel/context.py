@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
 from meshlm.model.blockwise import NEG, backward_blocks, blockwise_attention, forward_blocks, row_delta
-from meshlm.parallel.collectives import manual_region
+from meshlm.parallel.collectives import manual_region, outside_manual
 from meshlm.parallel.rules import Layout
 
 AXIS = "context"
@@ -214,7 +214,7 @@ def ulysses_attention(
     """`kernel(q, k, v, segment_ids)` on whole sequences of 1/c of the heads (`all_to_all` strategy):
     the kernel runs in the global view (GSPMD keeps its heads split over (tensor, context) and its
     batch over the data axes), in original order, so it draws the single-device dropout bits."""
-    _, spec, _ = _specs(layout)
+    spec = outside_manual(_specs(layout)[1])  # inside a pipeline stage the batch axes are manual already
     batch, heads = spec[0], NamedSharding(layout.mesh, spec)
     q, k, v = (jax.lax.with_sharding_constraint(x, heads) for x in _to_heads(layout, q_btnh, k_btkh, v_btkh))
     if segment_ids_bt is not None:  # int32 per token: gathered whole (every rank attends over all of it)

@@ -68,9 +68,10 @@ def schedule_for(cfg: RunConfig) -> Schedule:
 
 
 def _slots(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, fill: float, host: bool = False) -> jax.Array:
-    """A slot buffer for values like `like` (residual leaves, activations). Every slot is written
-    before it is read (the table interpreter test), so with `fill` = 0 it is `lax.empty`: left
-    uninitialised on GPUs and TPUs, zeros on CPU (XLA:CPU has no uninitialised buffer). Otherwise
+    """A slot buffer for values like `like` (residual leaves, activations). Every slot an action
+    uses is written before it is read (the table interpreter test; idle phases read a slot and use
+    nothing of it), so with `fill` = 0 it is `lax.empty`: left uninitialised on GPUs and TPUs,
+    zeros on CPU (XLA:CPU has no uninitialised buffer). Otherwise
     floats hold `fill` (tests fill NaN); PRNG keys (the dropout keys a recomputed region keeps)
     key(0). `host`: the residual lives in host memory (the `offload` policy), and so does its buffer."""
     if host:
@@ -278,7 +279,8 @@ class _Stage:
 
 
 def manual_batch_axes(layout: Layout) -> tuple[str, ...]:
-    """The batch axes the stage region is manual over (those of size > 1)."""
+    """The batch axes the stage region is manual over (those of size > 1). A function of its own so
+    that a test can compile the region manual over `stage` alone and see the per-tick reduction."""
     return layout.mesh_axes(ax.BATCH)
 
 
@@ -305,8 +307,8 @@ def pipeline_gradients(
         return jnp.swapaxes(w.reshape(v, p, per_chunk, *w.shape[1:]), 0, 1)
 
     specs = param_specs(cfg.model)
-    # Gathered once per step (not once per tick), their gradients reduce-scattered back once at the
-    # end (the caller's constraint): each stage's layers over fsdp, and the embeddings and output
+    # Gathered once per step (not once per tick), their gradients summed after the loop and sliced
+    # back to the shards by the caller's constraint: each stage's layers over fsdp, and the embeddings and output
     # layer, stored split over fsdp x stage (1/p of them and their optimizer state per device), over
     # both. Only the stage split of the layers and the tensor splits remain inside.
     keep = lambda w, axes: jax.lax.with_sharding_constraint(w, _kept(layout, axes))

@@ -7,7 +7,9 @@ combinations, because the mesh always has all three axes and an axis of size 1 s
 - batch over (data, fsdp, expert): every data-like axis splits the batch;
 - MoE experts (the stacked `expert` axis of their weights) over `expert` (`model.moe`);
 - weight `embed` dims over fsdp: parameters (and, through `optim.py`, optimizer state) are split
-  ZeRO-3 style and gathered by XLA just in time for each layer;
+  ZeRO-3 style and gathered by XLA just in time for each layer; and over `stage` for the weights
+  without a layer axis (embeddings, final norm, output layer: 1/p of them per device, gathered by
+  the pipeline once per step; `Layout.param_sharding` leaves it off a width it does not divide);
 - heads / kv_heads / mlp / vocab over tensor: QKV and MLP-in are column-parallel, attention-out
   and MLP-out row-parallel, the embedding and output layer vocabulary-parallel (Megatron, P2 4.2.1);
 - with sequence parallelism (P2 4.2.2), `act_seq` - the sequence axis of the LayerNorm, dropout and
@@ -144,6 +146,8 @@ class Layout:
             if "stage" in names and dim % math.prod(self.mesh.shape[n] for n in names):
                 names = tuple(n for n in names if n != "stage")
             parts.append(None if not names else names[0] if len(names) == 1 else names)
+        while parts and parts[-1] is None:
+            parts.pop()
         return NamedSharding(self.mesh, P(*parts))
 
     def replicated(self) -> NamedSharding:

@@ -150,10 +150,9 @@ def first_stage_in_flight(name: str, stages: int, microbatches: int, virtual: in
     """Stage 0's peak microbatch-chunks in flight (the most of any stage), in closed form - what
     `Schedule.peak_in_flight(0)` counts on the table (tests keep the two equal): GPipe m; 1F1B and
     interleaved the paired warm-up + 1 = 2(p-1) + (v-1)p + 1, at most m v."""
-    p, m, v = stages, microbatches, virtual
     if name == "gpipe":
-        return m
-    return min(2 * (p - 1) + (v - 1) * p + 1, m * v)
+        return microbatches
+    return _warm_up(0, stages, microbatches, virtual)  # the warm-up forwards, then each pair frees one
 
 
 def megatron_in_flight(stages: int, microbatches: int, virtual: int = 1) -> int:

@@ -62,6 +62,19 @@ MESHES: dict[str, tuple[str, ...]] = {
         "parallel.sequence_parallel=true",
         "train.microbatches=2",
     ),
+    "stage=2 x context=2 all_gather": (
+        "parallel.stage=2",
+        "parallel.context=2",
+        "parallel.context_strategy=all_gather",
+        "train.microbatches=2",
+    ),
+    "stage=2 x data=2 x context=2 all_to_all": (
+        "parallel.stage=2",
+        "parallel.data=2",
+        "parallel.context=2",
+        "parallel.context_strategy=all_to_all",
+        "train.microbatches=2",
+    ),
 }
 FACTORS: dict[str, tuple] = {
     "family": ("gpt", "llama", "moe"),

@@ -254,10 +254,11 @@ class _Stage:
 
     def tick(self, c: dict, row: dict):
         """One tick: the cell's backward, its cotangent sent left, the cell's forward, its
-        activation sent right. Every buffer is read before a phase and written after it, so XLA
-        updates the loop's buffers in place instead of copying them through a conditional. Sends
-        are entered by every device on every tick, outside any branch (idle stages send a filler
-        that lands in a spare slot)."""
+        activation sent right. Slot buffers are read before a phase and written after it, so XLA
+        updates them in place instead of copying them through a conditional; the gradient
+        accumulators pass through the phases (aliased: the compiled loop copies none of them).
+        Sends are entered by every device on every tick, outside any branch (idle stages send a
+        filler that lands in a spare slot)."""
         r = {k: _take(a, self.stage) for k, a in row.items()}
         res_b = [_take(buf, r["b_stash"]) for buf in c["stash"]]
         g_layers, g_top, send_grad = self.backward(
@@ -308,9 +309,9 @@ def pipeline_gradients(
 
     specs = param_specs(cfg.model)
     # Gathered once per step (not once per tick), their gradients summed after the loop and sliced
-    # back to the shards by the caller's constraint: each stage's layers over fsdp, and the embeddings and output
-    # layer, stored split over fsdp x stage (1/p of them and their optimizer state per device), over
-    # both. Only the stage split of the layers and the tensor splits remain inside.
+    # back to the shards by the caller's constraint: each stage's layers over fsdp, and the
+    # embeddings and output layer, stored split over fsdp x stage (1/p of them and their optimizer
+    # state per device), over both. Only the stage split of the layers and the tensor splits remain.
     keep = lambda w, axes: jax.lax.with_sharding_constraint(w, _kept(layout, axes))
     stacked = {
         n: keep(regroup(w), (ax.LAYERS, None, None, *specs["layers"][n].axes[1:])) for n, w in params["layers"].items()

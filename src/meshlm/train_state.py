@@ -21,7 +21,7 @@ from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model.params import abstract_params, init_params, map_specs, param_specs
 from meshlm.optim import make_optimizer
-from meshlm.parallel.rules import Layout
+from meshlm.parallel.rules import Layout, as_part, part_names
 
 
 class TrainState(NamedTuple):
@@ -45,16 +45,15 @@ def zero1_sharding(layout: Layout, sharding: NamedSharding, shape: tuple[int, ..
     divides by any of them stays as it is (small ones: norms, biases under a wide mesh)."""
     mesh = layout.mesh
     parts = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    held = lambda part: (part,) if isinstance(part, str) else tuple(part or ())
-    used = {a for part in parts for a in held(part)}
+    used = {a for part in parts for a in part_names(part)}
     extra = tuple(a for a in (*layout.mesh_axes(ax.BATCH), *layout.mesh_axes(ax.SEQ)) if a not in used)
     subsets = [c for r in range(len(extra), 0, -1) for c in itertools.combinations(extra, r)]
     subsets.sort(key=lambda c: -math.prod(mesh.shape[a] for a in c))  # stable: more axes first among equals
     for axes_added in subsets:
         for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
-            axes = held(parts[i]) + axes_added
+            axes = part_names(parts[i]) + axes_added
             if shape[i] % math.prod(mesh.shape[a] for a in axes) == 0:
-                parts[i] = axes[0] if len(axes) == 1 else axes
+                parts[i] = as_part(axes)
                 while parts and parts[-1] is None:
                     parts.pop()
                 return NamedSharding(mesh, P(*parts), memory_kind=sharding.memory_kind)

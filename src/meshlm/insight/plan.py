@@ -417,28 +417,18 @@ def pipeline_send_bytes(cfg: RunConfig, interleave: int = 1) -> float:
 def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> float:
     """Time a pipeline adds, as a fraction of a stage's work. Megatron's asynchronous schedules (an
     explicit `pipeline`): the bubble (p-1)/(v m). meshlm's executor (`parallel.stage`) runs in
-    lockstep, every tick as long as its slowest cell: the schedule table's lockstep time with
-    backward/forward = the step's executed FLOPs over its executed forward FLOPs, minus 1
-    (recomputation included) - the textbook bubble for all three tables, since 1F1B's and
-    interleaved's steady ticks pair a forward with a backward (`Schedule.lockstep_overhead`)."""
+    lockstep, every tick as long as its slowest cell: the schedule table's lockstep overhead,
+    which for all three tables is the textbook bubble whatever a backward costs against a forward
+    (1F1B's and interleaved's steady ticks pair one with the other; `Schedule.lockstep_overhead`)."""
     par, micro = cfg.parallel, cfg.train.microbatches
     if par.stage == 1:
         return (pipeline - 1) / (interleave * micro)
-    # every table here costs the textbook bubble at any ratio; the ratio stays for tables whose
-    # cost depends on it (a zero-bubble table would: docs/pipeline.md)
-    forward = accounting.forward_flops_per_step(cfg)
-    ratio = round(accounting.hardware_flops_per_step(cfg) / forward - 1, 3)
-    return _lockstep_overhead(par.pipeline_schedule, par.stage, micro, par.virtual_stages, ratio)
+    return _schedule(par.pipeline_schedule, par.stage, micro, par.virtual_stages).bubble_fraction
 
 
 @functools.lru_cache(maxsize=256)
 def _schedule(name: str, stages: int, micro: int, virtual: int) -> Schedule:
     return build_schedule(name, stages, micro, virtual)
-
-
-@functools.lru_cache(maxsize=1024)
-def _lockstep_overhead(name: str, stages: int, micro: int, virtual: int, ratio: float) -> float:
-    return _schedule(name, stages, micro, virtual).lockstep_overhead(ratio)
 
 
 def _divisors(n: int) -> list[int]:

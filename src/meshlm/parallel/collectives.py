@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
 from meshlm.model.layers import dense
-from meshlm.parallel.rules import Layout, constrain
+from meshlm.parallel.rules import Layout, as_part, constrain, part_names
 
 
 def region_weight_spec(layout: Layout, logical_axes: Sequence[str | None], keep: tuple[str, ...] = ("tensor",)) -> P:
@@ -42,8 +42,7 @@ def region_weight_spec(layout: Layout, logical_axes: Sequence[str | None], keep:
     region also keeps `expert`), replicated over the others, which GSPMD gathers on entry."""
     parts = []
     for logical in logical_axes:
-        names = tuple(n for n in layout.mesh_axes(logical) if n in keep)
-        parts.append(None if not names else names[0] if len(names) == 1 else names)
+        parts.append(as_part([n for n in layout.mesh_axes(logical) if n in keep]))
     return P(*parts)
 
 
@@ -53,17 +52,7 @@ def _is_spec(x) -> bool:
 
 def _without(spec: P, names: set[str]) -> P:
     """`spec` with the mesh axes in `names` removed."""
-    parts = []
-    for part in spec:
-        kept = tuple(a for a in ((part,) if isinstance(part, str) else part or ()) if a not in names)
-        parts.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return P(*parts)
-
-
-def outside_manual(spec: P) -> P:
-    """`spec` without the axes a surrounding manual region (a pipeline stage) made manual: for
-    sharding constraints built from mesh axes directly rather than through `Layout.spec`."""
-    return _without(spec, set(jax.sharding.get_abstract_mesh().manual_axes))
+    return P(*(as_part([a for a in part_names(part) if a not in names]) for part in spec))
 
 
 def manual_region(layout: Layout, fn, in_specs, out_specs, axes: set[str] | None = None):

@@ -48,8 +48,8 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
 from meshlm.model.blockwise import NEG, backward_blocks, blockwise_attention, forward_blocks, row_delta
-from meshlm.parallel.collectives import manual_region, outside_manual
-from meshlm.parallel.rules import Layout
+from meshlm.parallel.collectives import manual_region
+from meshlm.parallel.rules import Layout, part_names
 
 AXIS = "context"
 Kernel = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
@@ -172,8 +172,9 @@ def _specs(layout: Layout) -> tuple[P, P, set[str]]:
     `tensor`), or whole along the sequence with heads over (tensor, context) - tensor-major, so a
     tensor rank's heads never leave it; the batch over its data axes either way. The regions are
     manual over every axis they name (left automatic, the batch axes would be gathered first)."""
-    batch = layout.mesh_axes(ax.BATCH) or None
-    manual = {AXIS, "tensor", *(batch or ())}
+    rows = layout.spec((ax.BATCH,))  # without the axes a surrounding pipeline stage made manual
+    batch = rows[0] if len(rows) else None
+    manual = {AXIS, "tensor", *part_names(batch)}
     return P(batch, AXIS, "tensor"), P(batch, None, ("tensor", AXIS)), manual
 
 
@@ -214,7 +215,7 @@ def ulysses_attention(
     """`kernel(q, k, v, segment_ids)` on whole sequences of 1/c of the heads (`all_to_all` strategy):
     the kernel runs in the global view (GSPMD keeps its heads split over (tensor, context) and its
     batch over the data axes), in original order, so it draws the single-device dropout bits."""
-    spec = outside_manual(_specs(layout)[1])  # inside a pipeline stage the batch axes are manual already
+    spec = _specs(layout)[1]
     batch, heads = spec[0], NamedSharding(layout.mesh, spec)
     q, k, v = (jax.lax.with_sharding_constraint(x, heads) for x in _to_heads(layout, q_btnh, k_btkh, v_btkh))
     if segment_ids_bt is not None:  # int32 per token: gathered whole (every rank attends over all of it)

@@ -56,6 +56,7 @@ from meshlm.config import RunConfig
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.params import param_specs
 from meshlm.model.transformer import RESIDUAL, embed, logits, run_layers
+from meshlm.parallel.collectives import region_weight_spec
 from meshlm.parallel.rules import Layout, constrain
 from meshlm.parallel.schedules import Schedule, build, tables
 
@@ -91,8 +92,8 @@ def _slots(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, fill: float, host
 def _kept(layout: Layout, axes) -> NamedSharding:
     """The layout a weight keeps inside the pipeline: its `tensor` split (and `stage` on the stacked
     layer axis, logical LAYERS); the fsdp split and the embeddings' stage split are gathered."""
-    part = lambda a: AXIS if a == ax.LAYERS else ("tensor" if "tensor" in layout.mesh_axes(a) else None)
-    return NamedSharding(layout.mesh, P(*(part(a) for a in axes)))
+    spec = region_weight_spec(layout, axes)
+    return NamedSharding(layout.mesh, P(AXIS, *spec[1:]) if axes[0] == ax.LAYERS else spec)
 
 
 def _put(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:

@@ -60,6 +60,16 @@ RULES: dict[str, MeshAxes] = {
 }
 
 
+def part_names(part: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes one entry of a PartitionSpec names (None, an axis, or a tuple of them)."""
+    return (part,) if isinstance(part, str) else tuple(part or ())
+
+
+def as_part(names: Sequence[str]) -> MeshAxes:
+    """The PartitionSpec entry for these mesh axes: None, one axis, or the tuple."""
+    return None if not names else names[0] if len(names) == 1 else tuple(names)
+
+
 def rules_for(sequence_parallel: bool) -> tuple[tuple[str, MeshAxes], ...]:
     """The rules table, with the sequence-parallel row switched on or off."""
     table = dict(RULES)
@@ -126,7 +136,7 @@ class Layout:
         for logical in logical_axes:
             names = tuple(n for n in self.mesh_axes(logical) if n not in used)
             used.update(names)
-            parts.append(None if not names else names[0] if len(names) == 1 else names)
+            parts.append(as_part(names))
         while parts and parts[-1] is None:
             parts.pop()
         return P(*parts)
@@ -142,10 +152,10 @@ class Layout:
         spec = self.spec(logical_axes)
         parts = []
         for dim, part in zip(shape, (*spec, *[None] * (len(shape) - len(spec))), strict=True):
-            names = (part,) if isinstance(part, str) else tuple(part or ())
+            names = part_names(part)
             if "stage" in names and dim % math.prod(self.mesh.shape[n] for n in names):
                 names = tuple(n for n in names if n != "stage")
-            parts.append(None if not names else names[0] if len(names) == 1 else names)
+            parts.append(as_part(names))
         while parts and parts[-1] is None:
             parts.pop()
         return NamedSharding(self.mesh, P(*parts))

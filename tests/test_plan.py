@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from helpers import p2_gpt_model
-from meshlm import recipes
+from meshlm import accounting, recipes
 from meshlm.cli import main
 from meshlm.config import ParallelConfig, RematConfig, RunConfig, TrainConfig
 from meshlm.insight import plan as planner
@@ -295,14 +295,14 @@ def test_calibrated_time_is_never_below_the_roofline(gpt3_on_64_a100s):
 
 def test_gpt3_on_64_a100s_plans_an_interleaved_pipeline_with_sp(gpt3_on_64_a100s):
     """The top plan is a pipeline with SP, interleaved, recomputing no more than selective - P2's
-    choice of kind (it ran stage=8 x tensor=8, v = 3; here stage=16 x tensor=4, v = 3, 12.55 s).
+    choice of kind (it ran stage=8 x tensor=8, v = 3; here stage=16 x tensor=4, v = 3, explicit attention, 12.70 s).
     Interleaving is enumerated (v = 2..4), GPipe is not (dominated in lockstep)."""
     feasible = gpt3_on_64_a100s
     top = feasible[0]
     assert (top.cfg.parallel.stage, top.cfg.parallel.tensor, top.cfg.parallel.virtual_stages) == (16, 4, 3)
     assert top.cfg.parallel.sequence_parallel and top.cfg.parallel.pipeline_schedule == "interleaved"
     assert top.cfg.remat.policy in ("elementwise", "selective")
-    assert sum(top.calibrated.values()) == pytest.approx(12.55, abs=0.005)
+    assert top.cfg.model.attention == "explicit" and sum(top.calibrated.values()) == pytest.approx(12.70, abs=0.005)
     assert {p.cfg.parallel.virtual_stages for p in feasible} >= {1, 2, 3, 4}
     assert {p.cfg.parallel.pipeline_schedule for p in feasible if p.cfg.parallel.stage > 1} == {"1f1b", "interleaved"}
 
@@ -363,3 +363,58 @@ def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
     )
     plans = [p for p in planner.enumerate_plans(cfg, 64, ACCELERATORS["h100"]) if not p.rejected]
     assert plans and any(p.cfg.parallel.expert > 1 for p in plans)
+
+
+def test_attention_runs_at_its_kernels_rate_and_unmeasured_kernels_say_so(capsys, monkeypatch):
+    """The attention core is timed at the fraction of peak its kernel reaches on the device kind
+    (a named, sourced constant), not at the GEMM peak; `fused` is priced as the kernel it would
+    pick there; every plan row says "unmeasured" until meshlm has run that kernel on that device."""
+    from meshlm.config import DataConfig
+    from meshlm.insight import attention_rates
+
+    assert all(r.source and (r.fraction is None or 0 < r.fraction < 1) for r in attention_rates.RATES.values())
+    base = recipes.get("llama-1b")
+    cfg = dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, attention="fused", dtype="bfloat16"),
+        parallel=ParallelConfig(data=8),
+        train=dataclasses.replace(base.train, seq_len=8192, global_batch=8),
+    )
+    with_model = lambda **kw: dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **kw))
+    h100, a100, tpu = (ACCELERATORS[k] for k in ("h100", "a100", "tpu-v5p"))
+    documents = dataclasses.replace(cfg, data=DataConfig(document_mask=True))
+    ring = dataclasses.replace(cfg, parallel=ParallelConfig(data=4, context=2, context_strategy="ring"))
+    picks = [
+        (cfg, h100, "cudnn"),
+        (with_model(dtype="float32"), h100, "pallas-gpu"),
+        (documents, a100, "pallas-gpu"),
+        (cfg, tpu, "splash"),
+        (ring, h100, "blockwise"),  # ring context parallelism runs the blockwise kernel
+        (with_model(attention="explicit"), a100, "explicit"),
+    ]
+    assert [attention_rates.attention_kernel(c, d).name for c, d, _ in picks] == [k for *_, k in picks]
+    # explicit on the A100 stays at the calibrated GEMM rate that reproduces P2 Table 5; elsewhere its own
+    assert attention_rates.attention_kernel(with_model(attention="explicit"), a100).rate.fraction is None
+    assert attention_rates.attention_kernel(with_model(attention="explicit"), h100).rate.fraction == 0.15
+
+    plan = planner.estimate(cfg, h100)
+    peak, core = planner.device_peak(h100, cfg), accounting.attention_core_flops(cfg)
+    assert plan.time["attention core"] == pytest.approx(core / (8 * peak * 0.50), rel=1e-12)
+    assert plan.time["compute"] == pytest.approx((accounting.hardware_flops_per_step(cfg) - core) / (8 * peak))
+    slower = planner.estimate(with_model(attention="blockwise"), h100).time["attention core"]
+    assert slower == pytest.approx(2 * plan.time["attention core"], rel=1e-12)  # the same FLOPs at 25% of peak
+
+    args = ["plan", "--recipe", "llama-1b", "--devices", "2", "--device", "h100", "--top", "2"]
+    args += ["--set", "model.attention=fused", "--set", "model.dtype=bfloat16", "--set", "train.global_batch=2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "attention cudnn: 50% of peak (FlashAttention-3 paper" in out and "has not run it on h100" in out
+    rows = [line for line in out.splitlines() if line.startswith(("  1  ", "  2  "))]
+    assert len(rows) == 2 and all("cudnn 50% unmeasured" in row for row in rows)
+    assert main([*args, "--json"]) == 0
+    kernel = json.loads(capsys.readouterr().out)["plans"][0]["attention_kernel"]
+    assert kernel["name"] == "cudnn" and kernel["rate"]["fraction"] == 0.5 and kernel["measured"] is False
+    monkeypatch.setattr(attention_rates, "MEASURED", frozenset({("cudnn", "h100")}))
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "cudnn 50%" in out and "unmeasured" not in out

@@ -174,7 +174,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         extra = {"error": miss, "context_choice": why, "context_strategy_choice": strategy}
         extra |= {"optimizer_choice": optimizer}
-        print(json.dumps(plan_report.to_json(plans, verified) | extra, indent=2))
+        print(json.dumps(plan_report.to_json(plans, device, verified) | extra, indent=2))
         return 0 if feasible else EXIT_CONFIG
     for line in plan_report.format_plans(plans, args.top, device, limit):
         print(line)

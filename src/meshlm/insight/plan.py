@@ -4,7 +4,9 @@ For every factorisation data x fsdp x context x tensor of the device count, SP o
 strategy (ring, all_gather, all_to_all), ZeRO-1 on/off, remat policy and gradient-accumulation
 count, predict per-device memory (parameters, gradients and
 optimizer state from the exact shardings; activations from `accounting.activation_memory`; FSDP's
-gathered layer weights) and step time from a roofline (GEMMs at peak, plus tensor-parallel,
+gathered layer weights) and step time from a roofline (GEMMs at peak, the attention core at its
+kernel's own fraction of peak (`attention_rates`: a named, sourced constant per kernel and device
+kind; plan rows say "unmeasured" where meshlm has not run the kernel there), plus tensor-parallel,
 context-parallel and data/FSDP collectives at the device kind's link bandwidths, not overlapped -
 except the ring's K/V hops, which overlap the attention they feed), then rank the layouts that fit.
 Where a device kind has measured rates (`CALIBRATIONS`: A100, from P2 Table 4), a calibrated step
@@ -33,6 +35,7 @@ from meshlm import accounting
 from meshlm import axes as ax
 from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ContextStrategy, RematConfig, RunConfig
+from meshlm.insight.attention_rates import attention_kernel
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel.mesh import abstract_layout
 from meshlm.parallel.schedules import Schedule
@@ -215,6 +218,23 @@ EXCHANGE = "context-parallel exchange"  # the roofline part of K/V (ring, all_ga
 EXPERT_EXCHANGE = "expert all_to_all"  # MoE's dispatch and return over the expert axis
 
 
+ATTENTION = "attention core"  # the part of the step the attention kernel takes, at its own rate
+
+
+def attention_flops(cfg: RunConfig, device: Accelerator) -> int:
+    """The attention core's FLOPs per step where its kernel runs at its own rate
+    (`attention_rates`), else 0: they stay among the GEMMs."""
+    rate = attention_kernel(cfg, device).rate.fraction
+    return 0 if rate is None else accounting.attention_core_flops(cfg)
+
+
+def attention_seconds(cfg: RunConfig, device: Accelerator, n: int) -> float:
+    """Seconds per step of the attention core at its kernel's fraction of peak (0 when it runs at
+    the GEMM rate, among the GEMMs)."""
+    rate = attention_kernel(cfg, device).rate.fraction
+    return attention_flops(cfg, device) / (n * device_peak(device, cfg) * rate) if rate else 0.0
+
+
 def _link(device: Accelerator, span: int, across: bool = False) -> float:
     """Bandwidth of a collective over `span` devices: inside one node, else across nodes - and
     across them whenever one of its axes is split over slices/nodes (`across`: `parallel.dcn_*`)."""
@@ -227,12 +247,16 @@ def _across(cfg: RunConfig, *axes: str) -> bool:
 
 
 def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: int, interleave: int) -> dict:
-    """Seconds per step by part: GEMMs at peak, each collective at its link's bandwidth, not
-    overlapped (except the ring's K/V hops, which overlap the attention they feed)."""
+    """Seconds per step by part: GEMMs at peak, the attention core at its kernel's rate, each
+    collective at its link's bandwidth, not overlapped (except the ring's K/V hops, which overlap the
+    attention they feed)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     n = _pipeline_shape(cfg, pipeline, interleave)[3]
     peak = device_peak(device, cfg)
-    out = {"compute": accounting.hardware_flops_per_step(cfg) / (n * peak)}
+    attention = attention_seconds(cfg, device, n)
+    out = {"compute": (accounting.hardware_flops_per_step(cfg) - attention_flops(cfg, device)) / (n * peak)}
+    if attention:
+        out[ATTENTION] = attention
     if par.tensor > 1:
         layers_here = m.n_layers / pipeline
         out["tensor-parallel collectives"] = (
@@ -242,7 +266,7 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
         link = _link(device, par.context * par.tensor, _across(cfg, "context"))
         comm = sum(accounting.context_comm_bytes(cfg).values()) / link / pipeline
         if par.context_strategy == "ring":  # each hop overlaps the attention on the block in hand
-            comm = max(0.0, comm - accounting.attention_core_flops(cfg) / (n * peak))
+            comm = max(0.0, comm - (attention or accounting.attention_core_flops(cfg) / (n * peak)))
         out[EXCHANGE] = comm
     if par.expert > 1:  # MoE: each layer's dispatch and return, forward and backward
         out[EXPERT_EXCHANGE] = expert_exchange_bytes(cfg) / _link(device, par.expert * par.tensor)
@@ -251,7 +275,7 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
         link = _link(device, par.tensor * dp, _across(cfg, "data", "fsdp", "context"))
         out["data/FSDP collectives"] = _data_parallel_bytes(cfg, own, pipeline) / link
     if pipeline > 1:
-        stage_work = out["compute"] + out.get("tensor-parallel collectives", 0.0)
+        stage_work = out["compute"] + out.get(ATTENTION, 0.0) + out.get("tensor-parallel collectives", 0.0)
         out |= _pipeline_parts(cfg, pipeline, interleave, stage_work, _link(device, n, _across(cfg, "stage")))
     return out
 
@@ -379,8 +403,10 @@ def calibrated_time(
     last_stage = n // pipeline
     rate = device_peak(device, cfg) * cal.gemm_efficiency
     logits = 6 * t.global_batch * t.seq_len * m.d_model * m.vocab_size  # forward + backward output layer
-    layers = accounting.hardware_flops_per_step(cfg) - logits
+    layers = accounting.hardware_flops_per_step(cfg) - logits - attention_flops(cfg, device)
     out: dict[str, float] = {"GEMMs": layers / (n * rate)}
+    if roofline.get(ATTENTION):  # at its kernel's own rate, as in the roofline
+        out[ATTENTION] = roofline[ATTENTION]
     tp = roofline.get("tensor-parallel collectives", 0.0) / link_efficiency
     if tp:
         out["tensor-parallel collectives"] = tp
@@ -391,7 +417,7 @@ def calibrated_time(
         bw = (
             device.intra_bw * link_efficiency if n <= device.per_node and not _across(cfg, "stage") else device.inter_bw
         )
-        out |= _pipeline_parts(cfg, pipeline, interleave, out["GEMMs"] + tp, bw)
+        out |= _pipeline_parts(cfg, pipeline, interleave, out["GEMMs"] + out.get(ATTENTION, 0.0) + tp, bw)
     for part in (EXCHANGE, EXPERT_EXCHANGE, "data/FSDP collectives"):
         if roofline.get(part):
             out[part] = roofline[part] / link_efficiency

@@ -13,6 +13,7 @@ import jax
 from meshlm import accounting
 from meshlm.axes import MESH_AXES
 from meshlm.config import RunConfig
+from meshlm.insight.attention_rates import attention_kernel
 from meshlm.insight.plan import CALIBRATIONS, CONTEXT_STRATEGIES, EXCHANGE, GiB, Plan, device_peak, estimate
 from meshlm.platform.hardware import Accelerator, matmul_precision
 
@@ -156,7 +157,13 @@ def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float)
     lines = [
         f"{len(feasible)} of {len(plans)} layouts fit {limit / GiB:.0f} GiB on {device.name} "
         f"(peak {peak} matmuls; {links}); MFU here is the roofline bound",
-        f"{'#':>3}  {'layout':68s} {'memory GiB':>10s} {'step s':>9s} {'MFU':>6s}  time split",
+        f"{'#':>3}  {'layout':68s} {'attention':>24s} {'memory GiB':>10s} {'step s':>9s} {'MFU':>6s}  time split",
+    ]
+    kernels = {attention_kernel(p.cfg, device) for p in feasible[:top]}
+    lines[1:1] = [
+        f"attention {k.name}: {'the GEMM rate' if k.rate.fraction is None else f'{k.rate.fraction:.0%} of peak'} "
+        f"({k.rate.source}){'' if k.measured else f'; unmeasured: meshlm has not run it on {device.name}'}"
+        for k in sorted(kernels, key=lambda k: k.name)
     ]
     calibrated = any(p.calibrated for p in feasible[:top])
     if calibrated:
@@ -166,7 +173,8 @@ def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float)
     lines.insert(1, "MFU: model FLOPs with causal attention's masked half not counted (P2 Eq. 7 counts s x s)")
     for i, p in enumerate(feasible[:top], 1):
         split = ", ".join(f"{k} {v / p.step_time:.0%}" for k, v in p.time.items())
-        row = f"{p.describe():68s} {p.total_memory / GiB:10.2f} {p.step_time:9.4f} {p.mfu:6.1%}"
+        kernel = attention_kernel(p.cfg, device).label()
+        row = f"{p.describe():68s} {kernel:>24s} {p.total_memory / GiB:10.2f} {p.step_time:9.4f} {p.mfu:6.1%}"
         if calibrated:
             seconds = sum(p.calibrated.values())
             mfu = p.mfu * p.step_time / seconds
@@ -186,7 +194,7 @@ def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float)
     return lines
 
 
-def to_json(plans: list[Plan], verified: str | None = None) -> dict:
+def to_json(plans: list[Plan], device: Accelerator, verified: str | None = None) -> dict:
     def one(p: Plan) -> dict:
         par = p.cfg.parallel
         return {axis: getattr(par, axis) for axis in MESH_AXES} | {
@@ -195,6 +203,7 @@ def to_json(plans: list[Plan], verified: str | None = None) -> dict:
             "pipeline_schedule": par.pipeline_schedule if par.stage > 1 else None,
             "context_strategy": par.context_strategy if par.context > 1 else None,
             "attention": p.cfg.model.attention,
+            "attention_kernel": dataclasses.asdict(attention_kernel(p.cfg, device)),
             "sequence_parallel": par.sequence_parallel,
             "remat": p.cfg.remat.policy,
             "microbatches": p.cfg.train.microbatches,

@@ -54,6 +54,12 @@ def fused_implementation(dtype: str, head_dim: int, document_mask: bool, device=
         capability = 0.0
     if capability < 8.0:
         return "blockwise", f"flash attention kernels need compute capability >= 8.0, the device has {capability:g}"
+    return gpu_kernel(dtype, head_dim, document_mask)
+
+
+def gpu_kernel(dtype: str, head_dim: int, document_mask: bool) -> tuple[str, str]:
+    """The flash kernel on a CUDA GPU of compute capability >= 8.0: ("cudnn" | "pallas-gpu", why).
+    The planner asks this for GPUs it knows by their datasheet."""
     if dtype != "bfloat16":
         return "pallas-gpu", f"Pallas GPU flash attention (cuDNN's needs bf16, the model computes in {dtype})"
     if head_dim % 8 or head_dim > 128:

@@ -1,0 +1,93 @@
+"""How fast the planner takes each attention kernel to run on each device kind, and whether meshlm
+has measured it there.
+
+The attention core (QK^T, softmax, attention over V and their backward: `accounting.attention_core_flops`)
+is not a plain GEMM. Flash kernels reach a fraction of the matmul peak that their authors measured;
+meshlm's own blockwise tiles and the TPU splash kernel have no published figure. Each (kernel,
+architecture) pair below names its fraction of the device's dense peak (forward + backward) and
+where that number comes from; `None` means the GEMM rate: explicit attention on the A100, whose
+calibration (P2 Table 4) measured Megatron's whole layer, attention inside - the planner's
+reproduction of P2 Table 5 rests on it.
+
+`MEASURED` lists the (kernel, device) pairs meshlm itself has run (`benchmarks/gpu.py`). It is
+empty: no accelerator has been lent to this project yet, so every plan row says "unmeasured".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlm.config import RunConfig
+from meshlm.platform.hardware import Accelerator
+
+
+@dataclass(frozen=True)
+class KernelRate:
+    fraction: float | None  # of the dense matmul peak, forward + backward; None: the GEMM rate
+    source: str
+
+
+_FA2 = "FlashAttention-2 paper (Dao, 2023): 50-73% of A100 peak"
+RATES: dict[tuple[str, str], KernelRate] = {
+    ("explicit", "ampere"): KernelRate(None, "the GEMM rate: P2 Table 4 measured Megatron's layer, attention inside"),
+    ("explicit", "any"): KernelRate(
+        0.15,
+        "assumption: the scores are materialised and the softmax is memory-bound; FlashAttention-1 (25-40%) "
+        "runs several times faster (FlashAttention paper, Dao et al., 2022)",
+    ),
+    ("cudnn", "ampere"): KernelRate(0.50, f"{_FA2}; its low end (cuDNN's flash kernel is of that family)"),
+    ("cudnn", "hopper"): KernelRate(
+        0.50, "FlashAttention-3 paper (Shah et al., 2024): up to 75% of H100 peak forward; backward lower"
+    ),
+    ("pallas-gpu", "ampere"): KernelRate(
+        0.35, f"assumption: between FlashAttention-1 (25-40%) and FlashAttention-2 ({_FA2}); Triton's is unmeasured"
+    ),
+    ("pallas-gpu", "hopper"): KernelRate(
+        0.35, "FlashAttention-3 paper: FlashAttention-2-style kernels (no wgmma, no TMA; Triton's) reach 35% of H100"
+    ),
+    ("splash", "tpu"): KernelRate(0.50, "assumption: no published fraction of TPU peak; FlashAttention-2's low end"),
+    ("blockwise", "any"): KernelRate(
+        0.25, "assumption: XLA-compiled 128-wide tiles, no fused kernel; FlashAttention-1's low end (25%)"
+    ),
+}
+
+# (kernel, device name) pairs meshlm has run and timed (benchmarks/gpu.py); none yet.
+MEASURED: frozenset[tuple[str, str]] = frozenset()
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    name: str  # "explicit" | "blockwise" | "cudnn" | "pallas-gpu" | "splash"
+    rate: KernelRate
+    measured: bool  # meshlm has run this kernel on this device kind
+
+    def label(self) -> str:
+        rate = "GEMM rate" if self.rate.fraction is None else f"{self.rate.fraction:.0%}"
+        return f"{self.name} {rate}" + ("" if self.measured else " unmeasured")
+
+
+def architecture(device: Accelerator) -> str:
+    """ "ampere" (A100), "hopper" (H100, H200) or "tpu"."""
+    if device.platform == "tpu":
+        return "tpu"
+    return "ampere" if device.name.startswith("a100") else "hopper"
+
+
+def attention_kernel(cfg: RunConfig, device: Accelerator) -> AttentionKernel:
+    """The kernel a run of `cfg` would execute on `device` (as `model.kernels.fused_implementation`
+    picks it there; ring and all_gather context parallelism run blockwise), with its rate."""
+    from meshlm.model.kernels import gpu_kernel
+
+    m, par = cfg.model, cfg.parallel
+    name = m.attention
+    if name == "fused":
+        split = par.context > 1 and par.context_strategy != "all_to_all"
+        if split:
+            name = "blockwise"
+        elif device.platform == "tpu":
+            name = "splash"
+        else:
+            name = gpu_kernel(m.dtype, m.dim_head, cfg.data.document_mask)[0]
+    arch = architecture(device)
+    rate = RATES.get((name, arch)) or RATES[(name, "any")]
+    return AttentionKernel(name, rate, (name, device.name) in MEASURED)

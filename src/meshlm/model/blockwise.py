@@ -4,7 +4,9 @@ with a custom VJP that keeps only the output and one fp32 log-sum-exp per query 
 One sequence (`blockwise_attention`): the tiles run folded (`folded_forward` / `folded_backward`,
 described above them): about nb/2 rows of (query block, key block) pairs advance together for
 nb+1 steps (nb when odd), one pair per row per step, so every causal pair runs once, in parallel
-with the other rows' pairs, the only loop being over the steps. Forward: running max m, running sum l and an
+with the other rows' pairs, the only loop being over the steps. The tiles are laid out so that
+every matmul has its batch axes (row, batch, KV head) leading (`_fold_tiles`): nothing is
+transposed inside the loop. Forward: running max m, running sum l and an
 unnormalised accumulator per query row, rescaled when the max grows (Milakov & Gimelshein's online
 softmax; FlashAttention's schedule). Backward, folded by key block: the probabilities of each pair
 are rebuilt from the saved log-sum-exp, P = exp(S - lse), and dS = P * (dP - D) with
@@ -264,25 +266,78 @@ def _unfold(plan: _Folding, firsts, lasts):
     return rows[np.argsort(blocks)]
 
 
-def _tile_scores(qi, kj, i, j, seg_i, seg_j, block: int, scale: float):
-    """Scores [r, b, kv, g, B, B] of each row's (query block i, key block j), causal and document masked."""
-    s = jnp.einsum("brqkgh,brskh->rbkgqs", qi, kj, preferred_element_type=jnp.float32) * scale
-    pos_i = i[:, None] * block + jnp.arange(block)
+def _tile_scores(qi, kj, i, j, seg_i, seg_j, block: int):
+    """Scores [r, b, kv, g B, B] of each row's (query block i, key block j) from fold tiles
+    (`_fold_tiles`; queries already scaled by 1/sqrt(h)), causal and document masked."""
+    s = jnp.einsum("rbkqh,rbksh->rbkqs", qi, kj, preferred_element_type=jnp.float32)
+    g = qi.shape[3] // block
+    pos_i = i[:, None] * block + jnp.tile(jnp.arange(block), g)  # [r, g B]: the query rows' positions
     pos_j = j[:, None] * block + jnp.arange(block)
-    allowed = (pos_i[:, :, None] >= pos_j[:, None, :])[:, None]  # [r, 1, B, B]
+    allowed = (pos_i[:, :, None] >= pos_j[:, None, :])[:, None, None]  # [r, 1, 1, g B, B]
     if seg_i is not None:
-        allowed = allowed & (seg_i[:, :, :, None] == seg_j[:, :, None, :])  # [r, b, B, B]
-    return jnp.where(allowed[:, :, None, None], s, NEG)
+        same = jnp.tile(seg_i, (1, 1, g))[..., :, None] == seg_j[..., None, :]  # [r, b, g B, B]
+        allowed = allowed & same[:, :, None]
+    return jnp.where(allowed, s, NEG)
 
 
-def _tile_keep(key, i, j, rate: float, shape):
-    """The keep masks of each row's block pair: `_block_keep` per row (the same bits as any kernel)."""
-    return jax.vmap(lambda i, j: _block_keep(key, i, j, rate, shape))(i, j)
+def _fold_tiles(q, k, v, seg, block: int):
+    """The fold's operands, laid out so that every tile matmul has its batch axes (row, b, kv)
+    leading and needs no transpose: Q [nb, b, kv, g B, h] (a KV head's g query heads' rows of one
+    block, head-major), K and V [nb, b, kv, B, h], document ids [nb, b, B] (padding: -1)."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    qb = _blocked(q.reshape(b, t, kv, n // kv, h), block)  # [b, nb, B, kv, g, h]
+    qb = jnp.transpose(qb, (1, 0, 3, 4, 2, 5)).reshape(qb.shape[1], b, kv, -1, h)
+    kb, vb = (jnp.transpose(_blocked(x, block), (1, 0, 3, 2, 4)) for x in (k, v))
+    segb = None if seg is None else jnp.swapaxes(_blocked(seg, block, -1), 0, 1)
+    return qb, kb, vb, segb
+
+
+def _from_fold(x, t: int, heads: int):
+    """Per-block results [nb, b, kv, g B, ...] (queries) or [nb, b, kv, B, ...] (keys) -> [b, t,
+    heads, ...] in sequence order (heads = n for queries, kv for keys)."""
+    nb, b, kv, rows = x.shape[:4]
+    g = heads // kv
+    x = x.reshape(nb, b, kv, g, rows // g, *x.shape[4:])
+    x = jnp.transpose(x, (1, 0, 4, 2, 3, *range(5, x.ndim)))  # [b, nb, B, kv, g, ...]
+    return x.reshape(b, nb * (rows // g), heads, *x.shape[5:])[:, :t]
+
+
+def _tile_keep(key, i, j, rate: float, shape, g: int):
+    """The keep masks [r, b, kv, g B, B] of each row's block pair: `_block_keep` per row at
+    [b, kv, g, B, B] (the same bits as any kernel)."""
+    b, kv, rows, cols = shape
+    draw = lambda i, j: _block_keep(key, i, j, rate, (b, kv, g, rows // g, cols)).reshape(shape)
+    return jax.vmap(draw)(i, j)
 
 
 def _rows(x, blocks):
-    """Blocks `blocks` [r] of a blocked operand [b, nb, ...] -> [b, r, ...]."""
-    return jnp.take(x, blocks, axis=1)
+    """Blocks `blocks` [r] of a fold operand [nb, ...] -> [r, ...]."""
+    return jnp.take(x, blocks, axis=0)
+
+
+ROW_GROUPS = 2  # the fold's rows split into this many independent chains per step (see `_groups`)
+
+
+def _groups(plan: _Folding) -> list[_Folding]:
+    """The fold's rows in `ROW_GROUPS` contiguous groups, each a plan of its own whose step runs as
+    separate ops: XLA:CPU runs independent ops on different cores, while one op over every row's
+    element-wise work (the softmax's exp, the masks, the rescaling) runs on one (measured: the
+    blockwise train step used 1.3 of 2 cores, explicit attention's unrolled chunks 1.8)."""
+    rows = np.array_split(np.arange(len(plan.a)), min(ROW_GROUPS, len(plan.a)))
+    return [_Folding(plan.a[r], plan.b[r], plan.first_steps[r], plan.steps) for r in rows]
+
+
+def _stash(part: _Folding, t: jax.Array, stored, current):
+    """`stored` [rows + 1, ...] with the row that switches at step t (at most one per step) set to
+    its `current` state; a step where none does writes the spare last slot."""
+    at = np.full(part.steps + 1, len(part.a))
+    moving = np.flatnonzero(part.first_steps < part.steps)
+    assert len(set(part.first_steps[moving])) == len(moving), "one row switches per step"
+    at[part.first_steps[moving]] = moving
+    row = jnp.asarray(at)[t]
+    taken = jax.lax.dynamic_index_in_dim(current, jnp.minimum(row, len(part.a) - 1), keepdims=True)
+    return jax.lax.dynamic_update_index_in_dim(stored, taken, row, 0)
 
 
 def folded_forward(q, k, v, seg, key, block: int, rate: float):
@@ -290,50 +345,50 @@ def folded_forward(q, k, v, seg, key, block: int, rate: float):
     b, t, n, h = q.shape
     kv = k.shape[2]
     g = n // kv
-    scale = 1.0 / math.sqrt(h)
-    qb, kb, vb, segb = _tiles(q, k, v, seg, block)
-    nb = qb.shape[1]
+    qb, kb, vb, segb = _fold_tiles(q * (1.0 / math.sqrt(h)), k, v, seg, block)  # scores come out scaled
+    nb = qb.shape[0]
     plan = _folding(nb, by_key=False)
-    half = len(plan.a)
+    groups = _groups(plan)
     dropout = key is not None and rate > 0
-    state0 = (
-        jnp.full((half, b, kv, g, block), NEG, jnp.float32),
-        jnp.zeros((half, b, kv, g, block), jnp.float32),
-        jnp.zeros((half, b, kv, g, block, h), jnp.float32),
-    )
+
+    def start(rows: int):
+        stats = jnp.full((rows, b, kv, g * block), NEG, jnp.float32), jnp.zeros((rows, b, kv, g * block), jnp.float32)
+        return (*stats, jnp.zeros((rows, b, kv, g * block, h), jnp.float32))
 
     def finish(state):
         m, denom, acc = state
         out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
         return out, m + jnp.log(denom)
 
-    def step(carry, t):
-        state, first_out = carry
-        i, j, switch = _fold(plan, t, by_key=False)  # at `switch` the row's first query block is done
-        done = finish(state)
-        first_out = jax.tree.map(lambda old, new: jnp.where(_bcast(switch, old), new, old), first_out, done)
-        state = jax.tree.map(lambda x, x0: jnp.where(_bcast(switch, x), x0, x), state, state0)
-        m, denom, acc = state
-        seg_i = None if segb is None else jnp.swapaxes(_rows(segb, i), 0, 1)
-        seg_j = None if segb is None else jnp.swapaxes(_rows(segb, j), 0, 1)
-        s = _tile_scores(_rows(qb, i), _rows(kb, j), i, j, seg_i, seg_j, block, scale)
+    def rows_step(part: _Folding, carry, t):
+        """One step of one group: the state of its rows' current query blocks, and the first-block
+        state of the rows that have moved on (normalised once, after the loop)."""
+        (m, denom, acc), first = carry
+        i, j, switch = _fold(part, t, by_key=False)  # at `switch` the row's first query block is done
+        first = jax.tree.map(lambda stored, now: _stash(part, t, stored, now), first, (m, denom, acc))
+        m = jnp.where(_bcast(switch, m), NEG, m)  # a new block: corr = 0 below drops its sum and accumulator
+        seg_i, seg_j = (None, None) if segb is None else (_rows(segb, i), _rows(segb, j))
+        s = _tile_scores(_rows(qb, i), _rows(kb, j), i, j, seg_i, seg_j, block)
         m_new = jnp.maximum(m, s.max(-1))
         m_safe = jnp.where(m_new == NEG, 0.0, m_new)
         p = jnp.exp(s - m_safe[..., None])
         corr = jnp.exp(jnp.where(m == NEG, NEG, m - m_safe))
         denom = denom * corr + p.sum(-1)
         if dropout:
-            p = jnp.where(_tile_keep(key, i, j, rate, p.shape[1:]), p / (1.0 - rate), 0.0)
-        pv = jnp.einsum("rbkgqs,brskh->rbkgqh", p.astype(vb.dtype), _rows(vb, j), preferred_element_type=jnp.float32)
-        return ((m_new, denom, acc * corr[..., None] + pv), first_out), None
+            p = jnp.where(_tile_keep(key, i, j, rate, p.shape[1:], g), p / (1.0 - rate), 0.0)
+        pv = jnp.einsum("rbkqs,rbksh->rbkqh", p.astype(vb.dtype), _rows(vb, j), preferred_element_type=jnp.float32)
+        return (m_new, denom, acc * corr[..., None] + pv), first
 
-    out0 = (jnp.zeros((half, b, kv, g, block, h), jnp.float32), jnp.zeros((half, b, kv, g, block), jnp.float32))
-    (state, (first_out, first_lse)), _ = jax.lax.scan(step, (state0, out0), jnp.arange(plan.steps))
-    last_out, last_lse = finish(state)
-    out, lse = _unfold(plan, first_out, last_out), _unfold(plan, first_lse, last_lse)  # [nb, b, kv, g, B(, h)]
-    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, nb * block, n, h)[:, :t]
-    lse = jnp.transpose(lse, (1, 0, 4, 2, 3)).reshape(b, nb * block, n)[:, :t]
-    return out, lse
+    def step(carry, t):
+        return tuple(rows_step(part, c, t) for part, c in zip(groups, carry, strict=True)), None
+
+    init = tuple((start(len(part.a)), start(len(part.a) + 1)) for part in groups)
+    carry, _ = jax.lax.scan(step, init, jnp.arange(plan.steps))
+    carry = tuple((state, jax.tree.map(lambda x: x[:-1], first)) for state, first in carry)  # the spare slot
+    joined = lambda which: jax.tree.map(lambda *xs: jnp.concatenate(xs), *(c[which] for c in carry))
+    (first_out, first_lse), (last_out, last_lse) = finish(joined(1)), finish(joined(0))
+    out, lse = _unfold(plan, first_out, last_out), _unfold(plan, first_lse, last_lse)  # [nb, b, kv, g B(, h)]
+    return _from_fold(out, t, n), _from_fold(lse, t, n)
 
 
 def _bcast(rows: jax.Array, like: jax.Array) -> jax.Array:
@@ -347,50 +402,58 @@ def folded_backward(q, k, v, seg, key, lse, delta, d_out, block: int, rate: floa
     kv = k.shape[2]
     g = n // kv
     scale = 1.0 / math.sqrt(h)
-    qb, kb, vb, segb = _tiles(q, k, v, seg, block)
-    dob = _blocked(d_out.reshape(b, t, kv, g, h), block)
-    nb = qb.shape[1]
+    qb, kb, vb, segb = _fold_tiles(q * scale, k, v, seg, block)  # scaled: dK comes out whole, dQ is scaled once
+    dob = _fold_tiles(d_out, k, v, None, block)[0]
+    # [b, t, n] -> [nb, b, kv, g B] (the query tiles' rows); a row that sees nothing (lse -inf) has p = 0 anyway
+    stats = lambda x: _fold_tiles(x[..., None], k, v, None, block)[0][..., 0]
+    lse_b, delta_b = stats(jnp.where(lse == NEG, 0.0, lse)), stats(delta)
+    nb = qb.shape[0]
     plan = _folding(nb, by_key=True)
-    half = len(plan.a)
-    # [b, nb, B, kv, g] -> [nb, b, kv, g, B]; a row that sees nothing (lse -inf) has p = 0 anyway
-    to_rows = lambda x: jnp.transpose(_blocked(x.reshape(b, t, kv, g), block), (1, 0, 3, 4, 2))
-    lse_b, delta_b = to_rows(jnp.where(lse == NEG, 0.0, lse)), to_rows(delta)
+    groups = _groups(plan)
     dropout = key is not None and rate > 0
-    zeros = jnp.zeros((half, b, block, kv, h), jnp.float32)
     f32, dt = jnp.float32, q.dtype
 
-    def step(carry, t):
+    def rows_step(part: _Folding, carry, t):
+        """One step of one group: its rows' dK, dV (current and finished first key blocks) and its
+        own dQ accumulator (the groups' are summed after the loop)."""
         (dk, dv), (dk_first, dv_first), dq = carry
-        j, i, switch = _fold(plan, t, by_key=True)  # at `switch` the row's first key block is done
-        dk_first, dv_first = (jnp.where(_bcast(switch, x), new, x) for x, new in ((dk_first, dk), (dv_first, dv)))
+        j, i, switch = _fold(part, t, by_key=True)  # at `switch` the row's first key block is done
+        dk_first, dv_first = _stash(part, t, dk_first, dk), _stash(part, t, dv_first, dv)
         dk, dv = (jnp.where(_bcast(switch, x), 0.0, x) for x in (dk, dv))
         qi, doi, kj, vj = _rows(qb, i), _rows(dob, i), _rows(kb, j), _rows(vb, j)
-        seg_i = None if segb is None else jnp.swapaxes(_rows(segb, i), 0, 1)
-        seg_j = None if segb is None else jnp.swapaxes(_rows(segb, j), 0, 1)
-        s = _tile_scores(qi, kj, i, j, seg_i, seg_j, block, scale)
-        p = jnp.exp(s - jnp.take(lse_b, i, axis=0)[..., None])
-        dp = jnp.einsum("brqkgh,brskh->rbkgqs", doi, vj, preferred_element_type=f32)
+        seg_i, seg_j = (None, None) if segb is None else (_rows(segb, i), _rows(segb, j))
+        s = _tile_scores(qi, kj, i, j, seg_i, seg_j, block)
+        p = jnp.exp(s - _rows(lse_b, i)[..., None])
+        dp = jnp.einsum("rbkqh,rbksh->rbkqs", doi, vj, preferred_element_type=f32)
         if dropout:
-            keep = _tile_keep(key, i, j, rate, p.shape[1:])
+            keep = _tile_keep(key, i, j, rate, p.shape[1:], g)
             p_used, dp = jnp.where(keep, p / (1.0 - rate), 0.0), jnp.where(keep, dp / (1.0 - rate), 0.0)
         else:
             p_used = p
-        dv = dv + jnp.einsum("rbkgqs,brqkgh->rbskh", p_used.astype(dt), doi, preferred_element_type=f32)
-        ds = (p * (dp - jnp.take(delta_b, i, axis=0)[..., None]) * scale).astype(dt)
-        dk = dk + jnp.einsum("rbkgqs,brqkgh->rbskh", ds, qi, preferred_element_type=f32)
-        dqi = jnp.einsum("rbkgqs,brskh->brqkgh", ds, kj, preferred_element_type=f32)
-        dq = dq.at[:, i].add(dqi)  # rows in their second phase share a query block: the adds sum
-        return ((dk, dv), (dk_first, dv_first), dq), None
+        dv = dv + jnp.einsum("rbkqs,rbkqh->rbksh", p_used.astype(dt), doi, preferred_element_type=f32)
+        ds = (p * (dp - _rows(delta_b, i)[..., None])).astype(dt)  # dS / scale: qb is scaled
+        dk = dk + jnp.einsum("rbkqs,rbkqh->rbksh", ds, qi, preferred_element_type=f32)
+        dqi = jnp.einsum("rbkqs,rbksh->rbkqh", ds, kj, preferred_element_type=f32)
+        dq = dq.at[i].add(dqi)  # rows in their second phase share a query block: the adds sum
+        return (dk, dv), (dk_first, dv_first), dq
 
-    dq0 = jnp.zeros(qb.shape, jnp.float32)
-    init = ((zeros, zeros), (zeros, zeros), dq0)
-    ((dk, dv), (dk_first, dv_first), dq), _ = jax.lax.scan(step, init, jnp.arange(plan.steps))
+    def step(carry, t):
+        return tuple(rows_step(part, c, t) for part, c in zip(groups, carry, strict=True)), None
+
+    zeros = lambda part, spare=0: jnp.zeros((len(part.a) + spare, b, kv, block, h), f32)
+    init = tuple(((zeros(p), zeros(p)), (zeros(p, 1), zeros(p, 1)), jnp.zeros(qb.shape, f32)) for p in groups)
+    carry, _ = jax.lax.scan(step, init, jnp.arange(plan.steps))
+    carry = tuple((last, tuple(x[:-1] for x in first), dq) for last, first, dq in carry)  # the spare slots
+    joined = lambda pick: jnp.concatenate([pick(c) for c in carry])
+    dk, dv = joined(lambda c: c[0][0]), joined(lambda c: c[0][1])
+    dk_first, dv_first = joined(lambda c: c[1][0]), joined(lambda c: c[1][1])
+    dq = sum(c[2] for c in carry) * scale
     s_len = k.shape[1]
-    unblock = lambda firsts, lasts: jnp.transpose(_unfold(plan, firsts, lasts), (1, 0, 2, 3, 4)).reshape(
-        b, nb * block, kv, h
-    )[:, :s_len]
-    dq = dq.reshape(b, nb * block, n, h)[:, :t]
-    return dq, unblock(dk_first, dk), unblock(dv_first, dv)
+    return (
+        _from_fold(dq, t, n),
+        _from_fold(_unfold(plan, dk_first, dk), s_len, kv),
+        _from_fold(_unfold(plan, dv_first, dv), s_len, kv),
+    )
 
 
 def row_delta(out: jax.Array, d_out: jax.Array) -> jax.Array:

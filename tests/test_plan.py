@@ -384,12 +384,15 @@ def test_attention_runs_at_its_kernels_rate_and_unmeasured_kernels_say_so(capsys
     h100, a100, tpu = (ACCELERATORS[k] for k in ("h100", "a100", "tpu-v5p"))
     documents = dataclasses.replace(cfg, data=DataConfig(document_mask=True))
     ring = dataclasses.replace(cfg, parallel=ParallelConfig(data=4, context=2, context_strategy="ring"))
+    gathered = dataclasses.replace(cfg, parallel=ParallelConfig(data=4, context=2, context_strategy="all_gather"))
     picks = [
         (cfg, h100, "cudnn"),
         (with_model(dtype="float32"), h100, "pallas-gpu"),
         (documents, a100, "pallas-gpu"),
         (cfg, tpu, "splash"),
         (ring, h100, "blockwise"),  # ring context parallelism runs the blockwise kernel
+        (gathered, h100, "blockwise"),  # cuDNN and Pallas GPU take no causal offset
+        (gathered, tpu, "splash"),  # splash does
         (with_model(attention="explicit"), a100, "explicit"),
     ]
     assert [attention_rates.attention_kernel(c, d).name for c, d, _ in picks] == [k for *_, k in picks]

@@ -75,16 +75,18 @@ def architecture(device: Accelerator) -> str:
 
 def attention_kernel(cfg: RunConfig, device: Accelerator) -> AttentionKernel:
     """The kernel a run of `cfg` would execute on `device` (as `model.kernels.fused_implementation`
-    picks it there; ring and all_gather context parallelism run blockwise), with its rate."""
+    picks it there; ring context parallelism runs blockwise, all_gather too but on TPUs, where
+    splash takes a causal offset: `kernels.fused_at_offset`), with its rate."""
     from meshlm.model.kernels import gpu_kernel
 
     m, par = cfg.model, cfg.parallel
     name = m.attention
     if name == "fused":
-        split = par.context > 1 and par.context_strategy != "all_to_all"
-        if split:
+        tpu = device.platform == "tpu"
+        blockwise = ("ring",) if tpu else ("ring", "all_gather")
+        if par.context > 1 and par.context_strategy in blockwise:
             name = "blockwise"
-        elif device.platform == "tpu":
+        elif tpu:
             name = "splash"
         else:
             name = gpu_kernel(m.dtype, m.dim_head, cfg.data.document_mask)[0]

@@ -16,7 +16,7 @@ import jax
 from meshlm import accounting
 from meshlm.config import RunConfig
 from meshlm.insight.memory import device_bytes
-from meshlm.model.kernels import fused_implementation
+from meshlm.model import kernels
 from meshlm.model.params import named_leaves
 from meshlm.parallel.pipeline import schedule_for
 from meshlm.parallel.rules import Layout
@@ -135,6 +135,12 @@ def _attention(cfg: RunConfig) -> tuple[str, dict | None]:
         if ulysses:
             kernel = _kernel_label(cfg)
             return f"{kernel} over context={par.context} (whole sequences, 1/{par.context} of the heads)", context
+        fused = m.attention == "fused"
+        kind = kernels.fused_implementation(m.dtype, m.dim_head, cfg.data.document_mask)[0] if fused else ""
+        if par.context_strategy == "all_gather" and kind == "splash":  # `kernels.fused_at_offset`
+            return f"{_kernel_label(cfg)} over context={par.context} (gathered K/V, causal offset per chunk)", context
+        if par.context_strategy == "all_gather" and kind in ("cudnn", "pallas-gpu"):
+            return f"blockwise (block {block}) over context={par.context} ({kind} takes no causal offset)", context
         return f"blockwise (block {block}) over context={par.context}", context
     return _kernel_label(cfg), None
 
@@ -145,7 +151,7 @@ def _kernel_label(cfg: RunConfig) -> str:
         return _explicit_label(m, cfg.train.seq_len)
     if m.attention == "blockwise":
         return f"blockwise (block {m.attention_block})"
-    kind, why = fused_implementation(m.dtype, m.dim_head, cfg.data.document_mask)
+    kind, why = kernels.fused_implementation(m.dtype, m.dim_head, cfg.data.document_mask)
     return f"fused -> blockwise ({why})" if kind == "blockwise" else f"fused -> {why}"
 
 

@@ -69,6 +69,15 @@ def gpu_kernel(dtype: str, head_dim: int, document_mask: bool) -> tuple[str, str
     return "cudnn", "cuDNN flash attention"
 
 
+def fused_at_offset(dtype: str, head_dim: int, document_mask: bool, block: int):
+    """The fused kernel all_gather context parallelism runs, as `(q, k, v, seg_q, seg_k, offset) ->
+    output` with the causal mask shifted by a static offset: TPU splash (its `CausalMask` takes one);
+    None elsewhere - cuDNN's and the Pallas GPU kernel's causal masks start every query at key 0,
+    so under all_gather they leave the attention to the blockwise kernel."""
+    kind, _ = fused_implementation(dtype, head_dim, document_mask)
+    return partial(splash_attention_at, block=block) if kind == "splash" else None
+
+
 def fused_attention(
     q_btnh: jax.Array,
     k_bskh: jax.Array,
@@ -145,26 +154,44 @@ def pallas_gpu_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, block: 
 def splash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, block: int = 128, interpret: bool = False):
     """Causal attention [b, t, n, h] by JAX's TPU splash attention: per sequence and KV head, one
     multi-query kernel over its g query heads (queries scaled by 1/sqrt(h) first, as splash expects)."""
+    return splash_attention_at(
+        q_btnh, k_bskh, v_bskh, segment_ids_bt, segment_ids_bt, 0, block=block, interpret=interpret
+    )
+
+
+def splash_attention_at(
+    q_btnh, k_bskh, v_bskh, seg_q_bt, seg_k_bs, offset: int, *, block: int = 128, interpret: bool = False
+):
+    """`splash_attention` of queries that sit at positions offset .. offset + t - 1 of the keys'
+    sequence (s = offset + t keys; query i sees keys 0 .. offset + i): splash's causal mask shifted by
+    the static `offset` (all_gather context parallelism: a rank's chunk of queries against the keys
+    up to its end). Queries and keys are padded to whole 128-lane blocks; padded keys are a document
+    of their own after every real one, padded query rows (cut off) take the first key's document."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     b, t, n, h = q_btnh.shape
-    kv = k_bskh.shape[2]
+    s, kv = k_bskh.shape[1:3]
     g = n // kv
     size = -(-block // LANES) * LANES  # splash's key blocks are whole multiples of the TPU's 128 lanes
-    q, k, v, seg = _padded(q_btnh, k_bskh, v_bskh, segment_ids_bt, size)
-    s = q.shape[1]
-    mask = masks.MultiHeadMask([masks.CausalMask((s, s)) for _ in range(g)])
+    tq, tk = -(-t // size) * size, -(-s // size) * size
+    pad = lambda x, length, value=0: jnp.pad(
+        x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=value
+    )
+    seg_k = pad(jnp.zeros((b, s), jnp.int32) if seg_k_bs is None else seg_k_bs.astype(jnp.int32), tk, PAD_DOCUMENT)
+    seg_q = jnp.zeros((b, t), jnp.int32) if seg_q_bt is None else seg_q_bt.astype(jnp.int32)
+    seg_q = jnp.concatenate([seg_q, jnp.broadcast_to(seg_k[:, :1], (b, tq - t))], 1)
+    mask = masks.MultiHeadMask([masks.CausalMask((tq, tk), offset=offset) for _ in range(g)])
     sizes = splash.BlockSizes(
         block_q=size, block_kv=size, block_q_dkv=size, block_kv_dkv=size, block_q_dq=size, block_kv_dq=size
     )
     kernel = splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
-    q = (q / math.sqrt(h)).astype(q.dtype).reshape(b, s, kv, g, h).transpose(0, 2, 3, 1, 4)  # [b, kv, g, s, h]
-    k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [b, kv, s, h]
+    q = (pad(q_btnh, tq) / math.sqrt(h)).astype(q_btnh.dtype).reshape(b, tq, kv, g, h).transpose(0, 2, 3, 1, 4)
+    k, v = (pad(x, tk).transpose(0, 2, 1, 3) for x in (k_bskh, v_bskh))  # [b, kv, s, h]
 
-    def one(q_gsh, k_sh, v_sh, seg_s):
-        return kernel(q_gsh, k_sh, v_sh, segment_ids=splash.SegmentIds(q=seg_s, kv=seg_s))
+    def one(q_gsh, k_sh, v_sh, seg_q_s, seg_k_s):
+        return kernel(q_gsh, k_sh, v_sh, segment_ids=splash.SegmentIds(q=seg_q_s, kv=seg_k_s))
 
-    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))  # over KV heads
-    out = jax.vmap(per_head)(q, k, v, seg)  # over sequences: [b, kv, g, s, h]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, n, h)[:, :t]
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))  # over KV heads
+    out = jax.vmap(per_head)(q, k, v, seg_q, seg_k)  # over sequences: [b, kv, g, t, h]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, tq, n, h)[:, :t]

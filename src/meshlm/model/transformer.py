@@ -174,8 +174,19 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
     kernel = _kernel(cfg, key, remat_policy, layout)
     if context:  # the sequence is split over `context`: ring, all-gather or all-to-all (any kernel)
         drop_key = _site_key(key, _ATTN_PROBS)
+        fused, doc = cfg.attention == "fused", segments is not None
+        at = kernels.fused_at_offset(cfg.dtype, cfg.dim_head, doc, cfg.attention_block) if fused else None
         a = context_attention(
-            layout, q, k, v, segments, block=cfg.attention_block, dropout_rate=cfg.dropout, key=drop_key, kernel=kernel
+            layout,
+            q,
+            k,
+            v,
+            segments,
+            block=cfg.attention_block,
+            dropout_rate=cfg.dropout,
+            key=drop_key,
+            kernel=kernel,
+            kernel_at=at,
         )
     else:
         a = kernel(q, k, v, segments)

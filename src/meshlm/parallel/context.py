@@ -95,6 +95,43 @@ def _gathered_bwd(block, rate, res, d_out):
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
+def gathered_kernel_attention(
+    layout: Layout, kernel_at: Callable, q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, segment_ids_bt
+) -> jax.Array:
+    """`all_gather` running a kernel that takes a static causal offset (`kernel_at(q, k, v, seg_q,
+    seg_k, offset)`: TPU splash): each rank gathers K, V (and document ids) over `context`, puts
+    them in original order, and runs the kernel once per chunk of its queries against the keys up
+    to that chunk's end, at the chunk's offset - static in one `lax.switch` branch per rank. Manual
+    over the batch, `context` and `tensor` (per device, as `kernels.sharded`). Checkpointed: the
+    backward pass re-gathers K/V and re-runs the kernel's forward, so a rank stores only its own Q,
+    K and V (as the blockwise all_gather does), at one more forward of the attention core."""
+    order, c = layout.context_order, layout.context_size
+    per, t = len(order) // c, q_btnh.shape[1]
+    n = t // len(order)
+    to_original = np.argsort(layout.seq_index(t)) if layout.reordered else None
+
+    def rank(chunks, q, k, v, seg_q, seg_k):
+        outs = []
+        for u, chunk in enumerate(chunks):
+            rows, end = slice(u * n, (u + 1) * n), (chunk + 1) * n
+            segs = (None, None) if seg_q is None else (seg_q[:, rows], seg_k[:, :end])
+            outs.append(kernel_at(q[:, rows], k[:, :end], v[:, :end], *segs, chunk * n))
+        return jnp.concatenate(outs, axis=1)
+
+    def local(q, k, v, *seg):
+        whole = lambda x: _gather(x) if to_original is None else jnp.take(_gather(x), to_original, axis=1)
+        segs = (seg[0], whole(seg[0])) if seg else (None, None)
+        branches = [partial(rank, order[r * per : (r + 1) * per]) for r in range(c)]
+        return jax.lax.switch(jax.lax.axis_index(AXIS), branches, q, whole(k), whole(v), *segs)
+
+    tokens, _, manual = _specs(layout)
+    args, specs = [q_btnh, k_btkh, v_btkh], [tokens] * 3
+    if segment_ids_bt is not None:
+        args.append(segment_ids_bt)
+        specs.append(P(tokens[0], AXIS))
+    return manual_region(layout, jax.checkpoint(local), tuple(specs), tokens, manual)(*args)
+
+
 # ----------------------------------------------------------------------------- ring
 
 
@@ -240,14 +277,18 @@ def context_attention(
     dropout_rate: float = 0.0,
     key: jax.Array | None = None,
     kernel: Kernel | None = None,
+    kernel_at: Callable | None = None,
 ) -> jax.Array:
     """Causal attention [b, t, n, h] with t sharded over `context` in the layout's storage order,
     by `layout.context_strategy` ("all_gather", "ring" or "all_to_all"; the last runs `kernel`,
-    default the blockwise kernel at `block` with this dropout, on whole sequences)."""
+    default the blockwise kernel at `block` with this dropout, on whole sequences; `all_gather`
+    runs `kernel_at`, a kernel with a causal offset, where given, else the blockwise kernel)."""
     if layout.context_strategy == "all_to_all":
         if kernel is None:
             kernel = partial(blockwise_attention, block=block, dropout_rate=dropout_rate, key=key)
         return ulysses_attention(layout, kernel, q_btnh, k_btkh, v_btkh, segment_ids_bt)
+    if layout.context_strategy == "all_gather" and kernel_at is not None:
+        return gathered_kernel_attention(layout, kernel_at, q_btnh, k_btkh, v_btkh, segment_ids_bt)
     size = layout.context_size
     t = q_btnh.shape[1]
     block = kernel_block(block, t // len(layout.context_order))

@@ -55,6 +55,10 @@ def test_mfu_counts_causal_attention_so_it_never_passes_100_percent(monkeypatch)
         assert accounting.hardware_flops_per_step(run) >= accounting.causal_flops_per_step(run)
     long = recipes.get("llama-1b")
     long = dataclasses.replace(long, train=dataclasses.replace(long.train, seq_len=32768, global_batch=4))
+    plans = [p for p in plan.enumerate_plans(long, 8, ACCELERATORS["h100"]) if not p.rejected]
+    top = plans[0].cfg  # with each kernel at its own rate: blockwise (25% of peak), ring context
+    mfu = round(100 * plans[0].mfu, 1)
+    assert (top.model.attention, top.parallel.context_strategy, mfu) == ("blockwise", "ring", 36.0)
     # with every attention kernel at the GEMM peak, as the planner timed them when Eq. 7 printed 127.9%
     at_peak = {key: attention_rates.KernelRate(None, "at peak") for key in attention_rates.RATES}
     monkeypatch.setattr(attention_rates, "RATES", at_peak)

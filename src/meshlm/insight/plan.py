@@ -232,7 +232,7 @@ def attention_seconds(cfg: RunConfig, device: Accelerator, n: int) -> float:
     """Seconds per step of the attention core at its kernel's fraction of peak (0 when it runs at
     the GEMM rate, among the GEMMs)."""
     rate = attention_kernel(cfg, device).rate.fraction
-    return attention_flops(cfg, device) / (n * device_peak(device, cfg) * rate) if rate else 0.0
+    return accounting.attention_core_flops(cfg) / (n * device_peak(device, cfg) * rate) if rate else 0.0
 
 
 def _link(device: Accelerator, span: int, across: bool = False) -> float:

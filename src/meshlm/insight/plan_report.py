@@ -157,7 +157,7 @@ def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float)
     lines = [
         f"{len(feasible)} of {len(plans)} layouts fit {limit / GiB:.0f} GiB on {device.name} "
         f"(peak {peak} matmuls; {links}); MFU here is the roofline bound",
-        f"{'#':>3}  {'layout':68s} {'attention':>24s} {'memory GiB':>10s} {'step s':>9s} {'MFU':>6s}  time split",
+        f"{'#':>3}  {'layout':68s} {'attention':>30s} {'memory GiB':>10s} {'step s':>9s} {'MFU':>6s}  time split",
     ]
     kernels = {attention_kernel(p.cfg, device) for p in feasible[:top]}
     lines[1:1] = [
@@ -174,7 +174,7 @@ def format_plans(plans: list[Plan], top: int, device: Accelerator, limit: float)
     for i, p in enumerate(feasible[:top], 1):
         split = ", ".join(f"{k} {v / p.step_time:.0%}" for k, v in p.time.items())
         kernel = attention_kernel(p.cfg, device).label()
-        row = f"{p.describe():68s} {kernel:>24s} {p.total_memory / GiB:10.2f} {p.step_time:9.4f} {p.mfu:6.1%}"
+        row = f"{p.describe():68s} {kernel:>30s} {p.total_memory / GiB:10.2f} {p.step_time:9.4f} {p.mfu:6.1%}"
         if calibrated:
             seconds = sum(p.calibrated.values())
             mfu = p.mfu * p.step_time / seconds

@@ -284,13 +284,17 @@ def _fold_tiles(q, k, v, seg, block: int):
     """The fold's operands, laid out so that every tile matmul has its batch axes (row, b, kv)
     leading and needs no transpose: Q [nb, b, kv, g B, h] (a KV head's g query heads' rows of one
     block, head-major), K and V [nb, b, kv, B, h], document ids [nb, b, B] (padding: -1)."""
-    b, t, n, h = q.shape
-    kv = k.shape[2]
-    qb = _blocked(q.reshape(b, t, kv, n // kv, h), block)  # [b, nb, B, kv, g, h]
-    qb = jnp.transpose(qb, (1, 0, 3, 4, 2, 5)).reshape(qb.shape[1], b, kv, -1, h)
     kb, vb = (jnp.transpose(_blocked(x, block), (1, 0, 3, 2, 4)) for x in (k, v))
     segb = None if seg is None else jnp.swapaxes(_blocked(seg, block, -1), 0, 1)
-    return qb, kb, vb, segb
+    return _fold_queries(q, k.shape[2], block), kb, vb, segb
+
+
+def _fold_queries(x, kv: int, block: int):
+    """Per-query-head values [b, t, n, ...] as the fold's query tiles [nb, b, kv, g B, ...]."""
+    b, t, n = x.shape[:3]
+    xb = _blocked(x.reshape(b, t, kv, n // kv, *x.shape[3:]), block)  # [b, nb, B, kv, g, ...]
+    xb = jnp.transpose(xb, (1, 0, 3, 4, 2, *range(5, xb.ndim)))
+    return xb.reshape(xb.shape[0], b, kv, -1, *x.shape[3:])
 
 
 def _from_fold(x, t: int, heads: int):
@@ -316,15 +320,17 @@ def _rows(x, blocks):
     return jnp.take(x, blocks, axis=0)
 
 
-ROW_GROUPS = 2  # the fold's rows split into this many independent chains per step (see `_groups`)
+ROW_GROUPS = 2  # on CPU, the fold's rows split into this many independent chains per step (`_groups`)
 
 
 def _groups(plan: _Folding) -> list[_Folding]:
     """The fold's rows in `ROW_GROUPS` contiguous groups, each a plan of its own whose step runs as
     separate ops: XLA:CPU runs independent ops on different cores, while one op over every row's
     element-wise work (the softmax's exp, the masks, the rescaling) runs on one (measured: the
-    blockwise train step used 1.3 of 2 cores, explicit attention's unrolled chunks 1.8)."""
-    rows = np.array_split(np.arange(len(plan.a)), min(ROW_GROUPS, len(plan.a)))
+    blockwise train step used 1.3 of 2 cores, explicit attention's unrolled chunks 1.8). One group
+    on accelerators, where a kernel launch is the cost to avoid."""
+    groups = ROW_GROUPS if jax.default_backend() == "cpu" else 1
+    rows = np.array_split(np.arange(len(plan.a)), min(groups, len(plan.a)))
     return [_Folding(plan.a[r], plan.b[r], plan.first_steps[r], plan.steps) for r in rows]
 
 
@@ -403,10 +409,9 @@ def folded_backward(q, k, v, seg, key, lse, delta, d_out, block: int, rate: floa
     g = n // kv
     scale = 1.0 / math.sqrt(h)
     qb, kb, vb, segb = _fold_tiles(q * scale, k, v, seg, block)  # scaled: dK comes out whole, dQ is scaled once
-    dob = _fold_tiles(d_out, k, v, None, block)[0]
+    dob = _fold_queries(d_out, kv, block)
     # [b, t, n] -> [nb, b, kv, g B] (the query tiles' rows); a row that sees nothing (lse -inf) has p = 0 anyway
-    stats = lambda x: _fold_tiles(x[..., None], k, v, None, block)[0][..., 0]
-    lse_b, delta_b = stats(jnp.where(lse == NEG, 0.0, lse)), stats(delta)
+    lse_b, delta_b = (_fold_queries(x, kv, block) for x in (jnp.where(lse == NEG, 0.0, lse), delta))
     nb = qb.shape[0]
     plan = _folding(nb, by_key=True)
     groups = _groups(plan)

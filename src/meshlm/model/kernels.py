@@ -127,8 +127,12 @@ def _padded(q, k, v, segment_ids, block: int):
     b, t = q.shape[:2]
     size = -(-t // block) * block
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, size - t)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
-    return pad(q), pad(k), pad(v), pad(seg, PAD_DOCUMENT)
+    return _pad_rows(q, size), _pad_rows(k, size), _pad_rows(v, size), _pad_rows(seg, size, PAD_DOCUMENT)
+
+
+def _pad_rows(x, length: int, value=0):
+    """[b, t, ...] padded with `value` to [b, length, ...]."""
+    return jnp.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=value)
 
 
 def pallas_gpu_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, block: int = 128, interpret: bool = False):
@@ -175,10 +179,8 @@ def splash_attention_at(
     g = n // kv
     size = -(-block // LANES) * LANES  # splash's key blocks are whole multiples of the TPU's 128 lanes
     tq, tk = -(-t // size) * size, -(-s // size) * size
-    pad = lambda x, length, value=0: jnp.pad(
-        x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=value
-    )
-    seg_k = pad(jnp.zeros((b, s), jnp.int32) if seg_k_bs is None else seg_k_bs.astype(jnp.int32), tk, PAD_DOCUMENT)
+    seg_k = jnp.zeros((b, s), jnp.int32) if seg_k_bs is None else seg_k_bs.astype(jnp.int32)
+    seg_k = _pad_rows(seg_k, tk, PAD_DOCUMENT)
     seg_q = jnp.zeros((b, t), jnp.int32) if seg_q_bt is None else seg_q_bt.astype(jnp.int32)
     seg_q = jnp.concatenate([seg_q, jnp.broadcast_to(seg_k[:, :1], (b, tq - t))], 1)
     mask = masks.MultiHeadMask([masks.CausalMask((tq, tk), offset=offset) for _ in range(g)])
@@ -186,8 +188,8 @@ def splash_attention_at(
         block_q=size, block_kv=size, block_q_dkv=size, block_kv_dkv=size, block_q_dq=size, block_kv_dq=size
     )
     kernel = splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
-    q = (pad(q_btnh, tq) / math.sqrt(h)).astype(q_btnh.dtype).reshape(b, tq, kv, g, h).transpose(0, 2, 3, 1, 4)
-    k, v = (pad(x, tk).transpose(0, 2, 1, 3) for x in (k_bskh, v_bskh))  # [b, kv, s, h]
+    q = (_pad_rows(q_btnh, tq) / math.sqrt(h)).astype(q_btnh.dtype).reshape(b, tq, kv, g, h).transpose(0, 2, 3, 1, 4)
+    k, v = (_pad_rows(x, tk).transpose(0, 2, 1, 3) for x in (k_bskh, v_bskh))  # [b, kv, s, h]
 
     def one(q_gsh, k_sh, v_sh, seg_q_s, seg_k_s):
         return kernel(q_gsh, k_sh, v_sh, segment_ids=splash.SegmentIds(q=seg_q_s, kv=seg_k_s))

@@ -99,9 +99,11 @@ def gathered_kernel_attention(
     layout: Layout, kernel_at: Callable, q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, segment_ids_bt
 ) -> jax.Array:
     """`all_gather` running a kernel that takes a static causal offset (`kernel_at(q, k, v, seg_q,
-    seg_k, offset)`: TPU splash): each rank gathers K, V (and document ids) over `context`, puts
-    them in original order, and runs the kernel once per chunk of its queries against the keys up
-    to that chunk's end, at the chunk's offset - static in one `lax.switch` branch per rank. Manual
+    seg_k, offset)`: TPU splash, which skips the key blocks its mask hides): each rank gathers K, V
+    (and document ids) over `context`, puts them in original order, and runs the kernel once per
+    chunk of its queries against all the keys, at the chunk's offset - static in one `lax.switch`
+    branch per rank. Every branch sees the same shapes, so differentiating the switch keeps one set
+    of the kernel's residuals, not one per branch. Manual
     over the batch, `context` and `tensor` (per device, as `kernels.sharded`). Checkpointed: the
     backward pass re-gathers K/V and re-runs the kernel's forward, so a rank stores only its own Q,
     K and V (as the blockwise all_gather does), at one more forward of the attention core."""
@@ -113,9 +115,9 @@ def gathered_kernel_attention(
     def rank(chunks, q, k, v, seg_q, seg_k):
         outs = []
         for u, chunk in enumerate(chunks):
-            rows, end = slice(u * n, (u + 1) * n), (chunk + 1) * n
-            segs = (None, None) if seg_q is None else (seg_q[:, rows], seg_k[:, :end])
-            outs.append(kernel_at(q[:, rows], k[:, :end], v[:, :end], *segs, chunk * n))
+            rows = slice(u * n, (u + 1) * n)
+            segs = (None, None) if seg_q is None else (seg_q[:, rows], seg_k)
+            outs.append(kernel_at(q[:, rows], k, v, *segs, chunk * n))
         return jnp.concatenate(outs, axis=1)
 
     def local(q, k, v, *seg):

@@ -9,8 +9,9 @@ where that number comes from; `None` means the GEMM rate: explicit attention on 
 calibration (P2 Table 4) measured Megatron's whole layer, attention inside - the planner's
 reproduction of P2 Table 5 rests on it.
 
-`MEASURED` lists the (kernel, device) pairs meshlm itself has run (`benchmarks/gpu.py`). It is
-empty: no accelerator has been lent to this project yet, so every plan row says "unmeasured".
+`MEASURED` lists the (kernel, device) pairs meshlm itself has run and timed (add one with the
+figures from `benchmarks/gpu.sh` in BENCHMARKS.md). It is empty: no accelerator has been lent to
+this project yet, so every plan row says "unmeasured".
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ RATES: dict[tuple[str, str], KernelRate] = {
     ),
 }
 
-# (kernel, device name) pairs meshlm has run and timed (benchmarks/gpu.py); none yet.
+# (kernel, device name) pairs meshlm has run and timed (benchmarks/gpu.sh); none yet.
 MEASURED: frozenset[tuple[str, str]] = frozenset()
 
 
@@ -67,7 +68,7 @@ class AttentionKernel:
 
 
 def architecture(device: Accelerator) -> str:
-    """ "ampere" (A100), "hopper" (H100, H200) or "tpu"."""
+    """The kernels' architecture families: "ampere" (A100), "hopper" (H100, H200) or "tpu"."""
     if device.platform == "tpu":
         return "tpu"
     return "ampere" if device.name.startswith("a100") else "hopper"

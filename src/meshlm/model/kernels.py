@@ -167,10 +167,11 @@ def splash_attention_at(
     q_btnh, k_bskh, v_bskh, seg_q_bt, seg_k_bs, offset: int, *, block: int = 128, interpret: bool = False
 ):
     """`splash_attention` of queries that sit at positions offset .. offset + t - 1 of the keys'
-    sequence (s = offset + t keys; query i sees keys 0 .. offset + i): splash's causal mask shifted by
-    the static `offset` (all_gather context parallelism: a rank's chunk of queries against the keys
-    up to its end). Queries and keys are padded to whole 128-lane blocks; padded keys are a document
-    of their own after every real one, padded query rows (cut off) take the first key's document."""
+    sequence (s >= offset + t keys; query i sees keys 0 .. offset + i): splash's causal mask shifted
+    by the static `offset`, the blocks it hides skipped (all_gather context parallelism: a rank's
+    chunk of queries against the whole sequence's keys). Queries and keys are padded to whole
+    128-lane blocks; padded keys are a document of their own after every real one, padded query
+    rows (cut off) take the first key's document."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 

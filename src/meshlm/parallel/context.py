@@ -8,7 +8,8 @@ fp32 log-sum-exp per row:
 
 - `all_gather`: gather K and V (and their positions and document ids) over `context`, attend,
   and in the backward pass gather again and reduce-scatter dK, dV. Simple; holds the whole
-  sequence's K/V for the duration of one layer's attention.
+  sequence's K/V for the duration of one layer's attention. (With `model.attention=fused` on a TPU
+  it runs splash instead, per chunk of queries at its causal offset: `gathered_kernel_attention`.)
 - `ring` (Li et al. 2021; Liu et al.'s Ring Attention): c steps; at each, attend to the K/V block
   in hand while the next block travels one rank on (`ppermute` issued before the step's compute,
   which does not depend on it, so the two can overlap), merging partial results by their
@@ -103,10 +104,10 @@ def gathered_kernel_attention(
     (and document ids) over `context`, puts them in original order, and runs the kernel once per
     chunk of its queries against all the keys, at the chunk's offset - static in one `lax.switch`
     branch per rank. Every branch sees the same shapes, so differentiating the switch keeps one set
-    of the kernel's residuals, not one per branch. Manual
-    over the batch, `context` and `tensor` (per device, as `kernels.sharded`). Checkpointed: the
-    backward pass re-gathers K/V and re-runs the kernel's forward, so a rank stores only its own Q,
-    K and V (as the blockwise all_gather does), at one more forward of the attention core."""
+    of the kernel's residuals, not one per branch. Manual over the batch, `context` and `tensor`
+    (per device, as `kernels.sharded`). Checkpointed: the backward pass re-gathers K/V and re-runs
+    the kernel's forward, so a rank stores only its own Q, K and V (as the blockwise all_gather
+    does), at one more forward of the attention core."""
     order, c = layout.context_order, layout.context_size
     per, t = len(order) // c, q_btnh.shape[1]
     n = t // len(order)

@@ -404,6 +404,11 @@ def test_attention_runs_at_its_kernels_rate_and_unmeasured_kernels_say_so(capsys
     peak, core = planner.device_peak(h100, cfg), accounting.attention_core_flops(cfg)
     assert plan.time["attention core"] == pytest.approx(core / (8 * peak * 0.50), rel=1e-12)
     assert plan.time["compute"] == pytest.approx((accounting.hardware_flops_per_step(cfg) - core) / (8 * peak))
+    # splash under all_gather re-runs its forward in backward (checkpointed): two more passes priced
+    on_tpu = planner.estimate(gathered, tpu).time["attention core"]
+    flops = accounting.attention_core_flops(gathered) + accounting.attention_forward_flops(gathered)
+    assert on_tpu == pytest.approx(flops / (8 * planner.device_peak(tpu, gathered) * 0.50), rel=1e-12)
+    assert accounting.attention_forward_flops(cfg) == pytest.approx(2 / 7 * core, rel=1e-12)  # QK^T, PV of 7
     slower = planner.estimate(with_model(attention="blockwise"), h100).time["attention core"]
     assert slower == pytest.approx(2 * plan.time["attention core"], rel=1e-12)  # the same FLOPs at 25% of peak
 

@@ -168,6 +168,14 @@ def attention_core_flops(cfg: RunConfig) -> int:
     return round(kernel + one * rerun)
 
 
+def attention_forward_flops(cfg: RunConfig) -> int:
+    """FLOPs of the attention core's forward per step (QK^T and attention over V over the executed
+    score blocks): what a kernel re-run in backward adds."""
+    m, t = cfg.model, cfg.train
+    one = layer_forward_flops_per_token(m, t.seq_len)["attn_scores"] * t.global_batch * t.seq_len * m.n_layers
+    return round(2 * one * attention_executed_fraction(m, t.seq_len, context_chunk(cfg)))
+
+
 def attention_block(m: ModelConfig, seq_len: int, context_chunk: int | None = None) -> int:
     """The block the O(s) kernels run: `model.attention_block`, at most the sequence (and under
     context parallelism at most one context chunk, `parallel.context.kernel_block`)."""

@@ -15,13 +15,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model.params import abstract_params, init_params, map_specs, param_specs
 from meshlm.optim import make_optimizer
-from meshlm.parallel.rules import Layout, as_part, part_names
+from meshlm.parallel.rules import Layout, as_part, part_names, spec_of
 
 
 class TrainState(NamedTuple):
@@ -54,9 +53,7 @@ def zero1_sharding(layout: Layout, sharding: NamedSharding, shape: tuple[int, ..
             axes = part_names(parts[i]) + axes_added
             if shape[i] % math.prod(mesh.shape[a] for a in axes) == 0:
                 parts[i] = as_part(axes)
-                while parts and parts[-1] is None:
-                    parts.pop()
-                return NamedSharding(mesh, P(*parts), memory_kind=sharding.memory_kind)
+                return NamedSharding(mesh, spec_of(parts), memory_kind=sharding.memory_kind)
     return sharding
 
 

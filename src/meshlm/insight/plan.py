@@ -221,11 +221,10 @@ EXPERT_EXCHANGE = "expert all_to_all"  # MoE's dispatch and return over the expe
 ATTENTION = "attention core"  # the part of the step the attention kernel takes, at its own rate
 
 
-def attention_flops(cfg: RunConfig, device: Accelerator) -> int:
-    """The attention core's FLOPs per step where its kernel runs at its own rate
-    (`attention_rates`), else 0: they stay among the GEMMs."""
-    rate = attention_kernel(cfg, device).rate.fraction
-    return 0 if rate is None else accounting.attention_core_flops(cfg)
+def _own_rate_flops(cfg: RunConfig, roofline: dict) -> int:
+    """The FLOPs of the hardware count that the roofline's "attention core" part times at its
+    kernel's own rate (none when the kernel runs at the GEMM rate, among the GEMMs)."""
+    return accounting.attention_core_flops(cfg) if roofline.get(ATTENTION) else 0
 
 
 def attention_seconds(cfg: RunConfig, device: Accelerator, n: int) -> float:
@@ -260,9 +259,8 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
     n = _pipeline_shape(cfg, pipeline, interleave)[3]
     peak = device_peak(device, cfg)
     attention = attention_seconds(cfg, device, n)
-    out = {"compute": (accounting.hardware_flops_per_step(cfg) - attention_flops(cfg, device)) / (n * peak)}
-    if attention:
-        out[ATTENTION] = attention
+    out = {ATTENTION: attention} if attention else {}
+    out = {"compute": (accounting.hardware_flops_per_step(cfg) - _own_rate_flops(cfg, out)) / (n * peak)} | out
     if par.tensor > 1:
         layers_here = m.n_layers / pipeline
         out["tensor-parallel collectives"] = (
@@ -409,7 +407,7 @@ def calibrated_time(
     last_stage = n // pipeline
     rate = device_peak(device, cfg) * cal.gemm_efficiency
     logits = 6 * t.global_batch * t.seq_len * m.d_model * m.vocab_size  # forward + backward output layer
-    layers = accounting.hardware_flops_per_step(cfg) - logits - attention_flops(cfg, device)
+    layers = accounting.hardware_flops_per_step(cfg) - logits - _own_rate_flops(cfg, roofline)
     out: dict[str, float] = {"GEMMs": layers / (n * rate)}
     if roofline.get(ATTENTION):  # at its kernel's own rate, as in the roofline
         out[ATTENTION] = roofline[ATTENTION]

@@ -326,9 +326,8 @@ ROW_GROUPS = 2  # on CPU, the fold's rows split into this many independent chain
 def _groups(plan: _Folding) -> list[_Folding]:
     """The fold's rows in `ROW_GROUPS` contiguous groups, each a plan of its own whose step runs as
     separate ops: XLA:CPU runs independent ops on different cores, while one op over every row's
-    element-wise work (the softmax's exp, the masks, the rescaling) runs on one (measured: the
-    blockwise train step used 1.3 of 2 cores, explicit attention's unrolled chunks 1.8). One group
-    on accelerators, where a kernel launch is the cost to avoid."""
+    element-wise work (the softmax's exp, the masks, the rescaling) runs on one. One group on
+    accelerators, where a kernel launch is the cost to avoid."""
     groups = ROW_GROUPS if jax.default_backend() == "cpu" else 1
     rows = np.array_split(np.arange(len(plan.a)), min(groups, len(plan.a)))
     return [_Folding(plan.a[r], plan.b[r], plan.first_steps[r], plan.steps) for r in rows]

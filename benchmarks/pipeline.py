@@ -1,12 +1,12 @@
 """Pipeline parallelism on CPU (simulated devices): step time against the bubble, where the
 executor's time goes, compile time against m and p.
 
-1. Step time vs m at p = 4 for 1F1B, interleaved 1F1B (v = 2) and GPipe: a llama of d=256,
+1. Step time vs m at p = 4 for 1F1B, interleaved 1F1B (v = 2), zb1 and GPipe: a llama of d=256,
    8 layers, fp32, s=256, 2 sequences per microbatch, m = 8 and 16 microbatches (so the batch
    grows with m), next to the schedule's ticks and lockstep bubble (p-1)/(v m), and one device
    accumulating the same microbatches. Alternating rounds, medians. 2 cores under 4 simulated
    devices: an idle stage's core goes to the busy ones, so a bubble shows only in part.
-2. Where the time goes at m = 16 (1F1B against one device): one profiled step each
+2. Where the time goes at m = 16 (1F1B and zb1 against one device): one profiled step each
    (`jax.profiler`), the device threads' time per microbatch by kind of XLA op - the chunk's
    compute, the stash and inbox slots, sends (collective-permute, which includes waiting for the
    slowest stage), buffer fills, the embeddings' gather. Thread time, summed over devices: 4
@@ -54,6 +54,7 @@ def variants(m: int) -> dict[str, RunConfig]:
         "1 device": config(m, {}),
         "1f1b stage=4": config(m, dict(stage=4), "1f1b"),
         "interleaved stage=4 v=2": config(m, dict(stage=4), "interleaved", 2),
+        "zb1 stage=4": config(m, dict(stage=4), "zb1"),
         "gpipe stage=4": config(m, dict(stage=4), "gpipe"),
     }
 
@@ -126,22 +127,20 @@ def thread_ms(cfg: RunConfig) -> dict[str, float]:
 
 
 def tick_rows(m: int = 16) -> list[str]:
-    one, piped = config(m, {}), config(m, dict(stage=4), "1f1b")
-    sched = schedule_for(piped)
-    a, b = thread_ms(one), thread_ms(piped)
-    lines = [
-        f"| op kind | 1 device, ms per microbatch | 1f1b stage=4 ({sched.ticks} ticks), same | added per tick |",
-        "|---|---:|---:|---:|",
-    ]
-    for kind in a:
-        if max(a[kind], b[kind]) < 0.5 * m:  # under 0.5 ms per microbatch in both
+    one = thread_ms(config(m, {}))
+    piped = {name: config(m, dict(stage=4), name) for name in ("1f1b", "zb1")}
+    ticks = {name: schedule_for(cfg).ticks for name, cfg in piped.items()}
+    ms = {name: thread_ms(cfg) for name, cfg in piped.items()}
+    head = " | ".join(f"{n} stage=4 ({ticks[n]} ticks), same | {n} added per tick" for n in piped)
+    lines = [f"| op kind | 1 device, ms per microbatch | {head} |", "|---|---:" + "|---:|---:" * len(piped) + "|"]
+    for kind in one:
+        if max(one[kind], *(t[kind] for t in ms.values())) < 0.5 * m:  # under 0.5 ms per microbatch in all
             continue
-        added = (b[kind] - a[kind]) / sched.ticks
-        lines.append(f"| {kind} | {a[kind] / m:.1f} | {b[kind] / m:.1f} | {added:+.1f} ms |")
-    lines.append(
-        f"| all | {sum(a.values()) / m:.1f} | {sum(b.values()) / m:.1f} | "
-        f"{(sum(b.values()) - sum(a.values())) / sched.ticks:+.1f} ms |"
-    )
+        cells = " | ".join(f"{t[kind] / m:.1f} | {(t[kind] - one[kind]) / ticks[n]:+.1f} ms" for n, t in ms.items())
+        lines.append(f"| {kind} | {one[kind] / m:.1f} | {cells} |")
+    total = lambda t: sum(t.values())
+    cells = " | ".join(f"{total(t) / m:.1f} | {(total(t) - total(one)) / ticks[n]:+.1f} ms" for n, t in ms.items())
+    lines.append(f"| all | {total(one) / m:.1f} | {cells} |")
     return lines
 
 

@@ -22,7 +22,7 @@ from meshlm.config import ConfigError, DataConfig, RematConfig, RunConfig
 from meshlm.model.params import init_params, param_specs
 from meshlm.parallel import pipeline
 from meshlm.parallel.mesh import make_layout
-from meshlm.parallel.schedules import build, tables
+from meshlm.parallel.schedules import build, segments, tables
 from meshlm.step import _split_microbatches, abstract_batch, dropout_key, make_grad_step
 from meshlm.train_state import state_shardings
 from meshlm.validation import validate
@@ -34,7 +34,7 @@ LAYOUTS = {
     "stage2_tensor2_data2+sp": dict(stage=2, tensor=2, data=2, sequence_parallel=True),
     "stage4_tensor2": dict(stage=4, tensor=2),
 }
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb1": 1}
 
 
 def config(family: str, mesh: dict | None = None, schedule: str = "1f1b", *, policy="elementwise", **data) -> RunConfig:
@@ -80,24 +80,37 @@ def reference(family: str, params: dict, document_mask: bool = False) -> dict:
 def run_tables(schedule, tab) -> None:
     """Interpret the executor's tables in plain Python, with values that say what they are: every
     read must find exactly the microbatch-chunk its action needs, written by the action that made
-    it, in the executor's order within a tick (backward, forward, then the receives)."""
+    it, in the executor's order within a tick (backward, first weight pass, second weight pass,
+    forward, then the receives). zb1's weight slots hold a forward's region inputs ("x"), to which
+    B adds the output gradients ("x+g"), until the weight pass reads them."""
     p, chunks, r = schedule.stages, schedule.stages * schedule.virtual, tab.rows
     act = [dict() for _ in range(p)]
     grad = [dict() for _ in range(p)]
     stash = [dict() for _ in range(p)]
+    weight = [dict() for _ in range(p)]
     at = lambda k, t, s: int(r[k][t, s])
     for t in range(schedule.ticks):
         send_act, send_grad = [None] * p, [None] * p
         for s in range(p):
             cell = {a.kind: a for a in schedule.table[t][s]}
+            ws = [a for seg in segments(schedule.table[t][s]) for a in seg if a.kind == "W"]
             assert (at("b", t, s), at("f", t, s)) == ("B" in cell, "F" in cell)
+            assert (at("w1", t, s), at("w2", t, s)) == (len(ws) == 2, len(ws) >= 1)
             if "B" in cell:
                 i, c = cell["B"].microbatch, cell["B"].chunk
                 assert (at("b_micro", t, s), at("b_chunk", t, s) * p + s, at("b_first", t, s)) == (i, c, c == 0)
                 assert stash[s].pop(at("b_stash", t, s)) == ("res", i, c)
                 assert grad[s].pop(at("grad_read", t, s)) == ("dy", i, c)
+                if schedule.splits_backward:
+                    assert weight[s][at("b_wslot", t, s)] == ("x", i, c)
+                    weight[s][at("b_wslot", t, s)] = ("x+g", i, c)
                 if c > 0:
                     send_grad[s] = ("dy", i, c - 1)
+            elif schedule.splits_backward:  # an idle B writes its filler to the spare weight slot
+                assert at("b_wslot", t, s) == tab.weight_slots - 1
+            for a, w in zip(ws, ["w1", "w2"][2 - len(ws) :], strict=True):
+                assert at(f"{w}_chunk", t, s) * p + s == a.chunk
+                assert weight[s].pop(at(f"{w}_slot", t, s)) == ("x+g", a.microbatch, a.chunk)
             if "F" in cell:
                 i, c = cell["F"].microbatch, cell["F"].chunk
                 assert (at("f_micro", t, s), at("f_chunk", t, s) * p + s) == (i, c)
@@ -106,14 +119,18 @@ def run_tables(schedule, tab) -> None:
                     assert act[s].pop(at("act_read", t, s)) == ("y", i, c - 1)
                 assert at("f_stash", t, s) not in stash[s]  # never over a live residual
                 stash[s][at("f_stash", t, s)] = ("res", i, c)
+                if schedule.splits_backward:
+                    assert at("f_wslot", t, s) not in weight[s]
+                    weight[s][at("f_wslot", t, s)] = ("x", i, c)
                 if c == chunks - 1:
                     assert at("grad_write", t, s) not in grad[s]
                     grad[s][at("grad_write", t, s)] = ("dy", i, c)
                 else:  # its filler cotangent goes to the spare slot
                     assert at("grad_write", t, s) == tab.grad_slots - 1
                     send_act[s] = ("y", i, c)
-            else:  # an idle forward writes back the slot the backward read
+            else:  # an idle forward writes back the slot the backward read (zb1: its filler to the spare)
                 assert at("f_stash", t, s) == at("b_stash", t, s)
+                assert not schedule.splits_backward or at("f_wslot", t, s) == tab.weight_slots - 1
                 assert at("grad_write", t, s) == tab.grad_slots - 1
         for s in range(p):  # end of tick: what was sent lands where the receiver's row says
             got_a, got_g = send_act[(s - 1) % p], send_grad[(s + 1) % p]
@@ -129,11 +146,14 @@ def run_tables(schedule, tab) -> None:
             for buf, n in ((act[s], tab.act_slots), (grad[s], tab.grad_slots)):
                 assert all(0 <= k < n - 1 for k in buf)  # never the spare slot
             assert all(0 <= k < tab.stash_slots for k in stash[s])
-    assert not any(act + grad + stash)  # everything made was used
+            assert all(0 <= k < tab.weight_slots - 1 for k in weight[s])  # never the spare slot
+    assert not any(act + grad + stash + weight)  # everything made was used
     assert tab.stash_slots == max(schedule.peak_in_flight(s) for s in range(p))
+    if schedule.splits_backward:
+        assert tab.weight_slots == max(max(schedule.pending_weights(s)) for s in range(p)) + 1
 
 
-@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1)])
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("factor", [1, 2, 4])
 def test_tables_route_every_value(name, v, p, factor):
@@ -147,6 +167,12 @@ def test_table_interpreter_catches_a_misrouted_slot():
     broken = dataclasses.replace(tab, rows=dict(tab.rows, recv_act=np.roll(tab.rows["recv_act"], 1, axis=0)))
     with pytest.raises(AssertionError):
         run_tables(schedule, broken)
+    schedule = build("zb1", 4, 8)
+    tab = tables(schedule)
+    for row in ("w2_slot", "b_wslot"):
+        broken = dataclasses.replace(tab, rows=dict(tab.rows, **{row: np.roll(tab.rows[row], 1, axis=0)}))
+        with pytest.raises(AssertionError):
+            run_tables(schedule, broken)
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -168,6 +194,8 @@ CASES = [
     ("llama", "gpipe", "stage4_tensor2", "dots", False),
     ("llama", "1f1b", "stage4_tensor2", "elementwise", True),
     ("llama", "interleaved", "stage4_tensor2", "elementwise", False),
+    ("gpt", "zb1", "stage2_tensor2_data2+sp", "selective", False),
+    ("llama", "zb1", "stage4_tensor2", "elementwise", True),
 ]
 
 
@@ -269,15 +297,16 @@ def reductions_by_axis(text: str, layout) -> dict[str, int]:
     return found
 
 
-def test_one_batch_reduction_per_step_after_the_tick_loop(monkeypatch):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1"])
+def test_one_batch_reduction_per_step_after_the_tick_loop(schedule, monkeypatch):
     """stage=2 x data=2 x tensor=2 + SP, gpt with dropout: inside the tick loop (the `while` whose
     body sends with collective-permute) the only reductions are the tensor-parallel ones; the
     data-parallel gradient reduction runs after it, once. With the stage region manual over `stage`
     alone (the old executor) GSPMD reduces each backward tick's chunk gradients over `data` inside
-    the loop - the check sees it."""
+    the loop - the check sees it. zb1's weight passes, in the loop too, reduce nothing over `data`."""
     from meshlm.insight import hlo
 
-    cfg = config("gpt", LAYOUTS["stage2_tensor2_data2+sp"], "1f1b")
+    cfg = config("gpt", LAYOUTS["stage2_tensor2_data2+sp"], schedule)
 
     def tick_loop_and_rest(text):
         loops = [body for body in hlo.loop_bodies(text) if "collective-permute" in body]
@@ -292,10 +321,32 @@ def test_one_batch_reduction_per_step_after_the_tick_loop(monkeypatch):
     # docs/pipeline.md, "Overlap": XLA:CPU runs collective-permute synchronously (no start/done
     # pair it could schedule around compute); if this starts failing, the overlap can be shown here
     assert "collective-permute-start" not in text and "collective-permute(" in text
-
+    if schedule == "zb1":
+        return
     monkeypatch.setattr(pipeline, "manual_batch_axes", lambda layout: ())
     in_loop, _ = tick_loop_and_rest(compiled_grad_step(cfg)[0])
     assert in_loop.get("data", 0) > 0
+
+
+def test_zb1_runs_each_gemm_once():
+    """zb1's B pass has no weight-gradient GEMM and its W pass no input-gradient GEMM: the compiled
+    step's dot FLOPs (each computation counted once: a stage's forward, its B, and the two weight
+    passes, one per segment, whose code is the same) exceed 1F1B's (forward, whole backward) by
+    exactly one weight pass - 2 x rows x the layer's matmul weights per device (the layer scan's
+    body is counted once). Were W to re-run the cotangent chain, or B to keep its weight GEMMs,
+    the difference would be larger (llama, stage=4 x tensor=2)."""
+    from meshlm.insight import hlo
+
+    flops = {
+        s: hlo.dot_flops(compiled_grad_step(config("llama", LAYOUTS["stage4_tensor2"], s))[0])
+        for s in SCHEDULES
+        if s in ("1f1b", "zb1")
+    }
+    cfg = config("llama", LAYOUTS["stage4_tensor2"], "zb1")
+    specs = param_specs(cfg.model)["layers"]
+    weights = sum(math.prod(specs[n].shape[1:]) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")) // 2
+    rows = cfg.train.global_batch // cfg.train.microbatches * cfg.train.seq_len
+    assert flops["zb1"] - flops["1f1b"] == 2 * rows * weights
 
 
 def test_bubbles_are_inert(params):
@@ -340,7 +391,8 @@ def compiled_temp_bytes(schedule: str, m: int, p: int = 4) -> tuple[int, RunConf
 
 def test_stage_zero_memory_follows_the_formula():
     """What an extra microbatch costs, compiled vs `accounting.activation_memory` (stage 0: its
-    microbatch-chunks in flight x L/(p v) layers' stored activations, plus inboxes and token ids).
+    microbatch-chunks in flight x L/(p v) layers' stored activations, plus inboxes and token ids;
+    zb1 its weight slots).
     GPipe keeps every microbatch's residuals until its backward: each costs stage 0 its L/p layers'
     activations plus the loss cotangent waiting for it - within 5%. 1F1B keeps at most 2p - 1 in
     flight (the paired table's warm-up + 1): flat in m from there, in the compiled program and in
@@ -356,6 +408,12 @@ def test_stage_zero_memory_follows_the_formula():
     grown = one_f_one_b[16][0] - one_f_one_b[8][0]
     assert abs(grown - (flat[16] - flat[8])) < 0.01 * measured  # token ids only, in both
     assert accounting.activation_memory(one_f_one_b[16][1])["layers"] == 7 * (LAYERS // 4) * per_layer
+    # zb1: what 1F1B keeps, plus the pending weight passes' region output gradients (and one chunk's
+    # region inputs on their way to a slot) - within 10% of the compiled difference (observed 8%)
+    zb1, cfg = compiled_temp_bytes("zb1", 8)
+    extra = accounting.activation_memory(cfg)["total"] - flat[8]
+    assert extra > 0.2 * one_f_one_b[8][0]
+    assert zb1 - one_f_one_b[8][0] == pytest.approx(extra, rel=0.1)
 
 
 def test_embeddings_are_stored_split_over_the_stages(monkeypatch):
@@ -432,14 +490,17 @@ def validation_losses(run_dir) -> dict[int, float]:
 
 
 def test_train_moves_between_pipelined_and_unpipelined_meshes(corpus_dir, tmp_path):
-    """Through the trainer: steps 1-2 on stage=2 x tensor=2 (1F1B) with a validation pass, 3 on
-    context=2 x tensor=2 (Ulysses; resumed from the pipeline's checkpoint), 4 on data=2 x fsdp=2
-    (resumed from the context mesh's): the losses are one device's."""
+    """Through the trainer: steps 1-2 on stage=2 x tensor=2 (zb1; 1F1B's steps are the SGD test's)
+    with a validation pass, 3 on context=2 x tensor=2 (Ulysses; resumed from the pipeline's
+    checkpoint), 4 on data=2 x fsdp=2 (resumed from the context mesh's): the losses are one
+    device's."""
     from meshlm.trainer import train
 
     def cfg_for(mesh: dict) -> RunConfig:
         cfg = config("gpt")
         par = dataclasses.replace(cfg.parallel, **mesh, context_strategy="all_to_all")
+        if par.stage > 1:
+            par = dataclasses.replace(par, pipeline_schedule="zb1")
         cfg = dataclasses.replace(cfg, parallel=par)
         return validate(
             dataclasses.replace(
@@ -454,16 +515,17 @@ def test_train_moves_between_pipelined_and_unpipelined_meshes(corpus_dir, tmp_pa
     run = tmp_path / "moved"
     train(cfg_for(dict(stage=2, tensor=2)), run, quiet=True, stop_after=2)
     report = json.loads((run / "run.json").read_text())["startup_report"]
-    assert report["pipeline"] | {"peak_in_flight": None} == {
-        "schedule": "1f1b",
+    assert report["pipeline"] | {"bubble_fraction": None} == {
+        "schedule": "zb1",
         "stages": 2,
         "virtual_stages": 1,
         "microbatches": 2,
         "ticks": 5,
-        "bubble_fraction": 0.5,
-        "peak_in_flight": None,
+        "bubble_fraction": None,
+        "peak_in_flight": [2, 1],
+        "peak_pending_weight_passes": [2, 2],
     }
-    assert report["pipeline"]["peak_in_flight"] == [2, 1]
+    assert report["pipeline"]["bubble_fraction"] == pytest.approx(1 / 3)  # 1F1B's: 0.5
     assert any(k.startswith("activations (stage 0, 2 in flight)") for k in report["predicted_device_bytes"])
     train(cfg_for(dict(context=2, tensor=2)), run, quiet=True, stop_after=3)
     result = train(cfg_for(dict(data=2, fsdp=2)), run, quiet=True)

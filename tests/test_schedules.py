@@ -13,6 +13,7 @@ from meshlm.parallel.schedules import (
     check_sizes,
     first_stage_in_flight,
     orders,
+    tables,
     validate,
 )
 
@@ -64,6 +65,30 @@ def test_lockstep_1f1b_example():
     costs = [max(sum({"F": 1, "B": 2}[a.kind] for a in c) for c in row) for row in s.table]
     assert costs == [1] * 4 + [3] * 7 + [2] * 4
     assert s.lockstep_time(1.0, 2.0) == 33
+
+
+@pytest.mark.parametrize("p, m", GRID)
+def test_zero_bubble(p, m):
+    """zb1 (ZB-H1 in lockstep): 1F1B's ticks and activations in flight; each backward's weight pass
+    W apart from its B, and each stage s > 0 runs 2s of them in the s ticks where it would idle at
+    the end. With m >= 2p - 1 the lockstep time is m(f + b) + (p-1)(max(f, w) + b - 2w) for any
+    w <= b - w (ZB-H1's bubble (p-1)(F + B - W)): a third of 1F1B's when F, B and W cost the same.
+    Pending weight passes (each holding its layers' matmul inputs and output gradients) peak at
+    min(2p - 1, m) on every stage."""
+    s, one = build("zb1", p, m), build("1f1b", p, m)
+    assert s.splits_backward and not one.splits_backward
+    assert s.ticks == one.ticks == m + 2 * p - 1
+    assert [s.peak_in_flight(i) for i in range(p)] == [one.peak_in_flight(i) for i in range(p)]
+    assert [max(s.pending_weights(i)) for i in range(p)] == [min(2 * p - 1, m)] * p
+    assert tables(s).weight_slots == min(2 * p - 1, m) + 1 and tables(one).weight_slots == 0  # + a spare
+    assert all(s.in_flight(i)[-1] == s.pending_weights(i)[-1] == 0 for i in range(p))
+    for b in RATIOS:
+        for w in (b / 4, b / 2):
+            if m >= 2 * p - 1:
+                assert s.lockstep_time(1.0, b, w) == pytest.approx(m * (1 + b) + (p - 1) * (max(1, w) + b - 2 * w))
+            assert s.lockstep_time(1.0, b, w) < one.lockstep_time(1.0, b)
+    if m >= 2 * p - 1:
+        assert s.bubble_fraction == pytest.approx(one.bubble_fraction / 3) == pytest.approx((p - 1) / (3 * m))
 
 
 def test_1f1b_memory_is_flat_in_m_and_gpipe_grows():
@@ -123,6 +148,37 @@ def test_the_validator_catches_broken_tables():
         with pytest.raises(ScheduleError, match=message):
             validate(broken(edit))
     validate(good)
+
+    zb = build("zb1", 4, 8)
+
+    def weight_before_its_b(t):  # stage 3's last cell (two Ws) swapped with its first backward's tick
+        i = find(t, 3, lambda c: Action("B", 1, 3) in c)
+        t[i][3], t[-1][3] = cell(*t[i][3], *t[-1][3]), ()
+
+    def three_weights(t):
+        i = find(t, 3, lambda c: sum(a.kind == "W" for a in c) == 2)
+        j = find(t, 3, lambda c: sum(a.kind == "W" for a in c) == 1)
+        w = next(a for a in t[j][3] if a.kind == "W")
+        t[i][3], t[j][3] = cell(*t[i][3], w), cell(*(a for a in t[j][3] if a.kind != "W"))
+
+    def a_weight_in_1f1b(t):
+        t[-1][0] = cell(*t[-1][0], Action("W", 7, 0))
+
+    def one_weight_missing(t):
+        i = find(t, 2, lambda c: sum(a.kind == "W" for a in c) == 2)
+        t[i][2] = cell(*t[i][2][1:])
+
+    for table, edit, message in [
+        (zb, weight_before_its_b, "runs before its B pass"),
+        (zb, three_weights, "up to two W"),
+        (good, a_weight_in_1f1b, "at most one backward, then one forward"),
+        (zb, one_weight_missing, "runs 7 W of chunk 2"),
+    ]:
+        t = [list(r) for r in table.table]
+        edit(t)
+        with pytest.raises(ScheduleError, match=message):
+            validate(dataclasses.replace(table, table=tuple(tuple(r) for r in t)))
+    validate(zb)
 
 
 def test_a_deadlocking_order_is_refused(monkeypatch):

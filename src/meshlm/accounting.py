@@ -499,23 +499,40 @@ def pipeline_in_flight(cfg: RunConfig, pipeline: int | None = None, interleave: 
 def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
     """What meshlm's executor (`parallel/pipeline.py`) keeps besides the stash: every microbatch's
     token ids and targets, and the inboxes of arrived activations and cotangents ([b, s, d] each,
-    sequence-sharded under SP) with their spare slots, sized by the schedule's table."""
+    sequence-sharded under SP) with their spare slots, sized by the schedule's table. zb1 also
+    keeps, per weight slot (the pending weight passes' peak + a spare) and layer of the chunk, the
+    gradients of the tensor-parallel regions' outputs (`weight_pass_output_gradients`), and one
+    chunk's region inputs on their way to a slot; the regions' inputs in the weight slots are
+    those 1F1B's stash keeps for the weight gradients (zb1's stash does not), so the layers' term
+    is 1F1B's (the peak pending equals the peak in flight)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
-    act_slots, grad_slots = _inbox_slots(par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages)
+    act_slots, grad_slots, weight_slots = _slots(par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages)
     b = t.global_batch // t.microbatches // par.batch_shards
     r = par.tensor if par.sequence_parallel else 1
-    slot = dtype_bytes(m.dtype) * t.seq_len * b * m.d_model / r
-    return {
+    e = dtype_bytes(m.dtype)
+    slot = e * t.seq_len * b * m.d_model / r
+    terms = {
         "token_ids_and_targets": 8 * t.seq_len * b * t.microbatches,
         "activation_inbox": act_slots * slot,
         "cotangent_inbox": grad_slots * slot,
     }
+    if weight_slots:
+        # gpt's fc1, llama's gate and up (an MoE layer's experts are not regions: their gradients are B's)
+        mlp = 0 if m.moe else (1 if m.family == "gpt" else 2) * m.ffn / par.tensor
+        qkv = (m.n_heads + 2 * m.kv_heads) * m.dim_head / par.tensor
+        per_layer = e * t.seq_len * b * (qkv + mlp) + (1 if m.moe else 2) * slot  # + the row-parallel outputs
+        terms["weight_pass_output_gradients"] = weight_slots * m.n_layers / par.stage * per_layer
+        # a forward's region inputs wait one tick before their slot is written (pipeline.py: so no
+        # write follows a weight pass's read in the same tick): one chunk's worth
+        inputs = 2 * slot + e * t.seq_len * b * (m.n_heads * m.dim_head + (0 if m.moe else m.ffn)) / par.tensor
+        terms["weight_pass_pending_inputs"] = m.n_layers / par.stage * inputs
+    return terms
 
 
 @functools.lru_cache(maxsize=256)
-def _inbox_slots(name: str, stages: int, microbatches: int, virtual: int) -> tuple[int, int]:
+def _slots(name: str, stages: int, microbatches: int, virtual: int) -> tuple[int, int, int]:
     tab = tables(build(name, stages, microbatches, virtual))
-    return tab.act_slots, tab.grad_slots
+    return tab.act_slots, tab.grad_slots, tab.weight_slots
 
 
 def activation_memory(

@@ -108,6 +108,7 @@ def _pipeline(cfg: RunConfig) -> dict | None:
         "ticks": schedule.ticks,
         "bubble_fraction": schedule.bubble_fraction,
         "peak_in_flight": [schedule.peak_in_flight(s) for s in range(par.stage)],
+        "peak_pending_weight_passes": [max(schedule.pending_weights(s)) for s in range(par.stage)],
     }
 
 
@@ -186,6 +187,7 @@ def format_report(r: dict[str, Any]) -> list[str]:
             f"pipeline: {p['schedule']} over {p['stages']} stages{chunks}, {p['microbatches']} microbatches in "
             f"{p['ticks']} ticks, bubble {p['bubble_fraction']:.1%} of the busy time; microbatch-chunks in flight "
             f"per stage {p['peak_in_flight']}"
+            + (f", weight passes pending {p['peak_pending_weight_passes']}" if p["schedule"] == "zb1" else "")
         )
     active = r["active_param_count"]
     moe = f" ({active / 1e6:.2f}M active per token)" if active != r["param_count"] else ""

@@ -23,6 +23,7 @@ from jax.typing import ArrayLike
 
 from meshlm.accounting import query_chunks
 from meshlm.axes import BATCH_AXES
+from meshlm.parallel import taps
 
 
 def layer_norm(x_btd: jax.Array, scale_d: jax.Array, bias_d: jax.Array, eps: float) -> jax.Array:
@@ -76,7 +77,9 @@ def dense_shared(equation: str, x: jax.Array, ws: list[jax.Array], flat: bool = 
     x_rows = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
     # a plain matmul: every weight axis is contracted with x or kept in the output, not both
     matmul = set(x_axes[2:]).isdisjoint(out[2:]) and sorted(w_axes) == sorted(x_axes[2:] + out[2:])
-    if not (matmul and transposed_copy_gradients()):  # autodiff's gradients
+    # autodiff's gradients; also while zb1 records a forward, whose B pass takes no weight
+    # gradient (the custom rule's residuals would keep x for one)
+    if not (matmul and transposed_copy_gradients()) or taps.recording_forward():
         ys = [jnp.einsum(rows_eq, x_rows, w, **kwargs) for w in ws]
     else:  # the GEMMs, not differentiated; their gradients come from the zero-valued terms added
         # (recomputation policies see plain GEMMs; backward keeps x and the weights, as autodiff's)

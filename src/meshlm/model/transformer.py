@@ -28,6 +28,7 @@ from meshlm.parallel import remat
 from meshlm.parallel.collectives import column_parallel, row_parallel, vocab_parallel_embed
 from meshlm.parallel.context import context_attention
 from meshlm.parallel.rules import Layout, constrain
+from meshlm.parallel.taps import Recorder, recording
 
 RESIDUAL = (ax.BATCH, ax.ACT_SEQ, ax.ACT_EMBED)  # the residual stream (sequence-sharded under SP)
 HEADS_ACT = (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None)
@@ -305,8 +306,14 @@ def run_layers(
     remat_policy: str = "elementwise",
     segment_ids: jax.Array | None = None,
     chain: bool = False,
+    taps: list | None = None,
 ) -> tuple[jax.Array, moe.RouterStats | None]:
     """(the residual stream after the layers, the MoE layers' RouterStats stacked [n, ...] or None).
+
+    With `taps` (zb1's forward, `parallel.taps`: a zero [n, ...] per output of each tensor-parallel
+    region of a layer, in call order, as `region_shapes` lists them), the second output is
+    (RouterStats or None, each region's input stacked [n, ...]), and the regions' weights get no
+    gradient: `weight_gradients` gives them from those inputs and the taps' gradients.
 
     `lax.scan` of the layer over stacked fp32 weights [n, ...]; layer j draws its dropout from
     fold_in(key, layer_ids[j]) (its index in the whole model), so a pipeline chunk of layers
@@ -320,12 +327,20 @@ def run_layers(
     block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
 
     def body(x_btd, layer):
-        p, i = layer
+        p, i = layer[:2]
         layer_key = None if key is None else jax.random.fold_in(key, i)
-        return block(x_btd, cast(p), layer_key, segments=segment_ids)  # (x, RouterStats or None)
+        if taps is None:
+            return block(x_btd, cast(p), layer_key, segments=segment_ids)  # (x, RouterStats or None)
+        with recording(Recorder("forward", taps=layer[2])) as rec:
+            x_btd, stats = block(x_btd, cast(p), layer_key, segments=segment_ids)
+        return x_btd, (stats, rec.inputs)
 
     n = layer_ids.shape[0]
     layer = remat.wrap_layer(body, remat_policy)
+    if taps is not None:
+        if chain:
+            raise ValueError("the split backward (taps) runs over a scan of layers, not a chain")
+        return jax.lax.scan(layer, x_btd, (stacked, layer_ids, taps), unroll=min(cfg.scan_unroll, n))
     if chain:
         # One split per stacked array, not n slices: the gradient of a split is one concatenate of
         # the layers' parts; that of n slices is a sum of n zero-padded copies of the whole stacked
@@ -338,6 +353,48 @@ def run_layers(
             stats.append(s)
         return x_btd, None if stats[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *stats)
     return jax.lax.scan(layer, x_btd, (stacked, layer_ids), unroll=min(cfg.scan_unroll, n))
+
+
+def region_shapes(x: jax.ShapeDtypeStruct, layer: dict, cfg: ModelConfig, layout: Layout | None) -> tuple:
+    """(inputs, outputs, weight names) of one layer's tensor-parallel regions, inputs and outputs
+    as shapes in call order: what a pending weight pass of each layer keeps (zb1, `parallel.taps`),
+    and the weights whose gradients the weight pass gives."""
+    rec = Recorder("probe")
+
+    def one(x, p):
+        with recording(rec):
+            BLOCKS[cfg.family](x, p, None, cfg=cfg, layout=layout, remat_policy="elementwise")
+
+    names = []
+
+    def one_named(x, p):
+        one(x, p)
+        names.extend(n for n, w in p.items() if id(w) in rec.weight_ids)
+
+    jax.eval_shape(one_named, x, layer)
+    return rec.inputs, rec.outputs, tuple(sorted(names))
+
+
+def weight_gradients(stacked: dict, inputs: list, grads: list, names: tuple, cfg: ModelConfig, layout) -> dict:
+    """zb1's weight pass W of a chunk of layers: the gradients of `names`, the weights its
+    tensor-parallel regions use, from each region's input recorded by the forward and each output's
+    gradient (the taps' gradients from B), all stacked [n, ...]. Each layer is traced with the
+    regions running on the recorded inputs; the rest of it is dead code, which XLA removes."""
+    block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy="elementwise")
+    x = jnp.zeros(inputs[0].shape[1:], inputs[0].dtype)  # the first region's input: the normed stream
+
+    def layer(_, xs):  # one loop over the layers, each differentiated on its own (nothing restacked)
+        p, ins, outs = xs
+
+        def objective(w):
+            rec = Recorder("weights", inputs=ins, grads=outs)
+            with recording(rec):
+                block(x, {**p, **w}, None)
+            return rec.objective
+
+        return None, jax.grad(objective)({n: p[n] for n in names})
+
+    return jax.lax.scan(layer, None, (stacked, inputs, grads))[1]
 
 
 def logits(

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
 from meshlm.model.layers import dense
+from meshlm.parallel import taps
 from meshlm.parallel.rules import Layout, as_part, constrain, part_names
 
 
@@ -97,11 +98,15 @@ def column_parallel(
     the local sequence shard and re-gathers it (P2 4.2.2; Megatron's
     LinearWithGradAccumulationAndAsyncCommunication). The recomputed matmul outputs are unused in
     backward and removed by XLA, so no GEMM runs twice.
+
+    The region is where zb1 splits the backward (`parallel.taps`): the weights' gradients in W.
     """
     extra_arrays = [e for e, _ in extras]
     if layout is None or layout.tensor_size == 1:
-        outs = fn(x_btd, *extra_arrays, *weights)
-        return tuple(constrain(layout, o, a) for o, a in zip(outs, out_axes, strict=True))
+        plain = lambda x, ws: tuple(
+            constrain(layout, o, a) for o, a in zip(fn(x, *extra_arrays, *ws), out_axes, strict=True)
+        )
+        return taps.region(plain, x_btd, weights)
     sp = layout.sequence_parallel
 
     def local(x, *args):
@@ -121,7 +126,7 @@ def column_parallel(
     )
     if sp:
         region = jax.checkpoint(region)
-    return region(x_btd, *extra_arrays, *weights)
+    return taps.region(lambda x, ws: region(x, *extra_arrays, *ws), x_btd, weights)
 
 
 def row_parallel(
@@ -144,13 +149,18 @@ def row_parallel(
     """
     if layout is None or not layout.sequence_parallel:
         flat = flat and (layout is None or (layout.context_size == 1 and layout.tensor_size == 1))
-        return constrain(layout, dense(equation, x, w, flat), out_axes)
-    return manual_region(
-        layout,
-        lambda xl, wl: jax.lax.psum_scatter(dense(equation, xl, wl, flat), "tensor", scatter_dimension=1, tiled=True),
-        in_specs=(layout.spec(x_axes), region_weight_spec(layout, w_axes)),
-        out_specs=layout.spec(out_axes),
-    )(x, w)
+        call = lambda x, ws: (constrain(layout, dense(equation, x, ws[0], flat), out_axes),)
+    else:
+        region = manual_region(
+            layout,
+            lambda xl, wl: jax.lax.psum_scatter(
+                dense(equation, xl, wl, flat), "tensor", scatter_dimension=1, tiled=True
+            ),
+            in_specs=(layout.spec(x_axes), region_weight_spec(layout, w_axes)),
+            out_specs=layout.spec(out_axes),
+        )
+        call = lambda x, ws: (region(x, ws[0]),)
+    return taps.region(call, x, [w])[0]
 
 
 def vocab_parallel_embed(

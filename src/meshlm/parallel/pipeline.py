@@ -1,4 +1,5 @@
-"""Pipeline parallelism: 1F1B, interleaved 1F1B and GPipe inside the one jitted train step.
+"""Pipeline parallelism: 1F1B, interleaved 1F1B, zero bubble (zb1) and GPipe inside the one
+jitted train step.
 
 The schedule is data (`parallel.schedules`): a static table of (tick, stage) -> a cell holding at
 most one backward and one forward of different microbatches (1F1B's and interleaved's steady
@@ -19,6 +20,12 @@ previous stage, runs its forward phase, sends the activation to the next stage:
   stashed in a slot until B(i, c) - exactly what one device's autodiff would keep for those
   layers. On the last chunk the output layer and loss run at once, forward and backward, and the
   output's cotangent waits for B(i, c).
+- zb1 splits the backward (`parallel.taps`): B(i, c) gives the input cotangent and the output
+  gradients of the layers' tensor-parallel regions, with the regions' weights held constant (no
+  weight GEMM runs, no matmul input is stashed for one); W(i, c) - in the cell's first segment,
+  before the cotangent's send, or its second, before the forward - gives those weights'
+  gradients from the regions' inputs (kept by F) and output gradients (kept by B), held in weight
+  slots until then.
 
 Each phase is a `lax.cond` (idle when the cell has none); gradients are added to their
 accumulators inside the branch that makes them. The two `ppermute`s are entered by every device
@@ -46,6 +53,8 @@ accumulation loop of `step.gradients` does, so a pipelined step equals the unpip
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -55,7 +64,7 @@ from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.params import param_specs
-from meshlm.model.transformer import RESIDUAL, embed, logits, run_layers
+from meshlm.model.transformer import RESIDUAL, embed, logits, region_shapes, run_layers, weight_gradients
 from meshlm.parallel.collectives import region_weight_spec
 from meshlm.parallel.rules import Layout, constrain
 from meshlm.parallel.schedules import Schedule, build, tables
@@ -121,6 +130,14 @@ class _Stage:
         self.stage = jax.lax.axis_index(AXIS)
         specs = param_specs(cfg.model)
         self.top_axes = {n: spec.axes for n, spec in specs.items() if n != "layers"}
+        self.split = tab.weight_slots > 0  # zb1: B and W apart
+        self.w_inputs, self.w_grads = [], []  # zb1: a weight slot's region inputs and output gradients
+        if self.split:
+            x = jax.ShapeDtypeStruct(self.x_shape, self.dtype)
+            layer = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[2:], self.dtype), local)
+            ins, outs, self.region_names = region_shapes(x, layer, cfg.model, layout)
+            stacked = lambda a: jax.ShapeDtypeStruct((self.per_chunk, *a.shape), a.dtype)
+            self.w_inputs, self.w_grads = [stacked(a) for a in ins], [stacked(a) for a in outs]
         self._probe_residuals()
 
     # ------------------------------------------------------------------ pieces
@@ -133,6 +150,19 @@ class _Stage:
 
     def filled(self) -> jax.Array:
         return self.resid(jnp.full(self.x_shape, self.idle_fill, self.dtype))
+
+    @property
+    def model_layout(self) -> tuple:
+        return self.cfg.model, self.layout
+
+    @staticmethod
+    def accumulate(g_layers: dict, lc, dw: dict) -> dict:
+        """The chunk's gradient accumulators with `dw` (some or all of its weights) added."""
+        return {n: _put(a, lc, _take(a, lc) + dw[n].astype(jnp.float32)) if n in dw else a for n, a in g_layers.items()}
+
+    def spare(self, like: list) -> list:
+        """What an idle phase writes into zb1's spare weight slot (nothing reads it)."""
+        return [_slots((), a, self.idle_fill) for a in like]
 
     def chunk_weights(self, lc):  # cast before the vjp, so residual weights are these very arrays
         return jax.tree.map(lambda w: _take(w, lc).astype(self.dtype), self.local)
@@ -155,13 +185,22 @@ class _Stage:
         return cross_entropy_sum(out, mb["targets"], mb.get("mask"))
 
     def vjp_parts(self, w, x, k, ids, seg):
-        """The chunk's output, its vjp, and which residuals are the chunk's weights themselves
-        (index into w's leaves, else None): those are not stashed but taken again in B."""
-        run = lambda w, x: run_layers(x, w, ids, self.cfg.model, self.layout, k, self.cfg.remat.policy, seg)[0]
-        y, vjp_fn = jax.vjp(run, w, x)
+        """The chunk's output, its vjp, which residuals are the chunk's weights themselves (index
+        into w's leaves, else None: those are not stashed but taken again in B), and (zb1) the
+        regions' inputs its weight pass needs; the vjp then also gives the regions' output gradients."""
+        run = partial(run_layers, layer_ids=ids, cfg=self.cfg.model, layout=self.layout, key=k, segment_ids=seg)
+        run = partial(run, remat_policy=self.cfg.remat.policy)
+        if self.split:  # the regions' weights held constant: their gradients come from W
+            taps = [jnp.zeros(a.shape, a.dtype) for a in self.w_grads]
+            held = {n: w[n] for n in self.region_names}
+            other = {n: a for n, a in w.items() if n not in held}
+            f = lambda wo, x, t: run(x, {**wo, **held}, taps=t)
+            y, vjp_fn, (_, inputs) = jax.vjp(f, other, x, taps, has_aux=True)
+        else:
+            (y, vjp_fn), inputs = jax.vjp(lambda w, x: run(x, w)[0], w, x), []
         w_leaves = jax.tree.leaves(w)
         where = tuple(next((j for j, q in enumerate(w_leaves) if q is r), None) for r in jax.tree.leaves(vjp_fn))
-        return y, vjp_fn, where
+        return y, vjp_fn, where, inputs
 
     def _probe_residuals(self) -> None:
         """Trace one chunk's vjp abstractly: the residuals' structure, which are weights, where each lives."""
@@ -169,7 +208,7 @@ class _Stage:
 
         def residuals(w, x):
             mb, k, ids = self.context(0, 0)
-            _, vjp_fn, probe["where"] = self.vjp_parts(w, x, k, ids, mb.get("segment_ids"))
+            _, vjp_fn, probe["where"], _ = self.vjp_parts(w, x, k, ids, mb.get("segment_ids"))
             probe["host"] = [jax.typeof(r).memory_space == jax.memory.Space.Host for r in jax.tree.leaves(vjp_fn)]
             return vjp_fn
 
@@ -194,13 +233,15 @@ class _Stage:
     def backward(self, r, res, dy, g_layers, g_top):
         """B(i, c), or nothing when the cell has no backward: (the accumulated chunk weight
         gradients and embedding gradients with this backward's added, the cotangent to send to the
-        previous stage). Accumulated inside the branches, so no tick adds zeros."""
+        previous stage, zb1's region output gradients for W - a filler for the spare weight slot
+        when idle). Accumulated inside the branches, so no tick adds zeros."""
 
         def run():
             mb, k, _ = self.context(r["b_micro"], r["b_chunk"])
-            dw, dx = self.rebuilt_vjp(res, r["b_chunk"])(self.resid(dy))
+            dw, dx, *taps = self.rebuilt_vjp(res, r["b_chunk"])(self.resid(dy))
             lc = r["b_chunk"]
-            acc = jax.tree.map(lambda a, g: _put(a, lc, _take(a, lc) + g.astype(jnp.float32)), g_layers, dw)
+            acc = self.accumulate(g_layers, lc, dw)
+            out_taps = [g.astype(a.dtype) for g, a in zip(taps[0], self.w_grads, strict=True)] if taps else []
 
             def through_embedding():
                 _, vjp_embed = jax.vjp(lambda t: self.embed(t, mb, k), self.top)
@@ -208,14 +249,30 @@ class _Stage:
 
             first = r["b_first"].astype(bool)
             top = jax.lax.cond(first, through_embedding, lambda: self.top_layout(g_top))
-            return acc, top, jnp.where(first, self.filled(), self.resid(dx.astype(self.dtype)))
+            return acc, top, jnp.where(first, self.filled(), self.resid(dx.astype(self.dtype))), out_taps
 
-        return jax.lax.cond(r["b"].astype(bool), run, lambda: (g_layers, self.top_layout(g_top), self.filled()))
+        idle = lambda: (g_layers, self.top_layout(g_top), self.filled(), self.spare(self.w_grads))
+        return jax.lax.cond(r["b"].astype(bool), run, idle)
+
+    def weight_pass(self, on, lc, slot, w_in, w_grad, g_layers):
+        """W (zb1), or nothing: the chunk's region weight gradients, from the region inputs and
+        output gradients its forward and B left in weight slot `slot` (read inside the branch, so
+        an idle pass reads nothing), added to their accumulators."""
+
+        def run():
+            inputs, grads = [_take(b, slot) for b in w_in], [_take(b, slot) for b in w_grad]
+            w = self.chunk_weights(lc)
+            return self.accumulate(
+                g_layers, lc, weight_gradients(w, inputs, grads, self.region_names, *self.model_layout)
+            )
+
+        return jax.lax.cond(on.astype(bool), run, lambda: g_layers)
 
     def forward(self, r, x_in, res_keep, g_top):
         """F(i, c), or nothing: (residuals to stash, activation to send, the loss's cotangent to
-        file, the accumulated head gradients with this forward's added, loss, token count).
-        `res_keep` is what an idle forward writes back into the stash slot."""
+        file, the accumulated head gradients with this forward's added, loss, token count, zb1's
+        region inputs for W - a filler for the spare weight slot when idle). `res_keep` is what an
+        idle forward writes back into the stash slot."""
         zero = jnp.zeros((), jnp.float32)
 
         def run():
@@ -224,7 +281,8 @@ class _Stage:
             # both branches of every cond state their outputs' layout (XLA requires them equal)
             x = jax.lax.cond(first, lambda: self.resid(self.embed(self.top, mb, k)), lambda: self.resid(x_in))
             w = self.chunk_weights(r["f_chunk"])
-            y, vjp_fn, w_where = self.vjp_parts(w, x, k, ids, mb.get("segment_ids"))
+            y, vjp_fn, w_where, inputs = self.vjp_parts(w, x, k, ids, mb.get("segment_ids"))
+            inputs = [a.astype(b.dtype) for a, b in zip(inputs, self.w_inputs, strict=True)] if self.split else []
 
             def with_loss():
                 (ls, cnt), (dy, dtop) = jax.value_and_grad(self.loss, argnums=(0, 1), has_aux=True)(y, self.top, mb)
@@ -233,10 +291,10 @@ class _Stage:
             no_loss = lambda: (self.filled(), self.top_layout(g_top), zero, zero)
             dy, top, ls, cnt = jax.lax.cond(last, with_loss, no_loss)
             send = jnp.where(last, self.filled(), self.resid(y.astype(self.dtype)))
-            return self.stash_of(vjp_fn, w_where), send, dy, top, ls, cnt
+            return self.stash_of(vjp_fn, w_where), send, dy, top, ls, cnt, inputs
 
         def idle():
-            return res_keep, self.filled(), self.filled(), self.top_layout(g_top), zero, zero
+            return res_keep, self.filled(), self.filled(), self.top_layout(g_top), zero, zero, self.spare(self.w_inputs)
 
         return jax.lax.cond(r["f"].astype(bool), run, idle)
 
@@ -247,6 +305,9 @@ class _Stage:
             "act": inbox(self.tab.act_slots),
             "grad": inbox(self.tab.grad_slots),
             "stash": [_slots((self.tab.stash_slots,), leaf, self.idle_fill, host) for leaf, host in self.stashed],
+            "w_in": [_slots((self.tab.weight_slots,), a, self.idle_fill) for a in self.w_inputs] if self.split else [],
+            "w_grad": [_slots((self.tab.weight_slots,), a, self.idle_fill) for a in self.w_grads] if self.split else [],
+            "w_in_next": (jnp.int32(max(self.tab.weight_slots - 1, 0)), self.spare(self.w_inputs)),
             "g_layers": jax.tree.map(jnp.zeros_like, self.local),
             "g_top": jax.tree.map(jnp.zeros_like, self.top),
             "loss": jnp.zeros((), jnp.float32),
@@ -261,23 +322,40 @@ class _Stage:
         Sends are entered by every device on every tick, outside any branch (idle stages send a
         filler that lands in a spare slot)."""
         r = {k: _take(a, self.stage) for k, a in row.items()}
+        # the previous tick's forward's region inputs are written first: every write to the weight
+        # slots then precedes the weight passes' reads (inside their branches), and XLA need not
+        # copy the whole buffer to keep the old value for a read that a later write would clobber
+        slot, inputs = c["w_in_next"]
+        w_in = [_put(buf, slot, a) for buf, a in zip(c["w_in"], inputs, strict=True)]
         res_b = [_take(buf, r["b_stash"]) for buf in c["stash"]]
-        g_layers, g_top, send_grad = self.backward(
+        g_layers, g_top, send_grad, taps = self.backward(
             r, res_b, _take(c["grad"], r["grad_read"]), c["g_layers"], c["g_top"]
         )
+        w_grad = [_put(buf, r["b_wslot"], g) for buf, g in zip(c["w_grad"], taps, strict=True)]
+        g_layers = self.weights(r, "w1", w_in, w_grad, g_layers)
         got_grad = jax.lax.ppermute(send_grad, AXIS, [(j, (j - 1) % self.p) for j in range(self.p)])
-        res, send_act, dy, g_top, ls, cnt = self.forward(r, _take(c["act"], r["act_read"]), res_b, g_top)
+        g_layers = self.weights(r, "w2", w_in, w_grad, g_layers)
+        res, send_act, dy, g_top, ls, cnt, inputs = self.forward(r, _take(c["act"], r["act_read"]), res_b, g_top)
         got_act = jax.lax.ppermute(send_act, AXIS, [(j, (j + 1) % self.p) for j in range(self.p)])
         grad = _put(c["grad"], r["grad_write"], dy)
         return {
             "act": _put(c["act"], r["recv_act"], got_act),
             "grad": _put(grad, r["recv_grad"], got_grad),
             "stash": [_put(buf, r["f_stash"], leaf) for buf, leaf in zip(c["stash"], res, strict=True)],
+            "w_in": w_in,
+            "w_in_next": (r["f_wslot"], inputs),
+            "w_grad": w_grad,
             "g_layers": g_layers,
             "g_top": g_top,
             "loss": c["loss"] + ls,
             "count": c["count"] + cnt,
         }, None
+
+    def weights(self, r, which: str, w_in: list, w_grad: list, g_layers):
+        """The weight pass of segment `which` (w1 before the cotangent's send, w2 after), if any."""
+        if not self.split:
+            return g_layers
+        return self.weight_pass(r[which], r[f"{which}_chunk"], r[f"{which}_slot"], w_in, w_grad, g_layers)
 
 
 def manual_batch_axes(layout: Layout) -> tuple[str, ...]:

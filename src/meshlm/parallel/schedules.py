@@ -3,10 +3,12 @@ that tick, built and checked in plain Python before anything is compiled.
 
 A pipeline of p stages runs m microbatches; with interleaving each stage holds v model chunks
 (stage s holds chunks s, s+p, ..., s+(v-1)p of the p*v chunks, Megatron's virtual stages). An
-action is the forward (F) or backward (B) pass of one microbatch through one chunk on one stage.
-A tick's cell holds at most one backward and one forward, run in that order; stages run in
-lockstep and a result sent at one tick is usable at the next, so a tick lasts as long as the
-slowest stage's cell.
+action is the forward (F) or backward (B) pass of one microbatch through one chunk on one stage;
+zb1 splits the backward into B (the input gradient) and W (the weight gradients). A tick's cell
+holds at most one backward, up to two W (zb1), and one forward, run in that order; the executor
+sends the cotangent after the cell's first segment (B and, with two, the first W) and the
+activation after its second (the other W and F). Stages run in lockstep - a result sent at one
+tick is usable at the next - so each segment lasts as long as the slowest stage's.
 
 Each schedule is a per-stage *order* of cells:
 - GPipe: m forward cells, then m backward cells (one action each);
@@ -14,7 +16,12 @@ Each schedule is a per-stage *order* of cells:
   with the forward of the next, then the remaining backwards;
 - interleaved 1F1B: Megatron's order over virtual chunks (microbatches in groups of p) with
   2(p-s-1) + (v-1)p + 1 warm-up forwards, paired the same way (Megatron runs every forward
-  first when m = p; the pairs need not).
+  first when m = p; the pairs need not);
+- zb1 (ZB-H1, Qi et al. 2023, in lockstep): 1F1B's cells with each backward's W after the
+  forward, except 2s of them on stage s, run two per tick where it would idle at the end
+  (`_weight_passes`); its bubble is (p-1)(max(f, w) + b - 2w) for m >= 2p - 1 and w <= b - w:
+  a third of 1F1B's when F, B and W cost the same, for the same activations in flight plus the
+  pending weight passes' region output gradients.
 Because a steady tick holds a forward *and* a backward, every tick where any stage is in its
 steady state costs f + b, and the lockstep time is exactly (m v + p - 1)(f + b), GPipe's: the
 textbook bubble, `lockstep_overhead` == (p-1)/m for 1F1B and (p-1)/(v m) interleaved, for every
@@ -41,8 +48,8 @@ from typing import Literal
 
 import numpy as np
 
-Kind = Literal["F", "B"]
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+Kind = Literal["F", "B", "W"]
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
 
 
 class ScheduleError(ValueError):
@@ -63,13 +70,22 @@ class Action:
         return f"{self.kind} microbatch {self.microbatch} chunk {self.chunk}"
 
 
-Cell = tuple[Action, ...]  # what one stage runs in one tick: its backward first, then its forward
-_PHASES = ("B", "F")  # the order of a cell's actions
+Cell = tuple[Action, ...]  # what one stage runs in one tick, in execution order
+_PHASES = ("B", "W", "F")  # the order of a cell's actions: backward, weight passes, forward
+_CELL_KINDS = {b + w + f for b in ("", "B") for w in ("", "W", "WW") for f in ("", "F")}
 
 
 def cell(*actions: Action) -> Cell:
-    """A cell in execution order (backward, then forward)."""
+    """A cell in execution order: the backward, the weight passes (zb1), the forward."""
     return tuple(sorted(actions, key=lambda a: _PHASES.index(a.kind)))
+
+
+def segments(c: Cell) -> tuple[Cell, Cell]:
+    """A cell's two segments, split where the executor sends the cotangent: (the backward and,
+    when the cell holds two weight passes, the first; the other weight pass and the forward)."""
+    w = [a for a in c if a.kind == "W"]
+    first = tuple(a for a in c if a.kind == "B") + tuple(w[:-1])
+    return first, tuple(a for a in c if a not in first)
 
 
 @dataclass(frozen=True)
@@ -84,37 +100,60 @@ class Schedule:
     def ticks(self) -> int:
         return len(self.table)
 
-    def lockstep_time(self, forward: float, backward: float) -> float:
-        """Wall time of the table when every tick lasts as long as its slowest cell (stages
-        exchange results every tick, so none runs ahead): sum over ticks of the max over stages of
-        the cell's cost: (m v + p - 1)(f + b) for every schedule here (GPipe's phases; the paired
-        tables' warm-up forwards, steady pairs and cool-down backwards), tested."""
-        cost = {"F": forward, "B": backward}
-        return sum(max(sum(cost[a.kind] for a in c) for c in row) for row in self.table)
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backwards are split into the input-gradient pass (B) and the weight pass (W)."""
+        return any(a.kind == "W" for row in self.table for c in row for a in c)
 
-    def lockstep_overhead(self, backward_over_forward: float) -> float:
+    def lockstep_time(self, forward: float, backward: float, weight: float | None = None) -> float:
+        """Wall time of the table when stages wait for each other at every send (the executor sends
+        the cotangent after a cell's first segment and the activation after its second, and none
+        runs ahead): sum over ticks and segments of the max over stages of the segment's cost.
+        `backward` is a whole backward; `weight` (default half of it) the share that zb1's W pass
+        takes, its B pass the rest. (m v + p - 1)(f + b) for GPipe, 1F1B and interleaved (GPipe's
+        phases; the paired tables' warm-up forwards, steady pairs and cool-down backwards); zb1
+        m(f + b) + (p-1)(max(f, w) + b - 2w) when w <= b - w (ZB-H1's bubble), tested."""
+        w = backward / 2 if weight is None else weight
+        cost = {"F": forward, "B": backward - w if self.splits_backward else backward, "W": w}
+        total = 0.0
+        for row in self.table:
+            parts = [segments(c) for c in row]
+            total += sum(max(sum(cost[a.kind] for a in seg[k]) for seg in parts) for k in (0, 1))
+        return total
+
+    def lockstep_overhead(self, backward_over_forward: float, weight_over_forward: float | None = None) -> float:
         """Lockstep time over the busy time of one stage (m v (f + b)), minus 1: what the executor
         adds to a stage's work - the textbook bubble, (p-1)/m for GPipe and 1F1B, (p-1)/(v m)
-        interleaved, whatever the ratio."""
+        interleaved, whatever the ratio; zb1 (p-1)(f + b - 2w)/(m(f + b)) for w <= min(f, b - w):
+        a third of 1F1B's when the forward, B and W cost the same."""
         busy = self.microbatches * self.virtual * (1.0 + backward_over_forward)
-        return self.lockstep_time(1.0, backward_over_forward) / busy - 1.0
+        return self.lockstep_time(1.0, backward_over_forward, weight_over_forward) / busy - 1.0
 
     @property
     def bubble_fraction(self) -> float:
         """Idle over busy time of a stage (P2 / Narayanan et al.'s bubble time fraction), in lockstep
-        with a backward costing two forwards."""
+        with a backward costing two forwards (zb1: its B and W one forward each)."""
         return self.lockstep_overhead(2.0)
 
     def in_flight(self, stage: int) -> list[int]:
         """Microbatch-chunks forwarded but not yet backwarded on `stage`, after each tick."""
         out, live = [], 0
         for row in self.table:
-            live += sum(1 if a.kind == "F" else -1 for a in row[stage])
+            live += sum(1 if a.kind == "F" else -1 if a.kind == "B" else 0 for a in row[stage])
             out.append(live)
         return out
 
     def peak_in_flight(self, stage: int) -> int:
         return max(self.in_flight(stage))
+
+    def pending_weights(self, stage: int) -> list[int]:
+        """zb1: microbatch-chunks forwarded whose weight pass has not run, after each tick - each
+        holds its layers' matmul inputs (from the forward) and output gradients (from B)."""
+        out, live = [], 0
+        for row in self.table:
+            live += sum(1 if a.kind == "F" else -1 if a.kind == "W" else 0 for a in row[stage])
+            out.append(live)
+        return out if self.splits_backward else [0] * len(out)
 
     def picture(self) -> str:
         """The table as text: one line per stage, one column per tick ('.' idle, `B0+F4` a pair)."""
@@ -190,12 +229,38 @@ def orders(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[
             continue
         warm = _warm_up(s, p, m, v)
         pairs = [cell(bwd[i], fwd[warm + i]) for i in range(total - warm)]
-        out.append([cell(a) for a in fwd[:warm]] + pairs + [cell(a) for a in bwd[total - warm :]])
+        tail = [cell(a) for a in bwd[total - warm :]]
+        if name == "zb1":
+            pairs, tail = _weight_passes(s, pairs, tail)
+        out.append([cell(a) for a in fwd[:warm]] + pairs + tail)
     return out
+
+
+def _weight_passes(stage: int, pairs: list[Cell], tail: list[Cell]) -> tuple[list[Cell], list[Cell]]:
+    """ZB-H1 in lockstep (zb1): each backward's weight pass W runs in its own cell, after the
+    forward - except on stage s, the Ws of its first s pairs (while the first cotangent travels
+    back to stage 0, whose ticks then cost a forward and a B) and of the pairs with its last s
+    forwards (while stage 0 has no forward left and runs B + W). Those 2s wait for the s ticks at
+    the end where stage s would idle, two per tick (one in each segment), so stage 0 never waits
+    for them."""
+    weight = lambda c: next(Action("W", a.microbatch, a.chunk) for a in c if a.kind == "B")
+    n, late = len(pairs), []
+    out = []
+    for i, c in enumerate(pairs):
+        if i < stage or i >= n - stage:
+            late.append(weight(c))
+            out.append(c)
+        else:
+            out.append(cell(*c, weight(c)))
+    tail = [cell(*c, weight(c)) for c in tail]
+    tail += [cell(*late[i : i + 2]) for i in range(0, len(late), 2)]
+    return out, tail
 
 
 def _dependency(action: Action, stages: int, chunks: int) -> Action | None:
     """The action whose result this one needs (None: its input is the batch itself)."""
+    if action.kind == "W":  # the output gradients its B pass made
+        return Action("B", action.microbatch, action.chunk)
     if action.kind == "F":
         return None if action.chunk == 0 else Action("F", action.microbatch, action.chunk - 1)
     if action.chunk == chunks - 1:  # the loss: after this microbatch's last forward
@@ -212,9 +277,9 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedu
     table: list[tuple[Cell, ...]] = []
     tick = 0
 
-    def ready(c: Cell) -> bool:
-        needs = [_dependency(a, stages, chunks) for a in c]
-        return all(n is None or done.get(n, tick) < tick for n in needs)
+    def ready(c: Cell) -> bool:  # every need done at an earlier tick, or earlier in this cell
+        needs = [(_dependency(a, stages, chunks), c[:k]) for k, a in enumerate(c)]
+        return all(n is None or done.get(n, tick) < tick or n in before for n, before in needs)
 
     while any(queues):
         row = tuple(queues[s].pop(0) if queues[s] and ready(queues[s][0]) else () for s in range(p))
@@ -240,8 +305,12 @@ def validate(schedule: Schedule) -> None:
         if len(row) != p:
             raise ScheduleError(f"tick {tick} has {len(row)} stages, not {p}")
         for stage, c in enumerate(row):
-            if [a.kind for a in c] != [k for k in _PHASES if k in {a.kind for a in c}]:
-                raise ScheduleError(f"tick {tick} stage {stage}: a cell holds at most one backward, then one forward")
+            kinds = "".join(a.kind for a in c)
+            if kinds not in _CELL_KINDS or ("W" in kinds and schedule.name != "zb1"):
+                allowed = "at most one backward, then one forward" + (
+                    ", with up to two W" if schedule.name == "zb1" else ""
+                )
+                raise ScheduleError(f"tick {tick} stage {stage}: {kinds} - a cell holds {allowed}")
             for action in c:
                 if not (0 <= action.microbatch < m and 0 <= action.chunk < chunks):
                     raise ScheduleError(f"{action} is outside {m} microbatches x {chunks} chunks")
@@ -254,7 +323,7 @@ def validate(schedule: Schedule) -> None:
     runs = Counter((a.kind, a.chunk) for a in ran)
     for stage in range(p):
         for c in range(stage, chunks, p):
-            for kind in ("F", "B"):
+            for kind in ("F", "B", "W") if schedule.name == "zb1" else ("F", "B"):
                 got = runs[kind, c]
                 if got != m:
                     raise ScheduleError(f"stage {stage} runs {got} {kind} of chunk {c}, not {m}")
@@ -263,6 +332,11 @@ def validate(schedule: Schedule) -> None:
         # chunk's forward, the last chunk's backward its own forward (the loss), any other backward
         # the next chunk's backward
         mb, c = action.microbatch, action.chunk
+        if action.kind == "W":  # after its B: an earlier tick, or earlier in the same cell
+            b_tick = ran[Action("B", mb, c)][0] if Action("B", mb, c) in ran else None
+            if b_tick is None or b_tick > tick:
+                raise ScheduleError(f"{action} at tick {tick} runs before its B pass ({b_tick or 'never'})")
+            continue
         if action.kind == "F":
             need = Action("F", mb, c - 1) if c > 0 else None
         else:
@@ -284,6 +358,7 @@ class Tables:
 
     rows: dict[str, np.ndarray]
     stash_slots: int  # residuals of microbatch-chunks forwarded, not yet backwarded (the peak)
+    weight_slots: int  # zb1: region inputs and output gradients of pending weight passes (peak + 1 spare)
     act_slots: int  # activations arrived, not yet forwarded (+1 spare slot for idle sends)
     grad_slots: int  # cotangents arrived (or made by the loss), not yet backwarded (+1 spare)
 
@@ -308,6 +383,9 @@ def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
 # The rows of `tables`: the backward phase's (b...), the forward phase's (f...), the receives.
 ROWS = ("b", "b_micro", "b_chunk", "b_first", "b_stash", "grad_read")
 ROWS += ("f", "f_micro", "f_chunk", "f_first", "f_last", "f_stash", "act_read", "grad_write", "recv_act", "recv_grad")
+# zb1: the weight slot B writes and F writes, and the weight passes of each segment (w1 before the
+# cotangent's send, w2 after it, before the forward): whether, which chunk, which slot
+ROWS += ("b_wslot", "f_wslot", "w1", "w1_chunk", "w1_slot", "w2", "w2_chunk", "w2_slot")
 
 
 def tables(schedule: Schedule) -> Tables:
@@ -317,7 +395,10 @@ def tables(schedule: Schedule) -> Tables:
     slot freed by a tick's backward takes that tick's forward. The inboxes have a spare last
     slot: a receive of nothing real (an idle neighbour's filler) and a forward that makes no loss
     cotangent write there. The stash has none: a tick without a forward writes back the slot its
-    backward read (slot 0 when idle), so the buffer is exactly the peak in flight."""
+    backward read (slot 0 when idle), so the buffer is exactly the peak in flight. zb1's weight
+    slots live from the forward's write (4t+2) to the weight pass's read (4t in the first segment,
+    4t+1 in the second, which runs before the forward); B writes its output gradients into its
+    microbatch-chunk's slot; an idle B or forward writes into their spare last slot."""
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
     chunks = p * v
     when = {}  # (kind, microbatch, chunk) -> tick
@@ -325,35 +406,52 @@ def tables(schedule: Schedule) -> Tables:
         for c in row:
             for a in c:
                 when[a.kind, a.microbatch, a.chunk] = t
-    stash, act, grad = ([[] for _ in range(p)] for _ in range(3))
+    w_read = {}  # (microbatch, chunk) -> quarter tick its weight pass reads
+    for t, row in enumerate(schedule.table):
+        for c_ in row:
+            for a, seg in ((a, k) for k, part in enumerate(segments(c_)) for a in part if a.kind == "W"):
+                w_read[a.microbatch, a.chunk] = 4 * t + seg
+    stash, act, grad, weight = ([[] for _ in range(p)] for _ in range(4))
     for i in range(m):
         for c in range(chunks):
             s, tf, tb = c % p, when["F", i, c], when["B", i, c]
             stash[s].append((4 * tf + 2, 4 * tb, (i, c)))
+            if (i, c) in w_read:
+                weight[s].append((4 * tf + 2, w_read[i, c], (i, c)))
             if c > 0:
                 act[s].append((4 * when["F", i, c - 1] + 3, 4 * tf + 1, (i, c)))
             written = 4 * tf + 2 if c == chunks - 1 else 4 * when["B", i, c + 1] + 3
             grad[s].append((written, 4 * tb, (i, c)))
-    coloured = [[_colour(lists[s]) for s in range(p)] for lists in (stash, act, grad)]
-    n_stash, n_act, n_grad = (max(1, max(n for _, n in col)) for col in coloured)
+    coloured = [[_colour(lists[s]) for s in range(p)] for lists in (stash, act, grad, weight)]
+    n_stash, n_act, n_grad, n_weight = (max(1, max(n for _, n in col)) for col in coloured)
     rows = {k: np.zeros((schedule.ticks, p), np.int32) for k in ROWS}
-    for keys, spare in (("act_read recv_act", n_act), ("grad_read grad_write recv_grad", n_grad)):
+    spares = [("act_read recv_act", n_act), ("grad_read grad_write recv_grad", n_grad), ("b_wslot f_wslot", n_weight)]
+    for keys, spare in spares:
         for k in keys.split():
             rows[k][:] = spare
     slot = lambda which, s, i, c: coloured[which][s][0][i, c]
     for t, row in enumerate(schedule.table):
         for s, cell_ in enumerate(row):
             r: dict[str, int] = {}
+            first = segments(cell_)[0]
             for a in cell_:
                 i, c = a.microbatch, a.chunk
+                if a.kind == "W":
+                    w = "w1" if a in first else "w2"
+                    r |= {w: 1, f"{w}_chunk": c // p, f"{w}_slot": slot(3, s, i, c)}
+                    continue
                 if a.kind == "B":
                     r |= {"b": 1, "b_micro": i, "b_chunk": c // p, "b_first": c == 0}
                     r |= {"b_stash": slot(0, s, i, c), "grad_read": slot(2, s, i, c)}
+                    if (i, c) in w_read:
+                        r["b_wslot"] = slot(3, s, i, c)
                     if c > 0:
                         rows["recv_grad"][t, (s - 1) % p] = slot(2, (s - 1) % p, i, c - 1)
                     continue
                 r |= {"f": 1, "f_micro": i, "f_chunk": c // p, "f_first": c == 0, "f_last": c == chunks - 1}
                 r["f_stash"] = slot(0, s, i, c)
+                if (i, c) in w_read:
+                    r["f_wslot"] = slot(3, s, i, c)
                 if c > 0:
                     r["act_read"] = slot(1, s, i, c)
                 if c == chunks - 1:
@@ -364,17 +462,20 @@ def tables(schedule: Schedule) -> Tables:
                 r["f_stash"] = r.get("b_stash", 0)
             for k, val in r.items():
                 rows[k][t, s] = int(val)
-    return Tables(rows, n_stash, n_act + 1, n_grad + 1)
+    return Tables(rows, n_stash, n_weight + 1 if w_read else 0, n_act + 1, n_grad + 1)
 
 
 def pictures(stages: int = 4, microbatches: int = 8) -> str:
     """The pictures of docs/pipeline.md: each schedule at p = 4, m = 8 (interleaved with v = 2)."""
     parts = []
-    for name, v, title in [("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"), ("interleaved", 2, "Interleaved 1F1B, v = 2")]:
+    named = [("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"), ("interleaved", 2, "Interleaved 1F1B, v = 2")]
+    for name, v, title in [*named, ("zb1", 1, "Zero bubble (ZB-H1)")]:
         s = build(name, stages, microbatches, v)
         peaks = ", ".join(str(s.peak_in_flight(i)) for i in range(stages))
         sizes = f"p = {stages}, m = {microbatches}" + (f", v = {v}" if v > 1 else "")
         head = f"### {title} ({sizes}): {s.ticks} ticks, bubble {s.bubble_fraction:.4g}, in flight per stage {peaks}"
+        if s.splits_backward:
+            head += ", pending W " + ", ".join(str(max(s.pending_weights(i))) for i in range(stages))
         parts.append(f"{head}\n\n```\n{s.picture()}\n```\n")
     return "\n".join(parts)
 

@@ -14,6 +14,9 @@ executor's time goes, compile time against m and p.
 3. Compile time of the whole train step vs m (p = 4, 1F1B) and vs p (m = 8): the schedule is data
    (a table scanned over), so it must not grow with m.
 
+The process runs under meshlm's host allocator settings (`meshlm.platform.host_memory`), as
+`meshlm train` does on CPU.
+
     python benchmarks/pipeline.py [--rounds 5] [--write]
 """
 
@@ -25,6 +28,14 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+from meshlm.platform import host_memory  # jax-free
+
+# Before JAX starts threads: the host allocator settings `meshlm train` uses on CPU. Without them
+# every step faults its temporary buffers in afresh (4 devices' worth here), and a variant with
+# more temporary memory (zb1's weight slots) pays for it in system time, not in its schedule.
+host_memory.apply()
+host_memory.keep_freed(None)
 
 import jax
 

@@ -81,9 +81,22 @@ def test_reuse_stays_off_where_it_would_not_fit(monkeypatch):
     state = host_memory.keep_freed(temp_bytes=2**30, available=6 * 2**30)  # 4 GiB > half of 6 GiB
     assert state.startswith("off (4 x the step's 1024 MiB temporary buffer would not fit in half of the 6.0 GiB")
     assert host_memory.steps_in_flight() is None
+
+
+def test_reuse_turns_trimming_off(monkeypatch):
+    """A trim threshold would return the heap's top once the devices' freed buffers pass it (at most
+    2 GiB: 4 CPU devices of 512 MiB each), and every step would fault them in again."""
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
     monkeypatch.setattr(host_memory, "_state", "ready (one arena; reuse not switched on yet)")
-    state = host_memory.keep_freed(temp_bytes=3 * 2**30, available=2**40)  # fits, but above the trim threshold
-    assert state.startswith("off (the step's 3.0 GiB temporary buffer is above the 2 GiB trim threshold")
+    monkeypatch.setattr(host_memory, "_libc", Libc)
+    assert host_memory.keep_freed(temp_bytes=3 * 2**30, available=2**40).startswith("on (")
+    assert calls == [(host_memory.M_MMAP_MAX, 0), (host_memory.M_TRIM_THRESHOLD, -1)]
 
 
 def test_reuse_is_skipped_off_glibc_cpu(monkeypatch):
@@ -100,7 +113,7 @@ def test_reuse_is_skipped_off_glibc_cpu(monkeypatch):
 
 
 def test_one_step_in_flight_under_reuse(monkeypatch):
-    monkeypatch.setattr(host_memory, "_state", "on (glibc: one arena, no mmap, freed memory kept up to 2 GiB)")
+    monkeypatch.setattr(host_memory, "_state", "on (glibc: one arena, no mmap, freed memory kept)")
     assert host_memory.steps_in_flight() == 1
 
     @jax.jit

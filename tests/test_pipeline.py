@@ -408,12 +408,12 @@ def test_stage_zero_memory_follows_the_formula():
     grown = one_f_one_b[16][0] - one_f_one_b[8][0]
     assert abs(grown - (flat[16] - flat[8])) < 0.01 * measured  # token ids only, in both
     assert accounting.activation_memory(one_f_one_b[16][1])["layers"] == 7 * (LAYERS // 4) * per_layer
-    # zb1: what 1F1B keeps, plus the pending weight passes' region output gradients (and one chunk's
-    # region inputs on their way to a slot) - within 10% of the compiled difference (observed 8%)
+    # zb1: its stash without the region inputs, plus its weight slots (the regions' inputs and
+    # output gradients, + one chunk's inputs in the loop carry) - within 3% of the compiled difference
     zb1, cfg = compiled_temp_bytes("zb1", 8)
     extra = accounting.activation_memory(cfg)["total"] - flat[8]
     assert extra > 0.2 * one_f_one_b[8][0]
-    assert zb1 - one_f_one_b[8][0] == pytest.approx(extra, rel=0.1)
+    assert zb1 - one_f_one_b[8][0] == pytest.approx(extra, rel=0.03)
 
 
 def test_embeddings_are_stored_split_over_the_stages(monkeypatch):

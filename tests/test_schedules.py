@@ -149,7 +149,11 @@ def test_the_validator_catches_broken_tables():
             validate(broken(edit))
     validate(good)
 
-    zb = build("zb1", 4, 8)
+
+def test_the_validator_catches_broken_zero_bubble_tables():
+    """A W before its B, three W in a cell, a W in a 1F1B table, a missing W."""
+    zb, good = build("zb1", 4, 8), build("1f1b", 4, 8)
+    find = lambda t, s, pred: next(i for i, r in enumerate(t) if pred(r[s]))
 
     def weight_before_its_b(t):  # stage 3's last cell (two Ws) swapped with its first backward's tick
         i = find(t, 3, lambda c: Action("B", 1, 3) in c)

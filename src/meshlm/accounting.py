@@ -496,15 +496,20 @@ def pipeline_in_flight(cfg: RunConfig, pipeline: int | None = None, interleave: 
     return megatron_in_flight(pipeline, max(micro, 2 * pipeline), interleave or 1)
 
 
+# the layer terms that are the inputs of its tensor-parallel regions, which zb1's weight slots keep
+# instead of its stash (what a policy that recomputes them would not store either)
+REGION_INPUTS = ("qkv_input", "out_proj_input", "mlp_input", "fc2_input", "down_input")
+
+
 def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
     """What meshlm's executor (`parallel/pipeline.py`) keeps besides the stash: every microbatch's
     token ids and targets, and the inboxes of arrived activations and cotangents ([b, s, d] each,
     sequence-sharded under SP) with their spare slots, sized by the schedule's table. zb1 also
     keeps, per weight slot (the pending weight passes' peak + a spare) and layer of the chunk, the
-    gradients of the tensor-parallel regions' outputs (`weight_pass_output_gradients`), and one
-    chunk's region inputs on their way to a slot; the regions' inputs in the weight slots are
-    those 1F1B's stash keeps for the weight gradients (zb1's stash does not), so the layers' term
-    is 1F1B's (the peak pending equals the peak in flight)."""
+    inputs and the output gradients of the layer's tensor-parallel regions (whatever the remat
+    policy), and one chunk's region inputs on their way to a slot; its stash then holds no region
+    input (`activation_memory` leaves `REGION_INPUTS` out of its layers' term). (Pipelines refuse
+    MoE models.)"""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     act_slots, grad_slots, weight_slots = _slots(par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages)
     b = t.global_batch // t.microbatches // par.batch_shards
@@ -517,15 +522,13 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
         "cotangent_inbox": grad_slots * slot,
     }
     if weight_slots:
-        # gpt's fc1, llama's gate and up (an MoE layer's experts are not regions: their gradients are B's)
-        mlp = 0 if m.moe else (1 if m.family == "gpt" else 2) * m.ffn / par.tensor
-        qkv = (m.n_heads + 2 * m.kv_heads) * m.dim_head / par.tensor
-        per_layer = e * t.seq_len * b * (qkv + mlp) + (1 if m.moe else 2) * slot  # + the row-parallel outputs
-        terms["weight_pass_output_gradients"] = weight_slots * m.n_layers / par.stage * per_layer
-        # a forward's region inputs wait one tick before their slot is written (pipeline.py: so no
-        # write follows a weight pass's read in the same tick): one chunk's worth
-        inputs = 2 * slot + e * t.seq_len * b * (m.n_heads * m.dim_head + (0 if m.moe else m.ffn)) / par.tensor
-        terms["weight_pass_pending_inputs"] = m.n_layers / par.stage * inputs
+        per_chunk, rows = m.n_layers / par.stage, e * t.seq_len * b / par.tensor
+        # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width)
+        inputs = 2 * slot + rows * (m.n_heads * m.dim_head + m.ffn)
+        # Q, K, V, gpt's fc1 or llama's gate and up, and the two row-parallel outputs
+        grads = rows * ((m.n_heads + 2 * m.kv_heads) * m.dim_head + (1 if m.family == "gpt" else 2) * m.ffn) + 2 * slot
+        terms["weight_pass_region_inputs"] = (weight_slots + 1) * per_chunk * inputs  # + the one waiting
+        terms["weight_pass_output_gradients"] = weight_slots * per_chunk * grads
     return terms
 
 
@@ -567,7 +570,10 @@ def activation_memory(
     p = par.stage if pipeline is None else pipeline
     v = par.virtual_stages if pipeline is None else (interleave or 1)
     held = pipeline_in_flight(cfg, pipeline, interleave) * m.n_layers / (p * v)
-    layers = held * layer_total
+    stashed = layer_total
+    if own and par.pipeline_schedule == "zb1":  # its weight slots hold the region inputs (outside)
+        stashed -= sum(per_layer.get(k, 0.0) for k in REGION_INPUTS)
+    layers = held * stashed
     if own:
         outside = pipeline_buffer_terms(
             dataclasses.replace(cfg, parallel=dataclasses.replace(par, sequence_parallel=sp))

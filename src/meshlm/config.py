@@ -171,8 +171,8 @@ class ParallelConfig:
     `stage` (pipeline parallelism) splits the layers into `stage` x `virtual_stages` equal chunks;
     stage s holds chunks s, s+p, ... and `train.microbatches` microbatches flow through them in the
     order of `pipeline_schedule` (docs/pipeline.md): `1f1b`, `interleaved` (with `virtual_stages`),
-    `zb1` (zero bubble: the backward split into B and W, a third of 1F1B's bubble at equal costs,
-    for the pending weight passes' memory) or `gpipe`.
+    `zb1` (zero bubble: the backward split into B and W, a third of 1F1B's bubble at equal costs
+    with m >= 2p - 1, for the pending weight passes' memory) or `gpipe`.
     """
 
     stage: int = 1

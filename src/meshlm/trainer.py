@@ -256,7 +256,9 @@ def _start_loop(cfg, s: _Setup, log, run_dir: Path, profiler: Profiler, start: i
         _attach_sinks(log, cfg, run_dir, start, s.report)
     eval_fn = make_eval_step(cfg, s.layout, s.shardings.params)
     analysis = s.step_fn.memory_analysis()  # host memory reuse (CPU)
-    allocator = host_memory.keep_freed(None if analysis is None else int(analysis.temp_size_in_bytes))
+    # every local device's step holds its own temporary buffer
+    temp = None if analysis is None else int(analysis.temp_size_in_bytes) * jax.local_device_count()
+    allocator = host_memory.keep_freed(temp)
     log.print(f"host allocator reuse (meshlm.platform.host_memory): {allocator}")
     s.run_info["host_allocator"] = allocator
     if first:

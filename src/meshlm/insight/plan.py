@@ -450,7 +450,7 @@ def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> flo
     lockstep, every tick as long as its slowest cell: the schedule table's lockstep overhead,
     which for GPipe, 1F1B and interleaved is the textbook bubble whatever a backward costs against
     a forward (1F1B's and interleaved's steady ticks pair one with the other), and for zb1 a third
-    of 1F1B's with its B and W a forward each (`Schedule.bubble_fraction`)."""
+    of 1F1B's with its B and W a forward each and m >= 2p - 1 (`Schedule.bubble_fraction`)."""
     par, micro = cfg.parallel, cfg.train.microbatches
     if par.stage == 1:
         return (pipeline - 1) / (interleave * micro)
@@ -519,7 +519,7 @@ MAX_INTERLEAVE = 4  # virtual stages the planner tries (P2 ran 175B and 530B wit
 
 def _schedules(cfg: RunConfig, stages: int) -> list[tuple[str, int]]:
     """The pipeline schedules weighed for `stages`: 1F1B, zb1 (a third of 1F1B's bubble when B and W
-    each cost a forward, for its weight slots' memory), and interleaved with v = 2 .. MAX_INTERLEAVE
+    each cost a forward and m >= 2p - 1, for its weight slots' memory), and interleaved with v = 2 .. MAX_INTERLEAVE
     chunks per stage where the layers split into p v chunks. GPipe is not: in lockstep it takes
     1F1B's time (both lose (p-1)/m) and holds m microbatches in flight, never fewer than 1F1B's
     min(2p - 1, m); the microbatch counts interleaving refuses (not a multiple of p) are refused

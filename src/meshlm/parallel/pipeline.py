@@ -151,10 +151,6 @@ class _Stage:
     def filled(self) -> jax.Array:
         return self.resid(jnp.full(self.x_shape, self.idle_fill, self.dtype))
 
-    @property
-    def model_layout(self) -> tuple:
-        return self.cfg.model, self.layout
-
     @staticmethod
     def accumulate(g_layers: dict, lc, dw: dict) -> dict:
         """The chunk's gradient accumulators with `dw` (some or all of its weights) added."""
@@ -254,19 +250,21 @@ class _Stage:
         idle = lambda: (g_layers, self.top_layout(g_top), self.filled(), self.spare(self.w_grads))
         return jax.lax.cond(r["b"].astype(bool), run, idle)
 
-    def weight_pass(self, on, lc, slot, w_in, w_grad, g_layers):
-        """W (zb1), or nothing: the chunk's region weight gradients, from the region inputs and
-        output gradients its forward and B left in weight slot `slot` (read inside the branch, so
-        an idle pass reads nothing), added to their accumulators."""
+    def weight_pass(self, r, which: str, w_in: list, w_grad: list, g_layers):
+        """W (zb1) of segment `which` (w1 before the cotangent's send, w2 after it), or nothing: the
+        chunk's region weight gradients, from the region inputs and output gradients its forward
+        and B left in a weight slot (read inside the branch, so an idle pass reads nothing), added
+        to their accumulators."""
+        if not self.split:
+            return g_layers
+        lc, slot = r[f"{which}_chunk"], r[f"{which}_slot"]
 
         def run():
             inputs, grads = [_take(b, slot) for b in w_in], [_take(b, slot) for b in w_grad]
-            w = self.chunk_weights(lc)
-            return self.accumulate(
-                g_layers, lc, weight_gradients(w, inputs, grads, self.region_names, *self.model_layout)
-            )
+            dw = weight_gradients(self.chunk_weights(lc), inputs, grads, self.region_names, self.cfg.model, self.layout)
+            return self.accumulate(g_layers, lc, dw)
 
-        return jax.lax.cond(on.astype(bool), run, lambda: g_layers)
+        return jax.lax.cond(r[which].astype(bool), run, lambda: g_layers)
 
     def forward(self, r, x_in, res_keep, g_top):
         """F(i, c), or nothing: (residuals to stash, activation to send, the loss's cotangent to
@@ -307,7 +305,8 @@ class _Stage:
             "stash": [_slots((self.tab.stash_slots,), leaf, self.idle_fill, host) for leaf, host in self.stashed],
             "w_in": [_slots((self.tab.weight_slots,), a, self.idle_fill) for a in self.w_inputs] if self.split else [],
             "w_grad": [_slots((self.tab.weight_slots,), a, self.idle_fill) for a in self.w_grads] if self.split else [],
-            "w_in_next": (jnp.int32(max(self.tab.weight_slots - 1, 0)), self.spare(self.w_inputs)),
+            # zb1: the last forward's region inputs and their slot, written at the next tick's start
+            "w_in_next": (jnp.int32(self.tab.weight_slots - 1), self.spare(self.w_inputs)) if self.split else None,
             "g_layers": jax.tree.map(jnp.zeros_like, self.local),
             "g_top": jax.tree.map(jnp.zeros_like, self.top),
             "loss": jnp.zeros((), jnp.float32),
@@ -325,16 +324,16 @@ class _Stage:
         # the previous tick's forward's region inputs are written first: every write to the weight
         # slots then precedes the weight passes' reads (inside their branches), and XLA need not
         # copy the whole buffer to keep the old value for a read that a later write would clobber
-        slot, inputs = c["w_in_next"]
+        slot, inputs = c["w_in_next"] or (None, [])
         w_in = [_put(buf, slot, a) for buf, a in zip(c["w_in"], inputs, strict=True)]
         res_b = [_take(buf, r["b_stash"]) for buf in c["stash"]]
         g_layers, g_top, send_grad, taps = self.backward(
             r, res_b, _take(c["grad"], r["grad_read"]), c["g_layers"], c["g_top"]
         )
         w_grad = [_put(buf, r["b_wslot"], g) for buf, g in zip(c["w_grad"], taps, strict=True)]
-        g_layers = self.weights(r, "w1", w_in, w_grad, g_layers)
+        g_layers = self.weight_pass(r, "w1", w_in, w_grad, g_layers)
         got_grad = jax.lax.ppermute(send_grad, AXIS, [(j, (j - 1) % self.p) for j in range(self.p)])
-        g_layers = self.weights(r, "w2", w_in, w_grad, g_layers)
+        g_layers = self.weight_pass(r, "w2", w_in, w_grad, g_layers)
         res, send_act, dy, g_top, ls, cnt, inputs = self.forward(r, _take(c["act"], r["act_read"]), res_b, g_top)
         got_act = jax.lax.ppermute(send_act, AXIS, [(j, (j + 1) % self.p) for j in range(self.p)])
         grad = _put(c["grad"], r["grad_write"], dy)
@@ -343,19 +342,13 @@ class _Stage:
             "grad": _put(grad, r["recv_grad"], got_grad),
             "stash": [_put(buf, r["f_stash"], leaf) for buf, leaf in zip(c["stash"], res, strict=True)],
             "w_in": w_in,
-            "w_in_next": (r["f_wslot"], inputs),
+            "w_in_next": (r["f_wslot"], inputs) if self.split else None,
             "w_grad": w_grad,
             "g_layers": g_layers,
             "g_top": g_top,
             "loss": c["loss"] + ls,
             "count": c["count"] + cnt,
         }, None
-
-    def weights(self, r, which: str, w_in: list, w_grad: list, g_layers):
-        """The weight pass of segment `which` (w1 before the cotangent's send, w2 after), if any."""
-        if not self.split:
-            return g_layers
-        return self.weight_pass(r[which], r[f"{which}_chunk"], r[f"{which}_slot"], w_in, w_grad, g_layers)
 
 
 def manual_batch_axes(layout: Layout) -> tuple[str, ...]:

@@ -17,11 +17,11 @@ Each schedule is a per-stage *order* of cells:
 - interleaved 1F1B: Megatron's order over virtual chunks (microbatches in groups of p) with
   2(p-s-1) + (v-1)p + 1 warm-up forwards, paired the same way (Megatron runs every forward
   first when m = p; the pairs need not);
-- zb1 (ZB-H1, Qi et al. 2023, in lockstep): 1F1B's cells with each backward's W after the
-  forward, except 2s of them on stage s, run two per tick where it would idle at the end
-  (`_weight_passes`); its bubble is (p-1)(max(f, w) + b - 2w) for m >= 2p - 1 and w <= b - w:
-  a third of 1F1B's when F, B and W cost the same, for the same activations in flight plus the
-  pending weight passes' region output gradients.
+- zb1 (ZB-H1, Qi et al. 2023, in lockstep): 1F1B's cells with each backward's W in the same
+  cell (second segment, before the forward), except 2s of them on stage s, run two per tick where
+  it would idle at the end (`_weight_passes`); its bubble is (p-1)(max(f, w) + b - 2w) for
+  m >= 2p - 1 and w <= b - w: a third of 1F1B's when F, B and W cost the same (less saved with
+  fewer microbatches), for the same activations in flight plus the pending weight passes' slots.
 Because a steady tick holds a forward *and* a backward, every tick where any stage is in its
 steady state costs f + b, and the lockstep time is exactly (m v + p - 1)(f + b), GPipe's: the
 textbook bubble, `lockstep_overhead` == (p-1)/m for 1F1B and (p-1)/(v m) interleaved, for every
@@ -125,7 +125,7 @@ class Schedule:
         """Lockstep time over the busy time of one stage (m v (f + b)), minus 1: what the executor
         adds to a stage's work - the textbook bubble, (p-1)/m for GPipe and 1F1B, (p-1)/(v m)
         interleaved, whatever the ratio; zb1 (p-1)(f + b - 2w)/(m(f + b)) for w <= min(f, b - w):
-        a third of 1F1B's when the forward, B and W cost the same."""
+        a third of 1F1B's when the forward, B and W cost the same (m >= 2p - 1; less saved below)."""
         busy = self.microbatches * self.virtual * (1.0 + backward_over_forward)
         return self.lockstep_time(1.0, backward_over_forward, weight_over_forward) / busy - 1.0
 
@@ -237,12 +237,12 @@ def orders(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[
 
 
 def _weight_passes(stage: int, pairs: list[Cell], tail: list[Cell]) -> tuple[list[Cell], list[Cell]]:
-    """ZB-H1 in lockstep (zb1): each backward's weight pass W runs in its own cell, after the
-    forward - except on stage s, the Ws of its first s pairs (while the first cotangent travels
-    back to stage 0, whose ticks then cost a forward and a B) and of the pairs with its last s
-    forwards (while stage 0 has no forward left and runs B + W). Those 2s wait for the s ticks at
-    the end where stage s would idle, two per tick (one in each segment), so stage 0 never waits
-    for them."""
+    """ZB-H1 in lockstep (zb1): each backward's weight pass W runs in its backward's cell (in the
+    second segment, before the forward) - except on stage s, the Ws of its first s pairs (while
+    the first cotangent travels back to stage 0, whose ticks then cost a forward and a B) and of
+    the pairs with its last s forwards (while stage 0 has no forward left and runs B + W). Those
+    2s wait for the s ticks at the end where stage s would idle, two per tick (one in each
+    segment), so stage 0 never waits for them."""
     weight = lambda c: next(Action("W", a.microbatch, a.chunk) for a in c if a.kind == "B")
     n, late = len(pairs), []
     out = []

@@ -52,9 +52,9 @@ class Recorder:
 
     def region(self, call: Callable, x: jax.Array, weights: Sequence[jax.Array]) -> tuple:
         if self.mode == "weights":
-            outs = tuple(call(next(self._inputs), list(weights)))
+            outs = tuple(call(_next(self._inputs), list(weights)))
             for o in outs:
-                self.objective += jnp.sum(o.astype(jnp.float32) * next(self._grads).astype(jnp.float32))
+                self.objective += jnp.sum(o.astype(jnp.float32) * _next(self._grads).astype(jnp.float32))
             return outs
         outs = tuple(call(x, list(weights)))
         if self.mode == "probe":
@@ -63,7 +63,7 @@ class Recorder:
             self.outputs.extend(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs)
             return outs
         self.inputs.append(x)
-        return tuple(_tapped(o, next(self._taps)) for o in outs)
+        return tuple(_tapped(o, _next(self._taps)) for o in outs)
 
     def check_used(self) -> None:
         """Every tap (forward) or recorded input and gradient (weights) consumed: the layer's trace
@@ -71,6 +71,13 @@ class Recorder:
         left = [it for it in (self._taps, self._inputs, self._grads) if next(it, None) is not None]
         if left:
             raise AssertionError("the layer called fewer tensor-parallel regions than when it was probed")
+
+
+def _next(it: Iterator):
+    value = next(it, None)
+    if value is None:
+        raise AssertionError("the layer called more tensor-parallel regions than when it was probed")
+    return value
 
 
 @jax.custom_vjp

@@ -10,9 +10,13 @@ glibc keep and reuse that memory:
 - `M_ARENA_MAX=1` (`apply`, before JAX starts threads: glibc fixes the arena limit when a thread
   first needs a second arena): every thread allocates from the main arena. XLA's worker threads
   allocate the temporary buffers, and a per-thread arena would `mmap` any block over its 64 MiB heap.
-- `M_MMAP_MAX=0` and `M_TRIM_THRESHOLD=2 GiB` (`keep_freed`, once the step is compiled): no block is
-  served by `mmap` (the main arena grows with `brk`), and freed memory at the top of the heap stays
-  mapped, so later steps reuse pages that are already resident.
+- `M_MMAP_MAX=0` and `M_TRIM_THRESHOLD=-1` (`keep_freed`, once the step is compiled): no block is
+  served by `mmap` (the main arena grows with `brk`), and freed memory at the top of the heap is
+  never returned (-1 turns trimming off, mallopt(3)), so later steps reuse pages that are already
+  resident. A finite threshold (at most 2 GiB: mallopt takes an int) returns the heap's top once
+  its free chunk passes it, and one process's devices free their temporary buffers together: a
+  zb1 pipeline on 4 simulated devices (299 MiB each) faulted in about 77k pages per step under a
+  2 GiB threshold and none with trimming off (a scratch measurement, 2026-12-03).
 
 The price is resident memory: the heap keeps its peak, and small allocations that land in a freed
 temporary buffer between steps push the next one higher (one-off measurement, `meshlm train` on the
@@ -33,7 +37,7 @@ import platform
 from meshlm.platform import xla_flags
 
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's <malloc.h>
-TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int
+TRIM_THRESHOLD = -1  # trimming off
 RESIDENT_FACTOR = 4  # peak RSS growth under reuse, in temporary buffers, with margin (measured 0.9-3.0, BENCHMARKS.md)
 
 _state: str = "not applied (glibc defaults)"  # "off (why)", "ready (...)" or "on (...)": run log, run.json
@@ -87,14 +91,12 @@ def keep_freed(temp_bytes: int | None, available: int | None = None) -> str:
     """Second half, once the step is compiled: keep freed memory for reuse if `apply` got ready and
     `RESIDENT_FACTOR * temp_bytes` (the step's temporary buffer, from XLA's memory analysis) fits in
     half of `available` (default: MemAvailable now); `temp_bytes=None` skips that check. Returns
-    this process's state."""
+    this process's state. `temp_bytes` counts every local device's buffer (the trainer multiplies
+    the per-device figure by the local device count)."""
     global _state
     if not _state.startswith("ready"):
         return _state
     available = available_bytes() if available is None else available
-    if temp_bytes is not None and temp_bytes > TRIM_THRESHOLD:  # freed at the heap's top, it would be trimmed
-        _state = f"off (the step's {temp_bytes / 2**30:.1f} GiB temporary buffer is above the 2 GiB trim threshold)"
-        return _state
     if temp_bytes is not None and available is not None and RESIDENT_FACTOR * temp_bytes > available // 2:
         _state = (
             f"off ({RESIDENT_FACTOR} x the step's {temp_bytes / 2**20:.0f} MiB temporary buffer would not fit in "
@@ -106,7 +108,7 @@ def keep_freed(temp_bytes: int | None, available: int | None = None) -> str:
         libc.mallopt(M_MMAP_MAX, 65536)  # glibc's default
         _state = "off (mallopt refused M_MMAP_MAX or M_TRIM_THRESHOLD)"
     else:
-        _state = "on (glibc: one arena, no mmap, freed memory kept up to 2 GiB)"
+        _state = "on (glibc: one arena, no mmap, freed memory kept)"
     return _state
 
 

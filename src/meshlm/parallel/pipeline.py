@@ -314,12 +314,12 @@ class _Stage:
         }
 
     def tick(self, c: dict, row: dict):
-        """One tick: the cell's backward, its cotangent sent left, the cell's forward, its
-        activation sent right. Slot buffers are read before a phase and written after it, so XLA
-        updates them in place instead of copying them through a conditional; the gradient
-        accumulators pass through the phases (aliased: the compiled loop copies none of them).
-        Sends are entered by every device on every tick, outside any branch (idle stages send a
-        filler that lands in a spare slot)."""
+        """One tick: the cell's backward, (zb1) its first weight pass, its cotangent sent left,
+        (zb1) the second weight pass, the cell's forward, its activation sent right. Slot buffers
+        are read before a phase and written after it, so XLA updates them in place instead of
+        copying them through a conditional; the gradient accumulators pass through the phases
+        (aliased: the compiled loop copies none of them). Sends are entered by every device on
+        every tick, outside any branch (idle stages send a filler that lands in a spare slot)."""
         r = {k: _take(a, self.stage) for k, a in row.items()}
         # the previous tick's forward's region inputs are written first: every write to the weight
         # slots then precedes the weight passes' reads (inside their branches), and XLA need not

@@ -15,8 +15,8 @@ glibc keep and reuse that memory:
   never returned (-1 turns trimming off, mallopt(3)), so later steps reuse pages that are already
   resident. A finite threshold (at most 2 GiB: mallopt takes an int) returns the heap's top once
   its free chunk passes it, and one process's devices free their temporary buffers together: a
-  zb1 pipeline on 4 simulated devices (299 MiB each) faulted in about 77k pages per step under a
-  2 GiB threshold and none with trimming off (a scratch measurement, 2026-12-03).
+  zb1 pipeline on 4 simulated devices (299 MiB each) faulted in about 77k pages every step under
+  a 2 GiB threshold, and in most steps none with trimming off (scratch measurements, 2026-12-03).
 
 The price is resident memory: the heap keeps its peak, and small allocations that land in a freed
 temporary buffer between steps push the next one higher (one-off measurement, `meshlm train` on the

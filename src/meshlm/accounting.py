@@ -523,8 +523,10 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
     }
     if weight_slots:
         per_chunk, rows = m.n_layers / par.stage, e * t.seq_len * b / par.tensor
-        # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width)
-        inputs = 2 * slot + rows * (m.n_heads * m.dim_head + m.ffn)
+        # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width):
+        # the layer terms the stash of the elementwise policy keeps for them
+        layer = layer_activation_terms(m, t.seq_len, b, par.tensor, par.sequence_parallel)
+        inputs = sum(layer.get(k, 0.0) for k in REGION_INPUTS)
         # Q, K, V, gpt's fc1 or llama's gate and up, and the two row-parallel outputs
         grads = rows * ((m.n_heads + 2 * m.kv_heads) * m.dim_head + (1 if m.family == "gpt" else 2) * m.ffn) + 2 * slot
         terms["weight_pass_region_inputs"] = (weight_slots + 1) * per_chunk * inputs  # + the one waiting

@@ -14,9 +14,9 @@ glibc keep and reuse that memory:
   served by `mmap` (the main arena grows with `brk`), and freed memory at the top of the heap is
   never returned (-1 turns trimming off, mallopt(3)), so later steps reuse pages that are already
   resident. A finite threshold (at most 2 GiB: mallopt takes an int) returns the heap's top once
-  its free chunk passes it, and one process's devices free their temporary buffers together: a
-  zb1 pipeline on 4 simulated devices (299 MiB each) faulted in about 77k pages every step under
-  a 2 GiB threshold, and in most steps none with trimming off (scratch measurements, 2026-12-03).
+  its free chunk passes it, and one process's devices free their temporary buffers together (4
+  simulated devices of a zb1 pipeline passed it: `benchmarks/pipeline.py`'s zb1 went from 0.84x to
+  0.97x one device at m = 16 with trimming off).
 
 The price is resident memory: the heap keeps its peak, and small allocations that land in a freed
 temporary buffer between steps push the next one higher (one-off measurement, `meshlm train` on the

@@ -3,6 +3,7 @@ one step of each per round, so a noisy moment on this shared machine hits all va
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from collections.abc import Hashable
@@ -26,19 +27,40 @@ def prepared_step(cfg: RunConfig, layout: Layout) -> tuple:
     return make_train_step(cfg, layout, tx, shardings), state, batch
 
 
-def median_step_seconds(variants: dict[Hashable, tuple[RunConfig, Layout]], rounds: int) -> dict[Hashable, float]:
-    """{key: median seconds of one train step} for each (config, layout), on random tokens."""
+SETTLED_FAULTS = 2000  # minor page faults per step (8 MiB) below which the host heap counts as settled
+
+
+def median_step_seconds(
+    variants: dict[Hashable, tuple[RunConfig, Layout]], rounds: int, settle: int = 0
+) -> dict[Hashable, float]:
+    """{key: median seconds of one train step} for each (config, layout), on random tokens.
+
+    `settle` > 0: before timing, up to that many untimed rounds until a round in which no step
+    faults in more than `SETTLED_FAULTS` fresh pages. Under `host_memory`'s allocator settings the
+    heap keeps what it frees, but it fragments and grows over a program's first steps (several, for
+    a pipeline's large temporary buffers); a step that grows it pays for the kernel zeroing fresh
+    pages, which is not the program's own cost. Prints how many rounds it took."""
     steps = {}
     for key, (cfg, layout) in variants.items():
         fn, state, batch = prepared_step(cfg, layout)
         state, m = fn(state, batch)  # compile
         jax.block_until_ready(m)
         steps[key] = [fn, state, batch, []]
+    for n in range(1, settle + 1):
+        faults = max(_step(entry)[1] for entry in steps.values())
+        if faults < SETTLED_FAULTS or n == settle:
+            print(f"heap: {n} untimed rounds, the last one's most faulting step faulted {faults} pages")
+            break
     for _ in range(rounds):
         for entry in steps.values():
-            fn, state, batch, times = entry
-            t0 = time.perf_counter()
-            entry[1], m = fn(state, batch)
-            jax.block_until_ready(m)
-            times.append(time.perf_counter() - t0)
+            entry[3].append(_step(entry)[0])
     return {key: statistics.median(entry[3]) for key, entry in steps.items()}
+
+
+def _step(entry: list) -> tuple[float, int]:
+    """One step of a prepared variant (its state advanced in place): (seconds, minor page faults)."""
+    fn, state, batch, _ = entry
+    faults, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+    entry[1], m = fn(state, batch)
+    jax.block_until_ready(m)
+    return time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults

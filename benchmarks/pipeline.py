@@ -4,7 +4,8 @@ executor's time goes, compile time against m and p.
 1. Step time vs m at p = 4 for 1F1B, interleaved 1F1B (v = 2), zb1 and GPipe: a llama of d=256,
    8 layers, fp32, s=256, 2 sequences per microbatch, m = 8 and 16 microbatches (so the batch
    grows with m), next to the schedule's ticks and lockstep bubble (p-1)/(v m), and one device
-   accumulating the same microbatches. Alternating rounds, medians. 2 cores under 4 simulated
+   accumulating the same microbatches. Untimed rounds until the host heap stops growing, then
+   alternating rounds, medians. 2 cores under 4 simulated
    devices: an idle stage's core goes to the busy ones, so a bubble shows only in part.
 2. Where the time goes at m = 16 (1F1B and zb1 against one device): one profiled step each
    (`jax.profiler`), the device threads' time per microbatch by kind of XLA op - the chunk's
@@ -49,6 +50,7 @@ from meshlm.train_state import abstract_state, placement, setup
 from meshlm.validation import validate
 
 MICRO = 2  # sequences per microbatch
+SETTLE = 15  # untimed rounds at most, until the host heap stops growing (`median_step_seconds`)
 
 
 def config(m: int, mesh: dict, schedule: str = "1f1b", v: int = 1, layers: int = 8) -> RunConfig:
@@ -78,7 +80,7 @@ def step_rows(rounds: int) -> list[str]:
     for m in (8, 16):
         cfgs = variants(m)
         runs = {k: (c, make_layout(c.parallel, jax.devices()[: c.parallel.n_devices])) for k, c in cfgs.items()}
-        seconds = median_step_seconds(runs, rounds)
+        seconds = median_step_seconds(runs, rounds, settle=SETTLE)
         for name, cfg in cfgs.items():
             if cfg.parallel.stage > 1:
                 sched = schedule_for(cfg)

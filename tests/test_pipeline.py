@@ -215,22 +215,28 @@ def test_fsdp_inside_the_pipeline(params):
 
 
 @pytest.mark.parametrize(
-    "strategy, mesh",
-    [("all_gather", dict(stage=2, context=2, tensor=2)), ("all_to_all", dict(stage=2, data=2, context=2))],
+    "strategy, mesh, schedule",
+    [
+        ("all_gather", dict(stage=2, context=2, tensor=2), "1f1b"),
+        ("all_to_all", dict(stage=2, data=2, context=2), "1f1b"),
+        ("ring", dict(stage=2, context=2, tensor=2), "1f1b"),
+        ("ring", dict(stage=2, context=2, tensor=2), "zb1"),
+    ],
 )
-def test_context_parallelism_inside_the_stages(strategy, mesh, params):
+def test_context_parallelism_inside_the_stages(strategy, mesh, schedule, params):
     """gpt with dropout and blockwise attention (block 8, so a context rank's 16 tokens are two
-    blocks), the sequence load-balanced: K/V all-gathered over the context ranks on stage=2 x
-    context=2 x tensor=2, or Ulysses' tokens-for-heads exchange on stage=2 x data=2 x context=2 (the
-    batch axis manual in the stage, so the dropout bits take both a row offset and original
-    positions), inside each pipeline stage (regions nested in the stage's); the raw gradients are
-    one device's with the same kernel, dropout bits and all. (The ring is refused with a pipeline:
-    test_bad_pipeline_configs_are_refused.)"""
+    blocks), the sequence load-balanced: K/V all-gathered over the context ranks or passed round the
+    ring on stage=2 x context=2 x tensor=2 (the ring's phases run unbranched: `_Stage.phase`), or
+    Ulysses' tokens-for-heads exchange on stage=2 x data=2 x context=2 (the batch axis manual in the
+    stage, so the dropout bits take both a row offset and original positions), inside each pipeline
+    stage (regions nested in the stage's), with 1F1B and (ring) zb1's split backward; the raw
+    gradients are one device's with the same kernel, dropout bits and all."""
 
     def blockwise(mesh):
         cfg = config("gpt")
         model = dataclasses.replace(cfg.model, attention="blockwise", attention_block=8)
-        par = dataclasses.replace(cfg.parallel, **mesh, context_strategy=strategy)
+        piped = dict(pipeline_schedule=schedule) if mesh else {}
+        par = dataclasses.replace(cfg.parallel, **mesh, **piped, context_strategy=strategy)
         return validate(dataclasses.replace(cfg, model=model, parallel=par))
 
     got = grads(blockwise(mesh), params["gpt"])
@@ -464,14 +470,12 @@ def test_embeddings_are_stored_split_over_the_stages(monkeypatch):
         (dict(stage=4, virtual_stages=2, pipeline_schedule="interleaved", data=1), "not a multiple of stage=4"),
         (dict(virtual_stages=2), "needs a pipeline"),
         (dict(stage=2, pipeline_schedule="zb"), "unknown pipeline schedule 'zb'"),
-        (dict(stage=2, context=2), "the ring .* does not run inside pipeline stages"),
     ],
 )
 def test_bad_pipeline_configs_are_refused(change, message):
     change, cfg = dict(change), config("llama")
     train = dataclasses.replace(cfg.train, microbatches=6 if change.get("virtual_stages") == 2 else 4, global_batch=12)
-    model = dataclasses.replace(cfg.model, attention="blockwise") if "context" in change else cfg.model
-    bad = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **change), train=train, model=model)
+    bad = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **change), train=train)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(bad)
 
@@ -524,6 +528,7 @@ def test_train_moves_between_pipelined_and_unpipelined_meshes(corpus_dir, tmp_pa
         "bubble_fraction": None,
         "peak_in_flight": [2, 1],
         "peak_pending_weight_passes": [2, 2],
+        "unbranched": False,
     }
     assert report["pipeline"]["bubble_fraction"] == pytest.approx(1 / 3)  # 1F1B's: 0.5
     assert any(k.startswith("activations (stage 0, 2 in flight)") for k in report["predicted_device_bytes"])

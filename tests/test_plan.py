@@ -427,3 +427,29 @@ def test_attention_runs_at_its_kernels_rate_and_unmeasured_kernels_say_so(capsys
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "cudnn 50%" in out and "unmeasured" not in out
+
+
+def test_context_parallelism_is_planned_inside_pipeline_stages():
+    """Every context strategy runs inside pipeline stages, so the planner weighs stage x context
+    meshes too: priced with both the context exchange and the pipeline's bubble and sends, and a
+    stage's stashed layer activations split over the context ranks (each holds s/c of every sequence)."""
+    base = recipes.get("llama-1b")
+    cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, seq_len=32768, global_batch=8))
+    meshes = planner._meshes(cfg, 64)
+    assert any(m["stage"] > 1 and m["context"] > 1 for m in meshes)
+    with_mesh = lambda **sizes: dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, attention="blockwise"),
+        parallel=ParallelConfig(**sizes, pipeline_schedule="1f1b", context_strategy="ring"),
+        train=dataclasses.replace(cfg.train, microbatches=8),
+    )
+    piped, both = with_mesh(stage=4, tensor=2), with_mesh(stage=4, context=2, tensor=2)
+    plan = planner.estimate(both, ACCELERATORS["h100"])
+    assert {planner.EXCHANGE, "pipeline bubble", "pipeline sends"} <= plan.time.keys()
+    layers = lambda c: accounting.activation_memory(c)["layers"]
+    assert layers(both) == pytest.approx(layers(piped) / 2, rel=1e-9)
+    # the ring runs every phase at every tick inside the stages (a bubble tick costs a busy one)
+    gathered = dataclasses.replace(both, parallel=dataclasses.replace(both.parallel, context_strategy="all_gather"))
+    schedule = planner._schedule("1f1b", 4, 8, 1)
+    assert planner.pipeline_overhead(both, 1) == schedule.executed_bubble(True) == (4 * 2 - 1) / 8
+    assert planner.pipeline_overhead(gathered, 1) == schedule.bubble_fraction == 3 / 8

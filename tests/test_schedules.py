@@ -56,6 +56,12 @@ def test_lockstep_time(p, m):
         s = build(name, p, m)
         assert s.lockstep_time(1.0, 2.0) == (m + p - 1) * 3.0
     assert build("1f1b", p, m).lockstep_time(1.0, 1.0) == (m + p - 1) * 2.0  # not the tick count
+    # unbranched (the ring inside the stages): every tick runs every phase, so the tick count prices it
+    for name in ("gpipe", "1f1b", "zb1"):
+        s = build(name, p, m)
+        w = 0.5 if name == "zb1" else 0.0  # zb1: B 1.5, two weight-pass slots of 0.5
+        assert s.lockstep_time(1.0, 2.0, w or None, unbranched=True) == s.ticks * (3.0 + w)
+        assert s.executed_bubble(True) > s.executed_bubble(False) == s.bubble_fraction
 
 
 def test_lockstep_1f1b_example():

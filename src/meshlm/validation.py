@@ -127,13 +127,6 @@ def _validate_parallel(cfg: RunConfig) -> None:
             check_sizes(p.pipeline_schedule, p.stage, t.microbatches, p.virtual_stages, m.n_layers)
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
-        _need(
-            p.context == 1 or p.context_strategy != "ring",
-            "the ring (parallel.context_strategy=ring) does not run inside pipeline stages: its "
-            "collective-permutes would sit in a stage's forward/backward branch, and XLA matches one "
-            "such op across every device of the program (on CPU a stage's ring step meets another "
-            "stage's, at another tick); use context_strategy=all_gather or all_to_all with parallel.stage > 1",
-        )
 
 
 def _validate_context(cfg: RunConfig) -> None:

@@ -37,8 +37,9 @@ from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ContextStrategy, RematConfig, RunConfig
 from meshlm.insight.attention_rates import attention_kernel
 from meshlm.model.params import ParamSpec, param_specs
+from meshlm.parallel import rules
 from meshlm.parallel.mesh import abstract_layout
-from meshlm.parallel.schedules import Schedule
+from meshlm.parallel.schedules import Schedule, runs_unbranched
 from meshlm.parallel.schedules import build as build_schedule
 from meshlm.platform.hardware import Accelerator, matmul_precision, peak_for
 from meshlm.validation import validate
@@ -100,10 +101,21 @@ MOMENT_BYTES = 8
 def zero1_params(cfg: RunConfig) -> float:
     """Optimizer moments' elements one device holds under ZeRO-1 (`train_state.zero1_sharding` over
     an abstract mesh: exact)."""
+    return _zero1_params(cfg.model, cfg.parallel, _rules_key())
+
+
+# The planner weighs ~10^5 candidates that share a few thousand (model, mesh) pairs: the exact
+# per-leaf shard counts are computed once per pair (and rules table: a test may patch it).
+def _rules_key() -> tuple:
+    return tuple(rules.RULES.items())
+
+
+@functools.lru_cache(maxsize=4096)
+def _zero1_params(model, parallel, _rules: tuple) -> float:
     from meshlm.train_state import zero1_sharding
 
-    layout = abstract_layout(cfg.parallel)
-    specs = jax.tree.leaves(param_specs(cfg.model), is_leaf=lambda x: isinstance(x, ParamSpec))
+    layout = abstract_layout(parallel)
+    specs = jax.tree.leaves(param_specs(model), is_leaf=lambda x: isinstance(x, ParamSpec))
     shard = lambda s: zero1_sharding(layout, layout.param_sharding(s.axes, s.shape), s.shape).shard_shape(s.shape)
     return float(sum(math.prod(shard(s)) for s in specs))
 
@@ -113,8 +125,13 @@ def sharded_params(cfg: RunConfig, experts_only: bool = False, part: str | None 
     `Layout.param_sharding` the trainer uses, over an abstract mesh (no devices needed). `experts_only`:
     of the MoE experts' stacked weights alone; `part`: "layers" (the stacked layer weights) or
     "top" (embeddings, final norm, output layer) alone."""
-    layout = abstract_layout(cfg.parallel)
-    tree = param_specs(cfg.model)
+    return _sharded_params(cfg.model, cfg.parallel, _rules_key(), experts_only, part)
+
+
+@functools.lru_cache(maxsize=16384)
+def _sharded_params(model, parallel, _rules: tuple, experts_only: bool, part: str | None) -> float:
+    layout = abstract_layout(parallel)
+    tree = param_specs(model)
     if part is not None:
         tree = tree["layers"] if part == "layers" else {k: v for k, v in tree.items() if k != "layers"}
     specs = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, ParamSpec))
@@ -450,16 +467,22 @@ def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> flo
     lockstep, every tick as long as its slowest cell: the schedule table's lockstep overhead,
     which for GPipe, 1F1B and interleaved is the textbook bubble whatever a backward costs against
     a forward (1F1B's and interleaved's steady ticks pair one with the other), and for zb1 a third
-    of 1F1B's with its B and W a forward each and m >= 2p - 1 (`Schedule.bubble_fraction`)."""
+    of 1F1B's with its B and W a forward each and m >= 2p - 1 (`Schedule.bubble_fraction`). With
+    the ring inside the stages every tick runs every phase (`Schedule.executed_bubble`)."""
     par, micro = cfg.parallel, cfg.train.microbatches
     if par.stage == 1:
         return (pipeline - 1) / (interleave * micro)
-    return _schedule(par.pipeline_schedule, par.stage, micro, par.virtual_stages).bubble_fraction
+    return _bubble(par.pipeline_schedule, par.stage, micro, par.virtual_stages, runs_unbranched(par))
 
 
 @functools.lru_cache(maxsize=256)
 def _schedule(name: str, stages: int, micro: int, virtual: int) -> Schedule:
     return build_schedule(name, stages, micro, virtual)
+
+
+@functools.lru_cache(maxsize=512)
+def _bubble(name: str, stages: int, micro: int, virtual: int, unbranched: bool) -> float:
+    return _schedule(name, stages, micro, virtual).executed_bubble(unbranched)
 
 
 def _divisors(n: int) -> list[int]:
@@ -497,16 +520,16 @@ def enumerate_plans(
 
 
 def _meshes(cfg: RunConfig, n_devices: int) -> list[dict[str, int]]:
-    """Every factorisation of the device count over the mesh axes; pipelines only over stage counts
-    that split the layers, and not combined with context (unsupported). MoE models: `expert` over
-    the sizes that divide the experts, without pipelines or context (which MoE refuses)."""
+    """Every factorisation of the device count over the mesh axes (context inside pipeline stages
+    too); pipelines only over stage counts that split the layers. MoE models: `expert` over the
+    sizes that divide the experts, without pipelines or context (which MoE refuses)."""
     m, out = cfg.model, []
     for stage in (p for p in _divisors(n_devices) if m.n_layers % p == 0 and (p == 1 or not m.moe)):
         for tensor in _divisors(n_devices // stage):
             rest = n_devices // stage // tensor
             experts = [e for e in _divisors(rest) if m.n_experts % e == 0] if m.moe else [1]
             for expert in experts:
-                contexts = _divisors(rest // expert) if stage == 1 and not m.moe else [1]
+                contexts = _divisors(rest // expert) if not m.moe else [1]
                 for context in contexts:
                     for fsdp in _divisors(rest // expert // context):
                         data = rest // expert // context // fsdp

@@ -20,6 +20,7 @@ from meshlm.model import kernels
 from meshlm.model.params import named_leaves
 from meshlm.parallel.pipeline import schedule_for
 from meshlm.parallel.rules import Layout
+from meshlm.parallel.schedules import runs_unbranched
 from meshlm.train_state import TrainState
 
 
@@ -106,7 +107,8 @@ def _pipeline(cfg: RunConfig) -> dict | None:
         "virtual_stages": par.virtual_stages,
         "microbatches": cfg.train.microbatches,
         "ticks": schedule.ticks,
-        "bubble_fraction": schedule.bubble_fraction,
+        "bubble_fraction": schedule.executed_bubble(runs_unbranched(par)),
+        "unbranched": runs_unbranched(par),  # every phase on every stage at every tick (the ring inside)
         "peak_in_flight": [schedule.peak_in_flight(s) for s in range(par.stage)],
         "peak_pending_weight_passes": [max(schedule.pending_weights(s)) for s in range(par.stage)],
     }
@@ -185,7 +187,9 @@ def format_report(r: dict[str, Any]) -> list[str]:
         chunks = f" x {p['virtual_stages']} chunks each" if p["virtual_stages"] > 1 else ""
         lines.append(
             f"pipeline: {p['schedule']} over {p['stages']} stages{chunks}, {p['microbatches']} microbatches in "
-            f"{p['ticks']} ticks, bubble {p['bubble_fraction']:.1%} of the busy time; microbatch-chunks in flight "
+            f"{p['ticks']} ticks, bubble {p['bubble_fraction']:.1%} of the busy time"
+            + (" (the ring inside the stages: every phase runs at every tick)" if p["unbranched"] else "")
+            + "; microbatch-chunks in flight "
             f"per stage {p['peak_in_flight']}"
             + (f", weight passes pending {p['peak_pending_weight_passes']}" if p["schedule"] == "zb1" else "")
         )

@@ -27,7 +27,8 @@ previous stage, runs its forward phase, sends the activation to the next stage:
   gradients from the regions' inputs (kept by F) and output gradients (kept by B), held in weight
   slots until then.
 
-Each phase is a `lax.cond` (idle when the cell has none); gradients are added to their
+Each phase is a `lax.cond` (idle when the cell has none; with the ring inside the stages, run and
+selected: `_Stage.phase`); gradients are added to their
 accumulators inside the branch that makes them. The two `ppermute`s are entered by every device
 on every tick, outside any branch (idle stages send a filler that lands in a spare slot).
 Collectives inside a branch are those of one stage's devices, which all take the same branch.
@@ -67,7 +68,7 @@ from meshlm.model.params import param_specs
 from meshlm.model.transformer import RESIDUAL, embed, logits, region_shapes, run_layers, weight_gradients
 from meshlm.parallel.collectives import region_weight_spec
 from meshlm.parallel.rules import Layout, constrain
-from meshlm.parallel.schedules import Schedule, build, tables
+from meshlm.parallel.schedules import Schedule, build, runs_unbranched, tables
 
 AXIS = "stage"
 
@@ -131,6 +132,7 @@ class _Stage:
         specs = param_specs(cfg.model)
         self.top_axes = {n: spec.axes for n, spec in specs.items() if n != "layers"}
         self.split = tab.weight_slots > 0  # zb1: B and W apart
+        self.unbranched = runs_unbranched(cfg.parallel)  # the ring inside the stages (see `phase`)
         self.w_inputs, self.w_grads = [], []  # zb1: a weight slot's region inputs and output gradients
         if self.split:
             x = jax.ShapeDtypeStruct(self.x_shape, self.dtype)
@@ -226,6 +228,20 @@ class _Stage:
 
     # ------------------------------------------------------------------ the phases
 
+    def phase(self, on: jax.Array, run, idle):
+        """`run()` where the cell has this phase, else `idle()`: a `lax.cond`, so an idle stage
+        computes nothing. With the ring inside the stages the phase runs on every stage at every
+        tick and the result is selected: a collective-permute is one op of the whole program, which
+        every device must enter in the same order (XLA:CPU matches them across all devices; in a
+        branch, one stage's ring step would meet another stage's at another tick), so the ring's
+        permutes may not sit in a branch that only some stages take. An idle cell then computes on
+        a filler and its results are dropped: every tick costs a forward, a backward and (zb1) two
+        weight passes (`Schedule.lockstep_time(unbranched=True)`: 1F1B's bubble about doubles)."""
+        on = on.astype(bool)
+        if not self.unbranched:
+            return jax.lax.cond(on, run, idle)
+        return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(), idle())
+
     def backward(self, r, res, dy, g_layers, g_top):
         """B(i, c), or nothing when the cell has no backward: (the accumulated chunk weight
         gradients and embedding gradients with this backward's added, the cotangent to send to the
@@ -248,7 +264,7 @@ class _Stage:
             return acc, top, jnp.where(first, self.filled(), self.resid(dx.astype(self.dtype))), out_taps
 
         idle = lambda: (g_layers, self.top_layout(g_top), self.filled(), self.spare(self.w_grads))
-        return jax.lax.cond(r["b"].astype(bool), run, idle)
+        return self.phase(r["b"], run, idle)
 
     def weight_pass(self, r, which: str, w_in: list, w_grad: list, g_layers):
         """W (zb1) of segment `which` (w1 before the cotangent's send, w2 after it), or nothing: the
@@ -264,7 +280,7 @@ class _Stage:
             dw = weight_gradients(self.chunk_weights(lc), inputs, grads, self.region_names, self.cfg.model, self.layout)
             return self.accumulate(g_layers, lc, dw)
 
-        return jax.lax.cond(r[which].astype(bool), run, lambda: g_layers)
+        return self.phase(r[which], run, lambda: g_layers)
 
     def forward(self, r, x_in, res_keep, g_top):
         """F(i, c), or nothing: (residuals to stash, activation to send, the loss's cotangent to
@@ -294,7 +310,7 @@ class _Stage:
         def idle():
             return res_keep, self.filled(), self.filled(), self.top_layout(g_top), zero, zero, self.spare(self.w_inputs)
 
-        return jax.lax.cond(r["f"].astype(bool), run, idle)
+        return self.phase(r["f"], run, idle)
 
     def carry(self) -> dict:
         x = jax.ShapeDtypeStruct(self.x_shape, self.dtype)

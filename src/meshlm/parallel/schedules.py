@@ -88,6 +88,13 @@ def segments(c: Cell) -> tuple[Cell, Cell]:
     return first, tuple(a for a in c if a not in first)
 
 
+def runs_unbranched(parallel) -> bool:
+    """Whether the executor runs every phase on every stage at every tick (`ParallelConfig`): with
+    the ring inside the stages, whose collective-permutes may not sit in a branch that only some
+    stages take (`pipeline._Stage.phase`)."""
+    return parallel.context > 1 and parallel.context_strategy == "ring"
+
+
 @dataclass(frozen=True)
 class Schedule:
     name: str
@@ -105,35 +112,48 @@ class Schedule:
         """Whether backwards are split into the input-gradient pass (B) and the weight pass (W)."""
         return any(a.kind == "W" for row in self.table for c in row for a in c)
 
-    def lockstep_time(self, forward: float, backward: float, weight: float | None = None) -> float:
+    def lockstep_time(
+        self, forward: float, backward: float, weight: float | None = None, unbranched: bool = False
+    ) -> float:
         """Wall time of the table when stages wait for each other at every send (the executor sends
         the cotangent after a cell's first segment and the activation after its second, and none
         runs ahead): sum over ticks and segments of the max over stages of the segment's cost.
         `backward` is a whole backward; `weight` (default half of it) the share that zb1's W pass
         takes, its B pass the rest. (m v + p - 1)(f + b) for GPipe, 1F1B and interleaved (GPipe's
         phases; the paired tables' warm-up forwards, steady pairs and cool-down backwards); zb1
-        m(f + b) + (p-1)(max(f, w) + b - 2w) when w <= b - w (ZB-H1's bubble), tested."""
+        m(f + b) + (p-1)(max(f, w) + b - 2w) when w <= b - w (ZB-H1's bubble), tested.
+        `unbranched`: every stage runs every phase at every tick, busy or not (`runs_unbranched`):
+        ticks x (f + b), zb1 ticks x (f + B + 2w), its two weight-pass slots included."""
         w = backward / 2 if weight is None else weight
         cost = {"F": forward, "B": backward - w if self.splits_backward else backward, "W": w}
+        if unbranched:
+            return self.ticks * (cost["F"] + cost["B"] + (2 * w if self.splits_backward else 0.0))
         total = 0.0
         for row in self.table:
             parts = [segments(c) for c in row]
             total += sum(max(sum(cost[a.kind] for a in seg[k]) for seg in parts) for k in (0, 1))
         return total
 
-    def lockstep_overhead(self, backward_over_forward: float, weight_over_forward: float | None = None) -> float:
+    def lockstep_overhead(
+        self, backward_over_forward: float, weight_over_forward: float | None = None, unbranched: bool = False
+    ) -> float:
         """Lockstep time over the busy time of one stage (m v (f + b)), minus 1: what the executor
         adds to a stage's work - the textbook bubble, (p-1)/m for GPipe and 1F1B, (p-1)/(v m)
         interleaved, whatever the ratio; zb1 (p-1)(f + b - 2w)/(m(f + b)) for w <= min(f, b - w):
         a third of 1F1B's when the forward, B and W cost the same (m >= 2p - 1; less saved below)."""
         busy = self.microbatches * self.virtual * (1.0 + backward_over_forward)
-        return self.lockstep_time(1.0, backward_over_forward, weight_over_forward) / busy - 1.0
+        return self.lockstep_time(1.0, backward_over_forward, weight_over_forward, unbranched) / busy - 1.0
 
     @property
     def bubble_fraction(self) -> float:
         """Idle over busy time of a stage (P2 / Narayanan et al.'s bubble time fraction), in lockstep
         with a backward costing two forwards (zb1: its B and W one forward each)."""
         return self.lockstep_overhead(2.0)
+
+    def executed_bubble(self, unbranched: bool) -> float:
+        """`bubble_fraction` as the executor runs the table: `unbranched` (`runs_unbranched`), a
+        bubble tick costs a busy one."""
+        return self.lockstep_overhead(2.0, unbranched=unbranched)
 
     def in_flight(self, stage: int) -> list[int]:
         """Microbatch-chunks forwarded but not yet backwarded on `stage`, after each tick."""

@@ -13,6 +13,7 @@ from meshlm.parallel.schedules import (
     check_sizes,
     first_stage_in_flight,
     orders,
+    segments,
     tables,
     validate,
 )
@@ -56,12 +57,17 @@ def test_lockstep_time(p, m):
         s = build(name, p, m)
         assert s.lockstep_time(1.0, 2.0) == (m + p - 1) * 3.0
     assert build("1f1b", p, m).lockstep_time(1.0, 1.0) == (m + p - 1) * 2.0  # not the tick count
-    # unbranched (the ring inside the stages): every tick runs every phase, so the tick count prices it
-    for name in ("gpipe", "1f1b", "zb1"):
+    # unbranched (the ring inside the stages): every tick runs a backward and a forward, so the tick
+    # count prices it; zb1's W passes stay in their ticks: one, its two W passes as a forward
+    for name in ("gpipe", "1f1b"):
         s = build(name, p, m)
-        w = 0.5 if name == "zb1" else 0.0  # zb1: B 1.5, two weight-pass slots of 0.5
-        assert s.lockstep_time(1.0, 2.0, w or None, unbranched=True) == s.ticks * (3.0 + w)
-        assert s.executed_bubble(True) > s.executed_bubble(False) == s.bubble_fraction
+        assert s.lockstep_time(1.0, 2.0, unbranched=True) == s.ticks * 3.0 > s.lockstep_time(1.0, 2.0)
+    zb = build("zb1", p, m)  # B 0.5 forced at every tick, W (1.5) where the table has them
+    w_ticks = sum(
+        max(sum(a.kind == "W" for a in seg[k]) for seg in map(segments, row)) for row in zb.table for k in (0, 1)
+    )
+    assert zb.lockstep_time(1.0, 2.0, 1.5, unbranched=True) == zb.ticks * 1.5 + w_ticks * 1.5
+    assert zb.executed_bubble(True) > zb.executed_bubble(False) == zb.bubble_fraction
 
 
 def test_lockstep_1f1b_example():

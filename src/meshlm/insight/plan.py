@@ -296,7 +296,9 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
         link = _link(device, par.tensor * dp, _across(cfg, "data", "fsdp", "context"))
         out["data/FSDP collectives"] = _data_parallel_bytes(cfg, own, pipeline) / link
     if pipeline > 1:
-        stage_work = out["compute"] + out.get(ATTENTION, 0.0) + out.get("tensor-parallel collectives", 0.0)
+        # a cell's time: its compute and the collectives inside it (the context exchange too)
+        inside = (ATTENTION, "tensor-parallel collectives", EXCHANGE)
+        stage_work = out["compute"] + sum(out.get(k, 0.0) for k in inside)
         out |= _pipeline_parts(cfg, pipeline, interleave, stage_work, _link(device, n, _across(cfg, "stage")))
     return out
 

@@ -27,8 +27,8 @@ previous stage, runs its forward phase, sends the activation to the next stage:
   gradients from the regions' inputs (kept by F) and output gradients (kept by B), held in weight
   slots until then.
 
-Each phase is a `lax.cond` (idle when the cell has none; with the ring inside the stages, run and
-selected: `_Stage.phase`); gradients are added to their
+Each phase is a `lax.cond` (idle when the cell has none; with the ring inside the stages, the
+backward and forward run on every stage and are selected: `_Stage.phase`); gradients are added to their
 accumulators inside the branch that makes them. The two `ppermute`s are entered by every device
 on every tick, outside any branch (idle stages send a filler that lands in a spare slot).
 Collectives inside a branch are those of one stage's devices, which all take the same branch.
@@ -235,8 +235,10 @@ class _Stage:
         every device must enter in the same order (XLA:CPU matches them across all devices; in a
         branch, one stage's ring step would meet another stage's at another tick), so the ring's
         permutes may not sit in a branch that only some stages take. An idle cell then computes on
-        a filler and its results are dropped: every tick costs a forward, a backward and (zb1) two
-        weight passes (`Schedule.lockstep_time(unbranched=True)`: 1F1B's bubble about doubles)."""
+        a filler and its results are dropped: every tick costs a forward and a backward
+        (`Schedule.lockstep_time(unbranched=True)`: 1F1B's bubble about doubles), and the selects
+        over whole accumulators and stash slots may copy them. zb1's weight passes hold no ring op
+        (their attention is dead code) and stay branched."""
         on = on.astype(bool)
         if not self.unbranched:
             return jax.lax.cond(on, run, idle)
@@ -280,7 +282,7 @@ class _Stage:
             dw = weight_gradients(self.chunk_weights(lc), inputs, grads, self.region_names, self.cfg.model, self.layout)
             return self.accumulate(g_layers, lc, dw)
 
-        return self.phase(r[which], run, lambda: g_layers)
+        return jax.lax.cond(r[which].astype(bool), run, lambda: g_layers)  # no ring op in W
 
     def forward(self, r, x_in, res_keep, g_top):
         """F(i, c), or nothing: (residuals to stash, activation to send, the loss's cotangent to
@@ -334,8 +336,9 @@ class _Stage:
         (zb1) the second weight pass, the cell's forward, its activation sent right. Slot buffers
         are read before a phase and written after it, so XLA updates them in place instead of
         copying them through a conditional; the gradient accumulators pass through the phases
-        (aliased: the compiled loop copies none of them). Sends are entered by every device on
-        every tick, outside any branch (idle stages send a filler that lands in a spare slot)."""
+        (aliased: the compiled loop copies none of them, unless the phases run unbranched). Sends
+        are entered by every device on every tick, outside any branch (idle stages send a filler
+        that lands in a spare slot)."""
         r = {k: _take(a, self.stage) for k, a in row.items()}
         # the previous tick's forward's region inputs are written first: every write to the weight
         # slots then precedes the weight passes' reads (inside their branches), and XLA need not

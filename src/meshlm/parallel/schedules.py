@@ -122,16 +122,18 @@ class Schedule:
         takes, its B pass the rest. (m v + p - 1)(f + b) for GPipe, 1F1B and interleaved (GPipe's
         phases; the paired tables' warm-up forwards, steady pairs and cool-down backwards); zb1
         m(f + b) + (p-1)(max(f, w) + b - 2w) when w <= b - w (ZB-H1's bubble), tested.
-        `unbranched`: every stage runs every phase at every tick, busy or not (`runs_unbranched`):
-        ticks x (f + b), zb1 ticks x (f + B + 2w), its two weight-pass slots included."""
+        `unbranched` (`runs_unbranched`): every stage runs its backward (B) in the first segment and
+        its forward in the second at every tick, busy or not; zb1's weight passes stay where the
+        table puts them: ticks x (f + b) without them."""
         w = backward / 2 if weight is None else weight
         cost = {"F": forward, "B": backward - w if self.splits_backward else backward, "W": w}
-        if unbranched:
-            return self.ticks * (cost["F"] + cost["B"] + (2 * w if self.splits_backward else 0.0))
+        forced = ({"B"}, {"F"}) if unbranched else (set(), set())
         total = 0.0
         for row in self.table:
             parts = [segments(c) for c in row]
-            total += sum(max(sum(cost[a.kind] for a in seg[k]) for seg in parts) for k in (0, 1))
+            for k in (0, 1):
+                always = sum(cost[kind] for kind in forced[k])
+                total += always + max(sum(cost[a.kind] for a in seg[k] if a.kind not in forced[k]) for seg in parts)
         return total
 
     def lockstep_overhead(

@@ -62,6 +62,15 @@ MESHES: dict[str, tuple[str, ...]] = {
         "parallel.sequence_parallel=true",
         "train.microbatches=2",
     ),
+    "stage=2 zb1": ("parallel.stage=2", "parallel.pipeline_schedule=zb1", "train.microbatches=4"),
+    "stage=2 x context=2 x tensor=2 ring zb1": (
+        "parallel.stage=2",
+        "parallel.context=2",
+        "parallel.tensor=2",
+        "parallel.context_strategy=ring",
+        "parallel.pipeline_schedule=zb1",
+        "train.microbatches=4",
+    ),
     "stage=2 x context=2 all_gather": (
         "parallel.stage=2",
         "parallel.context=2",

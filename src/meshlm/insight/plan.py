@@ -470,7 +470,7 @@ def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> flo
     which for GPipe, 1F1B and interleaved is the textbook bubble whatever a backward costs against
     a forward (1F1B's and interleaved's steady ticks pair one with the other), and for zb1 a third
     of 1F1B's with its B and W a forward each and m >= 2p - 1 (`Schedule.bubble_fraction`). With
-    the ring inside the stages every tick runs every phase (`Schedule.executed_bubble`)."""
+    the ring inside the stages every tick runs a backward and a forward (`Schedule.executed_bubble`)."""
     par, micro = cfg.parallel, cfg.train.microbatches
     if par.stage == 1:
         return (pipeline - 1) / (interleave * micro)

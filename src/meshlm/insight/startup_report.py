@@ -108,7 +108,7 @@ def _pipeline(cfg: RunConfig) -> dict | None:
         "microbatches": cfg.train.microbatches,
         "ticks": schedule.ticks,
         "bubble_fraction": schedule.executed_bubble(runs_unbranched(par)),
-        "unbranched": runs_unbranched(par),  # every phase on every stage at every tick (the ring inside)
+        "unbranched": runs_unbranched(par),  # B and F on every stage at every tick (the ring inside)
         "peak_in_flight": [schedule.peak_in_flight(s) for s in range(par.stage)],
         "peak_pending_weight_passes": [max(schedule.pending_weights(s)) for s in range(par.stage)],
     }
@@ -188,7 +188,11 @@ def format_report(r: dict[str, Any]) -> list[str]:
         lines.append(
             f"pipeline: {p['schedule']} over {p['stages']} stages{chunks}, {p['microbatches']} microbatches in "
             f"{p['ticks']} ticks, bubble {p['bubble_fraction']:.1%} of the busy time"
-            + (" (the ring inside the stages: every phase runs at every tick)" if p["unbranched"] else "")
+            + (
+                " (the ring inside the stages: every backward and forward runs at every tick)"
+                if p["unbranched"]
+                else ""
+            )
             + "; microbatch-chunks in flight "
             f"per stage {p['peak_in_flight']}"
             + (f", weight passes pending {p['peak_pending_weight_passes']}" if p["schedule"] == "zb1" else "")

@@ -89,9 +89,9 @@ def segments(c: Cell) -> tuple[Cell, Cell]:
 
 
 def runs_unbranched(parallel) -> bool:
-    """Whether the executor runs every phase on every stage at every tick (`ParallelConfig`): with
-    the ring inside the stages, whose collective-permutes may not sit in a branch that only some
-    stages take (`pipeline._Stage.phase`)."""
+    """Whether the executor runs the backward and forward on every stage at every tick
+    (`ParallelConfig`): with the ring inside the stages, whose collective-permutes may not sit in a
+    branch that only some stages take (`pipeline._Stage.phase`)."""
     return parallel.context > 1 and parallel.context_strategy == "ring"
 
 

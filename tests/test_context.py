@@ -457,30 +457,34 @@ def test_the_planner_splits_long_sequences_over_context():
     assert short.cfg.parallel.context == 1 and why.startswith("no context parallelism") and strategy is None
 
 
-def test_all_gather_runs_the_tpu_kernel_at_each_chunks_causal_offset(params, monkeypatch, devices):
-    """`model.attention=fused` under all_gather where the device's kernel is TPU splash (chosen as on
-    a TPU, run in interpret mode): each rank runs splash per chunk of its queries against the
-    gathered keys up to the chunk's end, its causal mask shifted by the chunk's offset (static, one
-    switch branch per rank). Load-balanced c=2 x data=2 x tensor=2, GQA, document masks: gradients
-    equal the same kernel on one device; every chunk's offset was traced."""
+@pytest.mark.parametrize("kind, documents", [("splash", True), ("pallas-gpu", False)])
+def test_all_gather_runs_the_device_kernel_at_each_chunks_causal_offset(kind, documents, params, monkeypatch, devices):
+    """`model.attention=fused` under all_gather where the device's kernel is TPU splash or Pallas GPU
+    (chosen as on a TPU / GPU, run in interpret mode): each rank runs it per chunk of its queries
+    against the gathered keys, at the chunk's causal offset (static, one switch branch per rank):
+    splash's mask shifted, Pallas GPU as a causal diagonal call and a non-causal call over the
+    earlier keys merged by log-sum-exp (no document masks: one segment-id array). Load-balanced c=2
+    x data=2 x tensor=2, GQA: gradients equal the same kernel on one device; every offset traced."""
+    from meshlm.insight.startup_report import _attention
     from meshlm.model import kernels
 
-    offsets, splash_at = set(), kernels.splash_attention_at
+    offsets, name = set(), "splash_attention" if kind == "splash" else "pallas_gpu_attention"
+    whole, at = getattr(kernels, name), getattr(kernels, f"{name}_at")
 
-    def at(*args, **kw):
+    def traced(*args, **kw):
         offsets.add(args[5])
-        return splash_at(*args, **(kw | dict(interpret=True)))
+        return at(*args, **(kw | dict(interpret=True)))
 
-    monkeypatch.setattr(kernels, "fused_implementation", lambda *a: ("splash", "as on a TPU"))
-    monkeypatch.setattr(kernels, "splash_attention_at", at)  # one device: `splash_attention` calls it at 0
+    monkeypatch.setattr(kernels, "fused_implementation", lambda *a: (kind, "as on the device"))
+    monkeypatch.setattr(kernels, f"{name}_at", traced)  # one device: splash calls it at offset 0
+    monkeypatch.setattr(kernels, name, partial(whole, interpret=True))
     mesh = dict(context=2, data=2, tensor=2, context_strategy="all_gather")
-    got = grads(config("llama", mesh, attention="fused"), params["llama"])
-    assert offsets == {0, 8, 16, 24}  # s=32 in 4 chunks of 8: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
-    assert_same_grads(got, grads(config("llama", attention="fused"), params["llama"]))
-    # the start-up report says what runs: splash at offsets; on GPUs the blockwise kernel, and why
-    from meshlm.insight.startup_report import _attention
-
-    cfg = config("llama", mesh, attention="fused")
-    assert "over context=2 (gathered K/V, causal offset per chunk)" in _attention(cfg)[0]
+    cfg = config("llama", mesh, attention="fused", document_mask=documents)
+    got = grads(cfg, params["llama"])
+    assert offsets >= {8, 16, 24}  # s=32 in 4 chunks of 8: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert_same_grads(got, grads(config("llama", attention="fused", document_mask=documents), params["llama"]))
+    # the start-up report says what runs, and with documents on a GPU the blockwise kernel, and why
+    assert f"{kind} over context=2 (gathered K/V, " in _attention(cfg)[0]
     monkeypatch.setattr(kernels, "fused_implementation", lambda *a: ("cudnn", "as on an H100"))
-    assert _attention(cfg)[0] == "blockwise (block 4) over context=2 (cudnn takes no causal offset)"
+    cfg = config("llama", mesh, attention="fused")
+    assert _attention(cfg)[0].startswith("blockwise (block 4) over context=2 (cudnn: Pallas GPU reads queries' ")

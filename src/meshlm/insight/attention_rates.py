@@ -76,21 +76,18 @@ def architecture(device: Accelerator) -> str:
 
 def attention_kernel(cfg: RunConfig, device: Accelerator) -> AttentionKernel:
     """The kernel a run of `cfg` would execute on `device` (as `model.kernels.fused_implementation`
-    picks it there; ring context parallelism runs blockwise, all_gather too but on TPUs, where
-    splash takes a causal offset: `kernels.fused_at_offset`), with its rate."""
-    from meshlm.model.kernels import gpu_kernel
+    picks it there; ring context parallelism runs blockwise, all_gather the kernel that takes a
+    causal offset, `kernels.offset_kernel`: splash, Pallas GPU without document masks), with its rate."""
+    from meshlm.model.kernels import gpu_kernel, offset_kernel
 
     m, par = cfg.model, cfg.parallel
-    name = m.attention
+    name, doc = m.attention, cfg.data.document_mask
     if name == "fused":
-        tpu = device.platform == "tpu"
-        blockwise = ("ring",) if tpu else ("ring", "all_gather")
-        if par.context > 1 and par.context_strategy in blockwise:
+        name = "splash" if device.platform == "tpu" else gpu_kernel(m.dtype, m.dim_head, doc)[0]
+        if par.context > 1 and par.context_strategy == "ring":
             name = "blockwise"
-        elif tpu:
-            name = "splash"
-        else:
-            name = gpu_kernel(m.dtype, m.dim_head, cfg.data.document_mask)[0]
+        elif par.context > 1 and par.context_strategy == "all_gather":
+            name = offset_kernel(name, doc)[0] or "blockwise"
     arch = architecture(device)
     rate = RATES.get((name, arch)) or RATES[(name, "any")]
     return AttentionKernel(name, rate, (name, device.name) in MEASURED)

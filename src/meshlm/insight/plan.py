@@ -246,13 +246,14 @@ def _own_rate_flops(cfg: RunConfig, roofline: dict) -> int:
 
 def attention_seconds(cfg: RunConfig, device: Accelerator, n: int) -> float:
     """Seconds per step of the attention core at its kernel's fraction of peak (0 when it runs at
-    the GEMM rate, among the GEMMs). Splash under all_gather runs its forward once more in backward
-    (`context.gathered_kernel_attention` is checkpointed): QK^T and attention over V again."""
+    the GEMM rate, among the GEMMs). A kernel at a causal offset under all_gather (splash, Pallas
+    GPU) runs its forward once more in backward (`context.gathered_kernel_attention` is
+    checkpointed): QK^T and attention over V again."""
     kernel, par = attention_kernel(cfg, device), cfg.parallel
     if kernel.rate.fraction is None:
         return 0.0
     flops = accounting.attention_core_flops(cfg)
-    if kernel.name == "splash" and par.context > 1 and par.context_strategy == "all_gather":
+    if kernel.name in ("splash", "pallas-gpu") and par.context > 1 and par.context_strategy == "all_gather":
         flops += accounting.attention_forward_flops(cfg)
     return flops / (n * device_peak(device, cfg) * kernel.rate.fraction)
 

@@ -12,6 +12,11 @@
   mask, segment ids for document masks, grouped KV heads as one multi-query kernel per KV head;
 - else the blockwise kernel (`model.blockwise`).
 
+Under all_gather context parallelism a rank's chunk of queries sits at a causal offset into the
+gathered keys (`offset_kernel`): splash takes it in its mask (`splash_attention_at`), the Pallas GPU
+kernel as two calls merged by log-sum-exp (`pallas_gpu_attention_at`, not with document masks);
+cuDNN takes none.
+
 All of them keep Q, K, V, the output and a log-sum-exp per row for backward (each has its own
 custom VJP), so the O(s) accounting of the blockwise kernel applies. Sequences are padded to a
 multiple of the kernel's block (padding is a document of its own, after every real token, so the
@@ -69,13 +74,31 @@ def gpu_kernel(dtype: str, head_dim: int, document_mask: bool) -> tuple[str, str
     return "cudnn", "cuDNN flash attention"
 
 
+def offset_kernel(kind: str, document_mask: bool) -> tuple[str | None, str]:
+    """The kernel that all_gather context parallelism runs per chunk of queries at its causal offset
+    (`context.gathered_kernel_attention`), given what `fused_implementation` picks on the device:
+    (name or None - the blockwise kernel then -, why). TPU splash takes the offset in its mask; on a
+    GPU the Pallas kernel does, as two calls merged (`pallas_gpu_attention_at`) - cuDNN's causal
+    mask starts every query at key 0 and JAX returns no log-sum-exp from it to merge."""
+    if kind == "splash":
+        return "splash", "causal offset per chunk"
+    if kind not in ("cudnn", "pallas-gpu"):
+        return None, ""
+    if document_mask:
+        return None, "Pallas GPU reads queries' and keys' document ids from one array: no mask against earlier chunks"
+    why = "per chunk: diagonal causal + earlier keys, merged by log-sum-exp"
+    return "pallas-gpu", why + ("; cuDNN's causal mask takes no offset" if kind == "cudnn" else "")
+
+
 def fused_at_offset(dtype: str, head_dim: int, document_mask: bool, block: int):
-    """The fused kernel all_gather context parallelism runs, as `(q, k, v, seg_q, seg_k, offset) ->
-    output` with the causal mask shifted by a static offset: TPU splash (its `CausalMask` takes one);
-    None elsewhere - cuDNN's and the Pallas GPU kernel's causal masks start every query at key 0,
-    so under all_gather they leave the attention to the blockwise kernel."""
+    """The fused kernel all_gather context parallelism runs (`offset_kernel`), as `(q, k, v, seg_q,
+    seg_k, offset) -> output` with the causal mask shifted by a static offset; None where the
+    blockwise kernel runs instead."""
     kind, _ = fused_implementation(dtype, head_dim, document_mask)
-    return partial(splash_attention_at, block=block) if kind == "splash" else None
+    name, _ = offset_kernel(kind, document_mask)
+    if name is None:
+        return None
+    return partial(splash_attention_at if name == "splash" else pallas_gpu_attention_at, block=block)
 
 
 def fused_attention(
@@ -135,6 +158,16 @@ def _pad_rows(x, length: int, value=0):
     return jnp.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=value)
 
 
+def _pallas_blocks(t: int, block: int):
+    """The Pallas GPU kernel's tile (a power of two, at least 16 rows: Triton's) and its BlockSizes."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    power_of_2 = lambda x: 1 << (x - 1).bit_length()
+    size = max(16, min(power_of_2(block), power_of_2(t)))
+    fields = ("block_q", "block_k", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
+    return size, pallas_attention.BlockSizes(**dict.fromkeys(fields, size))
+
+
 def pallas_gpu_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, block: int = 128, interpret: bool = False):
     """Causal attention [b, t, n, h] by JAX's Pallas GPU flash attention (Triton), with segment ids;
     grouped KV heads repeated to the query heads."""
@@ -142,17 +175,101 @@ def pallas_gpu_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, block: 
 
     t, n, h = q_btnh.shape[1:]
     g = n // k_bskh.shape[2]
-    power_of_2 = lambda x: 1 << (x - 1).bit_length()
-    size = max(16, min(power_of_2(block), power_of_2(t)))  # Triton tiles: powers of two, at least 16 rows
+    size, sizes = _pallas_blocks(t, block)
     q, k, v, seg = _padded(q_btnh, k_bskh, v_bskh, segment_ids_bt, size)
     k, v = (jnp.repeat(x, g, axis=2) for x in (k, v))
-    sizes = pallas_attention.BlockSizes(
-        block_q=size, block_k=size, block_q_dkv=size, block_kv_dkv=size, block_q_dq=size, block_kv_dq=size
-    )
     out = pallas_attention.mha(
         q, k, v, seg, sm_scale=1.0 / math.sqrt(h), causal=True, block_sizes=sizes, interpret=interpret
     )
     return out[:, :t]
+
+
+def pallas_gpu_attention_at(
+    q_btnh, k_bskh, v_bskh, seg_q_bt, seg_k_bs, offset: int, *, block: int = 128, interpret: bool = False
+):
+    """`pallas_gpu_attention` of queries at positions offset .. offset + t - 1 of the keys' sequence
+    (the all_gather chunk of `splash_attention_at`; `offset` a multiple of t). The kernel's causal
+    mask starts every query at key 0, so a chunk is two of its calls merged by their log-sum-exps:
+    the diagonal block (keys offset .. offset + t - 1, causal) and the earlier keys 0 .. offset - 1,
+    all visible (t-key pieces stacked on the batch axis: one non-causal call). The backward pass is
+    the kernel's own on each call, given the merged output and log-sum-exp (what a flash backward
+    needs: the ring's merge). No document masks: the kernel reads the queries' and the keys'
+    segment ids from one array (the same positions), which cannot mask queries against earlier keys."""
+    t = q_btnh.shape[1]
+    if seg_q_bt is not None or seg_k_bs is not None:
+        raise ValueError("the Pallas GPU kernel at an offset takes no document mask (one segment-id array)")
+    if offset % t or offset + t > k_bskh.shape[1]:
+        raise ValueError(f"queries at offset {offset} must be whole {t}-row chunks of the {k_bskh.shape[1]} keys")
+    return _pallas_at(q_btnh, k_bskh, v_bskh, offset, block, interpret)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _pallas_at(q, k, v, offset, block, interpret):
+    return _pallas_at_fwd(q, k, v, offset, block, interpret)[0]
+
+
+def _pallas_calls(q, k, v, offset: int, block: int):
+    """The two calls' operands, rows padded to whole tiles and KV heads repeated: (q, k, v, segment
+    ids) of the diagonal block and of the earlier keys (None at offset 0); the kernel's sizes."""
+    b, t, n = q.shape[:3]
+    g, a = n // k.shape[2], offset // t
+    size, sizes = _pallas_blocks(t, block)
+    rows = -(-t // size) * size
+    wide = lambda x: jnp.repeat(_pad_rows(x, rows), g, axis=2)
+    q = _pad_rows(q, rows)
+    diagonal = (q, wide(k[:, offset : offset + t]), wide(v[:, offset : offset + t]), None)  # causal: padding after
+    if a == 0:
+        return diagonal, None, sizes
+    pieces = lambda x: x[:, :offset].reshape(b, a, t, *x.shape[2:]).swapaxes(0, 1).reshape(a * b, t, *x.shape[2:])
+    # padded keys are a document of their own: invisible to real rows (whose segment id is 0)
+    seg = None if rows == t else jnp.broadcast_to(jnp.where(jnp.arange(rows) < t, 0, PAD_DOCUMENT), (a * b, rows))
+    earlier = (jnp.tile(q, (a, 1, 1, 1)), wide(pieces(k)), wide(pieces(v)), seg)
+    return diagonal, earlier, sizes
+
+
+def _pallas_at_fwd(q, k, v, offset, block, interpret):
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    t, h = q.shape[1], q.shape[-1]
+    diagonal, earlier, sizes = _pallas_calls(q, k, v, offset, block)
+    call = partial(pallas_attention.mha, sm_scale=1 / math.sqrt(h), block_sizes=sizes, interpret=interpret)
+    out, lse = call(*diagonal, causal=True, return_residuals=True)  # lse: [b, n, rows], base 2
+    if earlier is not None:
+        outs, lses = call(*earlier, causal=False, return_residuals=True)
+        outs = jnp.concatenate([out[None], outs.reshape(-1, *out.shape)]).astype(jnp.float32)
+        lses = jnp.concatenate([lse[None], lses.reshape(-1, *lse.shape)])
+        lse = jax.nn.logsumexp(lses * math.log(2), axis=0) / math.log(2)  # over the calls
+        weights = jnp.exp2(lses - lse).swapaxes(-1, -2)[..., None]  # [calls, b, rows, n, 1]
+        out = (weights * outs).sum(0).astype(q.dtype)
+    return out[:, :t], (q, k, v, out, lse)
+
+
+def _pallas_at_bwd(offset, block, interpret, res, d_out):
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    q, k, v, out, lse = res
+    (b, t, n, h), kv = q.shape, k.shape[2]
+    diagonal, earlier, sizes = _pallas_calls(q, k, v, offset, block)
+    d_out = _pad_rows(d_out, out.shape[1])
+    grads = partial(pallas_attention._mha_backward, 1 / math.sqrt(h))  # private: the kernel's own backward pass
+    grads = partial(grads, block_sizes=sizes, backward_pass_impl="triton", num_warps=None, num_stages=2, grid=None)
+    grads = partial(grads, interpret=interpret, debug=False, return_residuals=False)
+    # per KV head: the sum over its g query heads' repeated copies, in fp32
+    heads = lambda x: x[:, :t].astype(jnp.float32).reshape(x.shape[0], t, kv, n // kv, h).sum(3)
+    dq, dk, dv, _ = grads(causal=True, res=(*diagonal[:3], None, out, lse), do=d_out)
+    dq, dk, dv = dq.astype(jnp.float32), heads(dk), heads(dv)
+    if earlier is not None:
+        a = offset // t
+        tiled = lambda x: jnp.tile(x, (a,) + (1,) * (x.ndim - 1))
+        dqs, dks, dvs, _ = grads(causal=False, res=(*earlier, tiled(out), tiled(lse)), do=tiled(d_out))
+        dq = dq + dqs.astype(jnp.float32).reshape(a, *dq.shape).sum(0)
+        joined = lambda x: heads(x).reshape(a, b, t, kv, h).swapaxes(0, 1).reshape(b, offset, kv, h)
+        dk, dv = (jnp.concatenate([joined(e), d], axis=1) for e, d in ((dks, dk), (dvs, dv)))
+    later = lambda x: _pad_rows(x, k.shape[1]).astype(k.dtype)  # keys after the chunk: no gradient
+    return dq[:, :t].astype(q.dtype), later(dk), later(dv)
+
+
+_pallas_at.defvjp(_pallas_at_fwd, _pallas_at_bwd)
 
 
 def splash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, block: int = 128, interpret: bool = False):

@@ -56,7 +56,7 @@ import torch
 import transformers
 
 from _markdown import publish
-from meshlm.accounting import model_flops_per_step
+from meshlm.accounting import causal_flops_per_step
 from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from meshlm.data.loader import WindowLoader, process_batch
 from meshlm.model.loss import cross_entropy_sum
@@ -297,7 +297,8 @@ def main() -> None:
         f"CPU cores, torch {torch.__version__}, transformers {transformers.__version__}, jax {jax.__version__}; "
         f"vocab {VOCAB}, seq {SEQ}, batch {BATCH}, "
         f"fp32, AdamW + clipping; median of {args.rounds} alternating rounds of {args.steps} steps; tokens/s; "
-        f"MFU = P2 Eq. 7 model FLOPs / step time / this host's fp32 1024^3 matmul probe, {peak / 1e9:.0f} GFLOP/s)",
+        f"MFU = causal model FLOPs (P2 Eq. 7 without the masked half of attention, as `meshlm train` logs) "
+        f"/ step time / this host's fp32 1024^3 matmul probe, {peak / 1e9:.0f} GFLOP/s)",
         "",
         "| family | size | PyTorch eager | PyTorch compiled | minimal JAX | meshlm 1 device | meshlm 1 device chained "
         "| meshlm data=2 | meshlm data=2 chained | meshlm best / PyTorch best | MFU meshlm best | MFU PyTorch best |",
@@ -322,7 +323,7 @@ def main() -> None:
             best_torch = max(rate["torch eager"], rate["torch compiled"])
             best_meshlm = max(v for k, v in rate.items() if k.startswith("meshlm"))
             cells = " | ".join(f"{rate[k]:.0f}" for k in variants)
-            mfu_per_token_s = model_flops_per_step(run) / tokens / peak  # MFU of 1 token/s
+            mfu_per_token_s = causal_flops_per_step(run) / tokens / peak  # MFU of 1 token/s
             lines.append(
                 f"| {family} | {size} | {cells} | {best_meshlm / best_torch:.2f}x "
                 f"| {100 * mfu_per_token_s * best_meshlm:.0f}% | {100 * mfu_per_token_s * best_torch:.0f}% |"

@@ -100,15 +100,15 @@ def _pipeline(cfg: RunConfig) -> dict | None:
     par = cfg.parallel
     if par.stage == 1:
         return None
-    schedule = schedule_for(cfg)
+    schedule, unbranched = schedule_for(cfg), runs_unbranched(par)  # B and F on every stage at every tick
     return {
         "schedule": par.pipeline_schedule,
         "stages": par.stage,
         "virtual_stages": par.virtual_stages,
         "microbatches": cfg.train.microbatches,
         "ticks": schedule.ticks,
-        "bubble_fraction": schedule.executed_bubble(runs_unbranched(par)),
-        "unbranched": runs_unbranched(par),  # B and F on every stage at every tick (the ring inside)
+        "bubble_fraction": schedule.executed_bubble(unbranched),
+        "unbranched": unbranched,  # (the ring inside the stages)
         "peak_in_flight": [schedule.peak_in_flight(s) for s in range(par.stage)],
         "peak_pending_weight_passes": [max(schedule.pending_weights(s)) for s in range(par.stage)],
     }

@@ -278,25 +278,28 @@ def test_pallas_kernels_in_interpret_mode_equal_explicit_attention(kernel, t, bl
         np.testing.assert_allclose(g, w, atol=5e-5, rtol=0)
 
 
-def test_pallas_gpu_kernel_at_a_causal_offset_equals_explicit_attention():
+@pytest.mark.parametrize("docs", [False, True])
+def test_pallas_gpu_kernel_at_a_causal_offset_equals_explicit_attention(docs):
     """All_gather's GPU kernel (`pallas_gpu_attention_at`, interpret mode): a chunk of t=10 queries at
-    offsets 0, 10 and 30 of s=40 keys - its diagonal block causal, the earlier keys in one stacked
-    non-causal call, merged by log-sum-exp; rows padded to the 16-row tile, GQA - has the outputs and
-    gradients (queries, every key) of those rows of explicit attention over the whole sequence."""
+    offsets 0, 10, 20 and 30 of s=40 keys - its calls merged by log-sum-exp; rows padded to the
+    16-row tile, GQA - has the outputs and gradients (queries, every key) of those rows of explicit
+    attention over the whole sequence. Documents: one from key 3 to 34 (reaching into chunks 1-3 from
+    the middle of chunk 0) in one row; in the other, boundaries at 12, 25 and 31."""
     s, t = 40, 10
     q, k, v, d_out = _qkv(s, seed=5)
-    for offset in (0, 10, 30):
+    starts = np.zeros((B, s), int)
+    starts[0, [3, 35]] = starts[1, [12, 25, 31]] = 1
+    seg = jnp.asarray(np.cumsum(starts, axis=1), jnp.int32) if docs else None
+    for offset in (0, 10, 20, 30):
         rows = slice(offset, offset + t)
-        whole = lambda q_c, k, v, rows=rows: layers.causal_attention(q.at[:, rows].set(q_c), k, v, None)[:, rows]
-        at = partial(kernels.pallas_gpu_attention_at, seg_q_bt=None, seg_k_bs=None, offset=offset, block=16)
-        at = partial(at, interpret=True)
+        whole = lambda q_c, k, v, rows=rows: layers.causal_attention(q.at[:, rows].set(q_c), k, v, seg)[:, rows]
+        segs = dict(seg_q_bt=None, seg_k_bs=None) if seg is None else dict(seg_q_bt=seg[:, rows], seg_k_bs=seg)
+        at = partial(kernels.pallas_gpu_attention_at, **segs, offset=offset, block=16, interpret=True)
         want, want_grads = _value_and_grads(whole, q[:, rows], k, v, d_out[:, rows])
         got, got_grads = _value_and_grads(at, q[:, rows], k, v, d_out[:, rows])
         np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
         for g, w in zip(got_grads, want_grads, strict=True):
             np.testing.assert_allclose(g, w, atol=5e-6, rtol=0)
-    with pytest.raises(ValueError, match="no document mask"):
-        kernels.pallas_gpu_attention_at(q[:, :t], k, v, _segments(t), _segments(s), 10)
 
 
 def test_pallas_kernels_run_per_device_on_a_mesh(devices):

@@ -77,7 +77,7 @@ def architecture(device: Accelerator) -> str:
 def attention_kernel(cfg: RunConfig, device: Accelerator) -> AttentionKernel:
     """The kernel a run of `cfg` would execute on `device` (as `model.kernels.fused_implementation`
     picks it there; ring context parallelism runs blockwise, all_gather the kernel that takes a
-    causal offset, `kernels.offset_kernel`: splash, Pallas GPU without document masks), with its rate."""
+    causal offset, `kernels.offset_kernel`: splash, Pallas GPU), with its rate."""
     from meshlm.model.kernels import gpu_kernel, offset_kernel
 
     m, par = cfg.model, cfg.parallel
@@ -87,7 +87,7 @@ def attention_kernel(cfg: RunConfig, device: Accelerator) -> AttentionKernel:
         if par.context > 1 and par.context_strategy == "ring":
             name = "blockwise"
         elif par.context > 1 and par.context_strategy == "all_gather":
-            name = offset_kernel(name, doc)[0] or "blockwise"
+            name = offset_kernel(name)[0] or "blockwise"
     arch = architecture(device)
     rate = RATES.get((name, arch)) or RATES[(name, "any")]
     return AttentionKernel(name, rate, (name, device.name) in MEASURED)

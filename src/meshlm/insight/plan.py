@@ -248,13 +248,17 @@ def attention_seconds(cfg: RunConfig, device: Accelerator, n: int) -> float:
     """Seconds per step of the attention core at its kernel's fraction of peak (0 when it runs at
     the GEMM rate, among the GEMMs). A kernel at a causal offset under all_gather (splash, Pallas
     GPU) runs its forward once more in backward (`context.gathered_kernel_attention` is
-    checkpointed): QK^T and attention over V again."""
+    checkpointed): QK^T and attention over V again; Pallas GPU with document masks, some more."""
     kernel, par = attention_kernel(cfg, device), cfg.parallel
     if kernel.rate.fraction is None:
         return 0.0
     flops = accounting.attention_core_flops(cfg)
     if kernel.name in ("splash", "pallas-gpu") and par.context > 1 and par.context_strategy == "all_gather":
         flops += accounting.attention_forward_flops(cfg)
+        if kernel.name == "pallas-gpu" and cfg.data.document_mask:
+            # `kernels._offset_calls`: a chunk of t rows runs a discarded tile of rows (t^2 / 2) and one
+            # earlier chunk twice (t^2), against a rank's s^2 / 2c: 3 / chunks more, on the busiest rank
+            flops *= 1 + 3 / (par.context * (2 if par.context_load_balance else 1))
     return flops / (n * device_peak(device, cfg) * kernel.rate.fraction)
 
 

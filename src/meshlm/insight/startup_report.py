@@ -140,11 +140,9 @@ def _attention(cfg: RunConfig) -> tuple[str, dict | None]:
             return f"{kernel} over context={par.context} (whole sequences, 1/{par.context} of the heads)", context
         fused = m.attention == "fused"
         kind = kernels.fused_implementation(m.dtype, m.dim_head, cfg.data.document_mask)[0] if fused else ""
-        name, why = kernels.offset_kernel(kind, cfg.data.document_mask)  # as `kernels.fused_at_offset`
+        name, why = kernels.offset_kernel(kind)  # as `kernels.fused_at_offset`
         if par.context_strategy == "all_gather" and name:
             return f"{name} over context={par.context} (gathered K/V, {why})", context
-        if par.context_strategy == "all_gather" and why:
-            return f"blockwise (block {block}) over context={par.context} ({kind}: {why})", context
         return f"blockwise (block {block}) over context={par.context}", context
     return _kernel_label(cfg), None
 

@@ -14,8 +14,7 @@
 
 Under all_gather context parallelism a rank's chunk of queries sits at a causal offset into the
 gathered keys (`offset_kernel`): splash takes it in its mask (`splash_attention_at`), the Pallas GPU
-kernel as two calls merged by log-sum-exp (`pallas_gpu_attention_at`, not with document masks);
-cuDNN takes none.
+kernel as a few calls merged by log-sum-exp (`pallas_gpu_attention_at`); cuDNN takes none.
 
 All of them keep Q, K, V, the output and a log-sum-exp per row for backward (each has its own
 custom VJP), so the O(s) accounting of the blockwise kernel applies. Sequences are padded to a
@@ -29,9 +28,11 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
@@ -74,19 +75,17 @@ def gpu_kernel(dtype: str, head_dim: int, document_mask: bool) -> tuple[str, str
     return "cudnn", "cuDNN flash attention"
 
 
-def offset_kernel(kind: str, document_mask: bool) -> tuple[str | None, str]:
+def offset_kernel(kind: str) -> tuple[str | None, str]:
     """The kernel that all_gather context parallelism runs per chunk of queries at its causal offset
     (`context.gathered_kernel_attention`), given what `fused_implementation` picks on the device:
     (name or None - the blockwise kernel then -, why). TPU splash takes the offset in its mask; on a
-    GPU the Pallas kernel does, as two calls merged (`pallas_gpu_attention_at`) - cuDNN's causal
-    mask starts every query at key 0 and JAX returns no log-sum-exp from it to merge."""
+    GPU the Pallas kernel does, as calls merged (`pallas_gpu_attention_at`) - cuDNN's causal mask
+    starts every query at key 0, and its backward in JAX takes no merged log-sum-exp."""
     if kind == "splash":
         return "splash", "causal offset per chunk"
     if kind not in ("cudnn", "pallas-gpu"):
         return None, ""
-    if document_mask:
-        return None, "Pallas GPU reads queries' and keys' document ids from one array: no mask against earlier chunks"
-    why = "per chunk: diagonal causal + earlier keys, merged by log-sum-exp"
+    why = "per chunk: its diagonal causal + the earlier keys, calls merged by log-sum-exp"
     return "pallas-gpu", why + ("; cuDNN's causal mask takes no offset" if kind == "cudnn" else "")
 
 
@@ -95,7 +94,7 @@ def fused_at_offset(dtype: str, head_dim: int, document_mask: bool, block: int):
     seg_k, offset) -> output` with the causal mask shifted by a static offset; None where the
     blockwise kernel runs instead."""
     kind, _ = fused_implementation(dtype, head_dim, document_mask)
-    name, _ = offset_kernel(kind, document_mask)
+    name, _ = offset_kernel(kind)
     if name is None:
         return None
     return partial(splash_attention_at if name == "splash" else pallas_gpu_attention_at, block=block)
@@ -189,84 +188,134 @@ def pallas_gpu_attention_at(
 ):
     """`pallas_gpu_attention` of queries at positions offset .. offset + t - 1 of the keys' sequence
     (the all_gather chunk of `splash_attention_at`; `offset` a multiple of t). The kernel's causal
-    mask starts every query at key 0, so a chunk is two of its calls merged by their log-sum-exps:
-    the diagonal block (keys offset .. offset + t - 1, causal) and the earlier keys 0 .. offset - 1,
-    all visible (t-key pieces stacked on the batch axis: one non-causal call). The backward pass is
-    the kernel's own on each call, given the merged output and log-sum-exp (what a flash backward
-    needs: the ring's merge). No document masks: the kernel reads the queries' and the keys'
-    segment ids from one array (the same positions), which cannot mask queries against earlier keys."""
+    mask starts every query at key 0 and it reads the queries' and the keys' segment ids from one
+    array, so a chunk is a few of its calls (`_offset_calls`) merged by their log-sum-exps; the
+    backward pass is the kernel's own on each call, given the merged output and log-sum-exp (all a
+    flash backward needs: the ring's merge)."""
     t = q_btnh.shape[1]
-    if seg_q_bt is not None or seg_k_bs is not None:
-        raise ValueError("the Pallas GPU kernel at an offset takes no document mask (one segment-id array)")
+    if (seg_q_bt is None) != (seg_k_bs is None):
+        raise ValueError("document ids for both the queries and the keys, or for neither")
     if offset % t or offset + t > k_bskh.shape[1]:
         raise ValueError(f"queries at offset {offset} must be whole {t}-row chunks of the {k_bskh.shape[1]} keys")
-    return _pallas_at(q_btnh, k_bskh, v_bskh, offset, block, interpret)
+    return _pallas_at(q_btnh, k_bskh, v_bskh, seg_q_bt, seg_k_bs, offset, block, interpret)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _pallas_at(q, k, v, offset, block, interpret):
-    return _pallas_at_fwd(q, k, v, offset, block, interpret)[0]
+class _Call(NamedTuple):
+    """One Pallas GPU call for a chunk at an offset, as indices per call row: `rows` [B'] its
+    sequence, `queries` [B', Lq] chunk rows (t: a zero row), `keys` [B', Lk] key positions (s: a
+    zero key), `seg` [B', Lk] segment ids (the call's queries read them at their own slots) or None,
+    `visible` [B', Lq] the rows whose result counts."""
+
+    rows: jax.Array
+    queries: jax.Array
+    keys: jax.Array
+    seg: jax.Array | None
+    visible: jax.Array
+    causal: bool
 
 
-def _pallas_calls(q, k, v, offset: int, block: int):
-    """The two calls' operands, rows padded to whole tiles and KV heads repeated: (q, k, v, segment
-    ids) of the diagonal block and of the earlier keys (None at offset 0); the kernel's sizes."""
-    b, t, n = q.shape[:3]
-    g, a = n // k.shape[2], offset // t
-    size, sizes = _pallas_blocks(t, block)
-    rows = -(-t // size) * size
-    wide = lambda x: jnp.repeat(_pad_rows(x, rows), g, axis=2)
-    q = _pad_rows(q, rows)
-    diagonal = (q, wide(k[:, offset : offset + t]), wide(v[:, offset : offset + t]), None)  # causal: padding after
-    if a == 0:
-        return diagonal, None, sizes
-    pieces = lambda x: x[:, :offset].reshape(b, a, t, *x.shape[2:]).swapaxes(0, 1).reshape(a * b, t, *x.shape[2:])
-    # padded keys are a document of their own: invisible to real rows (whose segment id is 0)
-    seg = None if rows == t else jnp.broadcast_to(jnp.where(jnp.arange(rows) < t, 0, PAD_DOCUMENT), (a * b, rows))
-    earlier = (jnp.tile(q, (a, 1, 1, 1)), wide(pieces(k)), wide(pieces(v)), seg)
-    return diagonal, earlier, sizes
+def _offset_calls(b: int, t: int, tile: int, s: int, offset: int, seg_q, seg_k) -> list[_Call]:
+    """The calls for a chunk of t queries at `offset` (rows padded to `tile`; a = offset / t chunks
+    of keys before it):
+    - its diagonal block, causal (with documents: their ids, the queries' own);
+    - the a earlier chunks stacked on the batch axis, one non-causal call, every key visible;
+    - with documents, only the document of key offset - 1 (ids run in order) can reach into the
+      chunk, only its queries see earlier keys, and only the keys from its start. The earlier
+      chunks after the one it starts in count for those queries; that one, p (one id array cannot
+      show a query only a suffix of a chunk's keys), is joined to the diagonal as one causal call
+      of two tiles in position order with their true ids - so the mask is right - whose first
+      tile's rows are discarded. Every earlier chunk up to p is computed and not counted."""
+    a, i, batch = offset // t, np.arange(tile), np.arange(b)
+    real = i < t
+    queries = np.where(real, i, t)
+    keys_from = lambda start: jnp.where(real, start + i, s)
+    row = lambda x: jnp.broadcast_to(x, (b, *np.shape(x)[-1:]))
+    ids = lambda keys: jnp.pad(seg_k, ((0, 0), (0, 1)), constant_values=PAD_DOCUMENT)[batch[:, None], keys]
+    diagonal = row(keys_from(offset))
+    if seg_q is None or a == 0:
+        seg = None if seg_q is None else ids(diagonal)
+        calls = [_Call(batch, row(queries), diagonal, seg, row(real), True)]
+    else:
+        document = seg_k[:, offset - 1]
+        p = jnp.argmax(seg_k[:, :offset] == document[:, None], axis=1) // t  # the chunk it starts in
+        keys = jnp.concatenate([keys_from(p[:, None] * t), diagonal], 1)
+        first = np.concatenate([np.full(tile, t), queries]), np.concatenate([np.zeros(tile, bool), real])
+        calls = [_Call(batch, row(first[0]), keys, ids(keys), row(first[1]), True)]
+    if a:
+        piece, rows = np.repeat(np.arange(a), b), np.tile(batch, a)  # a-major
+        keys = np.where(real, piece[:, None] * t + i, s)
+        visible = np.broadcast_to(real, keys.shape)
+        if seg_q is not None:
+            in_document = jnp.pad(seg_q == document[:, None], ((0, 0), (0, tile - t)))
+            visible = (piece[:, None] > p[rows][:, None]) & in_document[rows]
+        seg = None if tile == t else np.broadcast_to(np.where(real, 0, PAD_DOCUMENT), keys.shape)  # padding apart
+        calls.append(_Call(rows, np.broadcast_to(queries, keys.shape), keys, seg, visible, False))
+    return calls
 
 
-def _pallas_at_fwd(q, k, v, offset, block, interpret):
+def _operands(call: _Call, q, k, v) -> tuple:
+    """A call's (q, k, v, segment ids), gathered by its indices, KV heads repeated to the query heads."""
+    g = q.shape[2] // k.shape[2]
+    take = lambda x, index: jnp.pad(x, ((0, 0), (0, 1)) + ((0, 0),) * (x.ndim - 2))[call.rows[:, None], index]
+    return take(q, call.queries), *(jnp.repeat(take(x, call.keys), g, axis=2) for x in (k, v)), call.seg
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _pallas_at(q, k, v, seg_q, seg_k, offset, block, interpret):
+    return _pallas_at_fwd(q, k, v, seg_q, seg_k, offset, block, interpret)[0]
+
+
+def _pallas_at_fwd(q, k, v, seg_q, seg_k, offset, block, interpret):
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
-    t, h = q.shape[1], q.shape[-1]
-    diagonal, earlier, sizes = _pallas_calls(q, k, v, offset, block)
+    b, t, n, h = q.shape
+    tile, sizes = _pallas_blocks(t, block)
     call = partial(pallas_attention.mha, sm_scale=1 / math.sqrt(h), block_sizes=sizes, interpret=interpret)
-    out, lse = call(*diagonal, causal=True, return_residuals=True)  # lse: [b, n, rows], base 2
-    if earlier is not None:
-        outs, lses = call(*earlier, causal=False, return_residuals=True)
-        outs = jnp.concatenate([out[None], outs.reshape(-1, *out.shape)]).astype(jnp.float32)
-        lses = jnp.concatenate([lse[None], lses.reshape(-1, *lse.shape)])
-        lse = jax.nn.logsumexp(lses * math.log(2), axis=0) / math.log(2)  # over the calls
-        weights = jnp.exp2(lses - lse).swapaxes(-1, -2)[..., None]  # [calls, b, rows, n, 1]
-        out = (weights * outs).sum(0).astype(q.dtype)
-    return out[:, :t], (q, k, v, out, lse)
+    calls = _offset_calls(b, t, tile, k.shape[1], offset, seg_q, seg_k)
+    found = [call(*_operands(c, q, k, v), causal=c.causal, return_residuals=True) for c in calls]
+    # merged per chunk row (row t gathers the zero rows) by the log-sum-exps (base 2) of the rows that count
+    at = [(c.rows[:, None], c.queries) for c in calls]
+    lses = [jnp.where(c.visible[..., None], r[1].swapaxes(1, 2), -jnp.inf) for c, r in zip(calls, found, strict=True)]
+    top = jnp.full((b, t + 1, n), -jnp.inf)
+    for where, lse in zip(at, lses, strict=True):
+        top = top.at[where].max(lse)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    total = jnp.zeros((b, t + 1, n))
+    for where, lse in zip(at, lses, strict=True):
+        total = total.at[where].add(jnp.exp2(lse - top[where]))
+    lse = top + jnp.log2(total)
+    out = jnp.zeros((b, t + 1, n, h))
+    for c, where, part, (o, _) in zip(calls, at, lses, found, strict=True):
+        weight = jnp.where(c.visible[..., None], jnp.exp2(part - lse[where]), 0.0)
+        out = out.at[where].add(weight[..., None] * o.astype(jnp.float32))
+    out, lse = out[:, :t].astype(q.dtype), lse[:, :t]
+    return out, (q, k, v, seg_q, seg_k, out, lse)
 
 
 def _pallas_at_bwd(offset, block, interpret, res, d_out):
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
-    q, k, v, out, lse = res
-    (b, t, n, h), kv = q.shape, k.shape[2]
-    diagonal, earlier, sizes = _pallas_calls(q, k, v, offset, block)
-    d_out = _pad_rows(d_out, out.shape[1])
+    q, k, v, seg_q, seg_k, out, lse = res
+    (b, t, n, h), (s, kv) = q.shape, k.shape[1:3]
+    tile, sizes = _pallas_blocks(t, block)
     grads = partial(pallas_attention._mha_backward, 1 / math.sqrt(h))  # private: the kernel's own backward pass
     grads = partial(grads, block_sizes=sizes, backward_pass_impl="triton", num_warps=None, num_stages=2, grid=None)
     grads = partial(grads, interpret=interpret, debug=False, return_residuals=False)
-    # per KV head: the sum over its g query heads' repeated copies, in fp32
-    heads = lambda x: x[:, :t].astype(jnp.float32).reshape(x.shape[0], t, kv, n // kv, h).sum(3)
-    dq, dk, dv, _ = grads(causal=True, res=(*diagonal[:3], None, out, lse), do=d_out)
-    dq, dk, dv = dq.astype(jnp.float32), heads(dk), heads(dv)
-    if earlier is not None:
-        a = offset // t
-        tiled = lambda x: jnp.tile(x, (a,) + (1,) * (x.ndim - 1))
-        dqs, dks, dvs, _ = grads(causal=False, res=(*earlier, tiled(out), tiled(lse)), do=tiled(d_out))
-        dq = dq + dqs.astype(jnp.float32).reshape(a, *dq.shape).sum(0)
-        joined = lambda x: heads(x).reshape(a, b, t, kv, h).swapaxes(0, 1).reshape(b, offset, kv, h)
-        dk, dv = (jnp.concatenate([joined(e), d], axis=1) for e, d in ((dks, dk), (dvs, dv)))
-    later = lambda x: _pad_rows(x, k.shape[1]).astype(k.dtype)  # keys after the chunk: no gradient
-    return dq[:, :t].astype(q.dtype), later(dk), later(dv)
+    one_more = lambda x, fill: jnp.concatenate([x, jnp.full_like(x[:, :1], fill)], 1)  # row t
+    out, d_out, lse = one_more(out, 0), one_more(d_out, 0), one_more(lse, jnp.inf)
+    heads = lambda x: x.astype(jnp.float32).reshape(*x.shape[:2], kv, n // kv, h).sum(3)  # a KV head's g copies
+    dq = jnp.zeros((b, t + 1, n, h))
+    dk = dv = jnp.zeros((b, s + 1, kv, h))
+    for c in _offset_calls(b, t, tile, s, offset, seg_q, seg_k):
+        where, keys, counts = (c.rows[:, None], c.queries), (c.rows[:, None], c.keys), c.visible[..., None]
+        # rows that do not count: no cotangent, and an infinite log-sum-exp (probabilities 0)
+        lse_c = jnp.where(counts, lse[where], jnp.inf).swapaxes(1, 2)
+        out_c, do_c = (jnp.where(counts[..., None], x[where], 0) for x in (out, d_out))
+        res_c = (*_operands(c, q, k, v), out_c, lse_c)
+        dq_c, dk_c, dv_c, _ = grads(causal=c.causal, res=res_c, do=do_c)
+        dq = dq.at[where].add(dq_c.astype(jnp.float32))
+        dk, dv = dk.at[keys].add(heads(dk_c)), dv.at[keys].add(heads(dv_c))
+    return dq[:, :t].astype(q.dtype), dk[:, :s].astype(k.dtype), dv[:, :s].astype(v.dtype), None, None
 
 
 _pallas_at.defvjp(_pallas_at_fwd, _pallas_at_bwd)

@@ -9,8 +9,8 @@ fp32 log-sum-exp per row:
 - `all_gather`: gather K and V (and their positions and document ids) over `context`, attend,
   and in the backward pass gather again and reduce-scatter dK, dV. Simple; holds the whole
   sequence's K/V for the duration of one layer's attention. (With `model.attention=fused` on a TPU
-  it runs splash instead, on a GPU the Pallas kernel (no document masks), per chunk of queries at
-  its causal offset: `gathered_kernel_attention`, `kernels.offset_kernel`.)
+  it runs splash instead, on a GPU the Pallas kernel, per chunk of queries at its causal offset:
+  `gathered_kernel_attention`, `kernels.offset_kernel`.)
 - `ring` (Li et al. 2021; Liu et al.'s Ring Attention): c steps; at each, attend to the K/V block
   in hand while the next block travels one rank on (`ppermute` issued before the step's compute,
   which does not depend on it, so the two can overlap), merging partial results by their
@@ -101,7 +101,7 @@ def gathered_kernel_attention(
     layout: Layout, kernel_at: Callable, q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, segment_ids_bt
 ) -> jax.Array:
     """`all_gather` running a kernel that takes a static causal offset (`kernel_at(q, k, v, seg_q,
-    seg_k, offset)`: TPU splash, which skips the key blocks its mask hides, or Pallas GPU as two
+    seg_k, offset)`: TPU splash, which skips the key blocks its mask hides, or Pallas GPU as a few
     merged calls): each rank gathers K, V
     (and document ids) over `context`, puts them in original order, and runs the kernel once per
     chunk of its queries against all the keys, at the chunk's offset - static in one `lax.switch`

@@ -278,19 +278,19 @@ def test_pallas_kernels_in_interpret_mode_equal_explicit_attention(kernel, t, bl
         np.testing.assert_allclose(g, w, atol=5e-5, rtol=0)
 
 
+@pytest.mark.parametrize("t", [16, 20])
 @pytest.mark.parametrize("docs", [False, True])
-def test_pallas_gpu_kernel_at_a_causal_offset_equals_explicit_attention(docs):
-    """All_gather's GPU kernel (`pallas_gpu_attention_at`, interpret mode): a chunk of t=10 queries at
-    offsets 0, 10, 20 and 30 of s=40 keys - its calls merged by log-sum-exp; rows padded to the
-    16-row tile, GQA - has the outputs and gradients (queries, every key) of those rows of explicit
-    attention over the whole sequence. Documents: one from key 3 to 34 (reaching into chunks 1-3 from
-    the middle of chunk 0) in one row; in the other, boundaries at 12, 25 and 31."""
-    s, t = 40, 10
+def test_pallas_gpu_kernel_at_a_causal_offset_equals_explicit_attention(t, docs):
+    """All_gather's GPU kernel (`pallas_gpu_attention_at`, interpret mode), a chunk of t queries at each
+    offset of s = 3t keys (16-row tiles: t=16 one, t=20 padded to two; GQA): the outputs
+    and gradients of explicit attention's rows. Documents: one from key 3 to s - 6 (into every chunk),
+    and boundaries at a chunk start, mid-chunk and the last key."""
+    s = 3 * t
     q, k, v, d_out = _qkv(s, seed=5)
     starts = np.zeros((B, s), int)
-    starts[0, [3, 35]] = starts[1, [12, 25, 31]] = 1
+    starts[0, [3, s - 5]] = starts[1, [t, t + t // 2 + 1, s - 1]] = 1
     seg = jnp.asarray(np.cumsum(starts, axis=1), jnp.int32) if docs else None
-    for offset in (0, 10, 20, 30):
+    for offset in range(0, s, t):
         rows = slice(offset, offset + t)
         whole = lambda q_c, k, v, rows=rows: layers.causal_attention(q.at[:, rows].set(q_c), k, v, seg)[:, rows]
         segs = dict(seg_q_bt=None, seg_k_bs=None) if seg is None else dict(seg_q_bt=seg[:, rows], seg_k_bs=seg)

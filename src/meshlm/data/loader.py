@@ -78,7 +78,9 @@ class WindowLoader:
 
 def document_segments(inputs: np.ndarray, eot_id: int) -> dict[str, np.ndarray]:
     """segment_ids [b, t]: the number of end-of-text tokens before t in the row (an end-of-text
-    token belongs to the document it ends); positions [b, t]: t minus its document's start."""
+    token belongs to the document it ends; non-decreasing along the row, which the Pallas GPU kernel
+    under all_gather relies on: `kernels.pallas_gpu_attention_at`); positions [b, t]: t minus its
+    document's start."""
     is_eot = (inputs == eot_id).astype(np.int32)
     segment_ids = np.cumsum(is_eot, axis=1) - is_eot
     t = np.arange(inputs.shape[1], dtype=np.int32)[None, :]

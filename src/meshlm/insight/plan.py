@@ -13,8 +13,8 @@ Where a device kind has measured rates (`CALIBRATIONS`: A100, from P2 Table 4), 
 time is shown beside the roofline (`calibrated_time`; within 7% of P2 Table 5 for its four models).
 
 For a model configured with explicit attention, every layout is also planned with
-`model.attention=blockwise` (which ring and all_gather context parallelism need; all_to_all runs
-either); such plans say so.
+`model.attention=blockwise` (which ring and all_gather context parallelism need, all_gather unless
+`fused` takes a causal offset on the device; all_to_all runs either); such plans say so.
 `plan_report` presents the plans (table, JSON, why the best one splits the sequence or not).
 
 Pure arithmetic on the config: nothing is compiled here (`plan_report.verify` compiles on request).
@@ -256,7 +256,7 @@ def attention_seconds(cfg: RunConfig, device: Accelerator, n: int) -> float:
     if kernel.name in ("splash", "pallas-gpu") and par.context > 1 and par.context_strategy == "all_gather":
         flops += accounting.attention_forward_flops(cfg)
         if kernel.name == "pallas-gpu" and cfg.data.document_mask:
-            # `kernels._offset_calls`: a chunk of t rows runs a discarded tile of rows (t^2 / 2) and one
+            # `kernels._offset_calls`: a chunk of t rows runs a discarded chunk of rows (t^2 / 2) and one
             # earlier chunk twice (t^2), against a rank's s^2 / 2c: 3 / chunks more, on the busiest rank
             flops *= 1 + 3 / (par.context * (2 if par.context_load_balance else 1))
     return flops / (n * device_peak(device, cfg) * kernel.rate.fraction)

@@ -191,7 +191,8 @@ def pallas_gpu_attention_at(
     mask starts every query at key 0 and it reads the queries' and the keys' segment ids from one
     array, so a chunk is a few of its calls (`_offset_calls`) merged by their log-sum-exps; the
     backward pass is the kernel's own on each call, given the merged output and log-sum-exp (all a
-    flash backward needs: the ring's merge)."""
+    flash backward needs: the ring's merge). Document ids must not decrease along the sequence (as
+    `data.loader.document_segments` numbers them): only the document before the chunk reaches it."""
     t = q_btnh.shape[1]
     if (seg_q_bt is None) != (seg_k_bs is None):
         raise ValueError("document ids for both the queries and the keys, or for neither")
@@ -215,17 +216,17 @@ class _Call(NamedTuple):
 
 
 def _offset_calls(b: int, t: int, tile: int, s: int, offset: int, seg_q, seg_k) -> list[_Call]:
-    """The calls for a chunk of t queries at `offset` (rows padded to `tile`; a = offset / t chunks
-    of keys before it):
+    """The calls for a chunk of t queries at `offset` (its rows padded to whole tiles; a = offset / t
+    chunks of keys before it):
     - its diagonal block, causal (with documents: their ids, the queries' own);
     - the a earlier chunks stacked on the batch axis, one non-causal call, every key visible;
     - with documents, only the document of key offset - 1 (ids run in order) can reach into the
       chunk, only its queries see earlier keys, and only the keys from its start. The earlier
       chunks after the one it starts in count for those queries; that one, p (one id array cannot
       show a query only a suffix of a chunk's keys), is joined to the diagonal as one causal call
-      of two tiles in position order with their true ids - so the mask is right - whose first
-      tile's rows are discarded. Every earlier chunk up to p is computed and not counted."""
-    a, i, batch = offset // t, np.arange(tile), np.arange(b)
+      of two chunks in position order with their true ids - so the mask is right - whose first
+      chunk's rows are discarded. Every earlier chunk up to p is computed and not counted."""
+    a, i, batch = offset // t, np.arange(-(-t // tile) * tile), np.arange(b)
     real = i < t
     queries = np.where(real, i, t)
     keys_from = lambda start: jnp.where(real, start + i, s)
@@ -239,16 +240,16 @@ def _offset_calls(b: int, t: int, tile: int, s: int, offset: int, seg_q, seg_k) 
         document = seg_k[:, offset - 1]
         p = jnp.argmax(seg_k[:, :offset] == document[:, None], axis=1) // t  # the chunk it starts in
         keys = jnp.concatenate([keys_from(p[:, None] * t), diagonal], 1)
-        first = np.concatenate([np.full(tile, t), queries]), np.concatenate([np.zeros(tile, bool), real])
+        first = np.concatenate([np.full(i.size, t), queries]), np.concatenate([np.zeros(i.size, bool), real])
         calls = [_Call(batch, row(first[0]), keys, ids(keys), row(first[1]), True)]
     if a:
         piece, rows = np.repeat(np.arange(a), b), np.tile(batch, a)  # a-major
         keys = np.where(real, piece[:, None] * t + i, s)
         visible = np.broadcast_to(real, keys.shape)
         if seg_q is not None:
-            in_document = jnp.pad(seg_q == document[:, None], ((0, 0), (0, tile - t)))
+            in_document = jnp.pad(seg_q == document[:, None], ((0, 0), (0, i.size - t)))
             visible = (piece[:, None] > p[rows][:, None]) & in_document[rows]
-        seg = None if tile == t else np.broadcast_to(np.where(real, 0, PAD_DOCUMENT), keys.shape)  # padding apart
+        seg = None if i.size == t else np.broadcast_to(np.where(real, 0, PAD_DOCUMENT), keys.shape)  # padding apart
         calls.append(_Call(rows, np.broadcast_to(queries, keys.shape), keys, seg, visible, False))
     return calls
 
@@ -286,7 +287,7 @@ def _pallas_at_fwd(q, k, v, seg_q, seg_k, offset, block, interpret):
     lse = top + jnp.log2(total)
     out = jnp.zeros((b, t + 1, n, h))
     for c, where, part, (o, _) in zip(calls, at, lses, found, strict=True):
-        weight = jnp.where(c.visible[..., None], jnp.exp2(part - lse[where]), 0.0)
+        weight = jnp.exp2(jnp.where(c.visible[..., None], part - lse[where], -jnp.inf))  # no -inf - -inf
         out = out.at[where].add(weight[..., None] * o.astype(jnp.float32))
     out, lse = out[:, :t].astype(q.dtype), lse[:, :t]
     return out, (q, k, v, seg_q, seg_k, out, lse)

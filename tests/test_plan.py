@@ -411,7 +411,7 @@ def test_attention_runs_at_its_kernels_rate_and_unmeasured_kernels_say_so(capsys
     for device, fraction in ((tpu, 0.50), (h100, 0.35)):
         seconds = planner.estimate(gathered, device).time["attention core"]
         assert seconds == pytest.approx(flops / (8 * planner.device_peak(device, gathered) * fraction), rel=1e-12)
-    # Pallas GPU with documents: a discarded tile of rows and one earlier chunk twice per chunk, 3/4 more at c=2
+    # Pallas GPU with documents: a discarded chunk of rows and one earlier chunk twice per chunk, 3/4 more at c=2
     with_documents = planner.estimate(dataclasses.replace(gathered, data=documents.data), h100).time
     assert with_documents["attention core"] == pytest.approx(1.75 * seconds, rel=1e-12)
     assert accounting.attention_forward_flops(cfg) == pytest.approx(2 / 7 * core, rel=1e-12)  # QK^T, PV of 7

@@ -300,6 +300,10 @@ def test_pallas_gpu_kernel_at_a_causal_offset_equals_explicit_attention(t, docs)
         np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
         for g, w in zip(got_grads, want_grads, strict=True):
             np.testing.assert_allclose(g, w, atol=5e-6, rtol=0)
+    with pytest.raises(ValueError, match="for both the queries and the keys"):
+        kernels.pallas_gpu_attention_at(q[:, :t], k, v, None, jnp.zeros((B, s), jnp.int32), 0)
+    with pytest.raises(ValueError, match=f"must be whole {t}-row chunks"):
+        kernels.pallas_gpu_attention_at(q[:, :t], k, v, None, None, t // 2)
 
 
 def test_pallas_kernels_run_per_device_on_a_mesh(devices):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +51,21 @@ class ChecksumMismatch(ValueError):
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """[sum of the bits, sum of the bits x (flat index % 65521 + 1)], as wrapping uint32 sums: one
+    variadic reduce over elementwise terms, which XLA fuses, so no leaf-sized temporary is made."""
     if jax.typeof(x).memory_space == jax.memory.Space.Host:  # offloaded optimizer state: summed on the device
         x = jax.device_put(x, jax.memory.Space.Device)
     bits_dtype = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
     bits = jax.lax.bitcast_convert_type(x, bits_dtype).astype(jnp.uint32)
-    weight = (jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) % 65521 + 1).astype(jnp.uint32)
-    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32)])
+    index, stride = jnp.zeros(x.shape, jnp.uint32), 1  # the flat index (mod 2^32), from one iota per axis
+    for axis in reversed(range(x.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= x.shape[axis]
+    weight = index % 65521 + 1
+    zero = jnp.uint32(0)
+    add = lambda a, b: (a[0] + b[0], a[1] + b[1])
+    total, weighted = jax.lax.reduce((bits, bits * weight), (zero, zero), add, tuple(range(x.ndim)))
+    return jnp.stack([total, weighted])
 
 
 @jax.jit
@@ -130,6 +140,15 @@ def _quiet_read_only_notice():
         logger.removeFilter(drop)
 
 
+def _in_flight_gb(tree: Any) -> float:
+    """Orbax's limit on the bytes a save or restore of `tree` holds in flight besides the arrays
+    themselves: a quarter of the tree, and at least 1.2x its largest tensor (Orbax refuses a
+    single read or write above the limit). Unlimited (its default), a restore held up to 0.7x the
+    parameters in read buffers and a save a full host copy (benchmarks/convert_memory.py)."""
+    sizes = [math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)]
+    return max(1.2 * max(sizes, default=1), 0.25 * sum(sizes)) / 1e9
+
+
 class Checkpointer:
     """Save / restore-latest over one checkpoint directory (an `ocp.CheckpointManager`)."""
 
@@ -182,8 +201,22 @@ class Checkpointer:
             "params_only": True,
             "tensors": describe({"params": params}),
         }
-        args = ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta))
-        self.manager.save(step, args=args, force=True)
+        # Saved through a manager of its own, whose handler bounds the host copies in flight (the
+        # trainer's saves copy everything off the devices at once, so that the state can be donated)
+        gb = _in_flight_gb(params)
+        handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=gb, save_device_host_concurrent_gb=gb)
+        manager = ocp.CheckpointManager(
+            self.directory,
+            item_handlers={"params": handler, "meta": ocp.JsonCheckpointHandler()},
+            options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True),
+        )
+        try:
+            args = ocp.args.Composite(params=ocp.args.PyTreeSave(params), meta=ocp.args.JsonSave(meta))
+            manager.save(step, args=args, force=True)
+            manager.wait_until_finished()
+        finally:
+            manager.close()
+        self.manager.reload()
         self.last_saved = step
         return step
 
@@ -239,8 +272,16 @@ class Checkpointer:
         when the files are unreadable or the checksums disagree."""
         meta = self.read_meta(step)
         self._check_shapes(step, meta, abstract)
-        args = {k: ocp.args.StandardRestore(v) for k, v in abstract.items()}
-        restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+        gb = _in_flight_gb(abstract)  # read buffers in flight bounded, as for save_params
+        handlers = {k: ocp.StandardCheckpointHandler(restore_concurrent_gb=gb) for k in abstract}
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+        with _quiet_read_only_notice():
+            reader = ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
+        try:
+            args = {k: ocp.args.StandardRestore(v) for k, v in abstract.items()}
+            restored = reader.restore(step, args=ocp.args.Composite(**args))
+        finally:
+            reader.close()
         items = {k: restored[k] for k in abstract}
         for name, d in describe(items).items():
             if d["checksum"] != meta["tensors"][name]["checksum"]:

@@ -13,6 +13,7 @@ from meshlm.data.loader import WindowLoader, document_segments, local_rows, proc
 from meshlm.data.prepare import load as load_prepared
 from meshlm.data.prepare import prepare, unigram_entropy
 from meshlm.data.tokenizer import EOT, load
+from meshlm.data.units import Unit
 
 WORDS = [
     "the",
@@ -353,7 +354,9 @@ def test_progress_bar_and_single_document(tmp_path, capsys):
     from meshlm.data.prepare import write_dataset
 
     text = " ".join(WORDS * 40)
-    data = write_dataset(lambda: iter([text]), tmp_path / "one", vocab_size=300, progress=True, total_bytes=len(text))
+    data = write_dataset(
+        [Unit("texts", texts=(text,), nbytes=len(text))], tmp_path / "one", vocab_size=300, progress=True
+    )
     assert "tokenizing" in capsys.readouterr().out
     # one document: its tail is held out, so both splits exist
     assert data.meta["documents"] == {"train": 1, "val": 1} and data.meta["val_tokens"] > 0
@@ -365,14 +368,14 @@ def test_a_cache_entry_prepared_meanwhile_is_kept_not_replaced(tmp_path):
     A preparation without a source fingerprint (an explicit --out) still replaces what is there."""
     from meshlm.data.prepare import write_dataset
 
-    texts = [" ".join(WORDS[i:] + WORDS[:i]) * 20 for i in range(len(WORDS))]
+    texts = [Unit("texts", texts=tuple(" ".join(WORDS[i:] + WORDS[:i]) * 20 for i in range(len(WORDS))))]
     out, quiet = tmp_path / "entry", (lambda _: None)
-    first = write_dataset(lambda: iter(texts), out, vocab_size=300, source_fingerprint="key", log=quiet)
+    first = write_dataset(texts, out, vocab_size=300, source_fingerprint="key", log=quiet)
     (out / "a-reader-has-this-open").write_text("")
-    second = write_dataset(lambda: iter(texts), out, vocab_size=300, source_fingerprint="key", log=quiet)
+    second = write_dataset(texts, out, vocab_size=300, source_fingerprint="key", log=quiet)
     assert (out / "a-reader-has-this-open").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
     np.testing.assert_array_equal(np.asarray(second.tokens("train")), np.asarray(first.tokens("train")))
-    write_dataset(lambda: iter(texts), out, vocab_size=300, log=quiet)
+    write_dataset(texts, out, vocab_size=300, log=quiet)
     assert not (out / "a-reader-has-this-open").exists()
 
 

@@ -17,6 +17,7 @@ from helpers import logged_losses, subprocess_env
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, from_dict
 from meshlm.data.prepare import write_dataset
+from meshlm.data.units import Unit
 from meshlm.launch.supervisor import free_port
 from meshlm.model.params import named_leaves
 from meshlm.parallel.mesh import make_layout
@@ -33,7 +34,7 @@ def dataset(tmp_path_factory):
     rng = np.random.default_rng(4)
     words = ["alpha", "beta", "gamma", "delta", "mesh", "shard", "token", "layer", "device", "batch"]
     texts = ["\n".join(" ".join(rng.choice(words, 9)) for _ in range(40)) for _ in range(30)]
-    write_dataset(lambda: iter(texts), root / "ds", vocab_size=320, log=lambda _: None)
+    write_dataset([Unit("texts", texts=tuple(texts))], root / "ds", vocab_size=320, log=lambda _: None)
     return root / "ds"
 
 
@@ -299,7 +300,8 @@ def test_process_count_that_does_not_match_the_mesh(dataset, tmp_path):
 
 
 def test_ray_backend_places_processes_on_a_local_cluster(reference, dataset, tmp_path):
-    """`meshlm launch --ray`: a local Ray cluster started here (the optional `ray` extra)."""
+    """`meshlm launch --ray` and `meshlm data prepare --ray`: a local Ray cluster started here (the
+    optional `ray` extra)."""
     pytest.importorskip("ray")
     ray_bin = Path(sys.executable).parent / "ray"
     port = free_port()
@@ -318,6 +320,22 @@ def test_ray_backend_places_processes_on_a_local_cluster(reference, dataset, tmp
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
         assert "processes on Ray" in r.stdout and "attempt 1: ok" in r.stdout
         assert logged_losses(run) == logged_losses(reference[0])
+        # `meshlm data prepare --ray` on the same cluster: its work units (JSONL byte ranges) are Ray
+        # tasks, and the bytes equal one process's
+        corpus = tmp_path / "corpus.jsonl"
+        rng = np.random.default_rng(1)
+        words = ["mesh", "shard", "ray", "task", "unit", "token"]
+        corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 30))}) + "\n" for _ in range(300)))
+        prep = [sys.executable, "-m", "meshlm", "data", "prepare", "--input", str(corpus), "--vocab-size", "300"]
+        logs = {}
+        for out, how in (("ray", ["--ray", f"127.0.0.1:{port}", "--unit-mb", "0.005"]), ("one", ["--processes", "1"])):
+            r = subprocess.run([*prep, "--out", str(tmp_path / out), *how], capture_output=True, text=True, env=env)
+            assert r.returncode == 0, r.stderr[-3000:]
+            logs[out] = r.stderr
+        units = -(-corpus.stat().st_size // int(0.005 * 2**20))
+        assert f"in {units} units (Ray (127.0.0.1:{port}))" in logs["ray"] and units > 4
+        for f in ("train-00000.bin", "val-00000.bin", "index.json", "tokenizer.json"):
+            assert (tmp_path / "ray" / f).read_bytes() == (tmp_path / "one" / f).read_bytes(), f
     finally:
         subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, env=env, timeout=120)
 

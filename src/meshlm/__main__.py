@@ -2,4 +2,5 @@ import sys
 
 from meshlm.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned process (data preparation) imports it
+    sys.exit(main())

@@ -14,8 +14,12 @@ def add_parsers(sub) -> dict:
     """The `data` subcommand and its own subcommands; returns its handler."""
     data = sub.add_parser("data", help="prepare a tokenized dataset (token shards + index) or inspect one")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    prep = data_sub.add_parser("prepare", help="text files, directories, JSONL, Parquet -> token shards")
-    prep.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories")
+    prep = data_sub.add_parser(
+        "prepare", help="text files, directories, JSONL (.gz, .zst), Parquet, datasets directories -> token shards"
+    )
+    prep.add_argument(
+        "--input", nargs="+", required=True, metavar="PATH", help="files, directories, glob patterns ('web/*.parquet')"
+    )
     prep.add_argument("--out", required=True, help="output directory")
     tok = prep.add_mutually_exclusive_group(required=True)
     tok.add_argument("--tokenizer", help="an existing tokenizer.json (Hugging Face tokenizers)")
@@ -23,7 +27,22 @@ def add_parsers(sub) -> dict:
     prep.add_argument("--field", default="text", help="JSONL field / Parquet column holding a document")
     prep.add_argument("--val-fraction", type=float, default=0.05, help="every round(1/f)-th document is held out")
     prep.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file")
-    prep.add_argument("--workers", type=int, default=0, help="tokenizer threads (default: all cores)")
+    prep.add_argument("--processes", type=int, default=0, help="tokenizing processes (default: one per core)")
+    prep.add_argument(
+        "--workers", type=int, default=0, help="tokenizer threads per process (default: cores / processes)"
+    )
+    prep.add_argument(
+        "--ray", default="", metavar="ADDRESS", help="tokenize on a Ray cluster ('auto', an address, or 'local')"
+    )
+    prep.add_argument(
+        "--unit-mb", type=float, default=0, help="input per work unit (default: a 64th of the input, 1 to 64 MiB)"
+    )
+    prep.add_argument(
+        "--on-error",
+        choices=("strict", "skip"),
+        default="strict",
+        help="strict: the first bad file, line or record stops it; skip: skip and count them",
+    )
     prep.add_argument("--max-mb", type=float, default=0, help="stop after this much text (0: all)")
     info = data_sub.add_parser("info", help="summarise and verify a prepared dataset")
     info.add_argument("path")
@@ -47,30 +66,46 @@ def cmd_data(args: argparse.Namespace) -> int:
             print(
                 f"  {split}: {m[split + '_tokens']:,} tokens, {m['documents'][split]:,} documents, {len(shards)} shards"
             )
+        from meshlm.data.units import CAUSES
+
+        for cause, n in sorted(m.get("skipped", {}).items()):
+            print(f"  skipped: {n:,} {CAUSES[cause]}")
+        for example in m.get("skipped_examples", []):
+            print(f"    {example}")
         print("  verified: sizes, BLAKE2b digests, ids < vocabulary")
         return 0
     if args.vocab_size is not None and args.vocab_size < 258:
         raise ConfigError("--vocab-size must be >= 258 (256 byte tokens + <|endoftext|> + at least one merge)")
-    if args.shard_tokens < 1 or args.max_mb < 0:
-        raise ConfigError("--shard-tokens must be >= 1 and --max-mb >= 0")
-    if args.workers:
-        os.environ["RAYON_NUM_THREADS"] = str(args.workers)  # read by tokenizers when it starts its pool
-    from meshlm.data import corpus
-    from meshlm.data.prepare import fingerprint_files, write_dataset
+    if args.shard_tokens < 1 or min(args.max_mb, args.unit_mb, args.processes, args.workers) < 0:
+        raise ConfigError("--shard-tokens must be positive; --max-mb, --unit-mb, --processes and --workers >= 0")
+    from meshlm.data import corpus, runner, units
+    from meshlm.data.prepare import write_dataset
 
     files = corpus.resolve_files(args.input)
-    key, total = fingerprint_files(files, [args.field, args.max_mb])
-    max_bytes = int(args.max_mb * 1e6)
-    print(f"preparing {len(files)} files, {total / 1e6:.1f} MB -> {args.out}", file=sys.stderr)
+    work = units.plan(files, int(args.unit_mb * 2**20))
+    processes = args.processes or runner.auto_processes(work)
+    threads = args.workers or max(1, (os.cpu_count() or 1) // processes)
+    if processes == 1 and not args.ray:
+        os.environ["RAYON_NUM_THREADS"] = str(threads)  # read by tokenizers when it starts its pool
+    total = sum(u.nbytes for u in work)
+    where = f"Ray ({args.ray})" if args.ray else f"{processes} process{'es' * (processes > 1)} x {threads} threads"
+    print(
+        f"preparing {len(files)} files, {total / 1e6:.1f} MB in {len(work)} units ({where}) -> {args.out}",
+        file=sys.stderr,
+    )
     write_dataset(
-        lambda: corpus.iter_documents(files, args.field, max_bytes),
+        work,
         Path(args.out),
+        field=args.field,
+        on_error=args.on_error,
         vocab_size=args.vocab_size,
         tokenizer=args.tokenizer,
         val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens,
-        source_fingerprint=key,
-        total_bytes=min(total, max_bytes) if max_bytes else total,
+        max_bytes=int(args.max_mb * 1e6),
+        processes=processes,
+        threads=threads,
+        ray_address=args.ray,
         progress=sys.stderr.isatty(),
         log=lambda m: print(m, file=sys.stderr),
     )

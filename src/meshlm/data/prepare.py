@@ -5,11 +5,15 @@ A prepared dataset is a directory:
     train-00000.bin ...   token ids (uint16 when the vocabulary fits, else uint32), documents
     val-00000.bin ...     each followed by <|endoftext|>; memory-mapped by the loader
     index.json            format, dtype, vocabulary, end-of-text id, tokenizer fingerprint, and per
-                          shard its token count and BLAKE2b digest; document counts; source hash
+                          shard its token count and BLAKE2b digest; document counts; source hash;
+                          bad input skipped (`--on-error skip`), counted by cause
 
 Every k-th document (k = round(1 / val_fraction)) goes to the validation split. The same inputs
-and options give the same bytes. The directory is written under a temporary name and renamed into
-place, so a killed preparation never leaves a half-written dataset behind.
+and options give the same bytes, whether one process or many (or a Ray cluster) tokenize them:
+the corpus is cut into work units (`data.units`), encoded anywhere (`data.runner`), and merged here
+in unit order with global document numbers. The directory is written under a temporary name and
+renamed into place, so a killed preparation never leaves a half-written dataset behind; the
+finished units are kept beside it until then, so starting it again resumes where it stopped.
 
 `meshlm data prepare` writes one to a chosen directory; `meshlm train` on raw text prepares one
 into a cache directory named by a hash of everything that determines its bytes, so a second run
@@ -22,6 +26,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +35,13 @@ import numpy as np
 
 from meshlm.config import ConfigError, DataConfig, cache_home
 from meshlm.data import corpus
+from meshlm.data import runner as R
 from meshlm.data import tokenizer as toks
+from meshlm.data import units as U
+from meshlm.data.shards import SPLITS, Merge, ShardWriter, held_out_tail
 
 FORMAT_VERSION = 3  # 3: the index records the training tokens' unigram entropy
 INDEX = "index.json"
-SPLITS = ("train", "val")
 
 
 class DataError(ConfigError):
@@ -143,47 +150,6 @@ def _same_preparation(out: Path, meta: dict) -> bool:
     return all(theirs.get(k) == meta[k] for k in keys)
 
 
-class _ShardWriter:
-    """Appends token arrays to `<split>-NNNNN.bin` files of at most `shard_tokens` tokens each."""
-
-    def __init__(self, root: Path, split: str, dtype: np.dtype, shard_tokens: int):
-        self.root, self.split, self.dtype, self.limit = root, split, dtype, shard_tokens
-        self.shards: list[dict] = []
-        self.file = None
-        self.documents = 0
-
-    def _open(self) -> None:
-        name = f"{self.split}-{len(self.shards):05d}.bin"
-        self.file = open(self.root / name, "wb")  # noqa: SIM115 (closed in _close / close)
-        self.shards.append({"file": name, "tokens": 0})
-        self.hash = hashlib.blake2b(digest_size=16)
-
-    def _close(self) -> None:
-        self.file.close()
-        self.shards[-1]["blake2b"] = self.hash.hexdigest()
-        self.file = None
-
-    def write(self, ids: np.ndarray) -> None:
-        self.documents += 1
-        while len(ids):
-            if self.file is None:
-                self._open()
-            room = self.limit - self.shards[-1]["tokens"]
-            part, ids = ids[:room], ids[room:]
-            self.file.write(part.tobytes())
-            self.hash.update(part.tobytes())
-            self.shards[-1]["tokens"] += len(part)
-            if self.shards[-1]["tokens"] == self.limit:
-                self._close()
-
-    def close(self) -> list[dict]:
-        if self.file is None and not self.shards:
-            self._open()  # an empty split still gets one (empty) shard
-        if self.file is not None:
-            self._close()
-        return self.shards
-
-
 def _split(docs: Iterable[str], period: int) -> Iterator[tuple[str, str]]:
     """(split, text): every `period`-th document to validation. With fewer than `period`
     documents, the tail of the last one is held out instead, so both splits exist."""
@@ -197,59 +163,109 @@ def _split(docs: Iterable[str], period: int) -> Iterator[tuple[str, str]]:
     if last is None:
         return
     if n < period:
-        text = last[1]
-        cut = int(len(text) * (1 - 1 / period))
-        yield ("train", text[:cut])
-        yield ("val", text[cut:])
+        yield from held_out_tail(last[1], period)
     else:
         yield last
 
 
-def _batches(items: Iterator[tuple[str, str]], max_chars: int = 4_000_000) -> Iterator[list[tuple[str, str]]]:
-    batch, size = [], 0
-    for item in items:
-        batch.append(item)
-        size += len(item[1])
-        if size >= max_chars:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
 def write_dataset(
-    docs: Callable[[], Iterator[str]],
+    units: list[U.Unit],
     out: Path,
     *,
+    field: str = "text",
+    on_error: str = "strict",
     vocab_size: int | None = None,
     tokenizer: str | None = None,
     val_fraction: float = 0.05,
     shard_tokens: int = 1 << 28,
     source_fingerprint: str = "",
-    total_bytes: int = 0,
+    max_bytes: int = 0,
+    processes: int = 1,
+    threads: int = 0,
+    ray_address: str = "",
     progress: bool = False,
     log: Callable[[str], None] = print,
 ) -> PreparedData:
-    """Tokenize the documents `docs()` yields (called twice when a tokenizer is trained: once to
-    train it on the training split, once to encode) into a prepared dataset at `out`."""
+    """Tokenize the documents of `units` (`data.units`) into a prepared dataset at `out`.
+
+    Units are encoded in this process (processes <= 1), in `processes` spawned processes with
+    `threads` tokenizer threads each, or as Ray tasks (`ray_address`); the bytes are the same. Each
+    finished unit is kept in `.<out>.work/` beside `out` until the dataset is published, so a
+    killed preparation started again with the same inputs and options resumes where it stopped.
+    `on_error="skip"` skips bad files, lines and records (counted in the index) instead of failing."""
     if not 0.0 < val_fraction < 0.5:
         raise ConfigError("val_fraction must be in (0, 0.5)")
-    period = max(2, round(1 / val_fraction))
+    if on_error not in ("strict", "skip"):
+        raise ConfigError(f"on_error must be 'strict' or 'skip', not {on_error!r}")
+    job = _Job(out, max(2, round(1 / val_fraction)), val_fraction, field, on_error == "strict", max_bytes)
+    if out.exists() and not is_prepared(out) and any(out.iterdir()):  # before hours of work, not after
+        raise ConfigError(f"{out} exists and is not a meshlm dataset; choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work_root = out.parent / f".{out.name}.work"
+    try:
+        tok = _tokenizer(units, work_root, tokenizer, vocab_size, job)
+        work = R.WorkDir(work_root, f"{toks.fingerprint(tok)}:{field}:{job.strict}")
+        run_opts = dict(processes=processes, threads=threads, ray_address=ray_address)
+        data = _write(units, job, tok, work, shard_tokens, source_fingerprint, run_opts, progress, log)
+    except ConfigError:  # bad input or options: nothing is kept (the strict default writes nothing)
+        shutil.rmtree(work_root, ignore_errors=True)
+        raise
+    shutil.rmtree(work_root, ignore_errors=True)
+    return data
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What is read and how it is split."""
+
+    out: Path
+    period: int  # every period-th document is held out
+    val_fraction: float
+    field: str
+    strict: bool  # on_error="strict"
+    max_bytes: int  # 0: no cap
+
+
+def _tokenizer(units, work_root: Path, tokenizer: str | None, vocab_size: int | None, job: _Job):
+    """The given tokenizer, or one trained on the corpus (kept in the work directory for a resume)."""
     if tokenizer:
-        tok = toks.load(tokenizer)
-    else:
-        if not vocab_size:
-            raise ConfigError("give a tokenizer (--tokenizer tokenizer.json) or a vocabulary size to train one")
-        train_texts = (text for split, text in _split(docs(), period) if split == "train")
-        tok = toks.train_bpe(train_texts, vocab_size)
+        return toks.load(tokenizer)
+    if not vocab_size:
+        raise ConfigError("give a tokenizer (--tokenizer tokenizer.json) or a vocabulary size to train one")
+    identity = [[u.key() for u in units], vocab_size, job.period, job.field, job.strict, job.max_bytes]
+    kept = work_root / f"tokenizer-{hashlib.blake2b(json.dumps(identity).encode(), digest_size=10).hexdigest()}.json"
+    if kept.is_file():
+        return toks.load(kept)
+    docs = (text for u in units for text in U.documents(u, job.field, U.Skips(job.strict)))
+    texts = (t for split, t in _split(corpus.capped(docs, job.max_bytes), job.period) if split == "train")
+    tok = toks.train_bpe(texts, vocab_size)
+    work_root.mkdir(parents=True, exist_ok=True)
+    tok.save(str(kept.with_suffix(".tmp")))
+    kept.with_suffix(".tmp").rename(kept)
+    return tok
+
+
+def _write(units, job: _Job, tok, work, shard_tokens, source_fingerprint, run_opts, progress, log) -> PreparedData:
+    """Encode the units (`runner.run`), merge them into the shards (`shards.Merge`), write the index
+    and publish the directory."""
+    out, max_bytes = job.out, job.max_bytes
     n_vocab = tok.get_vocab_size()
     dtype = np.dtype(np.uint16 if n_vocab <= 2**16 else np.uint32)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    t0 = time.perf_counter()
+    kept = sum(work.has(i, u) for i, u in enumerate(units))
+    if kept:
+        log(f"resuming: {kept} of {len(units)} work units were finished by an earlier, interrupted preparation")
     try:
-        writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
-        with _Progress(progress, total_bytes) as advance:
-            counts = _encode(tok, _split(docs(), period), writers, dtype, advance)
+        writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
+        merge = Merge(units, writers, tok, job.period, job.field, job.strict, max_bytes)
+        total = sum(u.nbytes for u in units)
+        with _Progress(progress, min(total, max_bytes) if max_bytes else total) as advance:
+            for i, result in R.run(units, (tok.to_str(), job.field, job.strict), work, **run_opts):
+                advance(units[i].nbytes)
+                if not merge.add(i, result):
+                    break
+        merge.finish()
         splits = {s: w.close() for s, w in writers.items()}
         if not sum(sh["tokens"] for sh in splits["train"]):
             raise ConfigError("the corpus is empty: no non-blank documents in the inputs")
@@ -260,12 +276,14 @@ def write_dataset(
             "tokenizer_vocab_size": n_vocab,
             "tokenizer_fingerprint": toks.fingerprint(tok),
             "eot_id": toks.eot_id(tok),
-            "val_fraction": val_fraction,
+            "val_fraction": job.val_fraction,
             "documents": {s: writers[s].documents for s in SPLITS},
             "train_tokens": sum(sh["tokens"] for sh in splits["train"]),
             "val_tokens": sum(sh["tokens"] for sh in splits["val"]),
-            "train_unigram_entropy": unigram_entropy(counts),
+            "train_unigram_entropy": unigram_entropy(merge.counts),
             "source_fingerprint": source_fingerprint,
+            "skipped": merge.skips.counts,
+            "skipped_examples": merge.skips.examples,
             "splits": splits,
         }
         (tmp / INDEX).write_text(json.dumps(meta, indent=2))
@@ -273,27 +291,16 @@ def write_dataset(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"prepared {out}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens")
+    seconds = time.perf_counter() - t0
+    tokens = meta["train_tokens"] + meta["val_tokens"]
+    log(
+        f"prepared {out}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens; "
+        f"{merge.bytes / 1e6:.1f} MB in {seconds:.1f} s ({merge.bytes / 1e6 / seconds:.2f} MB/s, "
+        f"{tokens / seconds / 1e3:.0f}k tokens/s)"
+    )
+    if merge.skips.counts:
+        log("  skipped: " + ", ".join(f"{n:,} {U.CAUSES[c]}" for c, n in sorted(merge.skips.counts.items())))
     return load(out)
-
-
-def _encode(tok, split_docs, writers: dict, dtype: np.dtype, advance) -> np.ndarray:
-    """Encode (split, text) pairs in batches into the split's shard writer, each document followed
-    by the end-of-text id; returns the training tokens' unigram counts (for the entropy)."""
-    eot, n_vocab = toks.eot_id(tok), tok.get_vocab_size()
-    counts = np.zeros(n_vocab, dtype=np.int64)
-    for batch in _batches(split_docs):
-        encoded = tok.encode_batch([text for _, text in batch], add_special_tokens=False)
-        train_ids = []
-        for (split, _), e in zip(batch, encoded, strict=True):
-            ids = np.asarray([*e.ids, eot], dtype=dtype)
-            writers[split].write(ids)
-            if split == "train":
-                train_ids.append(ids)
-        if train_ids:
-            counts += np.bincount(np.concatenate(train_ids), minlength=n_vocab)
-        advance(sum(len(text.encode("utf-8")) for _, text in batch))
-    return counts
 
 
 def _publish(tmp: Path, out: Path, meta: dict) -> None:
@@ -320,11 +327,17 @@ class _Progress:
     def __enter__(self):
         if not self.enabled:
             return lambda n: None
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.bar = Progress(
-            TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn(), transient=False
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
         )
+
+        columns = (BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+        self.bar = Progress(TextColumn("tokenizing"), *columns, transient=False)
         task = self.bar.add_task("tokenizing", total=self.total or None)
         self.bar.start()
         return lambda n: self.bar.advance(task, n)
@@ -372,14 +385,17 @@ def prepare(cfg: DataConfig, vocab_size: int, log=print) -> PreparedData:
             data = load(root)
         else:
             log(f"preparing data: {len(files)} files, {total / 1e6:.1f} MB (cap {cfg.max_corpus_mb:g} MB) -> {root}")
+            work = U.plan(files)
             data = write_dataset(
-                lambda: corpus.iter_documents(files, cfg.field, max_bytes),
+                work,
                 root,
+                field=cfg.field,
                 vocab_size=vocab_size,
                 tokenizer=cfg.tokenizer or None,
                 val_fraction=cfg.val_fraction,
                 source_fingerprint=key,
-                total_bytes=min(total, max_bytes),
+                max_bytes=max_bytes,
+                processes=R.auto_processes(work),
                 log=log,
             )
     data.verify(vocab_size, digests=cfg.verify)

@@ -1,0 +1,198 @@
+"""Preparation at scale: work units in several processes and on Ray give the bytes of one process
+(and of an independent reference), a killed preparation resumes to the same bytes, every input
+format users have (JSONL .gz/.zst, Parquet globs, `datasets` directories), bad input skipped and
+counted."""
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from helpers import subprocess_env
+from meshlm.cli import main
+from meshlm.data.prepare import load
+from meshlm.data.tokenizer import eot_id
+
+WORDS = [
+    "the",
+    "a",
+    "mesh",
+    "shard",
+    "tensor",
+    "device",
+    "token",
+    "model",
+    "layer",
+    "batch",
+    "data",
+    "parallel",
+    "gather",
+    "é",
+    "中",
+]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """Text files, a JSONL file (blank records among them), the same format gzip- and
+    zstd-compressed, two Parquet files of several row groups (named by a glob) and a `datasets`
+    save_to_disk directory of two Arrow files: (the --input arguments, every document in order as an
+    independent reader sees it)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    root = tmp_path_factory.mktemp("scale")
+    rng = np.random.default_rng(2)
+    doc = lambda n: " ".join(rng.choice(WORDS, int(rng.integers(1, n))))
+    (root / "texts").mkdir()
+    for i in range(12):
+        (root / "texts" / f"{i:02d}.txt").write_text(doc(300))
+    jsonl = [doc(80) if i % 17 else "  " for i in range(400)]
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(jsonl)))
+    packed = [doc(40) for _ in range(60)]
+    raw = "".join(json.dumps({"text": t}) + "\n" for t in packed).encode()
+    (root / "b.jsonl.gz").write_bytes(gzip.compress(raw[: len(raw) // 2].rsplit(b"\n", 1)[0] + b"\n"))
+    (root / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    rows = [[doc(50) for _ in range(150)] for _ in range(2)]
+    for i, r in enumerate(rows):
+        pq.write_table(pa.table({"text": r}), root / f"p{i}.parquet", row_group_size=20)
+    hf = [doc(30) for _ in range(200)]
+    datasets.Dataset.from_dict({"text": hf}).save_to_disk(str(root / "hf"), num_shards=2)
+    args = [str(root / "texts"), str(root / "a.jsonl"), str(root / "b.jsonl.gz"), str(root / "c.jsonl.zst")]
+    args += [str(root / "p*.parquet"), str(root / "hf")]
+    docs = [(root / "texts" / f"{i:02d}.txt").read_text() for i in range(12)] + jsonl
+    with gzip.open(root / "b.jsonl.gz", "rt") as f:
+        docs += [json.loads(line)["text"] for line in f]
+    docs += packed + rows[0] + rows[1] + list(datasets.load_from_disk(str(root / "hf"))["text"])
+    return args, [d for d in docs if d.strip()]
+
+
+def _prepare(inputs, out, *extra) -> int:
+    return main(["data", "prepare", "--input", *inputs, "--out", str(out), "--val-fraction", "0.1", *extra])
+
+
+def test_any_number_of_processes_gives_the_reference_bytes(inputs, tmp_path):
+    """Units of 4 kB (byte ranges of the JSONL file, row groups, Arrow batches, runs of text files):
+    1, 2 and 4 processes write the same bytes, and those are the documents encoded one by one,
+    every 10th to validation (a reader that shares no code). Ray tasks: test_multiprocess.py."""
+    args, docs = inputs
+    assert _prepare(args, tmp_path / "p1", "--vocab-size", "300", "--processes", "1") == 0
+    tok = str(tmp_path / "p1" / "tokenizer.json")
+    runs = [("p2", "--processes", "2"), ("p4", "--processes", "4")]
+    for name, *how in runs:
+        assert _prepare(args, tmp_path / name, "--tokenizer", tok, "--unit-mb", "0.004", *how) == 0
+    ref = load(tmp_path / "p1")
+    for name, *_ in runs:
+        assert sorted(os.listdir(tmp_path / name)) == sorted(os.listdir(tmp_path / "p1"))
+        for f in os.listdir(tmp_path / "p1"):
+            assert (tmp_path / name / f).read_bytes() == (tmp_path / "p1" / f).read_bytes(), (name, f)
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(tok)
+    split = {"train": [], "val": []}
+    for n, d in enumerate(docs, 1):
+        split["val" if n % 10 == 0 else "train"] += [*t.encode(d, add_special_tokens=False).ids, eot_id(t)]
+    for s in ("train", "val"):
+        np.testing.assert_array_equal(np.asarray(ref.tokens(s)), split[s])
+    assert ref.meta["documents"] == {"train": len(docs) - len(docs) // 10, "val": len(docs) // 10}
+    assert not list(tmp_path.glob(".*.work"))  # the work units are removed once published
+
+
+def test_a_killed_preparation_resumes_to_the_same_bytes(inputs, tmp_path):
+    """SIGKILL (the process group: the driver and its workers) once some units are finished; the
+    same command again reuses them and writes what an uninterrupted run writes."""
+    args, _ = inputs
+    opts = ["--vocab-size", "300", "--unit-mb", "0.002", "--val-fraction", "0.1"]
+    cmd = [sys.executable, "-m", "meshlm", "data", "prepare", "--input", *args, *opts]
+    work = tmp_path / ".killed.work"
+    proc = subprocess.Popen(
+        [*cmd, "--out", str(tmp_path / "killed"), "--processes", "2"],
+        env=subprocess_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 60
+    while len(list(work.glob("*.npz"))) < 8 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    finished = len(list(work.glob("*.npz")))
+    assert finished >= 8 and not (tmp_path / "killed").exists(), "killed too late: the preparation had finished"
+    again = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "killed"), "--processes", "1"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode == 0, again.stderr
+    assert f"resuming: {finished} of" in again.stderr
+    assert _prepare(args, tmp_path / "whole", *opts[:-2]) == 0
+    for f in os.listdir(tmp_path / "whole"):
+        assert (tmp_path / "killed" / f).read_bytes() == (tmp_path / "whole" / f).read_bytes(), f
+    assert not work.exists()
+
+
+def test_bad_input_is_skipped_and_counted_or_stops_the_strict_default(inputs, tmp_path, capsys):
+    args, docs = inputs
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "latin1.txt").write_bytes("caf\xe9 na\xefve ".encode("latin-1") * 50)
+    (bad / "zz.jsonl").write_text('{"text": "fine one"}\n{broken\n{"body": "no text"}\n[1, 2]\n{"text": "fine two"}\n')
+    damaged = "".join(json.dumps({"text": f"kept {i} {i * i}"}) + "\n" for i in range(20000)).encode()
+    (bad / "trunc.jsonl.gz").write_bytes(gzip.compress(damaged)[:-100])
+    with gzip.open(bad / "trunc.jsonl.gz", "rt") as f:  # the lines Python's own reader gives before the error
+        before = []
+        with pytest.raises(EOFError):
+            for line in f:
+                before.append(line)
+    import zstandard
+
+    (bad / "trunc.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(damaged)[:-100])
+    partial = zstandard.ZstdDecompressor().stream_reader(open(bad / "trunc.jsonl.zst", "rb")).read()  # noqa: SIM115
+    before = [line for line in before if line.endswith("\n")] + partial.splitlines(keepends=True)[:-1]
+    inputs_ = [*args, str(bad)]
+    assert _prepare(inputs_, tmp_path / "strict", "--vocab-size", "300") == 2
+    assert "latin1.txt: not a text file (" in capsys.readouterr().err  # the first bad input, by name
+    assert not (tmp_path / "strict").exists() and not list(tmp_path.glob(".strict*"))  # nothing written
+    assert _prepare(inputs_, tmp_path / "skip", "--vocab-size", "300", "--on-error", "skip") == 0
+    meta = load(tmp_path / "skip").meta
+    assert meta["skipped"] == {"not_text": 1, "not_json": 1, "no_field": 2, "unreadable": 2}  # both truncated streams
+    assert sum(meta["documents"].values()) == len(docs) + 2 + len(before) > len(docs) + 2 + 20_000
+    examples = meta["skipped_examples"]
+    assert len(examples) == 5 and any(e.startswith(f"{bad / 'zz.jsonl'}:2: not valid JSON (") for e in examples)
+    capsys.readouterr()
+    assert main(["data", "info", str(tmp_path / "skip")]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: 2 records without the field" in out and "skipped: 2 files that could not be read" in out
+
+
+def test_a_datasets_dict_and_an_empty_glob_are_clear_errors(tmp_path, capsys):
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    assert _prepare([str(tmp_path / "dd")], tmp_path / "o", "--vocab-size", "300") == 2
+    assert "holds several splits (train, test); give one, e.g." in capsys.readouterr().err
+    assert _prepare([str(tmp_path / "*.parquet")], tmp_path / "o", "--vocab-size", "300") == 2
+    assert "pattern matches nothing" in capsys.readouterr().err
+
+
+def test_units_cut_a_jsonl_file_at_line_starts(tmp_path):
+    """Byte ranges own the lines that start inside them: every line once, whatever the range size."""
+    from meshlm.data import units
+
+    lines = [json.dumps({"text": "x" * n}) for n in range(1, 60)]
+    path = tmp_path / "l.jsonl"
+    path.write_text("\n".join(lines))  # no newline at the end
+    for size in (1, 7, 30, 64, 10_000):
+        plan = units.plan([path], size)
+        got = [d for u in plan for d in units.documents(u)]
+        assert got == ["x" * n for n in range(1, 60)], size
+        assert sum(u.nbytes for u in plan) == path.stat().st_size

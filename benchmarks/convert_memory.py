@@ -90,7 +90,7 @@ def peak_memory(cmd: list[str], env: dict | None = None) -> tuple[float, int, in
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=18)  # 0.99B parameters
+    ap.add_argument("--layers", type=int, default=18)  # 0.98B parameters
     ap.add_argument("--before", help="also run each conversion with this src/ (an older checkout) on PYTHONPATH")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()

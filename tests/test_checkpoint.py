@@ -319,8 +319,13 @@ def test_checksums_equal_a_numpy_reference_on_any_layout_without_a_leaf_sized_te
     half = jax.numpy.asarray(x[:, :5].astype(np.float16))
     hbits = x[:, :5].astype(np.float16).view(np.uint16).ravel().astype(np.uint64)
     hweight = np.arange(hbits.size, dtype=np.uint64) % 65521 + 1
-    got = describe({"a": jax.numpy.asarray(x), "b": sharded, "c": half})
+    scalar, small = np.float32(-2.5), np.arange(-7, 8, dtype=np.int8).reshape(3, 5)
+    got = describe({"a": jax.numpy.asarray(x), "b": sharded, "c": half, "d": jax.numpy.asarray(scalar)})
+    got |= describe({"e": jax.numpy.asarray(small)})
     assert got["a"]["checksum"] == want and got["b"]["checksum"] == want
     assert got["c"]["checksum"] == [int(hbits.sum() % 2**32), int((hbits * hweight).sum() % 2**32)]
+    assert got["d"]["checksum"] == [int(scalar.view(np.uint32))] * 2  # weight 1 at index 0
+    ebits = small.view(np.uint8).ravel().astype(np.uint64)
+    assert got["e"]["checksum"] == [int(ebits.sum()), int((ebits * (np.arange(15) + 1)).sum())]
     temp = _checksums.lower({"a": jax.numpy.asarray(x)}).compile().memory_analysis().temp_size_in_bytes
     assert temp < x.nbytes // 4, temp

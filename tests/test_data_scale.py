@@ -104,6 +104,75 @@ def test_any_number_of_processes_gives_the_reference_bytes(inputs, tmp_path):
         np.testing.assert_array_equal(np.asarray(ref.tokens(s)), split[s])
     assert ref.meta["documents"] == {"train": len(docs) - len(docs) // 10, "val": len(docs) // 10}
     assert not list(tmp_path.glob(".*.work"))  # the work units are removed once published
+    # the index's entropy is the written training tokens' (summed from the workers' counts, less validation)
+    counts = np.bincount(np.asarray(load(tmp_path / "p4").tokens("train")), minlength=300)
+    p = counts[counts > 0] / counts.sum()
+    assert load(tmp_path / "p4").meta["train_unigram_entropy"] == pytest.approx(float(-(p * np.log(p)).sum()), 1e-12)
+
+
+@pytest.mark.parametrize("cap", [60_000, 700])
+def test_a_capped_preparation_in_processes_equals_the_reference(inputs, tmp_path, cap):
+    """--max-mb: documents in order until `cap` bytes of UTF-8 text, the one that crosses it cut
+    (never inside a character), read in 4 kB units by 2 processes. At 700 bytes there are fewer than
+    10 documents, so the last one's tail is held out instead."""
+    args, docs = inputs
+    assert _prepare(args, tmp_path / "p1", "--vocab-size", "300", "--processes", "1") == 0
+    tok = str(tmp_path / "p1" / "tokenizer.json")
+    extra = ["--tokenizer", tok, "--unit-mb", "0.004", "--processes", "2", "--max-mb", str(cap / 1e6)]
+    assert _prepare(args, tmp_path / "capped", *extra) == 0
+    kept, total = [], 0
+    for d in docs:  # the cap, written out plainly
+        raw = d.encode()
+        if len(raw) > cap - total:
+            d = raw[: cap - total].decode("utf-8", errors="ignore")
+            raw = raw[: cap - total]
+        if d.strip():
+            kept.append(d)
+            total += len(raw)
+        if total >= cap:
+            break
+    if len(kept) < 10:
+        cut = int(len(kept[-1]) * 0.9)
+        pairs = [("train", d) for d in kept[:-1]] + [("train", kept[-1][:cut]), ("val", kept[-1][cut:])]
+    else:
+        pairs = [("val" if n % 10 == 0 else "train", d) for n, d in enumerate(kept, 1)]
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(tok)
+    split = {"train": [], "val": []}
+    for s, d in pairs:
+        split[s] += [*t.encode(d, add_special_tokens=False).ids, eot_id(t)]
+    data = load(tmp_path / "capped")
+    for s in ("train", "val"):
+        np.testing.assert_array_equal(np.asarray(data.tokens(s)), split[s])
+    assert (len(kept) < 10) == (cap == 700) and any("é" in d or "中" in d for d in kept)
+
+
+def test_a_kept_unit_is_reused_only_while_its_files_are_unchanged(tmp_path):
+    from meshlm.data import runner, units
+
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "one"}\n')
+    (unit,) = units.plan([path])
+    work = runner.WorkDir(tmp_path / "work", "tokenizer-and-field", strict=True)
+    result = units.encode(unit, units.TokenizerSource.of(_tiny_tokenizer()))
+    work.put(0, unit, result)
+    assert work.has(0, unit) and work.get(0, unit)["doc_tokens"].tolist() == result["doc_tokens"].tolist()
+    assert not runner.WorkDir(tmp_path / "work", "another tokenizer", strict=True).has(0, unit)
+    path.write_text('{"text": "two"}\n')  # same size, a new modification time
+    os.utime(path, ns=(1, 1))
+    assert not work.has(0, units.plan([path])[0])
+    skipped = dict(result, skipped={"not_json": 1}, examples=["a.jsonl:2: not valid JSON"])
+    (unit,) = units.plan([path])
+    work.put(0, unit, skipped)
+    assert runner.WorkDir(tmp_path / "work", "tokenizer-and-field", strict=False).get(0, unit) is not None
+    assert work.get(0, unit) is None  # a strict preparation must meet the bad line itself
+
+
+def _tiny_tokenizer():
+    from meshlm.data.tokenizer import train_bpe
+
+    return train_bpe(["one two three"] * 3, 260)
 
 
 def test_a_killed_preparation_resumes_to_the_same_bytes(inputs, tmp_path):
@@ -159,18 +228,25 @@ def test_bad_input_is_skipped_and_counted_or_stops_the_strict_default(inputs, tm
     (bad / "trunc.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(damaged)[:-100])
     partial = zstandard.ZstdDecompressor().stream_reader(open(bad / "trunc.jsonl.zst", "rb")).read()  # noqa: SIM115
     before = [line for line in before if line.endswith("\n")] + partial.splitlines(keepends=True)[:-1]
+    (bad / "zz2.jsonl").write_text('{"text": "bad \\ud83d alone"}\n{"text": "a pair \\ud83d\\ude00 is fine"}\n')
     inputs_ = [*args, str(bad)]
-    assert _prepare(inputs_, tmp_path / "strict", "--vocab-size", "300") == 2
-    assert "latin1.txt: not a text file (" in capsys.readouterr().err  # the first bad input, by name
-    assert not (tmp_path / "strict").exists() and not list(tmp_path.glob(".strict*"))  # nothing written
-    assert _prepare(inputs_, tmp_path / "skip", "--vocab-size", "300", "--on-error", "skip") == 0
-    meta = load(tmp_path / "skip").meta
-    assert meta["skipped"] == {"not_text": 1, "not_json": 1, "no_field": 2, "unreadable": 2}  # both truncated streams
-    assert sum(meta["documents"].values()) == len(docs) + 2 + len(before) > len(docs) + 2 + 20_000
+    from meshlm.data.tokenizer import train_bpe
+
+    train_bpe(docs, 300).save(str(tmp_path / "tok.json"))  # given, so the units start at once
+    tok = ["--tokenizer", str(tmp_path / "tok.json")]
+    assert _prepare(inputs_, tmp_path / "out", *tok, "--processes", "2") == 2
+    err = capsys.readouterr().err
+    assert "latin1.txt: not a text file (" in err  # the first bad input, by name
+    assert "finished work units are kept in" in err and not (tmp_path / "out").exists()  # no dataset
+    assert _prepare(inputs_, tmp_path / "out", *tok, "--on-error", "skip") == 0
+    assert "resuming: " in capsys.readouterr().err  # the units the strict run finished
+    meta = load(tmp_path / "out").meta
+    assert meta["skipped"] == {"not_text": 1, "not_json": 1, "no_field": 2, "unreadable": 2, "bad_text": 1}
+    assert sum(meta["documents"].values()) == len(docs) + 3 + len(before) > len(docs) + 3 + 20_000
     examples = meta["skipped_examples"]
     assert len(examples) == 5 and any(e.startswith(f"{bad / 'zz.jsonl'}:2: not valid JSON (") for e in examples)
     capsys.readouterr()
-    assert main(["data", "info", str(tmp_path / "skip")]) == 0
+    assert main(["data", "info", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "skipped: 2 records without the field" in out and "skipped: 2 files that could not be read" in out
 

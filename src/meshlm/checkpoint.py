@@ -143,8 +143,9 @@ def _quiet_read_only_notice():
 def _in_flight_gb(tree: Any) -> float:
     """Orbax's limit on the bytes a save or restore of `tree` holds in flight besides the arrays
     themselves: a quarter of the tree, and at least 1.2x its largest tensor (Orbax refuses a
-    single read or write above the limit). Unlimited (its default), a restore held up to 0.7x the
-    parameters in read buffers and a save a full host copy (benchmarks/convert_memory.py)."""
+    single read or write above the limit). At Orbax's default (96 GB, in effect unlimited) a save
+    held a full host copy of the tree and a restore read it all at once
+    (benchmarks/convert_memory.py)."""
     sizes = [math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)]
     return max(1.2 * max(sizes, default=1), 0.25 * sum(sizes)) / 1e9
 

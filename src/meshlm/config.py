@@ -21,6 +21,7 @@ from meshlm.axes import MESH_AXES
 
 Family = Literal["gpt", "llama"]
 DType = Literal["float32", "bfloat16"]
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what `meshlm convert --to-hf --dtype` writes
 Attention = Literal["explicit", "blockwise", "fused"]
 RopeScaling = Literal["none", "llama3"]
 OnNonFinite = Literal["stop", "skip"]

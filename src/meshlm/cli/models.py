@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 from meshlm.cli.common import inference_mesh, parse_bytes
-from meshlm.config import ConfigError
-from meshlm.interop.safetensors_io import EXPORT_DTYPES  # numpy, no JAX
+from meshlm.config import EXPORT_DTYPES, ConfigError  # not safetensors_io's: ml_dtypes takes 0.4 s to load
 
 
 def add_parsers(sub) -> dict:

@@ -66,6 +66,9 @@ def _saved_dataset(p: Path) -> list[Path] | None:
         names = [f["filename"] for f in json.loads((p / "state.json").read_text())["_data_files"]]
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{p / 'state.json'} is not a datasets state file ({e})") from None
+    missing = [n for n in names if not (p / n).is_file()]
+    if missing:
+        raise ConfigError(f"{p}: state.json lists files that are not there: {', '.join(missing)}")
     return [p / n for n in names]
 
 

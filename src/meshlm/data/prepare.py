@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -189,10 +190,11 @@ def write_dataset(
     """Tokenize the documents of `units` (`data.units`) into a prepared dataset at `out`.
 
     Units are encoded in this process (processes <= 1), in `processes` spawned processes with
-    `threads` tokenizer threads each, or as Ray tasks (`ray_address`); the bytes are the same. Each
-    finished unit is kept in `.<out>.work/` beside `out` until the dataset is published, so a
-    killed preparation started again with the same inputs and options resumes where it stopped.
-    `on_error="skip"` skips bad files, lines and records (counted in the index) instead of failing."""
+    `threads` tokenizer threads each (0: cores / processes), or as Ray tasks (`ray_address`); the
+    bytes are the same. Each finished unit is kept in `.<out>.work/` beside `out` until the dataset
+    is published, so a preparation killed, or stopped by bad input, and started again with the same
+    inputs resumes where it stopped. `on_error="skip"` skips bad files, lines and records (counted
+    in the index) instead of failing."""
     if not 0.0 < val_fraction < 0.5:
         raise ConfigError("val_fraction must be in (0, 0.5)")
     if on_error not in ("strict", "skip"):
@@ -202,14 +204,21 @@ def write_dataset(
         raise ConfigError(f"{out} exists and is not a meshlm dataset; choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     work_root = out.parent / f".{out.name}.work"
+    threads = threads or max(1, (os.cpu_count() or 1) // max(1, processes))
     try:
         tok = _tokenizer(units, work_root, tokenizer, vocab_size, job)
-        work = R.WorkDir(work_root, f"{toks.fingerprint(tok)}:{field}:{job.strict}")
+        work = R.WorkDir(work_root, f"{toks.fingerprint(tok)}:{field}", job.strict)
         run_opts = dict(processes=processes, threads=threads, ray_address=ray_address)
         data = _write(units, job, tok, work, shard_tokens, source_fingerprint, run_opts, progress, log)
-    except ConfigError:  # bad input or options: nothing is kept (the strict default writes nothing)
-        shutil.rmtree(work_root, ignore_errors=True)
-        raise
+    except ConfigError as e:  # bad input: no dataset; the units finished before it are kept for the rerun
+        finished = len(list(work_root.glob("*.npz")))
+        if not finished:
+            shutil.rmtree(work_root, ignore_errors=True)
+            raise
+        raise ConfigError(
+            f"{e}\n  ({finished} finished work units are kept in {work_root}: fix the input, or add "
+            "--on-error skip, and run the same command again to resume; delete it to start over)"
+        ) from None
     shutil.rmtree(work_root, ignore_errors=True)
     return data
 
@@ -261,7 +270,8 @@ def _write(units, job: _Job, tok, work, shard_tokens, source_fingerprint, run_op
         merge = Merge(units, writers, tok, job.period, job.field, job.strict, max_bytes)
         total = sum(u.nbytes for u in units)
         with _Progress(progress, min(total, max_bytes) if max_bytes else total) as advance:
-            for i, result in R.run(units, (tok.to_str(), job.field, job.strict), work, **run_opts):
+            source = U.TokenizerSource.of(tok)
+            for i, result in R.run(units, (source, job.field, job.strict), work, **run_opts):
                 advance(units[i].nbytes)
                 if not merge.add(i, result):
                     break

@@ -38,8 +38,10 @@ CAUSES = {
     "unreadable": "files that could not be read",
     "not_json": "lines that are not JSON",
     "no_field": "records without the field",
+    "bad_text": "records whose text is not valid Unicode",
 }
 EXAMPLES = 5  # bad inputs named in the index and `meshlm data info`
+VERSION = 1  # of what `encode` returns: a kept unit of another version is encoded again
 
 
 @dataclass(frozen=True)
@@ -247,11 +249,12 @@ def _line_number(path: str, offset: int) -> int:
     return n
 
 
-def _lines(unit: Unit) -> Iterator[tuple[int, bytes]]:
-    """(byte offset, or line number for compressed files; line) of the lines the unit owns."""
+def _lines(unit: Unit) -> Iterator[tuple[int, int, bytes]]:
+    """(byte offset, 0 for compressed files; 1-based line number within the unit; line) of the
+    lines the unit owns."""
     path = unit.paths[0]
     if corpus.compressed(Path(path)):
-        yield from enumerate(_compressed_lines(path), 1)
+        yield from ((0, n, line) for n, line in enumerate(_compressed_lines(path), 1))
         return
     with open(path, "rb") as f:
         pos = unit.start
@@ -259,21 +262,31 @@ def _lines(unit: Unit) -> Iterator[tuple[int, bytes]]:
             f.seek(pos - 1)
             if f.read(1) != b"\n":
                 pos += len(f.readline())
+        n = 0
         while unit.end < 0 or pos < unit.end:
             line = f.readline()
             if not line:
                 return
-            yield pos, line
+            n += 1
+            yield pos, n, line
             pos += len(line)
+
+
+def _where(path: str, unit: Unit, at: int, n: int, strict: bool) -> str:
+    """`path:line`. Inside a byte range that starts past the file's beginning the line number costs a
+    scan of everything before it: only a strict failure pays it; a skipped line is named by its
+    byte offset (`path@byte N`), so skipping stays linear in the file."""
+    if unit.start == 0 or corpus.compressed(Path(path)):
+        return f"{path}:{n}"
+    return f"{path}:{_line_number(path, at)}" if strict else f"{path}@byte {at}"
 
 
 def _jsonl(unit: Unit, field: str, skips: Skips) -> Iterator[str]:
     path = unit.paths[0]
-    compressed = corpus.compressed(Path(path))
     lines = _lines(unit)
     while True:
         try:
-            at, line = next(lines)
+            at, n, line = next(lines)
         except StopIteration:
             return
         except (OSError, EOFError, ValueError) as e:  # a corrupt or truncated .gz / .zst stream
@@ -281,7 +294,7 @@ def _jsonl(unit: Unit, field: str, skips: Skips) -> Iterator[str]:
             return
         if not line.strip():
             continue
-        where = (lambda at=at: f"{path}:{at}") if compressed else (lambda at=at: f"{path}:{_line_number(path, at)}")
+        where = lambda at=at, n=n: _where(path, unit, at, n, skips.strict)
         try:
             record = json.loads(line.decode("utf-8", errors="replace"))
         except json.JSONDecodeError as e:
@@ -291,7 +304,19 @@ def _jsonl(unit: Unit, field: str, skips: Skips) -> Iterator[str]:
             keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
             skips("no_field", where, f"no field {field!r} (has: {keys}); choose it with --field / data.field")
             continue
-        yield str(record[field])
+        text = str(record[field])
+        if b"\\u" in line and _lone_surrogate(text):  # only a JSON escape can make one
+            skips("bad_text", where, "the text has a lone UTF-16 surrogate (an escape like \\ud83d alone)")
+            continue
+        yield text
+
+
+def _lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _parquet(unit: Unit, field: str, skips: Skips) -> Iterator[str]:
@@ -346,30 +371,48 @@ def _values(batches, field: str) -> Iterator[str]:
 
 # ----------------------------------------------------------------------------------------- encoding
 
-_TOKENIZERS: dict[str, object] = {}
+_TOKENIZERS: dict[str, object] = {}  # this process's loaded tokenizers, by key
 
 
-def _tokenizer(tokenizer_json: str):
-    key = hashlib.sha256(tokenizer_json.encode()).hexdigest()
-    if key not in _TOKENIZERS:
-        from tokenizers import Tokenizer
+@dataclass(frozen=True)
+class TokenizerSource:
+    """A tokenizer as its JSON and a key made once, loaded once per process (a real tokenizer's
+    JSON is megabytes: hashing or parsing it for every unit would cost more than some units).
+    `without_json()` is what a task carries to a process that already loaded it."""
 
-        _TOKENIZERS.clear()
-        _TOKENIZERS[key] = Tokenizer.from_str(tokenizer_json)
-    return _TOKENIZERS[key]
+    key: str
+    json: str | None = None
+
+    @staticmethod
+    def of(tokenizer) -> TokenizerSource:
+        text = tokenizer.to_str()
+        return TokenizerSource(hashlib.sha256(text.encode()).hexdigest()[:16], text)
+
+    def without_json(self) -> TokenizerSource:
+        return TokenizerSource(self.key)
+
+    def load(self):
+        if self.key not in _TOKENIZERS:
+            from tokenizers import Tokenizer
+
+            if self.json is None:
+                raise RuntimeError("this process has not loaded the tokenizer (TokenizerSource.load with its JSON)")
+            _TOKENIZERS.clear()
+            _TOKENIZERS[self.key] = Tokenizer.from_str(self.json)
+        return _TOKENIZERS[self.key]
 
 
-def encode(unit: Unit, tokenizer_json: str, field: str = "text", strict: bool = True) -> dict:
+def encode(unit: Unit, tokenizer: TokenizerSource, field: str = "text", strict: bool = True) -> dict:
     """Tokenize one unit: its tokens (each document followed by the end-of-text id) and their
     unigram counts, each document's token count and UTF-8 byte count, and the bad input skipped.
     Runs in any process."""
     from meshlm.data import tokenizer as toks
 
-    tok = _tokenizer(tokenizer_json)
+    tok = tokenizer.load()
     eot = toks.eot_id(tok)
     dtype = np.dtype(np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32)
     skips = Skips(strict)
-    flat: list[int] = []
+    pieces: list[np.ndarray] = []  # one array a batch: 2-4 bytes a token held, not a Python int's 30
     doc_tokens: list[int] = []
     doc_bytes: list[int] = []
     batch: list[str] = []
@@ -378,23 +421,25 @@ def encode(unit: Unit, tokenizer_json: str, field: str = "text", strict: bool = 
     encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
 
     def flush():
+        flat: list[int] = []
         for e in encode_batch(batch, add_special_tokens=False):
             ids = e.ids
             flat.extend(ids)
             flat.append(eot)
             doc_tokens.append(len(ids) + 1)
+        pieces.append(np.asarray(flat, dtype=dtype))
         batch.clear()
 
     size = 0
     for text in documents(unit, field, skips):
         batch.append(text)
-        doc_bytes.append(len(text.encode("utf-8", "surrogatepass")))
+        doc_bytes.append(len(text.encode("utf-8")))
         size += len(text)
         if size >= 1 << 21:
             flush()
             size = 0
     flush()
-    tokens = np.asarray(flat, dtype=dtype)
+    tokens = np.concatenate(pieces)
     return {
         "tokens": tokens,
         "counts": np.bincount(tokens, minlength=tok.get_vocab_size()).astype(np.int64),  # summed by the driver

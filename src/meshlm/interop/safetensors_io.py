@@ -27,6 +27,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from meshlm import config
 from meshlm.config import ConfigError
 
 DTYPES: dict[str, np.dtype] = {
@@ -45,7 +46,7 @@ CODES = {v: k for k, v in DTYPES.items()}
 # The floating-point codes by the name torch, JAX and config files use (the dtypes weights are
 # imported from and exported to).
 FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what `meshlm convert --to-hf --dtype` writes
+EXPORT_DTYPES = config.EXPORT_DTYPES
 
 
 def numpy_dtype(name: str) -> np.dtype:

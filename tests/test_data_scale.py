@@ -18,24 +18,9 @@ from helpers import subprocess_env
 from meshlm.cli import main
 from meshlm.data.prepare import load
 from meshlm.data.tokenizer import eot_id
+from test_data import WORDS as BASE_WORDS
 
-WORDS = [
-    "the",
-    "a",
-    "mesh",
-    "shard",
-    "tensor",
-    "device",
-    "token",
-    "model",
-    "layer",
-    "batch",
-    "data",
-    "parallel",
-    "gather",
-    "é",
-    "中",
-]
+WORDS = [*BASE_WORDS, "é", "中"]  # and characters of 2 and 3 UTF-8 bytes
 
 
 @pytest.fixture(scope="module")

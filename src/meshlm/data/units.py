@@ -319,12 +319,18 @@ def _lone_surrogate(text: str) -> bool:
     return False
 
 
+def _pyarrow(path: str, module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"{path}: Parquet and Arrow inputs need pyarrow: pip install 'meshlm[parquet]'") from None
+
+
 def _parquet(unit: Unit, field: str, skips: Skips) -> Iterator[str]:
     path = unit.paths[0]
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(f"{path}: Parquet input needs pyarrow: pip install 'meshlm[parquet]'") from None
+    pq = _pyarrow(path, "pyarrow.parquet")
     try:
         pf = pq.ParquetFile(path)
         groups = range(unit.start, pf.metadata.num_row_groups if unit.end < 0 else unit.end)
@@ -341,10 +347,7 @@ def _parquet(unit: Unit, field: str, skips: Skips) -> Iterator[str]:
 
 def _arrow(unit: Unit, field: str, skips: Skips) -> Iterator[str]:
     path = unit.paths[0]
-    try:
-        import pyarrow as pa
-    except ImportError:
-        raise ConfigError(f"{path}: Arrow (datasets) input needs pyarrow: pip install 'meshlm[parquet]'") from None
+    pa = _pyarrow(path, "pyarrow")
     try:
         with pa.memory_map(path) as source:
             reader = pa.ipc.open_stream(source)

@@ -98,9 +98,11 @@ def test_any_number_of_processes_gives_the_reference_bytes(inputs, tmp_path):
 @pytest.mark.parametrize("cap", [60_000, 700])
 def test_a_capped_preparation_in_processes_equals_the_reference(inputs, tmp_path, cap):
     """--max-mb: documents in order until `cap` bytes of UTF-8 text, the one that crosses it cut
-    (never inside a character), read in 4 kB units by 2 processes. At 700 bytes there are fewer than
-    10 documents, so the last one's tail is held out instead."""
+    (never inside a character: the cap is moved to fall inside one), read in 4 kB units by 2
+    processes. Near 700 bytes there are fewer than 10 documents, so the last one's tail is held out."""
     args, docs = inputs
+    stream = "".join(docs).encode()  # (blank documents are already out)
+    cap = next(c for c in range(cap, len(stream)) if stream[c] & 0xC0 == 0x80)  # a continuation byte
     assert _prepare(args, tmp_path / "p1", "--vocab-size", "300", "--processes", "1") == 0
     tok = str(tmp_path / "p1" / "tokenizer.json")
     extra = ["--tokenizer", tok, "--unit-mb", "0.004", "--processes", "2", "--max-mb", str(cap / 1e6)]
@@ -130,7 +132,7 @@ def test_a_capped_preparation_in_processes_equals_the_reference(inputs, tmp_path
     data = load(tmp_path / "capped")
     for s in ("train", "val"):
         np.testing.assert_array_equal(np.asarray(data.tokens(s)), split[s])
-    assert (len(kept) < 10) == (cap == 700) and any("é" in d or "中" in d for d in kept)
+    assert (len(kept) < 10) == (cap < 1000) and any("é" in d or "中" in d for d in kept)
 
 
 def test_a_kept_unit_is_reused_only_while_its_files_are_unchanged(tmp_path):
@@ -225,6 +227,9 @@ def test_bad_input_is_skipped_and_counted_or_stops_the_strict_default(inputs, tm
     assert "finished work units are kept in" in err and not (tmp_path / "out").exists()  # no dataset
     assert _prepare(inputs_, tmp_path / "out", *tok, "--on-error", "skip") == 0
     assert "resuming: " in capsys.readouterr().err  # the units the strict run finished
+    assert _prepare(inputs_, tmp_path / "fresh", *tok, "--on-error", "skip") == 0  # the same bytes from scratch
+    for f in os.listdir(tmp_path / "fresh"):
+        assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "fresh" / f).read_bytes(), f
     meta = load(tmp_path / "out").meta
     assert meta["skipped"] == {"not_text": 1, "not_json": 1, "no_field": 2, "unreadable": 2, "bad_text": 1}
     assert sum(meta["documents"].values()) == len(docs) + 3 + len(before) > len(docs) + 3 + 20_000

@@ -43,8 +43,8 @@ class ShardWriter:
                 self._open()
             room = self.limit - self.shards[-1]["tokens"]
             part, ids = ids[:room], ids[room:]
-            self.file.write(part.tobytes())
-            self.hash.update(part.tobytes())
+            self.file.write(part)  # the array's own buffer: no copy for the file or the hash
+            self.hash.update(part)
             self.shards[-1]["tokens"] += len(part)
             if self.shards[-1]["tokens"] == self.limit:
                 self._close()

@@ -118,7 +118,7 @@ def iter_documents(files: list[Path], field: str = "text", max_bytes: int = 0) -
 
 
 def utf8_len(text: str) -> int:
-    return len(text.encode("utf-8", "surrogatepass"))
+    return len(text.encode("utf-8"))  # the readers skip text that is not valid Unicode (bad_text)
 
 
 def capped(docs: Iterator[str], max_bytes: int, total: int = 0) -> Iterator[str]:
@@ -126,7 +126,7 @@ def capped(docs: Iterator[str], max_bytes: int, total: int = 0) -> Iterator[str]
     for text in docs:
         raw_len = utf8_len(text)
         if max_bytes and raw_len > max_bytes - total:
-            raw = text.encode("utf-8", "surrogatepass")[: max(0, max_bytes - total)]
+            raw = text.encode("utf-8")[: max(0, max_bytes - total)]
             text, raw_len = raw.decode("utf-8", errors="ignore"), len(raw)  # the cut counts in full
         if text.strip():
             yield text

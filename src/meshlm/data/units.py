@@ -388,8 +388,9 @@ class TokenizerSource:
 
     @staticmethod
     def of(tokenizer) -> TokenizerSource:
-        text = tokenizer.to_str()
-        return TokenizerSource(hashlib.sha256(text.encode()).hexdigest()[:16], text)
+        from meshlm.data import tokenizer as toks
+
+        return TokenizerSource(toks.fingerprint(tokenizer), tokenizer.to_str())
 
     def without_json(self) -> TokenizerSource:
         return TokenizerSource(self.key)

@@ -269,6 +269,26 @@ class DataConfig:
     # no attention across the end-of-text boundaries inside a packed sequence; positions restart
     # at every document (learned positions; RoPE is relative, so its scores need no restart)
     document_mask: bool = False
+    # a weighted mixture instead of `paths`: "WEIGHT:PATH" entries (a prepared dataset, or raw inputs
+    # prepared as `paths` would be), sampled with Megatron's blend rule (meshlm.data.mixture)
+    mixture: tuple[str, ...] = ()
+
+    def mixture_sources(self) -> list[tuple[float, str]]:
+        """`mixture` as [(weight, path)]; a ConfigError names a malformed entry."""
+        out = []
+        for entry in self.mixture:
+            weight, sep, path = entry.partition(":")
+            try:
+                w = float(weight)
+            except ValueError:
+                w = math.nan
+            if not sep or not path or not (math.isfinite(w) and w > 0):
+                raise ConfigError(
+                    f"data.mixture entry {entry!r} is not WEIGHT:PATH with a positive weight "
+                    "(e.g. data.mixture=0.7:data/web,0.3:data/code)"
+                )
+            out.append((w, path))
+        return out
 
 
 @dataclass(frozen=True)

@@ -418,8 +418,13 @@ def eval_tokens(
     if model.tokenizer is None:
         raise ConfigError(f"{model.source} has no tokenizer; evaluation needs one to count bytes")
     if not data and run_dir is not None and (run_dir / "run.json").is_file():
-        root = json.loads((run_dir / "run.json").read_text()).get("data_root")
-        data = [root] if root else []
+        info = json.loads((run_dir / "run.json").read_text())
+        sources = [p["root"] for p in info.get("data", {}).get("mixture", [])]
+        if sources:  # one split of several sources: which one is the user's question
+            raise ConfigError(
+                f"{run_dir} trained on a data.mixture; pass --data with one of its sources: {', '.join(sources)}"
+            )
+        data = [info["data_root"]] if info.get("data_root") else []
     if not data:
         raise ConfigError("no data to evaluate: pass --data (a prepared dataset or text files)")
     if len(data) == 1 and is_prepared(data[0]):

@@ -205,11 +205,13 @@ class StepLoop:
         self.t_last: float | None = None  # start of the rate window (after the step that ended it)
         self.step_last = 0
         self.paused_s = 0.0  # the length of the latest pause (evaluation or checkpoint save)
+        self.source_tokens = lambda steps: {}
 
     def run(self, state, start, train_loader, val_loader, ckpt, identity, stop_after, stop):
         tc, every = self.cfg.train, self.cfg.checkpoint.every
         end = tc.steps if stop_after is None else min(tc.steps, stop_after)
         self.t_last, self.step_last = None, start
+        self.source_tokens = train_loader.source_tokens  # data.mixture: tokens per source so far
         pending: list[tuple[int, dict]] = []  # (step, metrics) the host has not read yet
         limit = host_memory.steps_in_flight()
         for step in range(start, end):
@@ -271,6 +273,7 @@ class StepLoop:
         record["skipped"] = int(m["skipped"])  # non-finite steps skipped so far (on_nonfinite=skip)
         if "expert_load" in m:  # MoE: router losses, drops and each layer's load per expert
             record |= moe_record(m)
+        record |= self.source_tokens(n)
         now, steps = _clock(), n - self.step_last
         eta = None
         if steps > 0:  # the first step of an attempt compiles and warms up: no rate for it

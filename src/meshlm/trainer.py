@@ -19,8 +19,9 @@ import jax
 from meshlm import accounting
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import RunConfig
+from meshlm.data import mixture
 from meshlm.data.loader import WindowLoader
-from meshlm.data.prepare import prepare
+from meshlm.data.prepare import mixture_summary, prepare, prepare_mixture
 from meshlm.insight.startup_report import format_report, startup_report
 from meshlm.observe.metrics import MetricsLogger
 from meshlm.observe.sinks import open_sinks
@@ -219,13 +220,24 @@ def _data(cfg: RunConfig, s: _Setup, log: MetricsLogger, run_dir: Path, init_fro
     tc, layout = cfg.train, s.layout
     if not first:
         _barrier("meshlm-data")
-    data = prepare(cfg.data, cfg.model.vocab_size, log=log.print)
+    if cfg.data.mixture:
+        sources = prepare_mixture(cfg.data, cfg.model.vocab_size, log=log.print)
+    else:
+        sources = [prepare(cfg.data, cfg.model.vocab_size, log=log.print)]
     if first:
         _barrier("meshlm-data")
-    eot = data.meta["eot_id"] if cfg.data.document_mask else None
+    eot = sources[0].meta["eot_id"] if cfg.data.document_mask else None
     order = layout.context_order if layout.context_size > 1 else None
-    train_loader = WindowLoader(data.shards("train"), tc.seq_len, tc.global_batch, tc.seed, "train", eot, order)
-    val_loader = WindowLoader(data.shards("val"), tc.seq_len, tc.global_batch, tc.seed + 1, "validation", eot, order)
+
+    if cfg.data.mixture:
+        train_loader, val_loader = mixture.loaders(cfg, sources, eot, order)
+        data = mixture_summary(sources, train_loader.weights, train_loader.names)
+        log.print(mixture.describe(train_loader, sources))
+    else:
+        data = sources[0]
+        b, seed = tc.global_batch, tc.seed
+        train_loader = WindowLoader(data.shards("train"), tc.seq_len, b, seed, "train", eot, order)
+        val_loader = WindowLoader(data.shards("val"), tc.seq_len, b, seed + 1, "validation", eot, order)
     entropy = data.meta["train_unigram_entropy"]  # counted once, when the data was prepared
     s.run_info |= {"data": {k: v for k, v in data.meta.items() if k != "splits"}, "unigram_entropy": entropy}
     s.run_info["data_root"] = str(data.root.absolute())
@@ -235,7 +247,8 @@ def _data(cfg: RunConfig, s: _Setup, log: MetricsLogger, run_dir: Path, init_fro
         # The run's tokenizer travels with it: generate, eval and convert --to-hf read it here.
         if data.tokenizer_path.is_file() and data.tokenizer_path.absolute() != (run_dir / "tokenizer.json").absolute():
             shutil.copyfile(data.tokenizer_path, run_dir / "tokenizer.json")
-    log.print(f"data: {data.meta['train_tokens']:,} training tokens, unigram entropy {entropy:.3f} nats")
+    mean = " (the sources' weighted mean)" if cfg.data.mixture else ""
+    log.print(f"data: {data.meta['train_tokens']:,} training tokens, unigram entropy {entropy:.3f} nats{mean}")
     return (train_loader, val_loader), data
 
 

@@ -197,6 +197,11 @@ def _validate_run(cfg: RunConfig) -> None:
             f"metrics.wandb={cfg.metrics.wandb!r} needs Weights & Biases: pip install 'meshlm[wandb]'",
         )
     _need(0.0 < cfg.data.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
+    _need(
+        not (cfg.data.mixture and cfg.data.paths),
+        "data.mixture and data.paths are both set: a mixture names its sources itself (WEIGHT:PATH); drop data.paths",
+    )
+    cfg.data.mixture_sources()  # each entry WEIGHT:PATH
     c = cfg.checkpoint
     _need(c.every >= 0 and c.keep_every >= 0, "checkpoint.every and checkpoint.keep_every must be >= 0")
     _need(c.keep >= 1, "checkpoint.keep must be >= 1 (the latest checkpoint is always kept)")

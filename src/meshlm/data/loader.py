@@ -29,7 +29,7 @@ class WindowLoader:
         shards: np.ndarray | list[np.ndarray],
         seq_len: int,
         global_batch: int,
-        seed: int,
+        seed: int | tuple[int, ...],
         name: str = "train",
         eot_id: int | None = None,
         order: tuple[int, ...] | None = None,
@@ -49,12 +49,15 @@ class WindowLoader:
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
-            rng = np.random.default_rng([self.seed, epoch])
+            rng = np.random.default_rng([*np.atleast_1d(self.seed).tolist(), epoch])
             self._perm, self._perm_epoch = rng.permutation(self.n_windows), epoch
         return self._perm
 
     def window_ids(self, step: int, rows: slice = slice(None)) -> np.ndarray:
-        g = step * self.global_batch + np.arange(self.global_batch)[rows]
+        return self.sample_windows(step * self.global_batch + np.arange(self.global_batch)[rows])
+
+    def sample_windows(self, g: np.ndarray) -> np.ndarray:
+        """Window ids of samples `g` (sample g of epoch g // n_windows: that epoch's permutation)."""
         out = np.empty(len(g), dtype=np.int64)
         for epoch in np.unique(g // self.n_windows):
             sel = g // self.n_windows == epoch
@@ -69,11 +72,19 @@ class WindowLoader:
     def batch(self, step: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         """Rows `rows` of global batch `step`: inputs and next-token targets, int32 [rows, seq_len]
         (plus segment_ids and positions with document masking), in context storage order."""
-        w = np.stack([np.asarray(self._window(int(i)), dtype=np.int32) for i in self.window_ids(step, rows)])
+        return self.rows([self._window(int(i)) for i in self.window_ids(step, rows)])
+
+    def rows(self, windows: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """Windows of seq_len + 1 tokens as a batch (inputs, targets, segments), in storage order."""
+        w = np.stack([np.asarray(x, dtype=np.int32) for x in windows])
         out = {"inputs": w[:, :-1], "targets": w[:, 1:]}
         if self.eot_id is not None:
             out |= document_segments(out["inputs"], self.eot_id)
         return {k: reorder_sequence(v, self.order) for k, v in out.items()}
+
+    def source_tokens(self, steps: int) -> dict[str, int]:
+        """Tokens trained on per source after `steps` steps ({}: one source; see `data.mixture`)."""
+        return {}
 
 
 def document_segments(inputs: np.ndarray, eot_id: int) -> dict[str, np.ndarray]:

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -375,6 +375,45 @@ def cache_root(cfg: DataConfig) -> Path:
     if cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
     return cache_home() / "data"
+
+
+def prepare_mixture(cfg: DataConfig, vocab_size: int, log=print) -> list[PreparedData]:
+    """The sources of `data.mixture`, each found or prepared as `data.paths` naming it alone would
+    be; they must share one tokenizer (raw inputs: give `data.tokenizer`)."""
+    sources = [prepare(replace(cfg, paths=(path,), mixture=()), vocab_size, log) for _, path in cfg.mixture_sources()]
+    first = sources[0]
+    for data in sources[1:]:
+        if data.meta["tokenizer_fingerprint"] != first.meta["tokenizer_fingerprint"]:
+            raise ConfigError(
+                f"data.mixture: {data.root} and {first.root} were tokenized with different tokenizers; a mixture "
+                "needs one (prepare every source with the same --tokenizer, or set data.tokenizer for raw inputs)"
+            )
+    return sources
+
+
+def mixture_summary(sources: list[PreparedData], weights: list[float], names: list[str]) -> PreparedData:
+    """What a run records of its mixture, in a prepared dataset's terms: the first source's root and
+    tokenizer, the sources with their weights, and a fingerprint of both (a changed weight or source
+    changes the batches). The unigram entropy is the weighted mean of the sources' (a lower bound
+    on the mixture's own, which the sources' counts would be needed for)."""
+    first = sources[0].meta
+    each = list(zip(sources, weights, names, strict=True))
+    parts = [
+        {"name": n, "root": str(d.root.absolute()), "weight": w, "train_tokens": d.meta["train_tokens"]}
+        for d, w, n in each
+    ]
+    digests = [[w, [sh["blake2b"] for s in SPLITS for sh in d.meta["splits"][s]]] for d, w, _ in each]
+    meta = {k: first[k] for k in ("format", "dtype", "tokenizer_vocab_size", "tokenizer_fingerprint", "eot_id")}
+    meta |= {
+        "source_fingerprint": hashlib.blake2b(json.dumps(digests).encode(), digest_size=10).hexdigest(),
+        "train_tokens": sum(d.meta["train_tokens"] for d in sources),
+        "val_tokens": sum(d.meta["val_tokens"] for d in sources),
+        "train_unigram_entropy": float(sum(w * d.meta["train_unigram_entropy"] for d, w, _ in each)),
+        "unigram_entropy_is": "the weighted mean of the sources' (a lower bound on the mixture's)",
+        "mixture": parts,
+        "splits": {},
+    }
+    return PreparedData(sources[0].root, meta)
 
 
 def prepare(cfg: DataConfig, vocab_size: int, log=print) -> PreparedData:

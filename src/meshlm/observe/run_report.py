@@ -217,6 +217,18 @@ def _summary(run: Run) -> list[str]:
             f"balanced), z-loss {_num(last['moe_z_loss'])}, dropped {100 * last['dropped_fraction']:.2f}% of "
             f"assignments, busiest expert at {last['expert_load_max']:.2f}x its fair share |"
         )
+    sources = {k[len("tokens/") :]: v for k, v in last.items() if k.startswith("tokens/")}
+    if sources:  # data.mixture: what each source gave so far, against its weight
+        total = sum(sources.values()) or 1
+        weight = {p["name"]: p["weight"] for p in info.get("data", {}).get("mixture", [])}
+        lines.append(
+            "| tokens per source (last logged) | "
+            + ", ".join(
+                f"{name} {n:,} ({100 * n / total:.1f}%, weight {100 * weight.get(name, float('nan')):.1f}%)"
+                for name, n in sources.items()
+            )
+            + " |"
+        )
     return lines
 
 

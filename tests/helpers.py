@@ -63,6 +63,14 @@ def random_batches(cfg: RunConfig, n: int, seed: int = 0) -> list[dict[str, np.n
     return out
 
 
+def loss_mask(shape: tuple[int, int], seed: int = 4) -> np.ndarray:
+    """A loss mask as packed chat rows have: about 60% of the targets trained, none in the second
+    half of row 0 (int32, as the loader gives it)."""
+    mask = (np.random.default_rng(seed).random(shape) < 0.6).astype(np.int32)
+    mask[0, shape[1] // 2 :] = 0
+    return mask
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a `meshlm` subprocess: this one's, with the test XLA flags (conftest) but
     no simulated device count (the CLI sets its own from --mesh / --devices)."""

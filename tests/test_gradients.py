@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import MESHES, random_batches, tiny_config
+from helpers import MESHES, loss_mask, random_batches, tiny_config
 from meshlm.config import RematConfig, RunConfig
 from meshlm.data.loader import document_segments
 from meshlm.model.params import init_params, named_leaves, param_specs
@@ -53,10 +53,14 @@ def config(family: str, layout: str = "single", *, policy="elementwise", documen
 
 
 def batch_for(cfg: RunConfig) -> dict[str, np.ndarray]:
+    """A random batch; with document masks, packed as chat data is: several documents per row (so
+    the masks really cut attention) and a loss mask (about 60% of the targets trained, none in
+    half a row), so every document-masked layout test is a loss-masked one too."""
     batch = random_batches(cfg, 1, seed=3)[0]
-    if cfg.data.document_mask:  # several documents per row, so the masks really cut attention
+    if cfg.data.document_mask:
         batch["inputs"][:, ::7] = EOT
         batch |= document_segments(batch["inputs"], EOT)
+        batch["mask"] = loss_mask(batch["targets"].shape)
     return batch
 
 

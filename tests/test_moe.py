@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import random_batches, tiny_config
+from helpers import loss_mask, random_batches, tiny_config
 from meshlm import accounting, recipes
 from meshlm.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig, RematConfig, RunConfig
 from meshlm.model import moe
@@ -143,9 +143,10 @@ def test_the_layer_drops_exactly_what_numpy_drops():
 
 
 def grads(cfg: RunConfig, params: dict) -> dict:
+    """Raw gradients at step 5 of a random batch with a loss mask (as packed chat data has)."""
     layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
     shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
-    batch = random_batches(cfg, 1, seed=3)[0]
+    batch = random_batches(cfg, 1, seed=3)[0] | {"mask": loss_mask((cfg.train.global_batch, cfg.train.seq_len))}
     return jax.device_get(make_grad_step(cfg, layout, shardings)(jax.device_put(params, shardings), batch, 5))
 
 

@@ -272,6 +272,9 @@ class DataConfig:
     # a weighted mixture instead of `paths`: "WEIGHT:PATH" entries (a prepared dataset, or raw inputs
     # prepared as `paths` would be), sampled with Megatron's blend rule (meshlm.data.mixture)
     mixture: tuple[str, ...] = ()
+    # batches carry a loss mask (only trained tokens count): set by `meshlm train` when the data was
+    # prepared with --format chat or completion (packed rows), together with document_mask
+    loss_mask: bool = False
 
     def mixture_sources(self) -> list[tuple[float, str]]:
         """`mixture` as [(weight, path)]; a ConfigError names a malformed entry."""

@@ -48,7 +48,7 @@ DOCUMENT_KEYS = ("segment_ids", "positions")
 
 def abstract_batch(cfg: RunConfig, layout: Layout) -> Batch:
     """Shapes and shardings of one global batch (for ahead-of-time compilation)."""
-    keys = BATCH_KEYS + (DOCUMENT_KEYS if cfg.data.document_mask else ())
+    keys = BATCH_KEYS + (DOCUMENT_KEYS if cfg.data.document_mask else ()) + (("mask",) if cfg.data.loss_mask else ())
     shape = (cfg.train.global_batch, cfg.train.seq_len)
     return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(layout)) for k in keys}
 
@@ -118,6 +118,7 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         split = lambda b, m: _split_microbatches(b, m, layout)
         grads, loss_sum, count = pipeline_gradients(params, batch, key, cfg, layout, split)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        count = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
         return jax.tree.map(lambda g: g / count, grads), loss_sum / count, count, {}
     grad_fn = jax.grad(lambda p, b, key: objective_sum(p, b, cfg, layout, key), has_aux=True)
     if k == 1:
@@ -137,6 +138,7 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         micro = _split_microbatches(batch, k, layout)
         (grads, loss_sum, count), per_micro = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
         moe_metrics = jax.tree.map(lambda a: jnp.mean(a, axis=0), per_micro)
+    count = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
     return jax.tree.map(lambda g: g / count, grads), loss_sum / count, count, moe_metrics
 
 

@@ -21,7 +21,7 @@ from meshlm.checkpoint import Checkpointer
 from meshlm.config import RunConfig
 from meshlm.data import mixture
 from meshlm.data.loader import WindowLoader
-from meshlm.data.prepare import mixture_summary, prepare, prepare_mixture
+from meshlm.data.prepare import fit_config_to_data, mixture_summary, prepare, prepare_mixture
 from meshlm.insight.startup_report import format_report, startup_report
 from meshlm.observe.metrics import MetricsLogger
 from meshlm.observe.sinks import open_sinks
@@ -108,6 +108,7 @@ class _Setup:
 
 def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult | None:
     first = jax.process_index() == 0  # writes the run's files; every process writes its checkpoint shards
+    cfg = validate(fit_config_to_data(cfg, log.print))  # packed chat data: loss and document masks
     s = _compile(cfg, log)
     profiler = Profiler(cfg.train.profile_range(), cfg.train.steps, run_dir / "profile", log)
     if profiler.steps:
@@ -236,8 +237,9 @@ def _data(cfg: RunConfig, s: _Setup, log: MetricsLogger, run_dir: Path, init_fro
     else:
         data = sources[0]
         b, seed = tc.global_batch, tc.seed
-        train_loader = WindowLoader(data.shards("train"), tc.seq_len, b, seed, "train", eot, order)
-        val_loader = WindowLoader(data.shards("val"), tc.seq_len, b, seed + 1, "validation", eot, order)
+        flags = (lambda split: data.flags(split)) if data.packed else (lambda split: None)
+        train_loader = WindowLoader(data.shards("train"), tc.seq_len, b, seed, "train", eot, order, flags("train"))
+        val_loader = WindowLoader(data.shards("val"), tc.seq_len, b, seed + 1, "validation", eot, order, flags("val"))
     entropy = data.meta["train_unigram_entropy"]  # counted once, when the data was prepared
     s.run_info |= {"data": {k: v for k, v in data.meta.items() if k != "splits"}, "unigram_entropy": entropy}
     s.run_info["data_root"] = str(data.root.absolute())

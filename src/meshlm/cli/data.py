@@ -24,7 +24,21 @@ def add_parsers(sub) -> dict:
     tok = prep.add_mutually_exclusive_group(required=True)
     tok.add_argument("--tokenizer", help="an existing tokenizer.json (Hugging Face tokenizers)")
     tok.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this many tokens")
-    prep.add_argument("--field", default="text", help="JSONL field / Parquet column holding a document")
+    prep.add_argument(
+        "--field", default="", help="JSONL field / Parquet column holding a document (default: text; chat: messages)"
+    )
+    prep.add_argument(
+        "--format",
+        choices=("text", "chat", "completion"),
+        default="text",
+        help="text: documents; chat: JSONL `messages` rendered with the tokenizer's chat template; completion: "
+        "JSONL prompt + completion. chat and completion keep a loss mask and pack records into rows (docs/finetune.md)",
+    )
+    prep.add_argument(
+        "--train-on", default="", help="chat: assistant (default), last or all; completion: completion (default) or all"
+    )
+    prep.add_argument("--seq-len", type=int, default=0, help="chat / completion: the row length (train.seq_len)")
+    prep.add_argument("--chat-template", default="", help="a Jinja chat template file (default: the tokenizer's)")
     prep.add_argument("--val-fraction", type=float, default=0.05, help="every round(1/f)-th document is held out")
     prep.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file")
     prep.add_argument("--processes", type=int, default=0, help="tokenizing processes (default: one per core)")
@@ -68,6 +82,20 @@ def cmd_data(args: argparse.Namespace) -> int:
             )
         from meshlm.data.units import CAUSES
 
+        packed = m.get("packed")
+        if packed:
+            print(
+                f"  {packed['format']} records, trained on: {packed['train_on']}, packed into rows of "
+                f"{packed['seq_len']} + 1 tokens"
+            )
+            for split in ("train", "val"):
+                st = packed[split]
+                total = m[split + "_tokens"] or 1
+                print(
+                    f"  {split}: {st['records']:,} records, {st['trained']:,} trained tokens "
+                    f"({100 * st['trained'] / total:.1f}%), padding {100 * st['padding'] / total:.1f}%, "
+                    f"{st['truncated']:,} truncated to the row ({st['truncated_tokens']:,} tokens cut)"
+                )
         for cause, n in sorted(m.get("skipped", {}).items()):
             print(f"  skipped: {n:,} {CAUSES[cause]}")
         for example in m.get("skipped_examples", []):
@@ -79,7 +107,11 @@ def cmd_data(args: argparse.Namespace) -> int:
     if args.shard_tokens < 1 or min(args.max_mb, args.unit_mb, args.processes, args.workers) < 0:
         raise ConfigError("--shard-tokens must be positive; --max-mb, --unit-mb, --processes and --workers >= 0")
     from meshlm.data import corpus, runner, units
+    from meshlm.data.chat import DEFAULT_FIELD, make_format
     from meshlm.data.prepare import write_dataset
+
+    fmt = make_format(args.format, args.train_on, args.tokenizer, args.chat_template)
+    field = args.field or DEFAULT_FIELD.get(args.format, "text")
 
     files = corpus.resolve_files(args.input)
     work = units.plan(files, int(args.unit_mb * 2**20))
@@ -96,13 +128,15 @@ def cmd_data(args: argparse.Namespace) -> int:
     write_dataset(
         work,
         Path(args.out),
-        field=args.field,
+        field=field,
         on_error=args.on_error,
         vocab_size=args.vocab_size,
         tokenizer=args.tokenizer,
         val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens,
         max_bytes=int(args.max_mb * 1e6),
+        fmt=fmt,
+        seq_len=args.seq_len,
         processes=processes,
         threads=threads,
         ray_address=args.ray,

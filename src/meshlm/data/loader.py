@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from meshlm.config import ConfigError
+from meshlm.data.units import FLAG_START, FLAG_TRAINED
 from meshlm.parallel.rules import reorder_sequence
 
 
@@ -33,11 +34,15 @@ class WindowLoader:
         name: str = "train",
         eot_id: int | None = None,
         order: tuple[int, ...] | None = None,
+        flags: list[np.ndarray] | None = None,
     ):
         self.shards = [shards] if isinstance(shards, np.ndarray) else list(shards)
         self.seq_len, self.global_batch, self.seed, self.eot_id = seq_len, global_batch, seed, eot_id
-        self.order = order
-        per_shard = np.array([max(0, (len(s) - 1) // seq_len) for s in self.shards], dtype=np.int64)
+        self.order, self.flags = order, flags
+        # packed rows (flags): windows are the rows, seq_len + 1 tokens each, one after another
+        self.stride = seq_len + 1 if flags is not None else seq_len
+        extra = 0 if flags is not None else 1
+        per_shard = np.array([max(0, (len(s) - extra) // self.stride) for s in self.shards], dtype=np.int64)
         self.first_window = np.concatenate([[0], np.cumsum(per_shard)])  # window id where each shard starts
         self.n_windows = int(self.first_window[-1])
         if self.n_windows < 1:
@@ -66,8 +71,13 @@ class WindowLoader:
 
     def _window(self, wid: int) -> np.ndarray:
         shard = int(np.searchsorted(self.first_window, wid, side="right")) - 1
-        start = (wid - int(self.first_window[shard])) * self.seq_len
-        return self.shards[shard][start : start + self.seq_len + 1]
+        start = (wid - int(self.first_window[shard])) * self.stride
+        tokens = self.shards[shard][start : start + self.seq_len + 1]
+        if self.flags is None:
+            return tokens
+        return np.stack(
+            [np.asarray(tokens, np.int32), np.asarray(self.flags[shard][start : start + self.seq_len + 1], np.int32)]
+        )
 
     def batch(self, step: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         """Rows `rows` of global batch `step`: inputs and next-token targets, int32 [rows, seq_len]
@@ -75,8 +85,15 @@ class WindowLoader:
         return self.rows([self._window(int(i)) for i in self.window_ids(step, rows)])
 
     def rows(self, windows: list[np.ndarray]) -> dict[str, np.ndarray]:
-        """Windows of seq_len + 1 tokens as a batch (inputs, targets, segments), in storage order."""
+        """Windows of seq_len + 1 tokens as a batch (inputs, targets, segments), in storage order;
+        packed rows ([tokens, flags] each) also give the loss mask, and their documents' segments."""
         w = np.stack([np.asarray(x, dtype=np.int32) for x in windows])
+        if w.ndim == 3:
+            tokens, flags = w[:, 0], w[:, 1]
+            out = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+            out["mask"] = (flags[:, 1:] & FLAG_TRAINED).astype(np.int32)
+            out |= packed_segments(flags[:, :-1])
+            return {k: reorder_sequence(v, self.order) for k, v in out.items()}
         out = {"inputs": w[:, :-1], "targets": w[:, 1:]}
         if self.eot_id is not None:
             out |= document_segments(out["inputs"], self.eot_id)
@@ -100,6 +117,15 @@ def document_segments(inputs: np.ndarray, eot_id: int) -> dict[str, np.ndarray]:
     starts[:, 1:] = is_eot[:, :-1] == 1
     positions = t - np.maximum.accumulate(np.where(starts, t, 0), axis=1)
     return {"segment_ids": segment_ids.astype(np.int32), "positions": positions.astype(np.int32)}
+
+
+def packed_segments(flags: np.ndarray) -> dict[str, np.ndarray]:
+    """segment_ids and positions of packed rows from their flags: a document starts where
+    FLAG_START is set (every row starts one); non-decreasing, as `document_segments`'."""
+    starts = (flags & FLAG_START) > 0
+    t = np.arange(flags.shape[1], dtype=np.int32)[None, :]
+    positions = t - np.maximum.accumulate(np.where(starts, t, 0), axis=1)
+    return {"segment_ids": np.cumsum(starts, axis=1).astype(np.int32), "positions": positions.astype(np.int32)}
 
 
 def local_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...], devices=None) -> slice:

@@ -135,7 +135,14 @@ def loaders(cfg, sources: list, eot: int | None, order) -> tuple[MixtureLoader, 
     def split(name: str, what: str, seed: int) -> MixtureLoader:
         per_source = [
             WindowLoader(
-                data.shards(name), tc.seq_len, tc.global_batch, (seed, d), f"{what} split of {data.root}", eot, order
+                data.shards(name),
+                tc.seq_len,
+                tc.global_batch,
+                (seed, d),
+                f"{what} split of {data.root}",
+                eot,
+                order,
+                data.flags(name) if data.packed else None,
             )
             for d, data in enumerate(sources)
         ]

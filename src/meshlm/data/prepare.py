@@ -39,9 +39,11 @@ from meshlm.data import corpus
 from meshlm.data import runner as R
 from meshlm.data import tokenizer as toks
 from meshlm.data import units as U
-from meshlm.data.shards import SPLITS, Merge, ShardWriter, held_out_tail
+from meshlm.data.chat import Format
+from meshlm.data.shards import SPLITS, Merge, PackedMerge, ShardWriter, held_out_tail
 
-FORMAT_VERSION = 3  # 3: the index records the training tokens' unigram entropy
+FORMAT_VERSION = 4  # 4: chat / completion records packed into rows, with per-token flags (3: text only)
+READABLE = (3, 4)  # format 3 datasets (text) still load: format 4 only adds packed ones
 INDEX = "index.json"
 
 
@@ -80,6 +82,26 @@ class PreparedData:
                 out.append(np.memmap(path, dtype=self.dtype, mode="r", shape=(shard["tokens"],)))
         return out
 
+    @property
+    def packed(self) -> dict | None:
+        """Chat / completion records packed into rows (format, rule, seq_len, counts), or None."""
+        return self.meta.get("packed")
+
+    def flags(self, split: str) -> list[np.ndarray]:
+        """Memory-mapped per-token flags (units.FLAG_*) of a packed dataset's `split`, one per shard."""
+        out = []
+        for shard in self.meta["splits"][split]:
+            path = self.root / shard["flags"]
+            size = path.stat().st_size if path.exists() else -1
+            if size != shard["tokens"]:
+                raise DataError(
+                    f"flags shard {path} is {'missing' if size < 0 else f'truncated or corrupt: {size} bytes'}, "
+                    f"expected {shard['tokens']}; re-run `meshlm data prepare`"
+                )
+            if shard["tokens"]:
+                out.append(np.memmap(path, dtype=np.uint8, mode="r", shape=(shard["tokens"],)))
+        return out
+
     def tokens(self, split: str) -> np.ndarray:
         """All tokens of `split` as one array (concatenated in memory when there are several shards)."""
         parts = self.shards(split)
@@ -97,6 +119,18 @@ class PreparedData:
             )
         for split in SPLITS:
             self.shards(split)  # sizes
+            if self.packed:
+                self.flags(split)
+        for split in SPLITS if digests and self.packed else ():
+            for shard, arr in zip(
+                [s for s in self.meta["splits"][split] if s["tokens"]], self.flags(split), strict=True
+            ):
+                digest = hashlib.blake2b(np.asarray(arr).tobytes(), digest_size=16).hexdigest()
+                if digest != shard["flags_blake2b"] or int(np.asarray(arr).max(initial=0)) > 3:
+                    raise DataError(
+                        f"flags shard {self.root / shard['flags']} is corrupt (its BLAKE2b digest does not match "
+                        f"{INDEX}); re-run `meshlm data prepare`"
+                    )
         for split in SPLITS if digests else ():
             for shard, arr in zip(
                 [s for s in self.meta["splits"][split] if s["tokens"]], self.shards(split), strict=True
@@ -129,7 +163,7 @@ def load(root: str | Path) -> PreparedData:
         meta = json.loads((root / INDEX).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise DataError(f"{root / INDEX} is missing or unreadable ({e}); re-run `meshlm data prepare`") from None
-    if meta.get("format") != FORMAT_VERSION:
+    if meta.get("format") not in READABLE:
         raise DataError(f"{root} has dataset format {meta.get('format')}, expected {FORMAT_VERSION}; prepare it again")
     return PreparedData(root, meta)
 
@@ -181,6 +215,8 @@ def write_dataset(
     shard_tokens: int = 1 << 28,
     source_fingerprint: str = "",
     max_bytes: int = 0,
+    fmt: Format | None = None,
+    seq_len: int = 0,
     processes: int = 1,
     threads: int = 0,
     ray_address: str = "",
@@ -194,12 +230,21 @@ def write_dataset(
     bytes are the same. Each finished unit is kept in `.<out>.work/` beside `out` until the dataset
     is published, so a preparation killed, or stopped by bad input, and started again with the same
     inputs resumes where it stopped. `on_error="skip"` skips bad files, lines and records (counted
-    in the index) instead of failing."""
+    in the index) instead of failing. Chat and completion records (`fmt`, `chat.make_format`) are
+    packed into rows of `seq_len` + 1 tokens with their flags (`shards.PackedMerge`)."""
+    fmt = fmt or Format()
+    if fmt.packed and seq_len < 1:
+        raise ConfigError(f"--format {fmt.kind} packs records into rows: give --seq-len (the run's train.seq_len)")
+    if fmt.packed and max_bytes:
+        raise ConfigError(f"--max-mb does not apply to --format {fmt.kind} (records are kept whole or not at all)")
+    if fmt.packed and not tokenizer:
+        raise ConfigError(f"--format {fmt.kind} needs --tokenizer (the model's own, with its chat template)")
     if not 0.0 < val_fraction < 0.5:
         raise ConfigError("val_fraction must be in (0, 0.5)")
     if on_error not in ("strict", "skip"):
         raise ConfigError(f"on_error must be 'strict' or 'skip', not {on_error!r}")
-    job = _Job(out, max(2, round(1 / val_fraction)), val_fraction, field, on_error == "strict", max_bytes)
+    period = max(2, round(1 / val_fraction))
+    job = _Job(out, period, val_fraction, field, on_error == "strict", max_bytes, fmt, seq_len)
     if out.exists() and not is_prepared(out) and any(out.iterdir()):  # before hours of work, not after
         raise ConfigError(f"{out} exists and is not a meshlm dataset; choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -207,7 +252,8 @@ def write_dataset(
     threads = threads or max(1, (os.cpu_count() or 1) // max(1, processes))
     try:
         tok = _tokenizer(units, work_root, tokenizer, vocab_size, job)
-        work = R.WorkDir(work_root, f"{toks.fingerprint(tok)}:{field}", job.strict)
+        salt = f"{toks.fingerprint(tok)}:{field}" + (f":{fmt.key()}" if fmt.packed else "")
+        work = R.WorkDir(work_root, salt, job.strict)
         run_opts = dict(processes=processes, threads=threads, ray_address=ray_address)
         data = _write(units, job, tok, work, shard_tokens, source_fingerprint, run_opts, progress, log)
     except ConfigError as e:  # bad input: no dataset; the units finished before it are kept for the rerun
@@ -233,6 +279,8 @@ class _Job:
     field: str
     strict: bool  # on_error="strict"
     max_bytes: int  # 0: no cap
+    fmt: Format  # chat / completion records are packed into rows of seq_len + 1 tokens
+    seq_len: int
 
 
 def _tokenizer(units, work_root: Path, tokenizer: str | None, vocab_size: int | None, job: _Job):
@@ -266,17 +314,31 @@ def _write(units, job: _Job, tok, work, shard_tokens, source_fingerprint, run_op
     if kept:
         log(f"resuming: {kept} of {len(units)} work units were finished by an earlier, interrupted preparation")
     try:
+        row = job.seq_len + 1
+        if job.fmt.packed:  # whole rows per shard
+            shard_tokens = max(row, shard_tokens // row * row)
         writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
-        merge = Merge(units, writers, tok, job.period, job.field, job.strict, max_bytes)
+        flag_writers = {s: ShardWriter(tmp, s, np.dtype(np.uint8), shard_tokens, ".flags") for s in SPLITS}
+        if job.fmt.packed:
+            merge = PackedMerge(units, writers, flag_writers, n_vocab, toks.eot_id(tok), job.period, row)
+        else:
+            merge = Merge(units, writers, tok, job.period, job.field, job.strict, max_bytes)
         total = sum(u.nbytes for u in units)
         with _Progress(progress, min(total, max_bytes) if max_bytes else total) as advance:
             source = U.TokenizerSource.of(tok)
-            for i, result in R.run(units, (source, job.field, job.strict), work, **run_opts):
+            args = (source, job.field, job.strict) + ((job.fmt,) if job.fmt.packed else ())
+            for i, result in R.run(units, args, work, **run_opts):
                 advance(units[i].nbytes)
                 if not merge.add(i, result):
                     break
         merge.finish()
         splits = {s: w.close() for s, w in writers.items()}
+        if job.fmt.packed:
+            for s in SPLITS:
+                for shard, flags in zip(splits[s], flag_writers[s].close(), strict=True):
+                    shard |= {"flags": flags["file"], "flags_blake2b": flags["blake2b"]}
+            if job.fmt.template:
+                (tmp / "chat_template.jinja").write_text(job.fmt.template, encoding="utf-8")
         if not sum(sh["tokens"] for sh in splits["train"]):
             raise ConfigError("the corpus is empty: no non-blank documents in the inputs")
         tok.save(str(tmp / "tokenizer.json"))
@@ -296,6 +358,8 @@ def _write(units, job: _Job, tok, work, shard_tokens, source_fingerprint, run_op
             "skipped_examples": merge.skips.examples,
             "splits": splits,
         }
+        if job.fmt.packed:
+            meta["packed"] = job.fmt.describe() | {"seq_len": job.seq_len, "row_tokens": row} | merge.stats
         (tmp / INDEX).write_text(json.dumps(meta, indent=2))
         _publish(tmp, out, meta)
     except BaseException:
@@ -375,6 +439,32 @@ def cache_root(cfg: DataConfig) -> Path:
     if cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
     return cache_home() / "data"
+
+
+def fit_config_to_data(cfg, log=print):
+    """`cfg` for its data, read from the index alone (before anything is compiled): packed chat /
+    completion rows turn on the loss mask and document masks, and fix train.seq_len to theirs."""
+    paths = [p for _, p in cfg.data.mixture_sources()] or list(cfg.data.paths)
+    packed = [load(p).packed if len(paths) and is_prepared(p) else None for p in paths] or [None]
+    if any(p is None for p in packed) and any(p is not None for p in packed):
+        raise ConfigError("data.mixture mixes packed chat / completion datasets with text ones; use one kind")
+    if packed[0] is None:
+        if cfg.data.loss_mask:
+            raise ConfigError(
+                "data.loss_mask=true needs data prepared with --format chat or completion (meshlm sets it itself)"
+            )
+        return cfg
+    lengths = {p["seq_len"] for p in packed}
+    if lengths != {cfg.train.seq_len}:
+        raise ConfigError(
+            f"the data was packed into rows for --seq-len {', '.join(map(str, sorted(lengths)))}; set "
+            f"train.seq_len to it (or prepare it again with --seq-len {cfg.train.seq_len})"
+        )
+    if not (cfg.data.loss_mask and cfg.data.document_mask):
+        kinds = ", ".join(sorted({f"{p['format']} trained on {p['train_on']}" for p in packed}))
+        log(f"data: packed {kinds}: loss mask and document masks on")
+        cfg = replace(cfg, data=replace(cfg.data, loss_mask=True, document_mask=True))
+    return cfg
 
 
 def prepare_mixture(cfg: DataConfig, vocab_size: int, log=print) -> list[PreparedData]:

@@ -26,6 +26,7 @@ from meshlm.config import ConfigError
 from meshlm.data import units as U
 
 ARRAYS = ("tokens", "counts", "doc_tokens", "doc_bytes")
+OPTIONAL = ("flags",)  # chat and completion records: each token's flags (units.FLAG_*)
 
 
 class WorkDir:
@@ -48,7 +49,7 @@ class WorkDir:
         path = self._path(i, unit)
         try:
             with np.load(path) as z:
-                out = {k: z[k] for k in ARRAYS}
+                out = {k: z[k] for k in ARRAYS + OPTIONAL if k in ARRAYS or k in z.files}
                 out |= json.loads(str(z["skips"]))
         except FileNotFoundError:
             return None
@@ -66,7 +67,7 @@ class WorkDir:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                np.savez(f, **{k: result[k] for k in ARRAYS}, skips=np.array(skips))
+                np.savez(f, **{k: result[k] for k in ARRAYS + OPTIONAL if k in result}, skips=np.array(skips))
             os.replace(tmp, path)
         except FileNotFoundError:  # another preparation of the same output finished and removed it all
             tmp.unlink(missing_ok=True)
@@ -125,7 +126,7 @@ def _ray_executor(address: str, threads: int, encode_args: tuple):
 
 def run(
     units: list[U.Unit],
-    encode_args: tuple,  # (units.TokenizerSource, field, strict)
+    encode_args: tuple,  # (units.TokenizerSource, field, strict, chat.Format)
     work: WorkDir,
     processes: int = 1,
     threads: int = 1,

@@ -1,5 +1,6 @@
 """Documents, in order, into `<split>-NNNNN.bin` token shards: the every-k-th-document split with
-global document numbers (`Merge`), written by shard writers that hash as they go (`ShardWriter`)."""
+global document numbers (`Merge`), written by shard writers that hash as they go (`ShardWriter`);
+chat and completion records packed into rows with their flags (`PackedMerge`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from meshlm.config import ConfigError
 from meshlm.data import corpus
 from meshlm.data import tokenizer as toks
 from meshlm.data import units as U
@@ -19,14 +21,14 @@ SPLITS = ("train", "val")
 class ShardWriter:
     """Appends token arrays to `<split>-NNNNN.bin` files of at most `shard_tokens` tokens each."""
 
-    def __init__(self, root: Path, split: str, dtype: np.dtype, shard_tokens: int):
-        self.root, self.split, self.dtype, self.limit = root, split, dtype, shard_tokens
+    def __init__(self, root: Path, split: str, dtype: np.dtype, shard_tokens: int, suffix: str = ".bin"):
+        self.root, self.split, self.dtype, self.limit, self.suffix = root, split, dtype, shard_tokens, suffix
         self.shards: list[dict] = []
         self.file = None
         self.documents = 0
 
     def _open(self) -> None:
-        name = f"{self.split}-{len(self.shards):05d}.bin"
+        name = f"{self.split}-{len(self.shards):05d}{self.suffix}"
         self.file = open(self.root / name, "wb")  # noqa: SIM115 (closed in _close / close)
         self.shards.append({"file": name, "tokens": 0})
         self.hash = hashlib.blake2b(digest_size=16)
@@ -166,3 +168,94 @@ class Merge:
                 self._train(ids, 1)
             else:
                 self._write("val", ids, 1)
+
+
+class PackedMerge:
+    """Records (conversations, prompt-completion pairs) of the units, in order, packed into rows of
+    `row` tokens with their flags (units.FLAG_*). Record number g (from 1) goes to validation when
+    g % period == 0, as documents do (`Merge`); with fewer than `period` records, the last one does.
+    Each split packs next-fit, in order: a record that does not fit in the room left in the row
+    starts the next row, the room padded with end-of-text tokens (one padding document, never
+    trained); a record longer than a row is cut to one (counted in `truncated`)."""
+
+    def __init__(self, units, writers, flag_writers, n_vocab: int, eot: int, period: int, row: int):
+        self.units, self.writers, self.flag_writers = units, writers, flag_writers
+        self.eot, self.period, self.row, self.dtype = eot, period, row, writers["train"].dtype
+        self.counts = np.zeros(n_vocab, dtype=np.int64)
+        self.skips = U.Skips(strict=False)
+        self.n = 0
+        self.bytes = 0
+        self.text_bytes = 0
+        self.held: list[tuple[np.ndarray, np.ndarray]] = []
+        self.open = {s: ([], [], 0, 0) for s in SPLITS}  # tokens, flags, filled, records of the row being packed
+        self.stats = {
+            s: dict.fromkeys(("records", "truncated", "truncated_tokens", "trained", "padding"), 0) for s in SPLITS
+        }
+
+    def add(self, i: int, result: dict) -> bool:
+        self.skips.add(result["skipped"], list(result["examples"]))
+        self.bytes += self.units[i].nbytes
+        self.text_bytes += int(result["doc_bytes"].sum())
+        tokens, flags = result["tokens"], result["flags"]
+        ends = np.cumsum(result["doc_tokens"])
+        train = []
+        for start, end in zip(np.concatenate([[0], ends[:-1]]), ends, strict=True):
+            doc = (tokens[start:end], flags[start:end])
+            self.n += 1
+            if self.n < self.period:  # held back: the last of fewer than `period` records is validation's
+                self.held.append(doc)
+                continue
+            for held in self.held:
+                self._put("train", *held)
+                train.append(held[0])
+            self.held = []
+            split = "val" if self.n % self.period == 0 else "train"
+            self._put(split, *doc)
+            if split == "train":
+                train.append(doc[0])
+        if train:
+            self.counts += np.bincount(np.concatenate(train), minlength=len(self.counts))
+        return True
+
+    def _put(self, split: str, tokens: np.ndarray, flags: np.ndarray) -> None:
+        st = self.stats[split]
+        st["records"] += 1
+        if len(tokens) > self.row:
+            st["truncated"] += 1
+            st["truncated_tokens"] += len(tokens) - self.row
+            tokens, flags = tokens[: self.row], flags[: self.row]
+        if len(tokens) > self.row - self.open[split][2]:
+            self._flush(split)
+        toks, flgs, filled, records = self.open[split]
+        toks.append(tokens)
+        flgs.append(flags)
+        self.open[split] = (toks, flgs, filled + len(tokens), records + 1)
+
+    def _flush(self, split: str) -> None:
+        toks, flgs, filled, records = self.open[split]
+        if not records:
+            return
+        pad = self.row - filled
+        if pad:
+            toks.append(np.full(pad, self.eot, dtype=self.dtype))
+            padding = np.zeros(pad, dtype=np.uint8)
+            padding[0] = U.FLAG_START
+            flgs.append(padding)
+        flags = np.concatenate(flgs)
+        self.stats[split]["trained"] += int(np.count_nonzero(flags & U.FLAG_TRAINED))
+        self.stats[split]["padding"] += pad
+        self.writers[split].write(np.concatenate(toks), records)
+        self.flag_writers[split].write(flags, 0)
+        self.open[split] = ([], [], 0, 0)
+
+    def finish(self) -> None:
+        if self.held:
+            if len(self.held) < 2 and not self.stats["val"]["records"]:
+                raise ConfigError("chat / completion data needs at least 2 records (one is held out for validation)")
+            for tokens, flags in self.held[:-1]:
+                self._put("train", tokens, flags)
+                self.counts += np.bincount(tokens, minlength=len(self.counts))
+            self._put("val", *self.held[-1])
+            self.held = []
+        for split in SPLITS:
+            self._flush(split)

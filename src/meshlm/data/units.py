@@ -39,6 +39,7 @@ CAUSES = {
     "not_json": "lines that are not JSON",
     "no_field": "records without the field",
     "bad_text": "records whose text is not valid Unicode",
+    "bad_record": "chat or completion records that could not be rendered",
 }
 EXAMPLES = 5  # bad inputs named in the index and `meshlm data info`
 VERSION = 1  # of what `encode` returns: a kept unit of another version is encoded again
@@ -281,7 +282,9 @@ def _where(path: str, unit: Unit, at: int, n: int, strict: bool) -> str:
     return f"{path}:{_line_number(path, at)}" if strict else f"{path}@byte {at}"
 
 
-def _jsonl(unit: Unit, field: str, skips: Skips) -> Iterator[str]:
+def _records(unit: Unit, skips: Skips) -> Iterator[tuple[dict, object, bool]]:
+    """(record, where: a callable naming its line, whether the line has a \\u escape: only one can
+    make a lone surrogate) of every JSONL line of the unit that is a JSON object."""
     path = unit.paths[0]
     lines = _lines(unit)
     while True:
@@ -300,15 +303,56 @@ def _jsonl(unit: Unit, field: str, skips: Skips) -> Iterator[str]:
         except json.JSONDecodeError as e:
             skips("not_json", where, f"not valid JSON ({e.msg})")
             continue
-        if not isinstance(record, dict) or field not in record:
-            keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+        if not isinstance(record, dict):
+            skips("no_field", where, f"not a JSON object ({type(record).__name__}); each line must be one")
+            continue
+        yield record, where, b"\\u" in line
+
+
+def _jsonl(unit: Unit, field: str, skips: Skips) -> Iterator[str]:
+    for record, where, escaped in _records(unit, skips):
+        if field not in record:
+            keys = ", ".join(record)
             skips("no_field", where, f"no field {field!r} (has: {keys}); choose it with --field / data.field")
             continue
         text = str(record[field])
-        if b"\\u" in line and _lone_surrogate(text):  # only a JSON escape can make one
+        if escaped and _lone_surrogate(text):
             skips("bad_text", where, "the text has a lone UTF-16 surrogate (an escape like \\ud83d alone)")
             continue
         yield text
+
+
+def structured(unit: Unit, field: str, kind: str, skips: Skips) -> Iterator[tuple[object, object]]:
+    """(record, where) of a chat or completion unit (JSONL only): a chat record's `field` as checked
+    messages, a completion record's (prompt, completion)."""
+    from meshlm.data.chat import ChatError, check_messages
+
+    if unit.kind != "jsonl":
+        where = unit.paths[0] if unit.paths else "the given texts"
+        raise ConfigError(f"{where}: --format {kind} reads JSONL records (.jsonl, .jsonl.gz, .jsonl.zst)")
+    need = (field,) if kind == "chat" else ("prompt", "completion")
+    for record, where, escaped in _records(unit, skips):
+        missing = [k for k in need if k not in record]
+        if missing:
+            keys = ", ".join(record)
+            skips("no_field", where, f"no field {missing[0]!r} (has: {keys})")
+            continue
+        try:
+            if kind == "chat":
+                value = check_messages(record[field])
+                texts = [m["content"] for m in value]
+            else:
+                value = (record["prompt"], record["completion"])
+                if not all(isinstance(v, str) for v in value):
+                    raise ChatError("prompt and completion must be strings")
+                texts = list(value)
+        except ChatError as e:
+            skips("bad_record", where, str(e))
+            continue
+        if escaped and any(_lone_surrogate(t) for t in texts):
+            skips("bad_text", where, "the text has a lone UTF-16 surrogate (an escape like \\ud83d alone)")
+            continue
+        yield value, where
 
 
 def _lone_surrogate(text: str) -> bool:
@@ -406,9 +450,10 @@ class TokenizerSource:
         return _TOKENIZERS[self.key]
 
 
-def encode(unit: Unit, tokenizer: TokenizerSource, field: str = "text", strict: bool = True) -> dict:
+def encode(unit: Unit, tokenizer: TokenizerSource, field: str = "text", strict: bool = True, fmt=None) -> dict:
     """Tokenize one unit: its tokens (each document followed by the end-of-text id) and their
-    unigram counts, each document's token count and UTF-8 byte count, and the bad input skipped.
+    unigram counts, each document's token count and UTF-8 byte count, and the bad input skipped;
+    for chat and completion records (`fmt`: a `chat.Format`) also each token's flags (FLAG_*).
     Runs in any process."""
     from meshlm.data import tokenizer as toks
 
@@ -416,6 +461,8 @@ def encode(unit: Unit, tokenizer: TokenizerSource, field: str = "text", strict: 
     eot = toks.eot_id(tok)
     dtype = np.dtype(np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32)
     skips = Skips(strict)
+    if fmt is not None and fmt.packed:
+        return _encode_records(unit, tok, eot, dtype, field, fmt, skips)
     pieces: list[np.ndarray] = []  # one array a batch: 2-4 bytes a token held, not a Python int's 30
     doc_tokens: list[int] = []
     doc_bytes: list[int] = []
@@ -447,6 +494,57 @@ def encode(unit: Unit, tokenizer: TokenizerSource, field: str = "text", strict: 
     return {
         "tokens": tokens,
         "counts": np.bincount(tokens, minlength=tok.get_vocab_size()).astype(np.int64),  # summed by the driver
+        "doc_tokens": np.asarray(doc_tokens, dtype=np.int64),
+        "doc_bytes": np.asarray(doc_bytes, dtype=np.int64),
+        "skipped": skips.counts,
+        "examples": skips.examples,
+    }
+
+
+FLAG_TRAINED = 1  # the token is a training target (the loss mask of the position before it)
+FLAG_START = 2  # a document (conversation) starts at this token
+
+
+def _encode_records(unit: Unit, tok, eot: int, dtype, field: str, fmt, skips: Skips) -> dict:
+    """`encode` for chat / completion records: each record's rendered text, tokenized as one string
+    (as `transformers`' apply_chat_template(tokenize=True) does), then the end-of-text id; flags
+    mark the trained tokens (never a record's first: nothing precedes it) and each record's start."""
+    from meshlm.data.chat import ChatError, Renderer, trained_tokens
+
+    renderer = Renderer.of(fmt)
+    texts, spans, eot_trained, doc_bytes = [], [], [], []
+    for record, where in structured(unit, field, fmt.kind, skips):
+        try:
+            text, trained, last = renderer.spans(record)
+        except ChatError as e:
+            skips("bad_record", where, str(e))
+            continue
+        texts.append(text)
+        spans.append(trained)
+        eot_trained.append(last)
+        doc_bytes.append(len(text.encode("utf-8")))
+    ids: list[int] = []
+    flags: list[int] = []
+    doc_tokens: list[int] = []
+    for i in range(0, len(texts), 256):
+        for e, sp, last in zip(
+            tok.encode_batch(texts[i : i + 256], add_special_tokens=False),
+            spans[i : i + 256],
+            eot_trained[i : i + 256],
+            strict=True,
+        ):
+            doc = [FLAG_TRAINED if m else 0 for m in trained_tokens(e.offsets, sp)]
+            doc.append(FLAG_TRAINED if last else 0)  # the end-of-text after it
+            doc[0] = FLAG_START  # never a target: nothing of its document precedes it
+            ids.extend(e.ids)
+            ids.append(eot)
+            flags.extend(doc)
+            doc_tokens.append(len(e.ids) + 1)
+    tokens = np.asarray(ids, dtype=dtype)
+    return {
+        "tokens": tokens,
+        "flags": np.asarray(flags, dtype=np.uint8),
+        "counts": np.bincount(tokens, minlength=tok.get_vocab_size()).astype(np.int64),
         "doc_tokens": np.asarray(doc_tokens, dtype=np.int64),
         "doc_bytes": np.asarray(doc_bytes, dtype=np.int64),
         "skipped": skips.counts,

@@ -155,7 +155,7 @@ def check_params(cfg: RunConfig, seed: int = 0) -> dict:
 
 def check_batch(cfg: RunConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """A random global batch in the original sequence order; with document masking, an end-of-text
-    every 7 tokens, so the masks really cut attention."""
+    every 7 tokens, so the masks really cut attention; with a loss mask, a random one."""
     rng = np.random.default_rng(seed)
     shape = (cfg.train.global_batch, cfg.train.seq_len + 1)
     tokens = rng.integers(1, cfg.model.vocab_size, shape).astype(np.int32)
@@ -163,6 +163,9 @@ def check_batch(cfg: RunConfig, seed: int = 0) -> dict[str, np.ndarray]:
     if cfg.data.document_mask:
         batch["inputs"][:, ::7] = EOT
         batch |= document_segments(batch["inputs"], EOT)
+    if cfg.data.loss_mask:  # packed chat rows: about 60% of the targets trained, row 0's second half none
+        batch["mask"] = (rng.random(batch["targets"].shape) < 0.6).astype(np.int32)
+        batch["mask"][0, batch["mask"].shape[1] // 2 :] = 0
     return batch
 
 
@@ -280,6 +283,8 @@ def _describe(cfg: RunConfig) -> str:
         parts.append(f"{cfg.train.microbatches} microbatches")
     if cfg.data.document_mask:
         parts.append("document masks")
+    if cfg.data.loss_mask:
+        parts.append("loss mask")
     if m.dropout:
         parts.append(f"dropout {m.dropout:g}")
     return " | ".join(parts)

@@ -109,7 +109,8 @@ def config_for(row: dict) -> RunConfig:
         cfg = apply_overrides(cfg, ["model.dropout=0.1"])
     sets = [*BASE, "parallel.data=1", "parallel.expert=1", *MESHES[row["mesh"]], f"model.attention={row['attention']}"]
     sets += [f"remat.policy={row['remat']}", f"model.dtype={row['dtype']}"]
-    sets.append(f"data.document_mask={str(row['document_mask']).lower()}")
+    packed = str(row["document_mask"]).lower()  # packed rows, as chat data trains: document and loss masks
+    sets += [f"data.document_mask={packed}", f"data.loss_mask={packed}"]
     return apply_overrides(cfg, sets)
 
 
@@ -204,7 +205,7 @@ def markdown(rows: list[dict], outcomes: list[dict | None], how: str, seconds: f
         "gpt runs with dropout 0.1 (P2's model), llama without; moe is moe-tiny (llama, 8 experts, top-2,",
         "capacity factor 1.25).",
         "",
-        "| # | family | mesh | attention | remat | dtype | document mask | result |",
+        "| # | family | mesh | attention | remat | dtype | packed rows (document + loss masks) | result |",
         "|---:|---|---|---|---|---|---|---|",
     ]
     for i, (row, out) in enumerate(zip(rows, outcomes, strict=True), 1):

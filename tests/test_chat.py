@@ -324,9 +324,10 @@ def test_bad_records_are_counted_or_named(tokenizer_dir, tmp_path):
         write_dataset(units, tmp_path / "x", field="messages", tokenizer=tok, fmt=fmt, log=lambda _: None)
 
 
-def test_training_on_packed_data_masks_the_loss(packed, tmp_path):
+def test_training_on_packed_data_masks_the_loss(packed, tmp_path, capsys):
     """`meshlm train` on a packed dataset turns on the loss and document masks itself (read from the
-    index before compiling), refuses another seq_len, and trains."""
+    index before compiling), refuses another seq_len, and trains; `meshlm eval` of the packed split
+    scores its trained tokens."""
     from meshlm.trainer import train
 
     data, _, _ = packed
@@ -347,3 +348,9 @@ def test_training_on_packed_data_masks_the_loss(packed, tmp_path):
     saved = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
     assert saved["loss_mask"] and saved["document_mask"]
     assert load(data.root).meta["format"] == 4
+    # meshlm eval on the packed split counts exactly its trained tokens
+    from meshlm.cli import main
+
+    assert main(["eval", "--run-dir", str(tmp_path / "run"), "--data", str(data.root), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["tokens"] == data.packed["val"]["trained"] and np.isfinite(out["loss"])

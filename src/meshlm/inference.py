@@ -412,7 +412,8 @@ def eval_tokens(
     model: Model, data: Sequence[str] = (), split: str = "val", run_dir: Path | None = None, field: str = "text"
 ) -> tuple[np.ndarray, str]:
     """The token stream to evaluate and a description: a prepared dataset's split (default: the
-    run's own data), or raw text files tokenized with the model's tokenizer."""
+    run's own data), or raw text files tokenized with the model's tokenizer. A packed chat /
+    completion dataset is returned itself (a `PreparedData`), for `evaluate_packed`."""
     from meshlm.data.prepare import is_prepared, load
 
     if model.tokenizer is None:
@@ -435,8 +436,48 @@ def eval_tokens(
             )
         if split not in prepared.meta["splits"]:
             raise ConfigError(f"split {split!r} not in {data[0]} (splits: train, val)")
+        if prepared.packed:  # rows of chat / completion records: `evaluate_packed`
+            return prepared, f"{prepared.root} ({split}, {prepared.packed['format']} rows, trained tokens)"
         return prepared.tokens(split), f"{prepared.root} ({split})"  # memory-mapped (one shard)
     return _text_tokens(model, data, field), ", ".join(data)
+
+
+def evaluate_packed(model: Model, data, split: str = "val", batch_size: int = 8, max_tokens: int = 0) -> dict:
+    """Loss, perplexity and bits per byte of a packed chat / completion split (`meshlm data prepare
+    --format chat`), row by row in order, over its trained tokens only (the loss mask the run
+    trained with), each record attending within itself. Bytes: the trained tokens decoded row by row."""
+    from meshlm.data.loader import WindowLoader
+    from meshlm.step import batch_sharding, make_eval_step
+
+    cfg = model.cfg
+    seq_len = data.packed["seq_len"]
+    b = -(-batch_size // cfg.parallel.batch_shards) * cfg.parallel.batch_shards
+    rows = WindowLoader(data.shards(split), seq_len, b, 0, split, flags=data.flags(split))
+    step = make_eval_step(cfg, model.layout, param_shardings(param_specs(cfg.model), model.layout))
+    sharding = batch_sharding(model.layout)
+    total = count = 0.0
+    n_bytes = 0
+    for j in range(math.ceil(rows.n_windows / b)):
+        ids = [min(j * b + r, rows.n_windows - 1) for r in range(b)]
+        batch = rows.rows([rows._window(i) for i in ids])
+        batch["mask"][[r for r in range(b) if j * b + r >= rows.n_windows]] = 0  # the last batch's filler rows
+        loss_sum, c = step(model.params, jax.device_put(batch, sharding))
+        total, count = total + float(loss_sum), count + float(c)
+        for t, m in zip(batch["targets"], batch["mask"], strict=True):
+            n_bytes += len(model.decode(t[m > 0].tolist()).encode("utf-8"))
+        if max_tokens and count >= max_tokens:
+            break
+    if not count:
+        raise ConfigError(f"{data.root} ({split}) has no trained tokens to evaluate")
+    loss = total / count
+    return {
+        "tokens": int(count),
+        "bytes": n_bytes,
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),
+        "bits_per_byte": total / math.log(2) / n_bytes if n_bytes else None,
+        "bytes_per_token": n_bytes / count,
+    }
 
 
 def evaluate(

@@ -65,6 +65,13 @@ def add_parsers(sub) -> dict:
     ev.add_argument("--mesh", help="e.g. data=2 or tensor=4 (default: 1 device)")
     ev.add_argument("--devices", type=int)
     ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.add_argument(
+        "--tasks", default="", help="lm-evaluation-harness tasks, comma-separated (needs pip install 'meshlm[eval]')"
+    )
+    ev.add_argument("--num-fewshot", type=int, help="lm-eval: few-shot examples (default: each task's)")
+    ev.add_argument("--limit", type=float, help="lm-eval: at most this many documents per task (< 1: a fraction)")
+    ev.add_argument("--include-path", help="lm-eval: a directory of task YAML (and their local data files)")
+    ev.add_argument("--output", help="lm-eval: write the results (and every sample's scores) as JSON here")
     return {"convert": cmd_convert, "generate": cmd_generate, "eval": cmd_eval}
 
 
@@ -148,11 +155,36 @@ def _timing(out, rows: int) -> str:
     return text
 
 
+def _eval_tasks(args: argparse.Namespace, parallel) -> int:
+    """`meshlm eval --tasks`: lm-evaluation-harness through meshlm's model on its mesh."""
+    from meshlm.inference import load_model
+    from meshlm.interop.harness import run_tasks
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    model = load_model(args.run_dir, args.step, parallel)
+    out = run_tasks(
+        model, tasks, args.num_fewshot, args.limit, args.include_path, args.batch_size, log_samples=bool(args.output)
+    )
+    if args.output:
+        from lm_eval.utils import handle_non_serializable
+
+        Path(args.output).write_text(json.dumps(out, default=handle_non_serializable, indent=1))
+    if args.json:
+        print(json.dumps({"model": model.source, "results": out["results"]}, default=str))
+    else:
+        from lm_eval.utils import make_table
+
+        print(make_table(out))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     if args.batch_size < 1 or args.max_tokens < 0 or (args.seq_len is not None and args.seq_len < 1):
         raise ConfigError("--batch-size and --seq-len must be >= 1, --max-tokens >= 0")
     parallel = inference_mesh(args)
-    from meshlm.inference import eval_tokens, evaluate, load_model
+    if args.tasks:
+        return _eval_tasks(args, parallel)
+    from meshlm.inference import eval_tokens, evaluate, evaluate_packed, load_model
 
     model = load_model(args.run_dir, args.step, parallel)
     run_dir = None if args.run_dir.startswith("hf:") else Path(args.run_dir)
@@ -166,8 +198,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         task = bar.add_task("evaluating", total=None)
         bar.start()
         progress = lambda done, total: bar.update(task, completed=done, total=total)
+    packed = getattr(tokens, "packed", None)  # a packed chat / completion dataset: its rows, masked
+    if packed and args.seq_len and args.seq_len != packed["seq_len"]:
+        raise ConfigError(f"{tokens.root} is packed into rows of {packed['seq_len']} tokens; drop --seq-len")
+    seq_len = packed["seq_len"] if packed else seq_len
     try:
-        result = evaluate(model, tokens, seq_len, args.batch_size, args.max_tokens, progress)
+        if packed:
+            result = evaluate_packed(model, tokens, args.split, args.batch_size, args.max_tokens)
+        else:
+            result = evaluate(model, tokens, seq_len, args.batch_size, args.max_tokens, progress)
     finally:
         if progress is not None:
             bar.stop()

@@ -175,10 +175,10 @@ def test_an_injected_factor_of_two_fails(monkeypatch, params, reference):
 
     real = transformer.row_parallel
 
-    def doubled(layout, equation, x, w, *rest):
+    def doubled(layout, equation, x, w, *rest, **kw):
         if equation == "btnh,nhd->btd" and layout is not None and layout.tensor_size > 1:  # wo only
             w = _scale_gradient(w, 2.0)
-        return real(layout, equation, x, w, *rest)
+        return real(layout, equation, x, w, *rest, **kw)
 
     monkeypatch.setattr(transformer, "row_parallel", doubled)
     got, ref = grads(config("gpt", "data2_tensor4"), params["gpt"]), reference("gpt")

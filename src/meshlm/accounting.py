@@ -34,10 +34,20 @@ def param_count(cfg: ModelConfig) -> int:
     attn = d * n * h + 2 * d * k * h + n * h * d
     if cfg.family == "gpt":
         per_layer = attn + (n * h + 2 * k * h + d) + 2 * d * f + f + d + 4 * d  # + biases, 2 LNs
-        return v * d + cfg.max_seq_len * d + L * per_layer + 2 * d
+        return v * d + cfg.max_seq_len * d + L * per_layer + 2 * d + lora_param_count(cfg)
     per_layer = attn + _mlp_params(cfg, cfg.n_experts) + 2 * d
     per_layer += (n * h + 2 * k * h if cfg.qkv_bias else 0) + (2 * h if cfg.qk_norm else 0)
-    return (1 if cfg.tied_embeddings else 2) * v * d + L * per_layer + d
+    return (1 if cfg.tied_embeddings else 2) * v * d + L * per_layer + d + lora_param_count(cfg)
+
+
+def lora_param_count(cfg: ModelConfig) -> int:
+    """The LoRA adapters' parameters (the trainable ones of a LoRA run): r (in + out) per target and layer."""
+    if not cfg.lora_rank:
+        return 0
+    d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head, cfg.ffn
+    sizes = {"wq": d + q, "wk": d + kv, "wv": d + kv, "wo": q + d, "w_fc": d + f, "w_proj": f + d}
+    sizes |= {"w_gate": d + f, "w_up": d + f, "w_down": f + d}
+    return cfg.n_layers * cfg.lora_rank * sum(sizes[t] for t in cfg.lora_targets)
 
 
 def _mlp_params(cfg: ModelConfig, experts: int) -> int:

@@ -121,6 +121,17 @@ class ModelConfig:
     # load-balancing loss (Switch/GShard, transformers' form) and router z-loss (ST-MoE) coefficients
     moe_aux_loss_coef: float = 0.01
     moe_z_loss_coef: float = 0.0
+    # LoRA (docs/finetune.md): rank > 0 freezes every weight and trains, beside each projection
+    # named in `lora_targets`, adapters A [in, r] and B [r, out] (B starts at zero), adding
+    # (lora_alpha / r) x A B to the projection; gpt: wq wk wv wo w_fc w_proj, llama: wq wk wv wo
+    # w_gate w_up w_down (MoE: the attention projections only)
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
     @property
     def kv_heads(self) -> int:

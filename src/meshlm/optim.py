@@ -3,6 +3,7 @@ exactly like the parameters it mirrors (ZeRO-style under FSDP); scalars are repl
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -29,8 +30,18 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, specs: dict) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW; weight decay only on weight matrices (`ParamSpec.decay`)."""
+    """Clip by global norm, then AdamW; weight decay only on weight matrices (`ParamSpec.decay`).
+    Frozen parameters (LoRA's base, `ParamSpec.trainable`) get neither: no update and no optimizer
+    state (optax's set_to_zero keeps none), and the clipping norm is the trainable ones'."""
     decay_mask = map_specs(lambda s: s.decay, specs)
+    train = _adamw(cfg, total_steps, decay_mask)
+    if all(jax.tree.leaves(map_specs(lambda s: s.trainable, specs))):
+        return train
+    labels = map_specs(lambda s: "train" if s.trainable else "frozen", specs)
+    return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, labels)
+
+
+def _adamw(cfg: OptimConfig, total_steps: int, decay_mask) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
         optax.adamw(

@@ -5,6 +5,7 @@ reported)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -66,7 +67,7 @@ def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from,
         )
     state = init_state(specs, layout, tx, cfg.train.seed, **placement(cfg))
     if init_from:
-        state = state._replace(params=_adopted_params(cfg, abstract, identity, init_from, log))
+        state = state._replace(params=_adopted_params(cfg, abstract, identity, init_from, log, state.params))
     return state
 
 
@@ -92,10 +93,20 @@ def _resume(cfg, ckpt, abstract, identity, log) -> TrainState | None:
     return restored.state
 
 
-def _adopted_params(cfg, abstract, identity, init_from: str, log) -> dict:
+def _adopted_params(cfg, abstract, identity, init_from: str, log, fresh: dict) -> dict:
     """`--init-from`'s weights, sharded like this run's parameters, its tokenizer checked against
-    this run's; optimizer state and step stay fresh."""
-    params, source = source_params(init_from, cfg, abstract.params)
+    this run's; optimizer state and step stay fresh. With LoRA the source is the base model (without
+    adapters) and the adapters are this run's fresh ones (`fresh`: B = 0, so training starts from
+    the source's function)."""
+    if cfg.model.lora_rank:
+        base_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0))
+        layers = {k: v for k, v in abstract.params["layers"].items() if "_lora_" not in k}
+        params, source = source_params(init_from, base_cfg, abstract.params | {"layers": layers})
+        adapters = {k: v for k, v in fresh["layers"].items() if "_lora_" in k}
+        params = params | {"layers": params["layers"] | adapters}
+        log.print(f"  LoRA r={cfg.model.lora_rank} on {', '.join(cfg.model.lora_targets)}: the base weights are frozen")
+    else:
+        params, source = source_params(init_from, cfg, abstract.params)
     if "tokenizer_fingerprint" in source:
         check_tokenizer(source, identity, f"--init-from {source['where']}")
     elif source["hf"]:

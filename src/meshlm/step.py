@@ -26,6 +26,7 @@ from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.moe import MOE_METRICS, moe_losses, without_capacity
+from meshlm.model.params import param_specs, partition, trainable_mask
 from meshlm.model.transformer import forward
 from meshlm.optim import lr_schedule
 from meshlm.parallel.pipeline import pipeline_gradients
@@ -120,26 +121,31 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         count = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
         return jax.tree.map(lambda g: g / count, grads), loss_sum / count, count, {}
-    grad_fn = jax.grad(lambda p, b, key: objective_sum(p, b, cfg, layout, key), has_aux=True)
+    # LoRA: only the trainable leaves are differentiated, so the frozen weights' gradients (their
+    # d_in x d_out GEMMs) are never computed; they are zeros (constants) in the returned tree
+    trainable, frozen, join = partition(params, trainable_mask(param_specs(cfg.model)))
+    train_shardings, _, _ = partition(param_shardings, trainable_mask(param_specs(cfg.model)))
+    grad_fn = jax.grad(lambda t, b, key: objective_sum(join(t, frozen), b, cfg, layout, key), has_aux=True)
     if k == 1:
-        grads, (loss_sum, count, moe_metrics) = grad_fn(params, batch, key)
+        grads, (loss_sum, count, moe_metrics) = grad_fn(trainable, batch, key)
     else:
 
         def accumulate(carry, xs):
             g_acc, l_acc, c_acc = carry
             mb, i = xs
             mkey = None if key is None else jax.random.fold_in(key, i)
-            g, (loss_i, count_i, metrics_i) = grad_fn(params, mb, mkey)
-            g_acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, g_acc, g), param_shardings)
+            g, (loss_i, count_i, metrics_i) = grad_fn(trainable, mb, mkey)
+            g_acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, g_acc, g), train_shardings)
             return (g_acc, l_acc + loss_i, c_acc + count_i), metrics_i
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(jnp.zeros_like, trainable)
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         micro = _split_microbatches(batch, k, layout)
         (grads, loss_sum, count), per_micro = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
         moe_metrics = jax.tree.map(lambda a: jnp.mean(a, axis=0), per_micro)
     count = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
-    return jax.tree.map(lambda g: g / count, grads), loss_sum / count, count, moe_metrics
+    grads = join(jax.tree.map(lambda g: g / count, grads), [jnp.zeros_like(f) for f in frozen])
+    return grads, loss_sum / count, count, moe_metrics
 
 
 def make_grad_step(cfg: RunConfig, layout: Layout, param_shardings: dict) -> Callable:

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 
 from meshlm import axes as ax
 from meshlm.config import RunConfig
-from meshlm.model.params import abstract_params, init_params, map_specs, param_specs
+from meshlm.model.params import abstract_params, init_params, map_specs, param_specs, trainable_mask
 from meshlm.optim import make_optimizer
 from meshlm.parallel.rules import Layout, as_part, part_names, spec_of
 
@@ -77,6 +77,9 @@ def state_shardings(
     if offload:
         moments = jax.tree.map(lambda sh: sh.with_memory_kind("pinned_host"), moments)
     opt_abstract = jax.eval_shape(tx.init, abstract_params(specs))
+    trainable = trainable_mask(specs)
+    if not all(jax.tree.leaves(trainable)):  # LoRA: the moments exist for the trainable leaves only
+        moments = jax.tree.map(lambda sh, t: sh if t else optax.MaskedNode(), moments, trainable)
     opt = optax.tree_map_params(
         tx,
         lambda _, sharding: sharding,

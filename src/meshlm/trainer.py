@@ -110,6 +110,7 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     first = jax.process_index() == 0  # writes the run's files; every process writes its checkpoint shards
     cfg = validate(fit_config_to_data(cfg, log.print))  # packed chat data: loss and document masks
     s = _compile(cfg, log)
+    s.run_info["init_from"] = init_from or ""  # a LoRA run's base (convert --to-hf --peft records it)
     profiler = Profiler(cfg.train.profile_range(), cfg.train.steps, run_dir / "profile", log)
     if profiler.steps:
         log.print(f"profiling steps {profiler.first}..{profiler.last} (jax.profiler) into {profiler.directory}")
@@ -229,7 +230,6 @@ def _data(cfg: RunConfig, s: _Setup, log: MetricsLogger, run_dir: Path, init_fro
         _barrier("meshlm-data")
     eot = sources[0].meta["eot_id"] if cfg.data.document_mask else None
     order = layout.context_order if layout.context_size > 1 else None
-
     if cfg.data.mixture:
         train_loader, val_loader = mixture.loaders(cfg, sources, eot, order)
         data = mixture_summary(sources, train_loader.weights, train_loader.names)

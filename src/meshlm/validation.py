@@ -36,7 +36,27 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+LORA_TARGETS = {
+    "gpt": ("wq", "wk", "wv", "wo", "w_fc", "w_proj"),
+    "llama": ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"),
+}
+
+
+def _validate_lora(m: ModelConfig) -> None:
+    if not m.lora_rank:
+        return
+    _need(m.lora_rank > 0 and m.lora_alpha > 0, "model.lora_rank and model.lora_alpha must be positive")
+    allowed = LORA_TARGETS[m.family][:4] if m.moe else LORA_TARGETS[m.family]
+    bad = [t for t in m.lora_targets if t not in allowed]
+    _need(
+        not bad and len(m.lora_targets) > 0 and len(set(m.lora_targets)) == len(m.lora_targets),
+        f"model.lora_targets={','.join(m.lora_targets)}: each once, from {', '.join(allowed)}"
+        + (" (Mixture of Experts: adapters on the experts are not built yet)" if m.moe and bad else ""),
+    )
+
+
 def _validate_model(m: ModelConfig) -> None:
+    _validate_lora(m)
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "scan_unroll", "attention_block"):
         _need(getattr(m, name) > 0, f"model.{name} must be positive")
     _need(m.attention_chunk >= 0, "model.attention_chunk must be >= 0 (0: the whole sequence at once)")
@@ -108,6 +128,11 @@ def _validate_parallel(cfg: RunConfig) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in MESH_AXES:
         _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
+    _need(
+        not (m.lora_rank and p.stage > 1),
+        "model.lora_rank with parallel.stage > 1: LoRA inside pipelines is not built yet (the stages' backward "
+        "would compute the frozen weights' gradients); use data, fsdp, tensor or context",
+    )
     for name, ways in p.dcn.items():
         _need(
             ways >= 1 and getattr(p, name) % ways == 0,

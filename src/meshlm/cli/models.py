@@ -23,6 +23,9 @@ def add_parsers(sub) -> dict:
     convert.add_argument("--to-hf", metavar="DIR", help="with --from: the Hugging Face directory to write")
     convert.add_argument("--step", type=int, help="with --from: this checkpoint step (default: the latest good one)")
     convert.add_argument(
+        "--peft", action="store_true", help="with --to-hf, a LoRA run: write only its adapters, as a PEFT adapter"
+    )
+    convert.add_argument(
         "--dtype",
         choices=EXPORT_DTYPES,
         default="float32",
@@ -92,7 +95,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     parallel = inference_mesh(args)
     from meshlm.interop.convert import export_hf
 
-    export_hf(args.from_run, args.to_hf, args.step, args.dtype, int(max_shard), parallel)
+    export_hf(args.from_run, args.to_hf, args.step, args.dtype, int(max_shard), parallel, peft=args.peft)
     return 0
 
 

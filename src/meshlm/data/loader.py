@@ -9,6 +9,11 @@ read it: each process reads only the rows its devices hold (`process_batch`).
 With `eot_id` set (document masking), a batch also carries `segment_ids` (which document of the
 row each position belongs to) and `positions` (the position within that document).
 
+Packed chat / completion datasets (`flags`: one byte a token, `units.FLAG_*`) are read as rows of
+seq_len + 1 tokens one after another (no overlap: a row is whole records); a batch then also
+carries `mask` (1 where the target is a trained token), and its segments come from the records'
+starts, not from end-of-text tokens (a chat template may use those inside a conversation).
+
 With context parallelism (`order`: the layout's `context_order`) every array's sequence axis is put
 into storage order here, once: with load balancing, context rank i then holds chunks i and 2c-1-i
 of the original sequence. The loss is a sum over tokens, so nothing downstream undoes it.

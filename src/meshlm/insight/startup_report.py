@@ -17,7 +17,7 @@ from meshlm import accounting
 from meshlm.config import RunConfig
 from meshlm.insight.memory import device_bytes
 from meshlm.model import kernels
-from meshlm.model.params import named_leaves
+from meshlm.model.params import named_leaves, param_specs, trainable_mask
 from meshlm.parallel.pipeline import schedule_for
 from meshlm.parallel.rules import Layout
 from meshlm.parallel.schedules import runs_unbranched
@@ -49,6 +49,8 @@ def startup_report(
         for (name, a), s in zip(named_leaves(abstract.params).items(), jax.tree.leaves(shardings.params), strict=True)
     ]
     param_bytes = sum(p["device_bytes"] for p in params)
+    trainable = jax.tree.leaves(trainable_mask(param_specs(cfg.model)))  # LoRA: the adapters only
+    grad_bytes = sum(p["device_bytes"] for p, t in zip(params, trainable, strict=True) if t)
     act = accounting.activation_memory(cfg)
     pipeline = _pipeline(cfg)
     activations = "activations (per microbatch)"
@@ -56,7 +58,7 @@ def startup_report(
         activations = f"activations (stage 0, {accounting.pipeline_in_flight(cfg)} in flight)"
     predicted = {
         "parameters (fp32)": param_bytes,
-        "gradients (fp32)": param_bytes,
+        "gradients (fp32)": grad_bytes,
         "optimizer state": _treedevice_bytes(abstract.opt_state, shardings.opt_state),
         activations: act["total"],
     }
@@ -84,6 +86,8 @@ def startup_report(
         "parameters": params,
         "param_count": accounting.param_count(cfg.model),
         "active_param_count": accounting.active_param_count(cfg.model),  # MoE: k of E experts per token
+        "trainable_param_count": accounting.lora_param_count(cfg.model) or accounting.param_count(cfg.model),
+        "lora": f"LoRA r={cfg.model.lora_rank} on {','.join(cfg.model.lora_targets)}" if cfg.model.lora_rank else "",
         "predicted_device_bytes": predicted,
         "predicted_device_total": sum(v for k, v in predicted.items() if "host" not in k),
         "xla_memory_analysis": xla,
@@ -198,7 +202,13 @@ def format_report(r: dict[str, Any]) -> list[str]:
         )
     active = r["active_param_count"]
     moe = f" ({active / 1e6:.2f}M active per token)" if active != r["param_count"] else ""
-    lines.append(f"parameters: {r['param_count'] / 1e6:.2f}M{moe}; per-device shards:")
+    frozen = ""
+    if r.get("lora"):
+        frozen = (
+            f", {r['trainable_param_count'] / 1e6:.3f}M trainable ({r['lora']}; "
+            "the rest frozen: no gradients, no optimizer state)"
+        )
+    lines.append(f"parameters: {r['param_count'] / 1e6:.2f}M{moe}{frozen}; per-device shards:")
     for p in r["parameters"]:
         lines.append(f"  {p['name']:18s} {tuple(p['shape'])!s:24s} {p['spec']:32s} {_size(p['device_bytes'])}")
     lines.append("predicted per device:")

@@ -98,19 +98,33 @@ def export_hf(
     max_shard_bytes: int = 2 * 2**30,
     parallel: ParallelConfig | None = None,
     log: Callable[[str], None] = print,
+    peft: bool = False,
 ) -> Path:
+    """A run's model as a Hugging Face directory; a LoRA run's adapters folded into their base
+    weights (`model.lora.merged`), or with `peft` only the adapters, as a PEFT adapter directory."""
     from meshlm.inference import load_model, run_tokenizer_file
+    from meshlm.model.lora import merged
 
     out = _fresh_dir(out_dir)
     model = load_model(run_dir, step, parallel)
+    if peft:
+        base = (
+            json.loads((Path(run_dir) / "run.json").read_text()).get("init_from", "")
+            if (Path(run_dir) / "run.json").is_file()
+            else ""
+        )
+        return hf.save_peft(model.params, model.cfg.model, out, base, log)
+    params, model_cfg = merged(model.params, model.cfg.model)
+    if model_cfg is not model.cfg.model:
+        log(f"  folding the LoRA adapters (r={model.cfg.model.lora_rank}) into their base weights")
     root = Path(run_dir).expanduser()
     tok_file = run_tokenizer_file(root)  # the file load_model read the tokenizer from
     if tok_file is None:
         log(f"  warning: {root} has no tokenizer; the export holds weights and config only")
     eos = toks.eot_token(model.tokenizer) if model.tokenizer is not None else None
     return hf.save_pretrained(
-        model.params,
-        model.cfg.model,
+        params,
+        model_cfg,
         out,
         tokenizer_file=tok_file,
         eos_token=eos,

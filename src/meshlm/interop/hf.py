@@ -375,3 +375,63 @@ def is_hf_ref(path: str | None) -> bool:
 
 def hf_path(ref: str) -> Path:
     return Path(ref.removeprefix(HF_PREFIX)).expanduser()
+
+
+def save_peft(
+    params: dict, cfg: ModelConfig, out_dir: str | Path, base: str = "", log: Callable[[str], None] = print
+) -> Path:
+    """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) of a llama
+    family run's adapters, which `peft.PeftModel.from_pretrained(<the base model>, out_dir)` loads:
+    per layer lora_A.weight [r, in] = A^T and lora_B.weight [out, r] = B^T, scaling lora_alpha / r.
+    `base`: the base model's path, recorded as base_model_name_or_path."""
+    import jax
+
+    from meshlm.model.lora import PEFT_MODULES
+    from meshlm.model.params import named_leaves
+
+    if not cfg.lora_rank:
+        raise ConfigError("this run has no LoRA adapters (model.lora_rank = 0); export it with --to-hf")
+    if cfg.family != "llama":
+        raise ConfigError(
+            "--peft: PEFT adapters are written for the llama family (GPT-2's fused c_attn has one adapter for "
+            "Q, K and V together, meshlm's three); export the merged weights with --to-hf instead"
+        )
+    out = Path(out_dir).expanduser().absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not empty; export into a new directory")
+    leaves = named_leaves(params)
+    r = cfg.lora_rank
+    tensors = []
+    for name in cfg.lora_targets:
+        a = np.asarray(jax.device_get(leaves[f"layers/{name}_lora_a"]), np.float32)
+        b = np.asarray(jax.device_get(leaves[f"layers/{name}_lora_b"]), np.float32)
+        for i in range(cfg.n_layers):
+            prefix = f"base_model.model.model.layers.{i}.{PEFT_MODULES[name]}"
+            tensors.append((f"{prefix}.lora_A.weight", np.ascontiguousarray(a[i].reshape(-1, r).T)))
+            tensors.append((f"{prefix}.lora_B.weight", np.ascontiguousarray(b[i].reshape(r, -1).T)))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        specs = [(n, t.shape, np.dtype(np.float32)) for n, t in tensors]
+        st.write(tmp / "adapter_model.safetensors", specs, (t for _, t in tensors), {"format": "pt"})
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base,
+            "r": r,
+            "lora_alpha": cfg.lora_alpha,
+            "lora_dropout": 0.0,
+            "target_modules": sorted(PEFT_MODULES[t].split(".")[-1] for t in cfg.lora_targets),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "use_dora": False,
+            "inference_mode": True,
+        }
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {out}: a PEFT LoRA adapter, r={r} on {', '.join(cfg.lora_targets)}, {cfg.n_layers} layers")
+    return out

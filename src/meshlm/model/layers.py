@@ -46,6 +46,24 @@ def gelu(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)
 
 
+def lora_equations(equation: str) -> tuple[str, str]:
+    """The two einsums of a projection's LoRA term: x A over the contracted dimensions, then (x A) B
+    to the output's. "btd,dnh->btnh" -> ("btd,dr->btr", "btr,rnh->btnh")."""
+    x, rest = equation.split(",")
+    w, out = rest.split("->")
+    contracted = "".join(c for c in w if c in x)
+    produced = "".join(c for c in w if c not in x)
+    kept = "".join(c for c in out if c not in produced)
+    return f"{x},{contracted}r->{kept}r", f"{kept}r,r{produced}->{out}"
+
+
+def lora_delta(equation: str, x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """LoRA's term of the projection `equation` of x: scale x A B, through the rank (never the
+    d_in x d_out product, so the frozen weight's gradient is never formed)."""
+    to_rank, from_rank = lora_equations(equation)
+    return (scale * jnp.einsum(from_rank, jnp.einsum(to_rank, x, a), b)).astype(x.dtype)
+
+
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """silu(gate) * up."""
     return jax.nn.silu(gate) * up

@@ -9,6 +9,7 @@ Shape legend: L layers, V vocab, D d_model, N heads, K kv heads, H head_dim, F d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class ParamSpec:
     axes: tuple[str | None, ...]
     init: Init
     decay: bool = True  # AdamW weight decay applies (weight matrices); False for norms and biases
+    trainable: bool = True  # False: frozen (LoRA's base weights): no gradient, no optimizer state
 
     def __post_init__(self) -> None:
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -55,8 +57,64 @@ def _is_spec(x: object) -> bool:
 def param_specs(cfg: ModelConfig) -> dict:
     """The full parameter tree of a model: {'embed': ..., 'layers': {...}, 'final_norm': ...}.
 
-    Layer parameters are stacked along a leading LAYERS axis and consumed by `lax.scan`.
+    Layer parameters are stacked along a leading LAYERS axis and consumed by `lax.scan`. With LoRA
+    (`model.lora_rank`) every weight is frozen and the layers gain the adapters (`lora_specs`).
     """
+    tree = _base_specs(cfg)
+    if not cfg.lora_rank:
+        return tree
+    tree = map_specs(lambda s: dataclasses.replace(s, trainable=False), tree)
+    tree["layers"] |= lora_specs(cfg, tree["layers"])
+    return tree
+
+
+LORA_IN_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_fc": 1, "w_proj": 1, "w_gate": 1, "w_up": 1, "w_down": 1}
+
+
+def lora_specs(cfg: ModelConfig, layer: dict) -> dict:
+    """`<target>_lora_a` [L, *in, r] and `<target>_lora_b` [L, r, *out] of each LoRA target, with the
+    logical axes of the base weight's input and output dimensions, so the rules table shards them as
+    it shards their base (B's rank dimension, and A's, never). A ~ N(0, 1/fan_in), B = 0: the model
+    starts as its base."""
+    r = cfg.lora_rank
+    out = {}
+    for name in cfg.lora_targets:
+        base = layer[name]
+        k = LORA_IN_DIMS[name]  # input dimensions after the layer axis
+        ins, outs = base.shape[1 : 1 + k], base.shape[1 + k :]
+        in_axes, out_axes = base.axes[1 : 1 + k], base.axes[1 + k :]
+        L = base.shape[0]
+        out[f"{name}_lora_a"] = ParamSpec(
+            (L, *ins, r), (base.axes[0], *in_axes, None), normal(1 / math.sqrt(math.prod(ins)))
+        )
+        out[f"{name}_lora_b"] = ParamSpec((L, r, *outs), (base.axes[0], None, *out_axes), zeros)
+    return out
+
+
+def trainable_mask(specs: dict) -> dict:
+    """True at each trainable leaf (all of them unless LoRA freezes the base)."""
+    return map_specs(lambda s: s.trainable, specs)
+
+
+def partition(tree: Any, mask: dict) -> tuple[list, list, Callable[[list, list], Any]]:
+    """(trainable leaves, frozen leaves, join(trainable, frozen) -> the tree) of a parameter-shaped
+    tree, by `trainable_mask`."""
+    leaves, treedef = jax.tree.flatten(tree)
+    marks = jax.tree.leaves(mask)
+    assert len(marks) == len(leaves), (len(marks), len(leaves))
+
+    def join(train: list, frozen: list):
+        it, fr = iter(train), iter(frozen)
+        return jax.tree.unflatten(treedef, [next(it) if m else next(fr) for m in marks])
+
+    return (
+        [x for x, m in zip(leaves, marks, strict=True) if m],
+        [x for x, m in zip(leaves, marks, strict=True) if not m],
+        join,
+    )
+
+
+def _base_specs(cfg: ModelConfig) -> dict:
     L, V, D, N, K, H, F = (
         cfg.n_layers,
         cfg.vocab_size,

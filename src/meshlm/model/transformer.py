@@ -71,21 +71,46 @@ CACHE_AXES = (None, ax.BATCH, None, ax.ACT_KV_HEADS, None)  # k/v of one layer (
 
 def _qkv_names(cfg: ModelConfig) -> list[str]:
     """The projection weights `_project` takes, in order: Q, K, V (+ their biases: gpt, Qwen2) (+ the
-    query and key norms: Qwen3)."""
+    query and key norms: Qwen3) (+ the LoRA adapters of those of Q, K, V that have them)."""
     names = ["wq", "wk", "wv"] + (["bq", "bk", "bv"] if cfg.family == "gpt" or cfg.qkv_bias else [])
-    return names + (["q_norm", "k_norm"] if cfg.qk_norm else [])
+    names += ["q_norm", "k_norm"] if cfg.qk_norm else []
+    return names + _lora_names(cfg, ("wq", "wk", "wv"))
 
 
-def _project(h_btd, wq, wk, wv, *rest, cfg: ModelConfig, flat: bool = True):
-    """Column-parallel QKV projections (+ biases, + RMSNorm of q and k over head_dim). Runs per
-    tensor rank on its heads (inside `column_parallel`), so it must not name mesh axes."""
-    q, k, v = layers.dense_shared("btd,dnh->btnh", h_btd, [wq, wk, wv], flat)
+def _lora_names(cfg: ModelConfig, weights: tuple[str, ...]) -> list[str]:
+    return [f"{w}_lora_{ab}" for w in weights if cfg.lora_rank and w in cfg.lora_targets for ab in "ab"]
+
+
+def _with_lora(equation: str, x, outputs: list, weights: tuple[str, ...], p: dict, cfg: ModelConfig) -> list:
+    """`outputs` (the projections `weights` of x by `equation`) plus their LoRA terms, where they have adapters."""
+    return [
+        o + layers.lora_delta(equation, x, p[f"{w}_lora_a"], p[f"{w}_lora_b"], cfg.lora_scale)
+        if f"{w}_lora_a" in p
+        else o
+        for o, w in zip(outputs, weights, strict=True)
+    ]
+
+
+def _project(h_btd, *ws, cfg: ModelConfig, flat: bool = True):
+    """Column-parallel QKV projections (+ biases, + RMSNorm of q and k over head_dim, + LoRA terms).
+    Runs per tensor rank on its heads (inside `column_parallel`), so it must not name mesh axes."""
+    p = dict(zip(_qkv_names(cfg), ws, strict=True))
+    q, k, v = layers.dense_shared("btd,dnh->btnh", h_btd, [p["wq"], p["wk"], p["wv"]], flat)
+    q, k, v = _with_lora("btd,dnh->btnh", h_btd, [q, k, v], ("wq", "wk", "wv"), p, cfg)
     if cfg.family == "gpt" or cfg.qkv_bias:
-        (bq, bk, bv), rest = rest[:3], rest[3:]
-        q, k, v = q + bq, k + bk, v + bv
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if cfg.qk_norm:
-        q, k = layers.rms_norm(q, rest[0], cfg.norm_eps), layers.rms_norm(k, rest[1], cfg.norm_eps)
+        q, k = layers.rms_norm(q, p["q_norm"], cfg.norm_eps), layers.rms_norm(k, p["k_norm"], cfg.norm_eps)
     return q, k, v
+
+
+def _lora(p: dict, name: str, cfg: ModelConfig):
+    """A row-parallel projection's LoRA adapters for `row_parallel` (None without)."""
+    if f"{name}_lora_a" not in p:
+        return None
+    axes = weight_axes(cfg)
+    a, b = f"{name}_lora_a", f"{name}_lora_b"
+    return p[a], p[b], axes[a], axes[b], cfg.lora_scale
 
 
 def _rope_qk(q, k, positions, cfg: ModelConfig):
@@ -149,7 +174,8 @@ def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cac
     else:
         a = layers.cached_attention(q, k_layer, v_layer, slots, cache.start)
     a = constrain(layout, a, HEADS_ACT)
-    out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, weight_axes(cfg)["wo"], RESIDUAL)
+    wo_axes = weight_axes(cfg)["wo"]
+    out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, wo_axes, RESIDUAL, lora=_lora(p, "wo", cfg))
     return out, (k_all, v_all)
 
 
@@ -194,7 +220,8 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
     explicit = cfg.attention == "explicit" and not context
     if explicit:  # the O(s) kernels keep their output for their own backward
         a = constrain(layout, a, HEADS_ACT)  # pass: a constrained copy (or a rows view) would be stored twice
-    out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, weight_axes(cfg)["wo"], RESIDUAL, explicit)
+    wo_axes, lora = weight_axes(cfg)["wo"], _lora(p, "wo", cfg)
+    out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, wo_axes, RESIDUAL, explicit, lora=lora)
     return out, None
 
 
@@ -230,11 +257,20 @@ def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_poli
 
     h = norm(x_btd, p["ln2_scale"], p["ln2_bias"])
     flat = not _context(layout)
-    fc1 = lambda h, w, b: (layers.dense("btd,df->btf", h, w, flat) + b,)
+    names = ["w_fc", "b_fc", *_lora_names(cfg, ("w_fc",))]
+
+    def fc1(h, *ws):
+        q = dict(zip(names, ws, strict=True))
+        return (
+            _with_lora("btd,df->btf", h, [layers.dense("btd,df->btf", h, q["w_fc"], flat)], ("w_fc",), q, cfg)[0]
+            + q["b_fc"],
+        )
+
     axes = weight_axes(cfg)
-    (f,) = column_parallel(layout, fc1, h, [p["w_fc"], p["b_fc"]], [axes["w_fc"], axes["b_fc"]], (MLP_ACT,), RESIDUAL)
+    (f,) = column_parallel(layout, fc1, h, [p[n] for n in names], [axes[n] for n in names], (MLP_ACT,), RESIDUAL)
     f = remat.wrap_elementwise(layers.gelu, remat_policy)(f)
-    o = row_parallel(layout, "btf,fd->btd", f, p["w_proj"], MLP_ACT, axes["w_proj"], RESIDUAL) + p["b_proj"]
+    lora = _lora(p, "w_proj", cfg)
+    o = row_parallel(layout, "btf,fd->btd", f, p["w_proj"], MLP_ACT, axes["w_proj"], RESIDUAL, lora=lora) + p["b_proj"]
     x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _MLP_OUT), at), RESIDUAL)
     return x_btd, kv
 
@@ -254,18 +290,20 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
         x_btd = constrain(layout, x_btd + o, RESIDUAL)
         return x_btd, (stats if dec is None else kv)
     flat = not _context(layout)
+    names = ["w_gate", "w_up", *_lora_names(cfg, ("w_gate", "w_up"))]
+
+    def gate_up(h, *ws):
+        q = dict(zip(names, ws, strict=True))
+        out = layers.dense_shared("btd,df->btf", h, [q["w_gate"], q["w_up"]], flat)
+        return _with_lora("btd,df->btf", h, out, ("w_gate", "w_up"), q, cfg)
+
+    axes = weight_axes(cfg)
     gate, up = column_parallel(
-        layout,
-        lambda h, wg, wu: layers.dense_shared("btd,df->btf", h, [wg, wu], flat),
-        h,
-        [p["w_gate"], p["w_up"]],
-        [weight_axes(cfg)["w_gate"], weight_axes(cfg)["w_up"]],
-        (MLP_ACT, MLP_ACT),
-        RESIDUAL,
+        layout, gate_up, h, [p[n] for n in names], [axes[n] for n in names], (MLP_ACT, MLP_ACT), RESIDUAL
     )
-    down_axes = weight_axes(cfg)["w_down"]
     act = remat.wrap_elementwise(layers.swiglu, remat_policy)(gate, up)
-    o = row_parallel(layout, "btf,fd->btd", act, p["w_down"], MLP_ACT, down_axes, RESIDUAL)
+    lora = _lora(p, "w_down", cfg)
+    o = row_parallel(layout, "btf,fd->btd", act, p["w_down"], MLP_ACT, axes["w_down"], RESIDUAL, lora=lora)
     x_btd = constrain(layout, x_btd + o, RESIDUAL)
     return x_btd, kv
 

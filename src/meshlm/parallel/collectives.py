@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
-from meshlm.model.layers import dense
+from meshlm.model.layers import dense, lora_delta
 from meshlm.parallel import taps
 from meshlm.parallel.rules import Layout, as_part, constrain, part_names
 
@@ -138,6 +138,7 @@ def row_parallel(
     w_axes: Sequence[str | None],
     out_axes: Sequence[str | None],
     flat: bool = True,
+    lora: tuple | None = None,
 ) -> jax.Array:
     """f-bar / g-bar: a row-parallel matmul (contraction over a tensor-sharded axis) leaving the block.
 
@@ -146,21 +147,29 @@ def row_parallel(
     `flat`: `layers.dense` may run it on the b*t rows - not under GSPMD with the sequence split over
     `context` (the reshape would move data) nor with a tensor axis (GSPMD would all-reduce the rows
     view: the same bytes, but no longer the [b, t, d] activation that the HLO checks recognise).
+    `lora` = (A, B, A's axes, B's axes, scale): the LoRA term scale x A B added to the partial sums
+    before they are reduced (x A is a partial sum over the same tensor-sharded axis).
     """
+    weights = [w] if lora is None else [w, lora[0], lora[1]]
+
+    def local(x, ws, flat):
+        out = dense(equation, x, ws[0], flat)
+        return out if lora is None else out + lora_delta(equation, x, ws[1], ws[2], lora[4])
+
     if layout is None or not layout.sequence_parallel:
         flat = flat and (layout is None or (layout.context_size == 1 and layout.tensor_size == 1))
-        call = lambda x, ws: (constrain(layout, dense(equation, x, ws[0], flat), out_axes),)
+        call = lambda x, ws: (constrain(layout, local(x, ws, flat), out_axes),)
     else:
+        specs = [region_weight_spec(layout, w_axes)]
+        specs += [] if lora is None else [region_weight_spec(layout, lora[2]), region_weight_spec(layout, lora[3])]
         region = manual_region(
             layout,
-            lambda xl, wl: jax.lax.psum_scatter(
-                dense(equation, xl, wl, flat), "tensor", scatter_dimension=1, tiled=True
-            ),
-            in_specs=(layout.spec(x_axes), region_weight_spec(layout, w_axes)),
+            lambda xl, *wl: jax.lax.psum_scatter(local(xl, wl, flat), "tensor", scatter_dimension=1, tiled=True),
+            in_specs=(layout.spec(x_axes), *specs),
             out_specs=layout.spec(out_axes),
         )
-        call = lambda x, ws: (region(x, ws[0]),)
-    return taps.region(call, x, [w])[0]
+        call = lambda x, ws: (region(x, *ws),)
+    return taps.region(call, x, weights)[0]
 
 
 def vocab_parallel_embed(

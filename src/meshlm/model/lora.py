@@ -1,0 +1,55 @@
+"""LoRA adapters (`model.lora_rank`): folding them into their base weights, and the PEFT layout.
+
+The adapters of projection W (`model.params.lora_specs`) are A [L, *in, r] and B [L, r, *out]; the
+layer computes x W + (alpha / r) (x A) B (`layers.lora_delta`). Merged, W' = W + (alpha / r) A B:
+the same function with no adapters, which `convert --to-hf` writes. `peft` stores A as
+lora_A.weight [r, in] and B as lora_B.weight [out, r] per layer, and scales by lora_alpha / r too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from meshlm.config import ModelConfig
+
+
+def base_config(cfg: ModelConfig) -> ModelConfig:
+    """The model without adapters."""
+    return dataclasses.replace(cfg, lora_rank=0)
+
+
+def delta(a: jax.Array, b: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """(A B) of stacked adapters, shaped as the stacked base weight `shape` [L, *in, *out]."""
+    n, r = a.shape[0], a.shape[-1]
+    a2 = a.reshape(n, math.prod(a.shape[1:-1]), r)
+    b2 = b.reshape(n, r, math.prod(b.shape[2:]))
+    return jnp.einsum("lir,lro->lio", a2, b2).reshape(shape)
+
+
+def merged(params: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
+    """(the parameters with every adapter folded into its base weight, the base model's config);
+    unchanged without LoRA. One jitted fold per target, on the arrays' own sharding."""
+    if not cfg.lora_rank:
+        return params, cfg
+    layers = dict(params["layers"])
+    fold = jax.jit(lambda w, a, b: w + cfg.lora_scale * delta(a, b, w.shape).astype(w.dtype))
+    for name in cfg.lora_targets:
+        a, b = layers.pop(f"{name}_lora_a"), layers.pop(f"{name}_lora_b")
+        layers[name] = fold(layers[name], a, b)
+    return params | {"layers": layers}, base_config(cfg)
+
+
+# meshlm target -> the module name `transformers`' Llama uses (peft's target_modules)
+PEFT_MODULES = {
+    "wq": "self_attn.q_proj",
+    "wk": "self_attn.k_proj",
+    "wv": "self_attn.v_proj",
+    "wo": "self_attn.o_proj",
+    "w_gate": "mlp.gate_proj",
+    "w_up": "mlp.up_proj",
+    "w_down": "mlp.down_proj",
+}

@@ -383,5 +383,5 @@ def test_a_dataset_of_another_format_is_a_clear_error(mixed_inputs, tmp_path):
     assert _prepare_cli(mixed_inputs[1:2], tmp_path / "ds", "--vocab-size", "300") == 0
     index = json.loads((tmp_path / "ds" / "index.json").read_text())
     (tmp_path / "ds" / "index.json").write_text(json.dumps(index | {"format": 2}))
-    with pytest.raises(ConfigError, match=r"has dataset format 2, expected 3; prepare it again"):
+    with pytest.raises(ConfigError, match=r"has dataset format 2, expected 3 or 4; prepare it again"):
         prepare(DataConfig(paths=(str(tmp_path / "ds"),)), 320)

@@ -79,7 +79,7 @@ def test_model_flops_is_eq7_and_generalises():
     assert terms["qkv"] == 2 * 256 * (8 + 2 * 2) * 32 and terms["mlp"] == 2 * 3 * 256 * 512
 
 
-def _step_programs(family: str, policy: str, n_layers: int = 1, capacity_factor: float = 1.5):
+def _step_programs(family: str, policy: str, n_layers: int = 1, capacity_factor: float = 1.5, **lora):
     """moe: llama with 4 experts of width 32, top-2, capacity factor 1.5 (48 slots per expert for
     the 2 x 64 assignments of a sequence: the buffers run 1.5x the routed FLOPs)."""
     moe = dict(n_experts=4, experts_per_token=2, expert_d_ff=32, expert_capacity_factor=capacity_factor)
@@ -93,6 +93,7 @@ def _step_programs(family: str, policy: str, n_layers: int = 1, capacity_factor:
         max_seq_len=64,
         attention_chunk=24,  # query chunks of 24, 24, 16 rows
         **(moe if family == "moe" else {}),
+        **lora,
     )
     cfg = RunConfig(model=model, remat=RematConfig(policy), train=TrainConfig(global_batch=4, seq_len=64, steps=3))
     layout = make_layout(ParallelConfig(), jax.devices()[:1])
@@ -139,6 +140,18 @@ def test_gemm_flops_match_the_programs(family, policy):
         assert compiled_dots == hardware
     xla = compiled.cost_analysis()["flops"]
     assert compiled_dots <= xla <= 1.15 * hardware
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_lora_runs_no_weight_gradient_gemms(family):
+    """LoRA (r=4 on every projection): the program's GEMM FLOPs are exactly the model FLOPs
+    `accounting` counts for it - the frozen weights' GEMMs twice (forward, input gradient), the
+    attention core's and the adapters' three times - which MFU then divides by."""
+    targets = ("wq", "wk", "wv", "wo") + (("w_fc", "w_proj") if family == "gpt" else ("w_gate", "w_up", "w_down"))
+    cfg, lowered, _ = _step_programs(family, "elementwise", lora_rank=4, lora_targets=targets)
+    assert _lowered_dot_flops(lowered.as_text()) == accounting.hardware_flops_per_step(cfg)
+    full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0))
+    assert accounting.hardware_flops_per_step(cfg) < 0.8 * accounting.hardware_flops_per_step(full)
 
 
 def test_moe_at_capacity_factor_one_runs_exactly_the_active_flops():

@@ -69,15 +69,14 @@ def test_forward_equals_the_merged_model_and_counts_are_exact(family):
         )
         if t
     ]
-    assert sum(int(np.prod(s.shape)) for s in trainable) == accounting.lora_param_count(cfg.model)
+    assert sum(int(np.prod(s.shape)) for s in trainable) == lora.lora_param_count(cfg.model)
 
 
 def test_the_base_has_no_gradient_and_no_optimizer_state():
     """In the compiled gradient step of a LoRA run, every matmul that makes a weight-shaped output
     (neither dimension the batch's rows) has the rank as a dimension: the frozen weights' d_in x
-    d_out gradient GEMMs are not in the program (full fine-tuning's are: the check fails there). Its
-    FLOPs are the forward's and the input gradients' (0.78x full fine-tuning's at this size). Adam's
-    moments exist for the adapters only."""
+    d_out gradient GEMMs are not in the program (full fine-tuning's are: the check fails there; the
+    program's exact GEMM FLOPs: tests/test_flops.py). Adam's moments exist for the adapters only."""
     cfg = lora_config("llama")
     full = validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0)))
     layout = make_layout(cfg.parallel, jax.devices()[:1])
@@ -93,17 +92,15 @@ def test_the_base_has_no_gradient_and_no_optimizer_state():
         compiled = make_grad_step(c, layout, sh).lower(shapes, batch, 0).compile()
         dots = re.findall(r"= f32\[([0-9,]*)\][^ ]* dot\(", compiled.as_text())
         weight_shaped = [d for d in dots if d.count(",") == 1 and str(rows) not in d.split(",")]
-        return compiled.cost_analysis()["flops"], weight_shaped
+        return weight_shaped
 
-    lora_flops, lora_dots = program(cfg)
-    full_flops, full_dots = program(full)
+    lora_dots, full_dots = program(cfg), program(full)
     assert lora_dots and all(str(r) in d.split(",") for d in lora_dots), lora_dots
     assert not all(str(r) in d.split(",") for d in full_dots)  # the check sees weight gradients
-    assert lora_flops / full_flops < 0.85
     specs = param_specs(cfg.model)
     state = abstract_state(specs, layout, make_optimizer(cfg.optim, 10, specs))
     moments = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim)
-    assert moments == 2 * accounting.lora_param_count(cfg.model)
+    assert moments == 2 * lora.lora_param_count(cfg.model)
 
 
 @pytest.mark.parametrize(
@@ -177,8 +174,8 @@ def hf_llama(tmp_path_factory):
 
 
 def test_a_run_from_transformers_trains_only_adapters_and_exports_to_peft_and_merged(hf_llama, tmp_path):
-    """`train --init-from hf:DIR` with LoRA: the base weights stay the Hugging Face ones bit for bit,
-    the adapters move; `convert --to-hf --peft` loads in `peft` on the original model, and the
+    """`train --init-from hf:DIR` with LoRA, stopped and resumed: the base weights stay the Hugging
+    Face ones bit for bit, the adapters move; `convert --to-hf --peft` loads in `peft` on the original model, and the
     merged `convert --to-hf` in `transformers`, both with meshlm's logits (1e-4)."""
     import torch
     from peft import PeftModel
@@ -204,11 +201,12 @@ def test_a_run_from_transformers_trains_only_adapters_and_exports_to_peft_and_me
             train=TrainConfig(steps=3, global_batch=4, seq_len=32, log_every=1, eval_every=0),
             optim=OptimConfig(lr=5e-2, warmup_steps=0),
             remat=RematConfig("elementwise"),
-            checkpoint=CheckpointConfig(every=0),
+            checkpoint=CheckpointConfig(every=0, keep=2),
         )
     )
     run = tmp_path / "run"
-    train(cfg, run, quiet=True, init_from=f"hf:{hf_llama}")
+    train(cfg, run, quiet=True, init_from=f"hf:{hf_llama}", stop_after=2)  # then resumed: adapters and their
+    train(cfg, run, quiet=True)  # moments come back from the checkpoint (the base's moments do not exist)
     trained = load_model(run)
     base = load_model(f"hf:{hf_llama}")
     got, want = named_leaves(trained.params), named_leaves(base.params)
@@ -219,9 +217,8 @@ def test_a_run_from_transformers_trains_only_adapters_and_exports_to_peft_and_me
     ours = np.asarray(forward(trained.params, tokens, trained.cfg.model, None))
     export_hf(run, tmp_path / "adapter", peft=True, log=lambda _: None)
     export_hf(run, tmp_path / "merged", log=lambda _: None)
-    assert (
-        json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
-        == f"hf:{hf_llama}"
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        hf_llama.absolute()
     )
     with torch.no_grad():
         peft_model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(hf_llama), tmp_path / "adapter").eval()

@@ -18,13 +18,14 @@ from meshlm.validation import validate
 
 
 def megatron_greedy(weights: list[float], n: int) -> np.ndarray:
-    """The reference: Megatron's blending loop as its paper and helpers describe it, float weights,
-    one sample at a time (sample i to argmax_d w_d (i + 1) - c_d, ties to the first source)."""
+    """The reference: Megatron-Core's `build_blending_indices` (helpers.cpp) transcribed, float
+    weights, one sample at a time: sample i goes to argmax_d w_d max(i, 1) - c_d, the first source
+    on ties (its loop keeps the first maximum)."""
     w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
     counts = np.zeros(len(w))
     out = np.empty(n, dtype=np.int64)
     for i in range(n):
-        errors = w * (i + 1) - counts
+        errors = w * max(i, 1) - counts
         d = int(np.argmax(errors))
         out[i] = d
         counts[d] += 1
@@ -52,7 +53,8 @@ def test_blend_is_megatrons_greedy():
 
 def test_fractions_follow_the_weights_within_one_sample():
     """Over 10k samples each source's fraction is within 1% of its weight (the issue's bar); over
-    two periods every prefix holds each source within one sample of its share (the greedy's bound)."""
+    two periods every prefix holds each source within three samples of its share n w (Megatron's
+    max(i, 1) weighs samples 0 and 1 alike: 2.16 at most measured over 20 random sets of 2-8)."""
     rng = np.random.default_rng(0)
     for ws in ([0.7, 0.2, 0.1], list(rng.random(7)), [0.999, 0.001]):
         blend = M.Blend(ws)
@@ -62,7 +64,7 @@ def test_fractions_follow_the_weights_within_one_sample():
         source, _ = blend.assign(np.arange(2 * M.PERIOD))
         counts = np.stack([np.cumsum(source == d) for d in range(len(w))], axis=1)
         share = np.arange(1, 2 * M.PERIOD + 1)[:, None] * (blend.shares / M.PERIOD)[None, :]
-        assert np.abs(counts - share).max() < 1
+        assert np.abs(counts - share).max() < 3
         assert abs(blend.shares / M.PERIOD - w).max() <= 1 / M.PERIOD
 
 

@@ -17,6 +17,7 @@ import functools
 import math
 
 from meshlm.config import ModelConfig, RunConfig
+from meshlm.model.lora import lora_param_count
 from meshlm.parallel.schedules import build, first_stage_in_flight, megatron_in_flight, tables
 
 
@@ -38,16 +39,6 @@ def param_count(cfg: ModelConfig) -> int:
     per_layer = attn + _mlp_params(cfg, cfg.n_experts) + 2 * d
     per_layer += (n * h + 2 * k * h if cfg.qkv_bias else 0) + (2 * h if cfg.qk_norm else 0)
     return (1 if cfg.tied_embeddings else 2) * v * d + L * per_layer + d + lora_param_count(cfg)
-
-
-def lora_param_count(cfg: ModelConfig) -> int:
-    """The LoRA adapters' parameters (the trainable ones of a LoRA run): r (in + out) per target and layer."""
-    if not cfg.lora_rank:
-        return 0
-    d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head, cfg.ffn
-    sizes = {"wq": d + q, "wk": d + kv, "wv": d + kv, "wo": q + d, "w_fc": d + f, "w_proj": f + d}
-    sizes |= {"w_gate": d + f, "w_up": d + f, "w_down": f + d}
-    return cfg.n_layers * cfg.lora_rank * sum(sizes[t] for t in cfg.lora_targets)
 
 
 def _mlp_params(cfg: ModelConfig, experts: int) -> int:
@@ -108,11 +99,16 @@ def expert_slot_flops(cfg: RunConfig) -> tuple[int, int]:
 def model_flops_per_step(cfg: RunConfig) -> int:
     """P2 Eq. 7 (generalised): forward + backward (= 3x forward) GEMM FLOPs of one optimizer step,
     with B = sequences per step (global batch), as Table 5's MFU requires. It counts causal
-    attention as the whole s x s; `causal_flops_per_step` does not."""
+    attention as the whole s x s; `causal_flops_per_step` does not. LoRA: the frozen weights' GEMMs
+    run 2x (forward, input gradient; no weight gradient), the attention core's and the adapters' 3x."""
     m, t = cfg.model, cfg.train
-    per_token = m.n_layers * sum(layer_forward_flops_per_token(m, t.seq_len).values())
-    per_token += 2 * m.d_model * m.vocab_size  # logits
-    return 3 * t.global_batch * t.seq_len * per_token
+    terms = layer_forward_flops_per_token(m, t.seq_len)
+    per_token = m.n_layers * sum(terms.values()) + 2 * m.d_model * m.vocab_size  # + the logits
+    if not m.lora_rank:
+        return 3 * t.global_batch * t.seq_len * per_token
+    core = m.n_layers * (terms["attn_scores"] + terms["attn_values"])
+    adapters = 2 * lora_param_count(m)  # forward FLOPs per token: 2 r (in + out) per target and layer
+    return t.global_batch * t.seq_len * (2 * (per_token - core) + 3 * core + 3 * adapters)
 
 
 def causal_flops_per_step(cfg: RunConfig) -> int:

@@ -50,6 +50,7 @@ class Model:
     eos_id: int | None = None  # the end-of-text token (also the padding of left-padded prompts)
     source: str = ""
     stop_ids: tuple[int, ...] = ()  # tokens that end a row (default: eos_id)
+    root: Path | None = None  # the run or Hugging Face directory it was loaded from
 
     @property
     def stops(self) -> tuple[int, ...]:
@@ -115,7 +116,7 @@ def load_model(
         tok = toks.load(root / "tokenizer.json") if (root / "tokenizer.json").is_file() else None
         stops = hf.token_ids(root)["eos_token_id"]
         eos = stops[0] if stops else _eos(tok)
-        return Model(cfg, params, layout, tok, eos, str(run_dir), tuple(stops))
+        return Model(cfg, params, layout, tok, eos, str(run_dir), tuple(stops), root)
     from meshlm.checkpoint import Checkpointer, resolve_checkpoint
 
     root = Path(run_dir).expanduser()
@@ -143,7 +144,7 @@ def load_model(
     stops = hf.token_ids(root)["eos_token_id"] if (root / "generation_config.json").is_file() else []
     eos = _eos(tok)
     eos = stops[0] if eos is None and stops else eos
-    return Model(cfg, params, layout, tok, eos, f"{directory}/{meta['step']}", tuple(stops))
+    return Model(cfg, params, layout, tok, eos, f"{directory}/{meta['step']}", tuple(stops), root)
 
 
 def _eos(tok) -> int | None:

@@ -54,6 +54,21 @@ def copy_side_files(init_from: str | None, run_dir: Path) -> None:
             shutil.copyfile(root / name, run_dir / name)
 
 
+def base_model(init_from: str | None, run_dir: Path) -> str:
+    """The Hugging Face directory a run's weights come from, as an absolute path ("" if none is
+    known): `--init-from hf:DIR`, or what the `--init-from` run came from (a `convert --from-hf`
+    import, or its own base), or, on a resume, what this run recorded before."""
+    if not init_from:
+        info = run_dir / "run.json"
+        return json.loads(info.read_text()).get("base_model", "") if info.is_file() else ""
+    if hf.is_hf_ref(init_from):
+        return str(hf.hf_path(init_from).absolute())
+    root = resolve_checkpoint(init_from)[0].parent
+    if (root / "converted.json").is_file():
+        return json.loads((root / "converted.json").read_text()).get("from", "")
+    return base_model(None, root)
+
+
 def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from, log) -> TrainState:
     """Resume from the run's own latest good checkpoint, else `init_from`'s weights, else fresh."""
     if cfg.checkpoint.resume:

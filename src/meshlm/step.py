@@ -119,8 +119,8 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         split = lambda b, m: _split_microbatches(b, m, layout)
         grads, loss_sum, count = pipeline_gradients(params, batch, key, cfg, layout, split)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-        count = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
-        return jax.tree.map(lambda g: g / count, grads), loss_sum / count, count, {}
+        denom = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
+        return jax.tree.map(lambda g: g / denom, grads), loss_sum / denom, count, {}
     # LoRA: only the trainable leaves are differentiated, so the frozen weights' gradients (their
     # d_in x d_out GEMMs) are never computed; they are zeros (constants) in the returned tree
     trainable, frozen, join = partition(params, trainable_mask(param_specs(cfg.model)))
@@ -143,9 +143,9 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         micro = _split_microbatches(batch, k, layout)
         (grads, loss_sum, count), per_micro = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
         moe_metrics = jax.tree.map(lambda a: jnp.mean(a, axis=0), per_micro)
-    count = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
-    grads = join(jax.tree.map(lambda g: g / count, grads), [jnp.zeros_like(f) for f in frozen])
-    return grads, loss_sum / count, count, moe_metrics
+    denom = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
+    grads = join(jax.tree.map(lambda g: g / denom, grads), [jnp.zeros_like(f) for f in frozen])
+    return grads, loss_sum / denom, count, moe_metrics
 
 
 def make_grad_step(cfg: RunConfig, layout: Layout, param_shardings: dict) -> Callable:

@@ -131,7 +131,7 @@ def evaluate(eval_fn, params, loader: WindowLoader, n_batches: int, sharding) ->
     for i in range(min(n_batches, max(1, loader.n_windows // loader.global_batch))):
         loss_sum, c = eval_fn(params, process_batch(loader, i, sharding))
         total, count = total + float(loss_sum), count + float(c)
-    return total / count
+    return total / count if count else float("nan")  # a packed split whose rows train no token
 
 
 def wait_for_room(pending: list[tuple[int, Any]], limit: int | None) -> None:

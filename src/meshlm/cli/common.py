@@ -95,6 +95,11 @@ def adopt_source(cfg: RunConfig, init_from: str) -> RunConfig:
             model = from_dict(json.loads((root / "config.json").read_text())).model
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot read {root / 'config.json'}: {e}") from None
+    if model.lora_rank:
+        raise ConfigError(
+            f"--init-from {init_from}: a LoRA run (model.lora_rank={model.lora_rank}); fold its adapters first "
+            "(meshlm convert --from RUN --to-hf DIR) and start from hf:DIR"
+        )
     cfg = hf_tables.with_model(cfg, model)
     if not cfg.data.tokenizer and (root / "tokenizer.json").is_file():
         tokenizer = str(root.absolute() / "tokenizer.json")

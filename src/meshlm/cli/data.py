@@ -66,42 +66,7 @@ def add_parsers(sub) -> dict:
 
 def cmd_data(args: argparse.Namespace) -> int:
     if args.data_command == "info":
-        from meshlm.data.prepare import load
-
-        data = load(args.path)
-        data.verify(args.vocab_size or data.meta["tokenizer_vocab_size"])
-        m = data.meta
-        print(
-            f"{data.root}: format {m['format']}, {m['dtype']}, vocabulary {m['tokenizer_vocab_size']}, "
-            f"end-of-text id {m['eot_id']}"
-        )
-        for split in ("train", "val"):
-            shards = m["splits"][split]
-            print(
-                f"  {split}: {m[split + '_tokens']:,} tokens, {m['documents'][split]:,} documents, {len(shards)} shards"
-            )
-        from meshlm.data.units import CAUSES
-
-        packed = m.get("packed")
-        if packed:
-            print(
-                f"  {packed['format']} records, trained on: {packed['train_on']}, packed into rows of "
-                f"{packed['seq_len']} + 1 tokens"
-            )
-            for split in ("train", "val"):
-                st = packed[split]
-                total = m[split + "_tokens"] or 1
-                print(
-                    f"  {split}: {st['records']:,} records, {st['trained']:,} trained tokens "
-                    f"({100 * st['trained'] / total:.1f}%), padding {100 * st['padding'] / total:.1f}%, "
-                    f"{st['truncated']:,} truncated to the row ({st['truncated_tokens']:,} tokens cut)"
-                )
-        for cause, n in sorted(m.get("skipped", {}).items()):
-            print(f"  skipped: {n:,} {CAUSES[cause]}")
-        for example in m.get("skipped_examples", []):
-            print(f"    {example}")
-        print("  verified: sizes, BLAKE2b digests, ids < vocabulary")
-        return 0
+        return _info(args)
     if args.vocab_size is not None and args.vocab_size < 258:
         raise ConfigError("--vocab-size must be >= 258 (256 byte tokens + <|endoftext|> + at least one merge)")
     if args.shard_tokens < 1 or min(args.max_mb, args.unit_mb, args.processes, args.workers) < 0:
@@ -110,6 +75,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     from meshlm.data.chat import DEFAULT_FIELD, make_format
     from meshlm.data.prepare import write_dataset
 
+    if args.format == "text" and (args.train_on or args.seq_len or args.chat_template):
+        raise ConfigError("--train-on, --seq-len and --chat-template apply to --format chat or completion")
     fmt = make_format(args.format, args.train_on, args.tokenizer, args.chat_template)
     field = args.field or DEFAULT_FIELD.get(args.format, "text")
 
@@ -143,4 +110,42 @@ def cmd_data(args: argparse.Namespace) -> int:
         progress=sys.stderr.isatty(),
         log=lambda m: print(m, file=sys.stderr),
     )
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    """`meshlm data info`: the index summarised, every shard verified."""
+    from meshlm.data.prepare import load
+
+    data = load(args.path)
+    data.verify(args.vocab_size or data.meta["tokenizer_vocab_size"])
+    m = data.meta
+    print(
+        f"{data.root}: format {m['format']}, {m['dtype']}, vocabulary {m['tokenizer_vocab_size']}, "
+        f"end-of-text id {m['eot_id']}"
+    )
+    for split in ("train", "val"):
+        shards = m["splits"][split]
+        print(f"  {split}: {m[split + '_tokens']:,} tokens, {m['documents'][split]:,} documents, {len(shards)} shards")
+    from meshlm.data.units import CAUSES
+
+    packed = m.get("packed")
+    if packed:
+        print(
+            f"  {packed['format']} records, trained on: {packed['train_on']}, packed into rows of "
+            f"{packed['seq_len']} + 1 tokens"
+        )
+        for split in ("train", "val"):
+            st = packed[split]
+            total = m[split + "_tokens"] or 1
+            print(
+                f"  {split}: {st['records']:,} records, {st['trained']:,} trained tokens "
+                f"({100 * st['trained'] / total:.1f}%), padding {100 * st['padding'] / total:.1f}%, "
+                f"{st['truncated']:,} truncated to the row ({st['truncated_tokens']:,} tokens cut)"
+            )
+    for cause, n in sorted(m.get("skipped", {}).items()):
+        print(f"  skipped: {n:,} {CAUSES[cause]}")
+    for example in m.get("skipped_examples", []):
+        print(f"    {example}")
+    print("  verified: sizes, BLAKE2b digests, ids < vocabulary")
     return 0

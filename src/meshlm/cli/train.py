@@ -82,6 +82,10 @@ def add_train_args(train: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = prepare(args, host_allocator=True)
+    from meshlm.data.prepare import fit_config_to_data
+
+    # packed chat data turns on the loss and document masks: before --print-config and --check see the config
+    cfg = fit_config_to_data(cfg, log=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
     if args.print_config:
         print(cfg.to_json())
         return 0

@@ -151,6 +151,16 @@ class Renderer:
         except jinja2.TemplateError as e:
             raise ChatError(f"the chat template refused it ({e})") from None
 
+    def _prompt(self, messages: list[dict]) -> str:
+        """The render of `messages` with the generation prompt; of none (a conversation that opens
+        with the assistant), the template's prompt alone, or "" if it refuses an empty conversation."""
+        try:
+            return self.render(messages, add_generation_prompt=True)
+        except ChatError:
+            if messages:
+                raise
+            return ""
+
     def spans(self, record) -> tuple[str, list[tuple[int, int]], bool]:
         """(the text, its trained character spans, whether the appended end-of-text is trained)."""
         if self.fmt.kind == "completion":
@@ -165,7 +175,7 @@ class Renderer:
             turns = turns[-1:]
         spans = []
         for i in turns:
-            before = self.render(record[:i], add_generation_prompt=True) if i else ""
+            before = self._prompt(record[:i])
             upto = self.render(record[: i + 1])
             if not (text.startswith(upto) and upto.startswith(before)):
                 raise ChatError(

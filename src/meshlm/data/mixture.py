@@ -6,13 +6,13 @@ permutation per epoch, seeded by (train.seed, d)), so a small source repeats (ep
 while a large one has not finished its first pass.
 
 Which source: Megatron's greedy (the blended dataset's `build_blending_indices`). Sample i goes to
-the source furthest behind its share, argmax_d w_d (i + 1) - c_d (c_d: samples it has had so far;
-ties go to the first source). The weights are normalised and quantised to multiples of 1/PERIOD
-(largest remainders; every source keeps at least one). With integer shares W_d the greedy is back
-at its start after PERIOD samples, having given exactly W_d to source d. So the schedule is one
-period, computed once, and any sample's source, its index in that source and every source's count
-so far are lookups. Nothing but the step is needed to resume, at any step, with any number of
-processes.
+the source furthest behind its share, argmax_d w_d max(i, 1) - c_d (c_d: samples it has had so far;
+ties go to the first source; so samples 0 and 1 are both weighed at 1). The weights are normalised
+and quantised to multiples of 1/PERIOD (largest remainders; every source keeps at least one). With
+integer shares W_d the greedy is periodic from sample 1 on: samples 1..PERIOD give exactly W_d to
+source d, and so does every later PERIOD. So the schedule is sample 0 and one period, computed once,
+and any sample's source, its index in that source and every source's count so far are lookups.
+Nothing but the step is needed to resume, at any step, with any number of processes.
 """
 
 from __future__ import annotations
@@ -48,27 +48,27 @@ def quantise(weights: list[float]) -> np.ndarray:
     return shares
 
 
-def schedule(shares: np.ndarray) -> np.ndarray:
-    """The source of each sample of one period: Megatron's greedy on integer shares (`current`
-    holds PERIOD x each source's error, w_d (i + 1) - c_d)."""
+def schedule(shares: np.ndarray) -> tuple[int, np.ndarray]:
+    """(the source of sample 0, the sources of samples 1..PERIOD): Megatron's greedy on integer
+    shares, its error PERIOD x (w_d max(i, 1) - c_d) kept in integers."""
+    first = int(np.argmax(shares))  # sample 0: every count is 0, the error w_d x 1
     out = np.empty(PERIOD, dtype=np.int32)
     if len(shares) > 16:  # many sources: numpy per sample (argmax: the first of the largest)
-        current = np.zeros(len(shares), dtype=np.int64)
-        for i in range(PERIOD):
-            current += shares
-            out[i] = d = int(np.argmax(current))
-            current[d] -= PERIOD
-        return out
+        taken = np.zeros(len(shares), dtype=np.int64)
+        taken[first] = PERIOD
+        for i in range(1, PERIOD + 1):
+            out[i - 1] = d = int(np.argmax(shares * i - taken))
+            taken[d] += PERIOD
+        return first, out
     w = [int(x) for x in shares]
-    current = [0] * len(w)
+    taken = [0] * len(w)
+    taken[first] = PERIOD
     pick = range(len(w))
-    for i in range(PERIOD):
-        for d, x in enumerate(w):
-            current[d] += x
-        d = max(pick, key=current.__getitem__)  # the first of the largest
-        current[d] -= PERIOD
-        out[i] = d
-    return out
+    for i in range(1, PERIOD + 1):
+        d = max(pick, key=lambda d: w[d] * i - taken[d])  # the first of the largest
+        taken[d] += PERIOD
+        out[i - 1] = d
+    return first, out
 
 
 class Blend:
@@ -76,22 +76,28 @@ class Blend:
 
     def __init__(self, weights: list[float]):
         self.shares = quantise(weights)
-        self.source = schedule(self.shares)
-        onehot = np.zeros((PERIOD + 1, len(self.shares)), dtype=np.int64)
-        onehot[np.arange(1, PERIOD + 1), self.source] = 1
-        self.before = np.cumsum(onehot, axis=0)  # [r, d]: samples of source d among the first r of a period
-        self.rank = self.before[np.arange(PERIOD), self.source]  # index of sample r within its source
+        self.first, self.period = schedule(self.shares)
+        self.rank = np.zeros(PERIOD, dtype=np.int64)  # index of period sample r among its source's
+        for d in range(len(self.shares)):
+            (at,) = np.nonzero(self.period == d)
+            self.rank[at] = np.arange(len(at))
 
     def assign(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, index within that source) of global samples `g`."""
-        q, r = np.divmod(np.asarray(g, dtype=np.int64), PERIOD)
-        d = self.source[r]
-        return d, q * self.shares[d] + self.rank[r]
+        g = np.asarray(g, dtype=np.int64)
+        q, r = np.divmod(np.maximum(g - 1, 0), PERIOD)
+        d = np.where(g == 0, self.first, self.period[r])
+        index = (d == self.first) + q * self.shares[d] + self.rank[r]
+        return d, np.where(g == 0, 0, index)
 
     def counts(self, n: int) -> np.ndarray:
         """Samples of each source among the first n."""
-        q, r = divmod(int(n), PERIOD)
-        return q * self.shares + self.before[r]
+        out = np.zeros(len(self.shares), dtype=np.int64)
+        if n <= 0:
+            return out
+        q, r = divmod(int(n) - 1, PERIOD)
+        out[self.first] += 1
+        return out + q * self.shares + np.bincount(self.period[:r], minlength=len(self.shares))
 
 
 class MixtureLoader:

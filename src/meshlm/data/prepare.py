@@ -164,7 +164,8 @@ def load(root: str | Path) -> PreparedData:
     except (OSError, json.JSONDecodeError) as e:
         raise DataError(f"{root / INDEX} is missing or unreadable ({e}); re-run `meshlm data prepare`") from None
     if meta.get("format") not in READABLE:
-        raise DataError(f"{root} has dataset format {meta.get('format')}, expected {FORMAT_VERSION}; prepare it again")
+        readable = " or ".join(map(str, READABLE))
+        raise DataError(f"{root} has dataset format {meta.get('format')}, expected {readable}; prepare it again")
     return PreparedData(root, meta)
 
 

@@ -17,6 +17,7 @@ from meshlm import accounting
 from meshlm.config import RunConfig
 from meshlm.insight.memory import device_bytes
 from meshlm.model import kernels
+from meshlm.model.lora import lora_param_count
 from meshlm.model.params import named_leaves, param_specs, trainable_mask
 from meshlm.parallel.pipeline import schedule_for
 from meshlm.parallel.rules import Layout
@@ -86,7 +87,7 @@ def startup_report(
         "parameters": params,
         "param_count": accounting.param_count(cfg.model),
         "active_param_count": accounting.active_param_count(cfg.model),  # MoE: k of E experts per token
-        "trainable_param_count": accounting.lora_param_count(cfg.model) or accounting.param_count(cfg.model),
+        "trainable_param_count": lora_param_count(cfg.model) or accounting.param_count(cfg.model),
         "lora": f"LoRA r={cfg.model.lora_rank} on {','.join(cfg.model.lora_targets)}" if cfg.model.lora_rank else "",
         "predicted_device_bytes": predicted,
         "predicted_device_total": sum(v for k, v in predicted.items() if "host" not in k),

@@ -108,11 +108,8 @@ def export_hf(
     out = _fresh_dir(out_dir)
     model = load_model(run_dir, step, parallel)
     if peft:
-        base = (
-            json.loads((Path(run_dir) / "run.json").read_text()).get("init_from", "")
-            if (Path(run_dir) / "run.json").is_file()
-            else ""
-        )
+        info = Path(run_dir) / "run.json"
+        base = json.loads(info.read_text()).get("base_model", "") if info.is_file() else ""
         return hf.save_peft(model.params, model.cfg.model, out, base, log)
     params, model_cfg = merged(model.params, model.cfg.model)
     if model_cfg is not model.cfg.model:

@@ -116,14 +116,14 @@ def make_lm(model, batch_size: int = 8, max_gen_toks: int = 256):
 
 
 def _special_ids(model) -> dict[str, int]:
-    """The tokenizer's BOS and EOS ids as `transformers` reads them (tokenizer_config.json of an
-    hf:DIR model), which lm_eval's Hugging Face backend uses for an empty context's prefix."""
-    from meshlm.interop import hf
+    """The tokenizer's BOS and EOS ids as `transformers` reads them (the tokenizer_config.json of
+    an hf:DIR model, or the one a run kept from the model it started from), which lm_eval's Hugging
+    Face backend uses for an empty context's prefix."""
     from meshlm.interop.hf_tables import read_json
 
-    if not hf.is_hf_ref(model.source):
+    if model.root is None:
         return {}
-    path = hf.hf_path(model.source) / "tokenizer_config.json"
+    path = model.root / "tokenizer_config.json"
     config = read_json(path) if path.is_file() else {}
     out = {}
     for name in ("bos_token", "eos_token"):
@@ -158,7 +158,7 @@ def _scorer(model):
         for start in range(0, len(order), b):
             chunk = order[start : start + b]
             longest = max(len(rows[i][0]) - 1 for i in chunk)
-            t = next((x for x in BUCKETS if x >= longest), longest)
+            t = max(longest, min(next((x for x in BUCKETS if x >= longest), longest), cfg.model.max_seq_len))
             t = -(-t // layout.context_size) * layout.context_size
             inputs = np.zeros((b, t), np.int32)
             targets = np.zeros((b, t), np.int32)
@@ -171,6 +171,7 @@ def _scorer(model):
             )
             for r, i in enumerate(chunk):
                 tokens, n = rows[i]
+                n = min(n, len(tokens) - 1)  # a continuation longer than the window: its part inside it
                 span = slice(len(tokens) - 1 - n, len(tokens) - 1)
                 results[i] = (float(picked[r, span].astype(np.float64).sum()), bool(greedy[r, span].all()))
         return [results[i] for i in range(len(rows))]

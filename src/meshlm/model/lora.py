@@ -11,10 +11,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
-import jax.numpy as jnp
-
 from meshlm.config import ModelConfig
+
+
+def lora_param_count(cfg: ModelConfig) -> int:
+    """The LoRA adapters' parameters (the trainable ones of a LoRA run): r (in + out) per target and layer."""
+    if not cfg.lora_rank:
+        return 0
+    d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head, cfg.ffn
+    sizes = {"wq": d + q, "wk": d + kv, "wv": d + kv, "wo": q + d, "w_fc": d + f, "w_proj": f + d}
+    sizes |= {"w_gate": d + f, "w_up": d + f, "w_down": f + d}
+    return cfg.n_layers * cfg.lora_rank * sum(sizes[t] for t in cfg.lora_targets)
 
 
 def base_config(cfg: ModelConfig) -> ModelConfig:
@@ -22,8 +29,10 @@ def base_config(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, lora_rank=0)
 
 
-def delta(a: jax.Array, b: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def delta(a, b, shape: tuple[int, ...]):
     """(A B) of stacked adapters, shaped as the stacked base weight `shape` [L, *in, *out]."""
+    import jax.numpy as jnp
+
     n, r = a.shape[0], a.shape[-1]
     a2 = a.reshape(n, math.prod(a.shape[1:-1]), r)
     b2 = b.reshape(n, r, math.prod(b.shape[2:]))
@@ -32,9 +41,12 @@ def delta(a: jax.Array, b: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 def merged(params: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
     """(the parameters with every adapter folded into its base weight, the base model's config);
-    unchanged without LoRA. One jitted fold per target, on the arrays' own sharding."""
+        unchanged without LoRA. One jitted fold per target, on the arrays' own sharding. (JAX is imported
+    here, not at the top: `lora_param_count` serves `accounting`, which imports no JAX.)"""
     if not cfg.lora_rank:
         return params, cfg
+    import jax
+
     layers = dict(params["layers"])
     fold = jax.jit(lambda w, a, b: w + cfg.lora_scale * delta(a, b, w.shape).astype(w.dtype))
     for name in cfg.lora_targets:

@@ -71,6 +71,37 @@ def loss_mask(shape: tuple[int, int], seed: int = 4) -> np.ndarray:
     return mask
 
 
+def save_tiny_llama(root, tok, eos_token: str, vocab_size: int = 320, std: float | None = None) -> None:
+    """A random-weight 2-layer Llama (d 64, 4 heads, 2 kv heads, 64 positions) made by `transformers`
+    with `tok` (a `tokenizers.Tokenizer`) as its tokenizer, saved to `root` as Hugging Face saves it.
+    `std`: weights drawn N(0, std) instead of the default initialisation."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token).save_pretrained(root)
+    eos = tok.token_to_id(eos_token)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    if std is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, std)
+    model.save_pretrained(root)
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a `meshlm` subprocess: this one's, with the test XLA flags (conftest) but
     no simulated device count (the CLI sets its own from --mesh / --devices)."""

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import save_tiny_llama
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "finetune.md"
 WORDS = ["the", "model", "answers", "questions", "about", "meshes", "shards", "tokens", "and", "layers", "with", "care"]
 CHATML = (
@@ -27,9 +29,6 @@ def blocks(kind: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     from meshlm.data import tokenizer as toks
 
     root = tmp_path_factory.mktemp("walkthrough")
@@ -39,22 +38,8 @@ def work(tmp_path_factory):
     say = lambda n: " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, n)))
     tok = toks.train_bpe([say(30) for _ in range(300)], 300)
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>").save_pretrained(hf)
+    save_tiny_llama(hf, tok, "<|im_end|>")
     (hf / "chat_template.jinja").write_text(CHATML)
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tok.token_to_id("<|im_end|>"),
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(hf)
     with open(work / "chats.jsonl", "w") as f:
         for _ in range(60):
             msgs = [{"role": "user", "content": say(5)}, {"role": "assistant", "content": say(6)}]

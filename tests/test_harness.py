@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from helpers import save_tiny_llama
 from meshlm.config import ConfigError, ParallelConfig
 
 pytest.importorskip("lm_eval")
@@ -16,35 +17,12 @@ WORDS = ["alpha", "beta", "gamma", "delta", "mesh", "shard", "token", "layer", "
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     from meshlm.data import tokenizer as toks
 
     root = tmp_path_factory.mktemp("hf-llama")
     rng = np.random.default_rng(0)
     tok = toks.train_bpe([" ".join(rng.choice(WORDS, 12)) for _ in range(200)], 300)
-    eot = toks.eot_id(tok)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=toks.EOT).save_pretrained(root)
-    config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=None,
-        eos_token_id=eot,
-        pad_token_id=eot,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # weights large enough that the choices' scores differ clearly
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(root)
+    save_tiny_llama(root, tok, toks.EOT, tok.get_vocab_size(), std=0.2)  # the choices' scores differ clearly
     return root
 
 

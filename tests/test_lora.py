@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import random_batches, tiny_config
+from helpers import random_batches, save_tiny_llama, tiny_config
 from meshlm import accounting
 from meshlm.config import ConfigError, ParallelConfig, RematConfig
 from meshlm.model import lora
@@ -144,32 +144,14 @@ def test_config_errors():
 
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     from meshlm.data import tokenizer as toks
 
     root = tmp_path_factory.mktemp("hf-llama-lora")
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "mesh", "shard", "token", "layer"]
     tok = toks.train_bpe([" ".join(rng.choice(words, 12)) for _ in range(200)], 300)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=toks.EOT).save_pretrained(root)
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=toks.eot_id(tok),
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(root)
-    texts = root / "corpus.txt"
-    texts.write_text("\n".join(" ".join(rng.choice(words, 20)) for _ in range(400)))
+    save_tiny_llama(root, tok, toks.EOT)
+    (root / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, 20)) for _ in range(400)))
     return root
 
 

@@ -470,6 +470,11 @@ def evaluate_packed(model: Model, data, split: str = "val", batch_size: int = 8,
             break
     if not count:
         raise ConfigError(f"{data.root} ({split}) has no trained tokens to evaluate")
+    return _scores(total, count, n_bytes)
+
+
+def _scores(total: float, count: float, n_bytes: int) -> dict:
+    """Loss, perplexity and bits per byte of `count` tokens whose losses sum to `total` nats."""
     loss = total / count
     return {
         "tokens": int(count),
@@ -533,12 +538,4 @@ def evaluate(
     predicted = np.asarray(tokens[1 : 1 + int(count)])
     cuts = np.flatnonzero(predicted == toks.eot_id(model.tokenizer)) + 1
     n_bytes = sum(len(model.decode(doc.tolist()).encode("utf-8")) for doc in np.split(predicted, cuts) if len(doc))
-    loss = total / count
-    return {
-        "tokens": int(count),
-        "bytes": n_bytes,
-        "loss": loss,
-        "perplexity": math.exp(min(loss, 700.0)),
-        "bits_per_byte": total / math.log(2) / n_bytes if n_bytes else None,
-        "bytes_per_token": n_bytes / count,
-    }
+    return _scores(total, count, n_bytes)

@@ -217,6 +217,21 @@ def test_packing_keeps_records_whole_in_order(packed):
     assert data.packed["train"]["truncated"] > 0
 
 
+def test_two_processes_and_small_units_give_the_same_bytes(packed, tokenizer_dir, tmp_path):
+    """Chat records cut into several work units and encoded in two spawned processes: the same shards,
+    flags and digests as one process (flags travel through the work units like the tokens)."""
+    data, _, _ = packed
+    path = data.root.parent / "chats.jsonl"
+    units = U.plan([path], unit_bytes=1500)
+    assert len(units) > 2
+    fmt = make_format("chat", "", tokenizer_dir / "tokenizer.json")
+    tok = str(tokenizer_dir / "tokenizer.json")
+    other = write_dataset(
+        units, tmp_path / "two", field="messages", tokenizer=tok, fmt=fmt, seq_len=48, processes=2, log=lambda _: None
+    )
+    assert other.meta["splits"] == data.meta["splits"] and other.meta["packed"] == data.meta["packed"]
+
+
 def test_the_loader_gives_masks_and_a_packed_row_the_logits_it_gets_alone(packed):
     """The loader's mask is each target's trained flag and its segments restart at each record; a
     record in a packed row (gpt: learned positions, indexed by the restarted positions) gets exactly

@@ -70,7 +70,8 @@ def test_the_walkthrough_runs_as_written(work, capsys):
             assert 0 <= results["qa"]["acc,none"] <= 1
     info = json.loads((work / "run" / "run.json").read_text())
     assert info["startup_report"]["lora"] and info["data"]["packed"]["format"] == "chat"
-    assert (work / "adapter" / "adapter_config.json").is_file()
+    adapter = json.loads((work / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(hf.absolute())  # through the convert --from-hf import
     # the doc's Python: transformers loads the merged export (its chat template kept) and generates
     (snippet,) = blocks("python")
     capsys.readouterr()

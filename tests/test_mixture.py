@@ -33,11 +33,11 @@ def megatron_greedy(weights: list[float], n: int) -> np.ndarray:
 
 
 def test_blend_is_megatrons_greedy():
-    """On weights that are multiples of 1/PERIOD (so quantising changes nothing), across a period
-    boundary: sample for sample the reference's sources, and each source's index is its count so far."""
+    """On weights that are multiples of 1/PERIOD (so quantising changes nothing), across two block
+    boundaries: sample for sample the reference's sources, and each source's index is its count so far."""
     weights = [0.5, 0.25, 0.125, 0.125]
-    odd = list(M.quantise([0.7, 0.2, 0.1]) / M.PERIOD)  # 0.7 etc. quantised: the reference gets those
-    n = M.PERIOD + 3000
+    odd = list(M.quantise([0.1, 0.2, 0.7]) / M.PERIOD)  # quantised: the reference gets those; the largest
+    n = 2 * M.PERIOD + 3000  # last, so sample PERIOD (every error 0: to the first source) starts a new block
     g = np.arange(n)
     for ws in (weights, odd):
         blend = M.Blend(ws)
@@ -46,7 +46,7 @@ def test_blend_is_megatrons_greedy():
         for d in range(len(ws)):
             np.testing.assert_array_equal(index[source == d], np.arange(int((source == d).sum())))
         counts = np.stack([np.cumsum(source == d) for d in range(len(ws))], axis=1)
-        for k in (1, 17, M.PERIOD, n):
+        for k in (1, 17, M.PERIOD, M.PERIOD + 1, 2 * M.PERIOD + 5, n):
             np.testing.assert_array_equal(blend.counts(k), counts[k - 1])
     assert M.Blend([3, 1]).shares.tolist() == [3 * M.PERIOD // 4, M.PERIOD // 4]  # weights are normalised
 

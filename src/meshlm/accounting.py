@@ -310,7 +310,7 @@ def hardware_flops_per_step(cfg: RunConfig) -> int:
     HFU uses this. (For P2's own HFU numbers, which assume more recomputation, see
     `p2_eq8_flops`.)"""
     counted, executed = expert_slot_flops(cfg)  # MoE: every capacity slot runs, filled or not
-    extra = 3 * (executed - counted)
+    extra = (2 if cfg.model.lora_rank else 3) * (executed - counted)  # LoRA: the experts are frozen
     return model_flops_per_step(cfg) + recompute_flops_per_step(cfg) + _attention_kernel_flops_adjustment(cfg) + extra
 
 

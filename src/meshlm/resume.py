@@ -55,9 +55,10 @@ def copy_side_files(init_from: str | None, run_dir: Path) -> None:
 
 
 def base_model(init_from: str | None, run_dir: Path) -> str:
-    """The Hugging Face directory a run's weights come from, as an absolute path ("" if none is
-    known): `--init-from hf:DIR`, or what the `--init-from` run came from (a `convert --from-hf`
-    import, or its own base), or, on a resume, what this run recorded before."""
+    """The Hugging Face directory whose weights a run starts from, as an absolute path: `--init-from
+    hf:DIR`, or the source of a `convert --from-hf` import given as `--init-from`; on a resume, what
+    this run recorded before. "" otherwise: a trained meshlm run's weights are no Hugging Face
+    model's (export it, and start from that)."""
     if not init_from:
         info = run_dir / "run.json"
         return json.loads(info.read_text()).get("base_model", "") if info.is_file() else ""
@@ -66,7 +67,7 @@ def base_model(init_from: str | None, run_dir: Path) -> str:
     root = resolve_checkpoint(init_from)[0].parent
     if (root / "converted.json").is_file():
         return json.loads((root / "converted.json").read_text()).get("from", "")
-    return base_model(None, root)
+    return ""
 
 
 def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from, log) -> TrainState:

@@ -9,10 +9,10 @@ Which source: Megatron's greedy (the blended dataset's `build_blending_indices`)
 the source furthest behind its share, argmax_d w_d max(i, 1) - c_d (c_d: samples it has had so far;
 ties go to the first source; so samples 0 and 1 are both weighed at 1). The weights are normalised
 and quantised to multiples of 1/PERIOD (largest remainders; every source keeps at least one). With
-integer shares W_d the greedy is periodic from sample 1 on: samples 1..PERIOD give exactly W_d to
-source d, and so does every later PERIOD. So the schedule is sample 0 and one period, computed once,
-and any sample's source, its index in that source and every source's count so far are lookups.
-Nothing but the step is needed to resume, at any step, with any number of processes.
+integer shares W_d every block of PERIOD samples gives source d exactly W_d, and the blocks from
+sample PERIOD on repeat (block 0 differs only by weighing sample 0 at 1): two blocks are computed
+once, and any sample's source, its index in that source and every source's count so far are
+lookups. Nothing but the step is needed to resume, at any step, with any number of processes.
 """
 
 from __future__ import annotations
@@ -48,56 +48,62 @@ def quantise(weights: list[float]) -> np.ndarray:
     return shares
 
 
-def schedule(shares: np.ndarray) -> tuple[int, np.ndarray]:
-    """(the source of sample 0, the sources of samples 1..PERIOD): Megatron's greedy on integer
-    shares, its error PERIOD x (w_d max(i, 1) - c_d) kept in integers."""
-    first = int(np.argmax(shares))  # sample 0: every count is 0, the error w_d x 1
-    out = np.empty(PERIOD, dtype=np.int32)
+def schedule(shares: np.ndarray) -> np.ndarray:
+    """The sources of samples 0 .. 2 PERIOD - 1: Megatron's greedy on integer shares, its error
+    PERIOD x (w_d max(i, 1) - c_d) kept in integers. Each block of PERIOD samples gives source d
+    exactly its share W_d (at sample PERIOD every error is a multiple of PERIOD, above -PERIOD, and
+    they sum to 0: all are 0), so from sample PERIOD on the blocks repeat; block 0 differs from them
+    only in weighing sample 0 at max(0, 1) = 1."""
+    out = np.empty(2 * PERIOD, dtype=np.int32)
     if len(shares) > 16:  # many sources: numpy per sample (argmax: the first of the largest)
         taken = np.zeros(len(shares), dtype=np.int64)
-        taken[first] = PERIOD
-        for i in range(1, PERIOD + 1):
-            out[i - 1] = d = int(np.argmax(shares * i - taken))
+        for i in range(2 * PERIOD):
+            out[i] = d = int(np.argmax(shares * max(i, 1) - taken))
             taken[d] += PERIOD
-        return first, out
+        return out
     w = [int(x) for x in shares]
     taken = [0] * len(w)
-    taken[first] = PERIOD
     pick = range(len(w))
-    for i in range(1, PERIOD + 1):
-        d = max(pick, key=lambda d: w[d] * i - taken[d])  # the first of the largest
+    for i in range(2 * PERIOD):
+        t = max(i, 1)
+        d = max(pick, key=lambda d: w[d] * t - taken[d])  # the first of the largest
         taken[d] += PERIOD
-        out[i - 1] = d
-    return first, out
+        out[i] = d
+    return out
 
 
 class Blend:
-    """The assignment of samples to sources for given weights."""
+    """The assignment of samples to sources for given weights: block 0 (samples 0 .. PERIOD - 1),
+    then the steady block (PERIOD .. 2 PERIOD - 1) repeated."""
 
     def __init__(self, weights: list[float]):
         self.shares = quantise(weights)
-        self.first, self.period = schedule(self.shares)
-        self.rank = np.zeros(PERIOD, dtype=np.int64)  # index of period sample r among its source's
-        for d in range(len(self.shares)):
-            (at,) = np.nonzero(self.period == d)
-            self.rank[at] = np.arange(len(at))
+        both = schedule(self.shares)
+        self.blocks = (both[:PERIOD], both[PERIOD:])
+        for block in self.blocks:
+            assert (np.bincount(block, minlength=len(self.shares)) == self.shares).all()
+        self.ranks = []  # index of each block sample among its source's samples of the block
+        for block in self.blocks:
+            rank = np.zeros(PERIOD, dtype=np.int64)
+            for d in range(len(self.shares)):
+                (at,) = np.nonzero(block == d)
+                rank[at] = np.arange(len(at))
+            self.ranks.append(rank)
 
     def assign(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, index within that source) of global samples `g`."""
         g = np.asarray(g, dtype=np.int64)
-        q, r = np.divmod(np.maximum(g - 1, 0), PERIOD)
-        d = np.where(g == 0, self.first, self.period[r])
-        index = (d == self.first) + q * self.shares[d] + self.rank[r]
-        return d, np.where(g == 0, 0, index)
+        q, r = np.divmod(g, PERIOD)  # block q (0: the first), position r
+        steady = q > 0
+        d = np.where(steady, self.blocks[1][r], self.blocks[0][r])
+        rank = np.where(steady, self.ranks[1][r], self.ranks[0][r])
+        return d, q * self.shares[d] + rank
 
     def counts(self, n: int) -> np.ndarray:
         """Samples of each source among the first n."""
-        out = np.zeros(len(self.shares), dtype=np.int64)
-        if n <= 0:
-            return out
-        q, r = divmod(int(n) - 1, PERIOD)
-        out[self.first] += 1
-        return out + q * self.shares + np.bincount(self.period[:r], minlength=len(self.shares))
+        q, r = divmod(max(int(n), 0), PERIOD)
+        block = self.blocks[1] if q > 0 else self.blocks[0]
+        return q * self.shares + np.bincount(block[:r], minlength=len(self.shares))
 
 
 class MixtureLoader:

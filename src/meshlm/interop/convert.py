@@ -110,6 +110,10 @@ def export_hf(
     if peft:
         info = Path(run_dir) / "run.json"
         base = json.loads(info.read_text()).get("base_model", "") if info.is_file() else ""
+        if not base:
+            log(
+                "  warning: the run's base is no Hugging Face directory meshlm knows; load the adapter onto it yourself"
+            )
         return hf.save_peft(model.params, model.cfg.model, out, base, log)
     params, model_cfg = merged(model.params, model.cfg.model)
     if model_cfg is not model.cfg.model:

@@ -337,6 +337,30 @@ def test_zero1_and_offload_memory_and_when_zero1_beats_fsdp():
     assert why.startswith("ZeRO-1:") and "the best FSDP layout" in why
 
 
+def test_lora_plans_price_the_adapters_states_and_the_frozen_masters():
+    """LoRA: the planner's states are 16 bytes an adapter parameter and 4 a frozen one (its fp32
+    master: no gradient, no moments), with ZeRO-1 too; the optimizer update reads the adapters alone."""
+    from meshlm.model.lora import lora_param_count
+    from meshlm.platform.hardware import ACCELERATORS
+
+    h100 = ACCELERATORS["h100"]
+    full = dataclasses.replace(recipes.get("llama-tiny"), parallel=ParallelConfig(data=2))
+    lora = dataclasses.replace(full, model=dataclasses.replace(full.model, lora_rank=8))
+    adapters, base = lora_param_count(lora.model), accounting.param_count(full.model)
+    assert planner.sharded_params(lora, trainable=True) == adapters  # data=2: every device holds all
+    assert planner.estimate(lora, h100).memory["parameters, gradients, optimizer"] == 16 * adapters + 4 * base
+    assert planner.estimate(full, h100).memory["parameters, gradients, optimizer"] == 16 * base
+    zero = dataclasses.replace(lora, parallel=dataclasses.replace(lora.parallel, shard_optimizer=True))
+    memory = planner.estimate(zero, h100).memory
+    assert (
+        memory["parameters, gradients"] == 8 * adapters + 4 * base
+        and memory["optimizer state (ZeRO-1)"] == 8 * adapters
+    )
+    a100 = ACCELERATORS["a100"]  # calibrated
+    update = lambda c: planner.estimate(c, a100).calibrated["optimizer update"]
+    assert update(lora) / update(full) == pytest.approx(adapters / base)
+
+
 def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
     """Mixtral-8x7B on 64 H100s: the expert axis is enumerated over sizes that divide the 8 experts
     (never with pipelines or context), and a plan on it has the all_to_all part: per MoE layer and

@@ -120,14 +120,11 @@ def _zero1_params(model, parallel, _rules: tuple) -> float:
     return float(sum(math.prod(shard(s)) for s in specs))
 
 
-def sharded_params(
-    cfg: RunConfig, experts_only: bool = False, part: str | None = None, trainable: bool = False
-) -> float:
+def sharded_params(cfg: RunConfig, experts_only: bool = False, part: str | None = None, trainable: bool = False):
     """Parameters one device holds, from the rules table and the mesh sizes (exact): the same
     `Layout.param_sharding` the trainer uses, over an abstract mesh (no devices needed). `experts_only`:
     of the MoE experts' stacked weights alone; `part`: "layers" (the stacked layer weights) or
-    "top" (embeddings, final norm, output layer) alone; `trainable`: the trainable ones alone (LoRA:
-    the adapters)."""
+    "top" (embeddings, final norm, output layer) alone; `trainable`: the adapters alone (LoRA)."""
     return _sharded_params(cfg.model, cfg.parallel, _rules_key(), experts_only, part, trainable)
 
 
@@ -138,8 +135,7 @@ def _sharded_params(model, parallel, _rules: tuple, experts_only: bool, part: st
     if part is not None:
         tree = tree["layers"] if part == "layers" else {k: v for k, v in tree.items() if k != "layers"}
     specs = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, ParamSpec))
-    if trainable:
-        specs = [s for s in specs if s.trainable]
+    specs = [s for s in specs if s.trainable or not trainable]
     if experts_only:
         specs = [s for s in specs if ax.EXPERT in s.axes]
     return float(sum(math.prod(layout.param_sharding(s.axes, s.shape).shard_shape(s.shape)) for s in specs))
@@ -190,8 +186,7 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
         if own
         else accounting.activation_memory(cfg, pipeline=pipeline, interleave=interleave)
     )
-    split = 1 if own else pipeline
-    params, trainable = sharded_params(cfg) / split, sharded_params(cfg, trainable=True) / split
+    params, trainable = (sharded_params(cfg, trainable=t) / (1 if own else pipeline) for t in (False, True))
     out = _state_parts(cfg, params, trainable, bytes_per_param, own or pipeline == 1, act["total"])
     out["activations"] = act["total"]
     if own and par.stage > 1 and (copies := _pipeline_gathered(cfg)):
@@ -220,15 +215,12 @@ def _pipeline_gathered(cfg: RunConfig) -> dict[str, float]:
     return {k: n for k, n in inside.items() if n > sharded_params(cfg, part=k)}
 
 
-def _state_parts(
-    cfg: RunConfig, params: float, trainable: float, bytes_per_param: float, exact_zero1: bool, activations: float
-) -> dict:
+def _state_parts(cfg: RunConfig, params: float, trainable: float, bytes_per_param: float, exact_zero1: bool, act):
     """Device bytes of the weights, their gradients and the optimizer state: together without ZeRO-1
     or offload (P2's Megatron layouts keep that one line); else the moments apart, ZeRO-1's sharded
     over the data-parallel axes. Offloaded moments live in host memory but visit the device whole
-    for the update, after the activations are freed: only what they need beyond those is counted.
-    LoRA (`trainable` < `params`): the frozen weights are their fp32 masters alone (4 bytes each:
-    no gradient, no moments)."""
+    for the update, after the activations (`act`) are freed: only what they need beyond those is
+    counted. LoRA: the frozen weights are their fp32 masters alone (4 bytes: no gradient, moments)."""
     par = cfg.parallel
     frozen = 4 * (params - trainable)
     if not (par.shard_optimizer or cfg.optim.offload_state):
@@ -237,7 +229,7 @@ def _state_parts(
     moments = MOMENT_BYTES * (zero1_params(cfg) if zero1 else trainable)
     out = {"parameters, gradients": (bytes_per_param - MOMENT_BYTES) * trainable + frozen}
     if cfg.optim.offload_state:
-        out["moments at the update, beyond the activations"] = max(0.0, moments - activations)
+        out["moments at the update, beyond the activations"] = max(0.0, moments - act)
     else:
         out["optimizer state (ZeRO-1)" if par.shard_optimizer else "optimizer state"] = moments
     return out
@@ -443,9 +435,7 @@ def calibrated_time(
     own, pipeline, interleave, n = _pipeline_shape(cfg, pipeline, interleave)
     last_stage = n // pipeline
     rate = device_peak(device, cfg) * cal.gemm_efficiency
-    logits = (
-        (4 if m.lora_rank else 6) * t.global_batch * t.seq_len * m.d_model * m.vocab_size
-    )  # fwd + bwd (LoRA: frozen)
+    logits = (4 if m.lora_rank else 6) * t.global_batch * t.seq_len * m.d_model * m.vocab_size  # LoRA: frozen
     layers = accounting.hardware_flops_per_step(cfg) - logits - _own_rate_flops(cfg, roofline)
     out: dict[str, float] = {"GEMMs": layers / (n * rate)}
     if roofline.get(ATTENTION):  # at its kernel's own rate, as in the roofline

@@ -230,6 +230,12 @@ def test_two_processes_and_small_units_give_the_same_bytes(packed, tokenizer_dir
         units, tmp_path / "two", field="messages", tokenizer=tok, fmt=fmt, seq_len=48, processes=2, log=lambda _: None
     )
     assert other.meta["splits"] == data.meta["splits"] and other.meta["packed"] == data.meta["packed"]
+    flags = other.root / other.meta["splits"]["train"][0]["flags"]  # a flipped mask bit is caught
+    raw = bytearray(flags.read_bytes())
+    raw[5] ^= U.FLAG_TRAINED
+    flags.write_bytes(bytes(raw))
+    with pytest.raises(ConfigError, match=r"is corrupt .*BLAKE2b"):
+        other.verify(448)
 
 
 def test_the_loader_gives_masks_and_a_packed_row_the_logits_it_gets_alone(packed):

@@ -123,8 +123,9 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         return jax.tree.map(lambda g: g / denom, grads), loss_sum / denom, count, {}
     # LoRA: only the trainable leaves are differentiated, so the frozen weights' gradients (their
     # d_in x d_out GEMMs) are never computed; they are zeros (constants) in the returned tree
-    trainable, frozen, join = partition(params, trainable_mask(param_specs(cfg.model)))
-    train_shardings, _, _ = partition(param_shardings, trainable_mask(param_specs(cfg.model)))
+    mask = trainable_mask(param_specs(cfg.model))
+    trainable, frozen, join = partition(params, mask)
+    train_shardings, _, _ = partition(param_shardings, mask)
     grad_fn = jax.grad(lambda t, b, key: objective_sum(join(t, frozen), b, cfg, layout, key), has_aux=True)
     if k == 1:
         grads, (loss_sum, count, moe_metrics) = grad_fn(trainable, batch, key)

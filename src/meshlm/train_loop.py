@@ -205,7 +205,6 @@ class StepLoop:
         self.t_last: float | None = None  # start of the rate window (after the step that ended it)
         self.step_last = 0
         self.paused_s = 0.0  # the length of the latest pause (evaluation or checkpoint save)
-        self.source_tokens = lambda steps: {}
 
     def run(self, state, start, train_loader, val_loader, ckpt, identity, stop_after, stop):
         tc, every = self.cfg.train, self.cfg.checkpoint.every

@@ -68,19 +68,7 @@ class PreparedData:
 
     def shards(self, split: str) -> list[np.ndarray]:
         """Memory-mapped token arrays of `split`, one per shard, each checked for its size."""
-        out = []
-        for shard in self.meta["splits"][split]:
-            path = self.root / shard["file"]
-            expected = shard["tokens"] * self.dtype.itemsize
-            size = path.stat().st_size if path.exists() else -1
-            if size != expected:
-                raise DataError(
-                    f"data shard {path} is {'missing' if size < 0 else f'truncated or corrupt: {size} bytes'}, "
-                    f"expected {expected}; re-run `meshlm data prepare` (or delete {self.root} if it is a cache)"
-                )
-            if shard["tokens"]:
-                out.append(np.memmap(path, dtype=self.dtype, mode="r", shape=(shard["tokens"],)))
-        return out
+        return self._mapped(split, "file", self.dtype, "data")
 
     @property
     def packed(self) -> dict | None:
@@ -89,17 +77,21 @@ class PreparedData:
 
     def flags(self, split: str) -> list[np.ndarray]:
         """Memory-mapped per-token flags (units.FLAG_*) of a packed dataset's `split`, one per shard."""
+        return self._mapped(split, "flags", np.dtype(np.uint8), "flags")
+
+    def _mapped(self, split: str, key: str, dtype: np.dtype, what: str) -> list[np.ndarray]:
         out = []
         for shard in self.meta["splits"][split]:
-            path = self.root / shard["flags"]
+            path = self.root / shard[key]
+            expected = shard["tokens"] * dtype.itemsize
             size = path.stat().st_size if path.exists() else -1
-            if size != shard["tokens"]:
+            if size != expected:
                 raise DataError(
-                    f"flags shard {path} is {'missing' if size < 0 else f'truncated or corrupt: {size} bytes'}, "
-                    f"expected {shard['tokens']}; re-run `meshlm data prepare`"
+                    f"{what} shard {path} is {'missing' if size < 0 else f'truncated or corrupt: {size} bytes'}, "
+                    f"expected {expected}; re-run `meshlm data prepare` (or delete {self.root} if it is a cache)"
                 )
             if shard["tokens"]:
-                out.append(np.memmap(path, dtype=np.uint8, mode="r", shape=(shard["tokens"],)))
+                out.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["tokens"],)))
         return out
 
     def tokens(self, split: str) -> np.ndarray:
@@ -121,33 +113,33 @@ class PreparedData:
             self.shards(split)  # sizes
             if self.packed:
                 self.flags(split)
-        for split in SPLITS if digests and self.packed else ():
-            for shard, arr in zip(
-                [s for s in self.meta["splits"][split] if s["tokens"]], self.flags(split), strict=True
-            ):
-                digest = hashlib.blake2b(np.asarray(arr).tobytes(), digest_size=16).hexdigest()
-                if digest != shard["flags_blake2b"] or int(np.asarray(arr).max(initial=0)) > 3:
-                    raise DataError(
-                        f"flags shard {self.root / shard['flags']} is corrupt (its BLAKE2b digest does not match "
-                        f"{INDEX}); re-run `meshlm data prepare`"
-                    )
         for split in SPLITS if digests else ():
-            for shard, arr in zip(
-                [s for s in self.meta["splits"][split] if s["tokens"]], self.shards(split), strict=True
-            ):
-                h = hashlib.blake2b(digest_size=16)
-                top = 0
-                for i in range(0, len(arr), 1 << 24):
-                    chunk = np.asarray(arr[i : i + (1 << 24)])
-                    h.update(chunk.tobytes())
-                    top = max(top, int(chunk.max()))
-                if h.hexdigest() != shard["blake2b"]:
-                    raise DataError(
-                        f"data shard {self.root / shard['file']} is corrupt (its BLAKE2b digest does not match "
-                        f"{INDEX}); re-run `meshlm data prepare` (or delete {self.root} if it is a cache)"
-                    )
-                if top >= vocab_size:
-                    raise DataError(f"data shard {self.root / shard['file']} has token id {top} >= {vocab_size}")
+            shards = [s for s in self.meta["splits"][split] if s["tokens"]]
+            arrays = [(self.shards(split), "file", "blake2b", vocab_size - 1)]
+            if self.packed:
+                arrays.append((self.flags(split), "flags", "flags_blake2b", 3))
+            for arrs, key, digest_key, largest in arrays:
+                for shard, arr in zip(shards, arrs, strict=True):
+                    digest, top = _digest_and_max(arr)
+                    if digest != shard[digest_key]:
+                        raise DataError(
+                            f"data shard {self.root / shard[key]} is corrupt (its BLAKE2b digest does not match "
+                            f"{INDEX}); re-run `meshlm data prepare` (or delete {self.root} if it is a cache)"
+                        )
+                    if top > largest:
+                        what = f"token id {top} >= {vocab_size}" if key == "file" else f"flag value {top} > 3"
+                        raise DataError(f"data shard {self.root / shard[key]} has {what}")
+
+
+def _digest_and_max(arr: np.ndarray) -> tuple[str, int]:
+    """BLAKE2b (16 bytes) and largest value of a memory-mapped shard, read in chunks of 16M values."""
+    h = hashlib.blake2b(digest_size=16)
+    top = 0
+    for i in range(0, len(arr), 1 << 24):
+        chunk = np.asarray(arr[i : i + (1 << 24)])
+        h.update(chunk.tobytes())
+        top = max(top, int(chunk.max()))
+    return h.hexdigest(), top
 
 
 def unigram_entropy(counts: np.ndarray) -> float:

@@ -69,7 +69,10 @@ def test_the_walkthrough_runs_as_written(work, capsys):
             results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
             assert 0 <= results["qa"]["acc,none"] <= 1
     info = json.loads((work / "run" / "run.json").read_text())
-    assert info["startup_report"]["lora"] and info["data"]["packed"]["format"] == "chat"
+    assert info["startup_report"]["lora"].endswith("dropout 0.05") and info["data"]["packed"]["format"] == "chat"
+    steps = sorted((work / "run" / "checkpoints").iterdir(), key=lambda p: p.name)
+    meta = json.loads((steps[-1] / "meta" / "metadata").read_text())
+    assert meta["base"]["source"] == str(work / "base" / "checkpoints" / "0")  # the adapters' base: the import
     adapter = json.loads((work / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(hf.absolute())  # through the convert --from-hf import
     # the doc's Python: transformers loads the merged export (its chat template kept) and generates

@@ -142,14 +142,16 @@ def test_gemm_flops_match_the_programs(family, policy):
     assert compiled_dots <= xla <= 1.15 * hardware
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_lora_runs_no_weight_gradient_gemms(family):
+@pytest.mark.parametrize("family, rate", [("gpt", 0.0), ("llama", 0.0), ("llama", 0.1)])
+def test_lora_runs_no_weight_gradient_gemms(family, rate):
     """LoRA (r=4 on every projection): the program's GEMM FLOPs are exactly the model FLOPs
     `accounting` counts for it - the frozen weights' GEMMs twice (forward, input gradient), the
-    attention core's and the adapters' three times - which MFU then divides by."""
+    attention core's and the adapters' three times - which MFU then divides by; with `lora_dropout`,
+    plus x A of every target once more (its rematerialised term), which HFU counts."""
     targets = ("wq", "wk", "wv", "wo") + (("w_fc", "w_proj") if family == "gpt" else ("w_gate", "w_up", "w_down"))
-    cfg, lowered, _ = _step_programs(family, "elementwise", lora_rank=4, lora_targets=targets)
+    cfg, lowered, _ = _step_programs(family, "elementwise", lora_rank=4, lora_targets=targets, lora_dropout=rate)
     assert _lowered_dot_flops(lowered.as_text()) == accounting.hardware_flops_per_step(cfg)
+    assert (accounting.recompute_flops_per_step(cfg) > 0) == (rate > 0)
     full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0))
     assert accounting.hardware_flops_per_step(cfg) < 0.8 * accounting.hardware_flops_per_step(full)
 

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import random_batches, save_tiny_llama, tiny_config
 from meshlm import accounting
-from meshlm.config import ConfigError, ParallelConfig, RematConfig
+from meshlm.config import ConfigError, RematConfig, apply_overrides
 from meshlm.model import lora
 from meshlm.model.params import count_params, init_params, named_leaves, param_specs, trainable_mask
 from meshlm.model.transformer import forward
@@ -72,16 +72,25 @@ def test_forward_equals_the_merged_model_and_counts_are_exact(family):
     assert sum(int(np.prod(s.shape)) for s in trainable) == lora.lora_param_count(cfg.model)
 
 
-def test_the_base_has_no_gradient_and_no_optimizer_state():
+@pytest.mark.parametrize(
+    "parallel",
+    [{}, dict(stage=2, pipeline_schedule="1f1b"), dict(stage=2, pipeline_schedule="zb1")],
+    ids=["one", "1f1b", "zb1"],
+)
+def test_the_base_has_no_gradient_and_no_optimizer_state(parallel):
     """In the compiled gradient step of a LoRA run, every matmul that makes a weight-shaped output
-    (neither dimension the batch's rows) has the rank as a dimension: the frozen weights' d_in x
-    d_out gradient GEMMs are not in the program (full fine-tuning's are: the check fails there; the
-    program's exact GEMM FLOPs: tests/test_flops.py). Adam's moments exist for the adapters only."""
-    cfg = lora_config("llama")
+    (neither dimension a microbatch's rows) has the rank as a dimension: the frozen weights' d_in x
+    d_out gradient GEMMs are not in the program - nor in a pipeline's, whose stages differentiate
+    the adapters only and whose zb1 weight pass takes the adapters' only (full fine-tuning's are:
+    the check fails there; the program's exact GEMM FLOPs: tests/test_flops.py). Adam's moments
+    exist for the adapters only."""
+    cfg = lora_config("llama", microbatches=2 if parallel else 1)
+    cfg = validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel)))
     full = validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0)))
-    layout = make_layout(cfg.parallel, jax.devices()[:1])
+    layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), random_batches(cfg, 1)[0])
-    rows, r = cfg.train.global_batch * cfg.train.seq_len, cfg.model.lora_rank
+    rows = cfg.train.global_batch // cfg.train.microbatches * cfg.train.seq_len
+    r = cfg.model.lora_rank
 
     def program(c):
         specs = param_specs(c.model)
@@ -124,6 +133,79 @@ def test_layouts_give_the_one_device_adapter_gradients(family, mesh, sp):
     assert all(not np.any(v) for k, v in named_leaves(got["grads"]).items() if "_lora_" not in k)
 
 
+@pytest.fixture(scope="module")
+def deep_reference():
+    """One device's gradients of a 4-layer LoRA model in 4 microbatches (what a pipeline of 2
+    stages x 2 chunks needs), per (family, lora_dropout), with their parameters."""
+    from test_gradients import grads
+
+    cache = {}
+
+    def get(family: str, rate: float):
+        if (family, rate) not in cache:
+            cfg = lora_config(family, microbatches=4, n_layers=4)
+            cfg = validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_dropout=rate)))
+            params = adapted_params(cfg)
+            cache[family, rate] = cfg, params, grads(cfg, params)
+        return cache[family, rate]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "family, rate, parallel",
+    [
+        ("llama", 0.2, dict(stage=2, pipeline_schedule="zb1", tensor=2, sequence_parallel=True)),
+        ("gpt", 0.0, dict(stage=2, pipeline_schedule="interleaved", virtual_stages=2, data=2)),
+        ("gpt", 0.2, dict(stage=2, fsdp=2)),
+        ("llama", 0.2, dict(context=2, context_strategy="all_to_all", fsdp=2)),
+        ("gpt", 0.2, dict(tensor=2, sequence_parallel=True, data=2)),
+    ],
+)
+def test_pipelines_and_lora_dropout_give_the_one_device_gradients(deep_reference, family, rate, parallel):
+    """LoRA inside pipelines (1F1B, zb1's split backward with the adapters' weight pass, interleaved)
+    and `lora_dropout` (its bits at each element's global position: the same on every layout,
+    context's load-balanced order included): raw gradients equal one device's; frozen leaves zero."""
+    from test_gradients import assert_same_grads, grads
+
+    one, params, ref = deep_reference(family, rate)
+    cfg = validate(dataclasses.replace(one, parallel=dataclasses.replace(one.parallel, **parallel)))
+    got = grads(cfg, params)
+    assert_same_grads(got, ref)
+    assert all(not np.any(v) for k, v in named_leaves(got["grads"]).items() if "_lora_" not in k)
+    if rate:  # the dropout is on: the gradients are not those without it
+        assert not np.allclose(ref["loss"], deep_reference(family, 0.0)[2]["loss"], rtol=1e-5)
+
+
+def test_lora_dropout_drops_each_targets_input_as_numpy_does():
+    """`_lora_terms` against NumPy with jax.random.bernoulli's mask: scale x (x * keep / (1 - p)) A B,
+    a mask of its own per target (PEFT: one nn.Dropout per adapted module); no key, no dropout."""
+    from meshlm.model import transformer as tr
+
+    cfg = lora_config("llama").model
+    cfg = dataclasses.replace(cfg, lora_dropout=0.25)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 8, cfg.d_model)).astype(np.float32)
+    p = {}
+    for name, heads in (("wq", cfg.n_heads), ("wk", cfg.kv_heads)):
+        p[f"{name}_lora_a"] = rng.standard_normal((cfg.d_model, 4)).astype(np.float32)
+        p[f"{name}_lora_b"] = rng.standard_normal((4, heads, cfg.dim_head)).astype(np.float32)
+    key = jax.random.key(3)
+    targets = {"wq": tr.HEADS_ACT, "wk": tr.KV_ACT}
+    got = tr._lora_terms(x, p, key, "btd,dnh->btnh", targets, cfg, None)
+    plain = tr._lora_terms(x, p, None, "btd,dnh->btnh", targets, cfg, None)
+    masks = []
+    for name in targets:
+        keep = np.asarray(jax.random.bernoulli(jax.random.fold_in(key, tr._LORA_SITES[name]), 0.75, x.shape))
+        masks.append(keep)
+        a, b = p[f"{name}_lora_a"], p[f"{name}_lora_b"]
+        want = cfg.lora_scale * np.einsum("btr,rnh->btnh", (x * keep / 0.75) @ a, b)
+        np.testing.assert_allclose(np.asarray(got[name]), want, rtol=1e-4, atol=1e-4)
+        full = cfg.lora_scale * np.einsum("btr,rnh->btnh", x @ a, b)
+        np.testing.assert_allclose(np.asarray(plain[name]), full, rtol=1e-4, atol=1e-4)
+    assert 0.6 < masks[0].mean() < 0.9 and not np.array_equal(masks[0], masks[1])
+
+
 def test_config_errors():
     cfg = tiny_config("llama")
     bad = lambda **m: validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=4, **m)))
@@ -132,14 +214,13 @@ def test_config_errors():
     moe = dataclasses.replace(cfg.model, n_experts=4, lora_rank=4, lora_targets=("wq", "w_gate"))
     with pytest.raises(ConfigError, match="experts are not built yet"):
         validate(dataclasses.replace(cfg, model=moe))
-    piped = dataclasses.replace(
-        cfg,
-        parallel=ParallelConfig(stage=2),
-        model=dataclasses.replace(cfg.model, lora_rank=4, n_layers=2),
-        train=dataclasses.replace(cfg.train, microbatches=2),
-    )
-    with pytest.raises(ConfigError, match="LoRA inside pipelines"):
-        validate(piped)
+    with pytest.raises(ConfigError, match="lora_dropout must be in"):
+        bad(lora_dropout=1.0)
+    # the issue's names: finetune.lora_* set the model's LoRA fields (the adapters are parameters)
+    got = apply_overrides(cfg, ["finetune.lora_rank=8", "finetune.lora_dropout=0.1", "finetune.lora_targets=wq,wv"])
+    assert (got.model.lora_rank, got.model.lora_dropout, got.model.lora_targets) == (8, 0.1, ("wq", "wv"))
+    with pytest.raises(ConfigError, match="the finetune keys are"):
+        apply_overrides(cfg, ["finetune.steps=3"])
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +291,63 @@ def test_a_run_from_transformers_trains_only_adapters_and_exports_to_peft_and_me
         )
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
     np.testing.assert_allclose(ours, merged, atol=1e-4)
+
+
+def test_checkpoints_hold_the_adapters_and_a_checked_pointer_to_the_base(hf_llama, tmp_path):
+    """A LoRA run's checkpoints hold its adapters (and their moments) only, with a pointer to the
+    base - hf:DIR, a meshlm checkpoint step, or train.seed's initialisation - and the base's
+    checksums: resume, generate and export read the base from there, and refuse one that changed
+    or is gone, naming it."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from meshlm.checkpoint import Checkpointer
+    from meshlm.config import CheckpointConfig, DataConfig, OptimConfig, RunConfig, TrainConfig
+    from meshlm.inference import load_model
+    from meshlm.interop import hf_tables
+    from meshlm.trainer import train
+
+    base = tmp_path / "base"
+    shutil.copytree(hf_llama, base)
+    model = dataclasses.replace(hf_tables.model_config(base), lora_rank=4, lora_alpha=8.0, lora_targets=("wq", "wv"))
+    cfg = validate(
+        RunConfig(
+            model=model,
+            data=DataConfig(
+                paths=(str(base / "corpus.txt"),), tokenizer=str(base / "tokenizer.json"), cache_dir=str(tmp_path / "c")
+            ),
+            train=TrainConfig(steps=2, global_batch=4, seq_len=32, log_every=1, eval_every=0),
+            optim=OptimConfig(lr=5e-2, warmup_steps=0),
+            checkpoint=CheckpointConfig(every=0, keep=2),
+        )
+    )
+    run = tmp_path / "run"
+    train(cfg, run, quiet=True, init_from=f"hf:{base}", stop_after=1)
+    meta = Checkpointer(run / "checkpoints", cfg.checkpoint, log=lambda _: None, read_only=True).read_meta(1)
+    saved = [k for k in meta["tensors"] if k.startswith("params/")]
+    assert sorted(saved) == [f"params/layers/{t}_lora_{ab}" for t in ("wq", "wv") for ab in "ab"]
+    assert meta["base"]["source"] == f"hf:{base.absolute()}"
+    assert set(meta["base"]["checksums"]) == set(named_leaves(lora.without_adapters(load_model(run).params)))
+
+    weights = load_file(base / "model.safetensors")
+    name = next(k for k in weights if "q_proj" in k)
+    weights[name] = weights[name] + np.float32(1e-3)
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="is not the one this run's adapters were trained on: 1 of"):
+        train(cfg, run, quiet=True)
+    shutil.rmtree(base)
+    with pytest.raises(ConfigError, match=r"its base hf:.* cannot be read"):
+        load_model(run)
+
+    # no --init-from: the base is train.seed's initialisation, drawn again and checked
+    fresh = tmp_path / "fresh"
+    corpus, tok = str(hf_llama / "corpus.txt"), str(hf_llama / "tokenizer.json")
+    data = dataclasses.replace(cfg.data, paths=(corpus,), tokenizer=tok)
+    seeded = dataclasses.replace(cfg, data=data)
+    train(seeded, fresh, quiet=True, stop_after=1)
+    got = named_leaves(load_model(fresh).params)
+    want = named_leaves(jax.jit(lambda k: init_params(param_specs(cfg.model), k))(jax.random.key(cfg.train.seed)))
+    for k, w in want.items():
+        if "_lora_" not in k:
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(w), err_msg=k)

@@ -17,7 +17,7 @@ import functools
 import math
 
 from meshlm.config import ModelConfig, RunConfig
-from meshlm.model.lora import lora_param_count
+from meshlm.model.lora import lora_param_count, recompute_flops_per_token
 from meshlm.parallel.schedules import build, first_stage_in_flight, megatron_in_flight, tables
 
 
@@ -147,16 +147,17 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     frac = attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
     attn = terms["attn_scores"] + terms["attn_values"]
     counted, executed = expert_slot_flops(cfg)
+    again = t.global_batch * t.seq_len * recompute_flops_per_token(m)  # LoRA's dropout: x A again
     if policy == "full":
         last_mlp = terms["mlp"] // (2 if m.family == "gpt" else 3)
         if m.moe:  # only the shared experts' down projection, when no gate multiplies its output
             last_mlp = 0 if m.shared_expert_gate else 2 * m.d_model * m.shared_ffn
-        return round(tokens_layers * (sum(terms.values()) - last_mlp - attn + frac * attn)) + executed - counted
+        return round(tokens_layers * (sum(terms.values()) - last_mlp - attn + frac * attn)) + executed - counted + again
     if policy in ("dots", "offload"):
-        return round(tokens_layers * frac * attn) + executed
+        return round(tokens_layers * frac * attn) + executed + again
     if policy == "selective" and m.attention == "explicit":  # the O(s) kernels are never checkpointed
-        return round(tokens_layers * frac * terms["attn_scores"])
-    return 0
+        return round(tokens_layers * frac * terms["attn_scores"]) + again
+    return again
 
 
 def attention_core_flops(cfg: RunConfig) -> int:

@@ -5,7 +5,9 @@ name and renames it when every process has finished (the atomic commit), so a ha
 is never listed. Each step holds three items:
 
     params     fp32 master weights: global arrays stored shard by shard (tensorstore/OCDBT), so they
-               restore onto any mesh and device count, each process reading only its own shards
+               restore onto any mesh and device count, each process reading only its own shards.
+               A LoRA run's (meta has "base") hold its adapters only: the frozen base is where
+               meta["base"] points, with its checksums (`resume.with_base` reads and checks it)
     opt_state  the optimizer state, the same way
     meta       JSON: step (= the data position: batch n is a pure function of (seed, n)), the
                non-finite counters (skipped steps, current streak), the resolved config, code
@@ -34,6 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from meshlm.config import CheckpointConfig, ConfigError
+from meshlm.model import lora
 from meshlm.model.params import named_leaves
 from meshlm.train_state import TrainState
 
@@ -178,13 +181,14 @@ class Checkpointer:
         step = int(jax.device_get(state.step))
         if step == self.last_saved or step in self.manager.all_steps():
             return step
-        tensors = describe({"params": state.params, "opt_state": state.opt_state})  # one pass, one compile
+        params = lora.adapters(state.params) if meta.get("base") else state.params  # LoRA: the adapters only
+        tensors = describe({"params": params, "opt_state": state.opt_state})  # one pass, one compile
         counters = {"skipped": int(jax.device_get(state.skipped)), "streak": int(jax.device_get(state.streak))}
         meta = meta | counters | {"step": step, "saved_at": time.time(), "tensors": tensors}
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                params=ocp.args.StandardSave(state.params),
+                params=ocp.args.StandardSave(params),
                 opt_state=ocp.args.StandardSave(state.opt_state),
                 meta=ocp.args.JsonSave(meta),
             ),
@@ -272,6 +276,8 @@ class Checkpointer:
         """(restored items, meta) for one step; ConfigError on a shape mismatch, other exceptions
         when the files are unreadable or the checksums disagree."""
         meta = self.read_meta(step)
+        if meta.get("base") and "params" in abstract:  # a LoRA run's: the adapters only (the caller adds the base)
+            abstract = abstract | {"params": lora.adapters(abstract["params"])}
         self._check_shapes(step, meta, abstract)
         gb = _in_flight_gb(abstract)  # read buffers in flight bounded, as for save_params
         handlers = {k: ocp.StandardCheckpointHandler(restore_concurrent_gb=gb) for k in abstract}
@@ -291,7 +297,8 @@ class Checkpointer:
 
     def restore_latest(self, abstract_state: TrainState, step: int | None = None) -> Restored | None:
         """The newest good checkpoint (or exactly `step`), restored into `abstract_state`'s
-        shardings; None when there is none. Unreadable steps are moved aside, never overwritten."""
+        shardings; None when there is none. Unreadable steps are moved aside, never overwritten.
+        A LoRA run's state comes back with its adapters only as parameters (`resume.with_base`)."""
         candidates = [step] if step is not None else list(reversed(self.steps()))
         abstract = {"params": abstract_state.params, "opt_state": abstract_state.opt_state}
         for s in candidates:
@@ -326,7 +333,8 @@ class Checkpointer:
         return None
 
     def restore_params(self, abstract_params: dict, step: int | None = None) -> tuple[dict, dict]:
-        """Only the parameters of the newest good (or the given) step: `--init-from`."""
+        """Only the parameters of the newest good (or the given) step (`--init-from`, `generate`,
+        `eval`, `convert`); a LoRA run's adapters only (`resume.with_base`)."""
         candidates = [step] if step is not None else list(reversed(self.steps()))
         errors = []
         for s in candidates:

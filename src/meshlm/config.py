@@ -121,17 +121,24 @@ class ModelConfig:
     # load-balancing loss (Switch/GShard, transformers' form) and router z-loss (ST-MoE) coefficients
     moe_aux_loss_coef: float = 0.01
     moe_z_loss_coef: float = 0.0
-    # LoRA (docs/finetune.md): rank > 0 freezes every weight and trains, beside each projection
-    # named in `lora_targets`, adapters A [in, r] and B [r, out] (B starts at zero), adding
-    # (lora_alpha / r) x A B to the projection; gpt: wq wk wv wo w_fc w_proj, llama: wq wk wv wo
-    # w_gate w_up w_down (MoE: the attention projections only)
+    # LoRA (docs/finetune.md; also set as finetune.lora_*): rank > 0 freezes every weight and
+    # trains, beside each projection named in `lora_targets`, adapters A [in, r] and B [r, out]
+    # (B starts at zero), adding (lora_alpha / r) x dropout(x) A B to the projection of x;
+    # gpt: wq wk wv wo w_fc w_proj, llama: wq wk wv wo w_gate w_up w_down (MoE: the attention
+    # projections only). `lora_dropout`: PEFT's, on the adapters' input only, a mask per target
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
+    lora_dropout: float = 0.0
 
     @property
     def lora_scale(self) -> float:
         return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+    @property
+    def stochastic(self) -> bool:
+        """Training draws dropout bits (model.dropout, or LoRA's lora_dropout)."""
+        return self.dropout > 0 or (self.lora_rank > 0 and self.lora_dropout > 0)
 
     @property
     def kv_heads(self) -> int:
@@ -386,6 +393,7 @@ class RunConfig:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+FINETUNE_KEYS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")  # `--set finetune.K` = model.K
 
 
 def _section_class(name: str) -> type:
@@ -470,6 +478,10 @@ def apply_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> R
         if path.count(".") != 1:
             raise ConfigError(f"--set key must be section.key (e.g. model.n_layers), got {path!r}")
         section, key = path.split(".")
+        if section == "finetune":  # LoRA's settings, kept in the model section (the adapters are parameters)
+            if key not in FINETUNE_KEYS:
+                raise ConfigError(f"finetune.{key}: the finetune keys are {', '.join(FINETUNE_KEYS)} (model.lora_*)")
+            section = "model"
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section {section!r}; sections: {', '.join(SECTIONS)}")
         sub = getattr(cfg, section)

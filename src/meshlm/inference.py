@@ -137,6 +137,9 @@ def load_model(
         params, meta = ckpt.restore_params(abstract, step)
     finally:
         ckpt.close()
+    from meshlm.resume import with_base
+
+    params = with_base(params, meta, cfg, abstract)  # a LoRA run's adapters on their base
     tok_file = run_tokenizer_file(root)
     tok = None if tok_file is None else toks.load(tok_file)
     if tok is not None and meta.get("tokenizer_fingerprint") not in (None, toks.fingerprint(tok)):

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import jax
 
-from meshlm.checkpoint import Checkpointer, resolve_checkpoint
+from meshlm.checkpoint import Checkpointer, CheckpointError, describe, resolve_checkpoint
 from meshlm.config import ConfigError, RunConfig
 from meshlm.data import tokenizer as toks
 from meshlm.interop import hf
+from meshlm.model import lora
+from meshlm.model.params import init_params, param_specs
 from meshlm.train_loop import TrainingError
 from meshlm.train_state import TrainState, init_state, placement
 
@@ -71,7 +73,9 @@ def base_model(init_from: str | None, run_dir: Path) -> str:
 
 
 def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from, log) -> TrainState:
-    """Resume from the run's own latest good checkpoint, else `init_from`'s weights, else fresh."""
+    """Resume from the run's own latest good checkpoint, else `init_from`'s weights, else fresh.
+    A LoRA run's checkpoints hold its adapters only: `identity["base"]` (the meta every save
+    carries) is set here to where its frozen base comes from, with the base's checksums."""
     if cfg.checkpoint.resume:
         restored = _resume(cfg, ckpt, abstract, identity, log)
         if restored is not None:
@@ -81,10 +85,46 @@ def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from,
             f"checkpoint.resume=false but {ckpt.directory} holds checkpoints {ckpt.steps()} of an earlier run; "
             "use a new run dir or --set checkpoint.dir=..."
         )
-    state = init_state(specs, layout, tx, cfg.train.seed, **placement(cfg))
+    state, source = init_state(specs, layout, tx, cfg.train.seed, **placement(cfg)), "init"
     if init_from:
-        state = state._replace(params=_adopted_params(cfg, abstract, identity, init_from, log, state.params))
+        params, source = _adopted_params(cfg, abstract, identity, init_from, log, state.params)
+        state = state._replace(params=params)
+    if cfg.model.lora_rank:
+        sums = describe(lora.without_adapters(state.params))
+        checksums = {n: d["checksum"] for n, d in sums.items()}
+        identity["base"] = {"source": source, "seed": cfg.train.seed, "checksums": checksums}
     return state
+
+
+def with_base(params: dict, meta: dict, cfg: RunConfig, abstract: dict) -> dict:
+    """A restored step's parameters: as saved, or for a LoRA run's step (meta["base"]) its adapters
+    on the frozen base the step points at - `train.seed`'s initialisation ("init"), hf:DIR, or a
+    meshlm checkpoint step - which must be, bit for bit, the base the adapters were trained on."""
+    pointer = meta.get("base")
+    if not pointer:
+        return params
+    src = pointer["source"]
+    try:
+        if src == "init":
+            shardings = jax.tree.map(lambda a: a.sharding, abstract)
+            fresh = jax.jit(lambda k: init_params(param_specs(cfg.model), k), out_shardings=shardings)
+            base = lora.without_adapters(fresh(jax.random.key(pointer["seed"])))
+        else:
+            base_cfg = dataclasses.replace(cfg, model=lora.base_config(cfg.model))
+            base, _ = source_params(src, base_cfg, lora.without_adapters(abstract))
+    except (ConfigError, CheckpointError, OSError) as e:
+        raise ConfigError(
+            f"this LoRA checkpoint holds its adapters only, and its base {src} cannot be read: {e}"
+        ) from e
+    sums = {n: d["checksum"] for n, d in describe(base).items()}
+    changed = sorted(n for n in sums.keys() | pointer["checksums"].keys() if sums.get(n) != pointer["checksums"].get(n))
+    if changed:
+        raise ConfigError(
+            f"the LoRA base {src} is not the one this run's adapters were trained on: {len(changed)} of "
+            f"{len(pointer['checksums'])} tensors differ ({', '.join(changed[:3])}); put that base back, or start "
+            "a new run"
+        )
+    return lora.with_adapters(base, params)
 
 
 def _resume(cfg, ckpt, abstract, identity, log) -> TrainState | None:
@@ -98,28 +138,31 @@ def _resume(cfg, ckpt, abstract, identity, log) -> TrainState | None:
                 f"{ckpt.directory}.corrupt); to start over, use a new run dir or --set checkpoint.resume=false"
             )
         return None
-    meta = restored.meta
+    meta, state = restored.meta, restored.state
     check_tokenizer(meta, identity, f"checkpoint {ckpt.directory}/{meta['step']}")
+    if meta.get("base"):  # a LoRA run: its adapters, on the base they were trained on
+        state = state._replace(params=with_base(state.params, meta, cfg, abstract.params))
+        identity["base"] = meta["base"]
+        log.print(f"  LoRA adapters on the frozen base {meta['base']['source']} (checksums equal)")
     log.print(f"resumed from {ckpt.directory}/{meta['step']} (saved by meshlm {meta['code_version']})")
     changes = config_changes(meta.get("config", {}), cfg)
     if changes:
         log.print("  config differs from the checkpoint's: " + "; ".join(changes))
     if meta.get("data_fingerprint") != identity["data_fingerprint"]:
         log.print("  warning: the training data differs from the checkpoint's; batches will not repeat")
-    return restored.state
+    return state
 
 
-def _adopted_params(cfg, abstract, identity, init_from: str, log, fresh: dict) -> dict:
-    """`--init-from`'s weights, sharded like this run's parameters, its tokenizer checked against
-    this run's; optimizer state and step stay fresh. With LoRA the source is the base model (without
-    adapters) and the adapters are this run's fresh ones (`fresh`: B = 0, so training starts from
-    the source's function)."""
+def _adopted_params(cfg, abstract, identity, init_from: str, log, fresh: dict) -> tuple[dict, str]:
+    """(`--init-from`'s weights, sharded like this run's parameters, its tokenizer checked against
+    this run's; the source as a LoRA base pointer: hf:DIR or a checkpoint step directory).
+    Optimizer state and step stay fresh. With LoRA the source is the base model (without adapters)
+    and the adapters are this run's fresh ones (`fresh`: B = 0, so training starts from the
+    source's function)."""
     if cfg.model.lora_rank:
-        base_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0))
-        layers = {k: v for k, v in abstract.params["layers"].items() if "_lora_" not in k}
-        params, source = source_params(init_from, base_cfg, abstract.params | {"layers": layers})
-        adapters = {k: v for k, v in fresh["layers"].items() if "_lora_" in k}
-        params = params | {"layers": params["layers"] | adapters}
+        base_cfg = dataclasses.replace(cfg, model=lora.base_config(cfg.model))
+        params, source = source_params(init_from, base_cfg, lora.without_adapters(abstract.params))
+        params = lora.with_adapters(params, fresh)
         log.print(f"  LoRA r={cfg.model.lora_rank} on {', '.join(cfg.model.lora_targets)}: the base weights are frozen")
     else:
         params, source = source_params(init_from, cfg, abstract.params)
@@ -131,7 +174,7 @@ def _adopted_params(cfg, abstract, identity, init_from: str, log, fresh: dict) -
         )
     kind = "Hugging Face " if source["hf"] else ""
     log.print(f"initialised parameters from {kind}{source['where']} (optimizer state and step are fresh)")
-    return params
+    return params, (hf.HF_PREFIX if source["hf"] else "") + str(Path(source["where"]).absolute())
 
 
 def source_params(init_from: str, cfg: RunConfig, abstract: dict) -> tuple[dict, dict]:
@@ -151,6 +194,11 @@ def source_params(init_from: str, cfg: RunConfig, abstract: dict) -> tuple[dict,
         params, meta = reader.restore_params(abstract, step)
     finally:
         reader.close()
+    if meta.get("base"):
+        raise ConfigError(
+            f"--init-from {init_from}: a LoRA run's checkpoint holds its adapters only; fold them into the base "
+            "first (meshlm convert --to-hf RUN OUT) and start from --init-from hf:OUT"
+        )
     source = {"where": f"{directory}/{meta['step']}", "hf": False}
     if meta.get("tokenizer_fingerprint"):
         source["tokenizer_fingerprint"] = meta["tokenizer_fingerprint"]

@@ -99,8 +99,8 @@ def _split_microbatches(batch: Batch, k: int, layout: Layout) -> Batch:
 
 
 def dropout_key(cfg: RunConfig, step: jax.Array | int) -> jax.Array | None:
-    """The dropout key of step `step` (None without dropout): fold_in(key(seed), step)."""
-    return jax.random.fold_in(jax.random.key(cfg.train.seed), step) if cfg.model.dropout > 0 else None
+    """The dropout key of step `step` (None without dropout, model.dropout or LoRA's): fold_in(key(seed), step)."""
+    return jax.random.fold_in(jax.random.key(cfg.train.seed), step) if cfg.model.stochastic else None
 
 
 def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, param_shardings: dict):

@@ -46,6 +46,7 @@ def _validate_lora(m: ModelConfig) -> None:
     if not m.lora_rank:
         return
     _need(m.lora_rank > 0 and m.lora_alpha > 0, "model.lora_rank and model.lora_alpha must be positive")
+    _need(0.0 <= m.lora_dropout < 1.0, "model.lora_dropout must be in [0, 1)")
     allowed = LORA_TARGETS[m.family][:4] if m.moe else LORA_TARGETS[m.family]
     bad = [t for t in m.lora_targets if t not in allowed]
     _need(
@@ -128,11 +129,6 @@ def _validate_parallel(cfg: RunConfig) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in MESH_AXES:
         _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
-    _need(
-        not (m.lora_rank and p.stage > 1),
-        "model.lora_rank with parallel.stage > 1: LoRA inside pipelines is not built yet (the stages' backward "
-        "would compute the frozen weights' gradients); use data, fsdp, tensor or context",
-    )
     for name, ways in p.dcn.items():
         _need(
             ways >= 1 and getattr(p, name) % ways == 0,

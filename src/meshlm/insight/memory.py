@@ -28,7 +28,7 @@ import numpy as np
 from meshlm import accounting
 from meshlm import axes as ax
 from meshlm.config import RematConfig, RunConfig
-from meshlm.model.params import abstract_params, param_specs
+from meshlm.model.params import abstract_params, param_specs, partition, trainable_mask
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.remat import POLICIES
 from meshlm.parallel.rules import Layout
@@ -56,13 +56,17 @@ class Measurement:
 
 
 def _residual_fn(cfg: RunConfig, layout: Layout):
-    key = jax.random.key(0) if cfg.model.dropout > 0 else None
+    key = jax.random.key(0) if cfg.model.stochastic else None
+
+    mask = trainable_mask(param_specs(cfg.model))
 
     def residuals(params, inputs, targets):
-        def loss(p):  # the train step's objective (MoE: with the router losses)
-            return objective_sum(p, {"inputs": inputs, "targets": targets}, cfg, layout, key)[0]
+        trainable, frozen, join = partition(params, mask)  # LoRA: only the adapters, as `step.gradients`
 
-        _, vjp_fn = jax.vjp(loss, params)
+        def loss(t):  # the train step's objective (MoE: with the router losses)
+            return objective_sum(join(t, frozen), {"inputs": inputs, "targets": targets}, cfg, layout, key)[0]
+
+        _, vjp_fn = jax.vjp(loss, trainable)
         return jax.tree.leaves(vjp_fn)
 
     return residuals

@@ -88,7 +88,7 @@ def startup_report(
         "param_count": accounting.param_count(cfg.model),
         "active_param_count": accounting.active_param_count(cfg.model),  # MoE: k of E experts per token
         "trainable_param_count": lora_param_count(cfg.model) or accounting.param_count(cfg.model),
-        "lora": f"LoRA r={cfg.model.lora_rank} on {','.join(cfg.model.lora_targets)}" if cfg.model.lora_rank else "",
+        "lora": _lora_label(cfg.model),
         "predicted_device_bytes": predicted,
         "predicted_device_total": sum(v for k, v in predicted.items() if "host" not in k),
         "xla_memory_analysis": xla,
@@ -230,3 +230,10 @@ def format_report(r: dict[str, Any]) -> list[str]:
             f"({r['peak_flops_per_s'] / 1e12:.3g} TFLOP/s); step time / this = 1 / HFU"
         )
     return lines
+
+
+def _lora_label(m) -> str:
+    if not m.lora_rank:
+        return ""
+    dropout = f", dropout {m.lora_dropout:g}" if m.lora_dropout else ""
+    return f"LoRA r={m.lora_rank} on {','.join(m.lora_targets)}{dropout}"

@@ -420,7 +420,7 @@ def save_peft(
             "base_model_name_or_path": base,
             "r": r,
             "lora_alpha": cfg.lora_alpha,
-            "lora_dropout": 0.0,
+            "lora_dropout": cfg.lora_dropout,
             "target_modules": sorted(PEFT_MODULES[t].split(".")[-1] for t in cfg.lora_targets),
             "bias": "none",
             "fan_in_fan_out": False,

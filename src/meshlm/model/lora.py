@@ -24,9 +24,35 @@ def lora_param_count(cfg: ModelConfig) -> int:
     return cfg.n_layers * cfg.lora_rank * sum(sizes[t] for t in cfg.lora_targets)
 
 
+def recompute_flops_per_token(cfg: ModelConfig) -> int:
+    """Forward FLOPs per token that `lora_dropout`'s rematerialised terms run again in the backward
+    pass: x A of every target (2 r in per target and layer); none without dropout."""
+    if not (cfg.lora_rank and cfg.lora_dropout):
+        return 0
+    d, q, f = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.ffn
+    ins = {"wq": d, "wk": d, "wv": d, "wo": q, "w_fc": d, "w_proj": f, "w_gate": d, "w_up": d, "w_down": f}
+    return 2 * cfg.n_layers * cfg.lora_rank * sum(ins[t] for t in cfg.lora_targets)
+
+
 def base_config(cfg: ModelConfig) -> ModelConfig:
     """The model without adapters."""
     return dataclasses.replace(cfg, lora_rank=0)
+
+
+def adapters(params: dict) -> dict:
+    """The adapters of a parameter-shaped tree, {"layers": {"<target>_lora_a": ..., ...}}: all that a
+    LoRA run trains, and all its checkpoints hold."""
+    return {"layers": {k: v for k, v in params["layers"].items() if "_lora_" in k}}
+
+
+def without_adapters(params: dict) -> dict:
+    """Every leaf but the adapters: the frozen base."""
+    return params | {"layers": {k: v for k, v in params["layers"].items() if "_lora_" not in k}}
+
+
+def with_adapters(base: dict, adapted: dict) -> dict:
+    """The base's leaves with `adapted`'s adapters added (or replacing the base tree's own)."""
+    return base | {"layers": base["layers"] | adapters(adapted)["layers"]}
 
 
 def delta(a, b, shape: tuple[int, ...]):

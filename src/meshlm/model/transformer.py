@@ -34,8 +34,9 @@ RESIDUAL = (ax.BATCH, ax.ACT_SEQ, ax.ACT_EMBED)  # the residual stream (sequence
 HEADS_ACT = (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None)
 MLP_ACT = (ax.BATCH, ax.SEQ, ax.ACT_MLP)
 
-# Dropout sites inside a layer; each gets its own fold_in of the layer key.
+# Dropout sites inside a layer; each gets its own fold_in of the layer key (LoRA's: one per target).
 _ATTN_PROBS, _ATTN_OUT, _MLP_OUT = 0, 1, 2
+_LORA_SITES = {n: 3 + i for i, n in enumerate(("wq", "wk", "wv", "wo", "w_fc", "w_proj", "w_gate", "w_up", "w_down"))}
 
 
 def _site_key(key: jax.Array | None, site: int) -> jax.Array | None:
@@ -77,8 +78,41 @@ def _qkv_names(cfg: ModelConfig) -> list[str]:
     return names + _lora_names(cfg, ("wq", "wk", "wv"))
 
 
+def _lora_outside(cfg: ModelConfig) -> bool:
+    """Where the LoRA terms are computed. Without dropout, inside the tensor-parallel regions beside
+    their base projections (the adapters are region weights: one input-gradient reduction for both).
+    With `lora_dropout`, outside them, under GSPMD (`_lora_terms`): the dropout bits must be those of
+    the global tensor, which a region (manual over every axis) does not see; x A then moves between
+    devices as a rank-r tensor, not a d-wide one."""
+    return cfg.lora_rank > 0 and cfg.lora_dropout > 0
+
+
 def _lora_names(cfg: ModelConfig, weights: tuple[str, ...]) -> list[str]:
+    """The adapters of `weights` that enter the regions (none when computed outside them)."""
+    if _lora_outside(cfg):
+        return []
     return [f"{w}_lora_{ab}" for w in weights if cfg.lora_rank and w in cfg.lora_targets for ab in "ab"]
+
+
+def _lora_terms(x, p: dict, key, equation: str, targets: dict, cfg: ModelConfig, layout: Layout | None) -> dict:
+    """`_lora_outside`'s terms {target: scale x dropout(x) A B, laid out as targets[target]} of the
+    projections `equation` of x, for those of `targets` that have adapters. Each target draws its own
+    mask (PEFT: one nn.Dropout per adapted module) at every element's global position; no key (eval,
+    decoding): no dropout."""
+    if not _lora_outside(cfg):
+        return {}
+    at = _drop_positions(layout, x.shape[1])
+
+    @jax.checkpoint  # backward redraws the mask and x A from x and the key: no dropped copy of x is kept
+    def term(x, a, b, key):
+        return layers.lora_delta(equation, layers.dropout(x, cfg.lora_dropout, key, at), a, b, cfg.lora_scale)
+
+    out = {}
+    for name, axes in targets.items():
+        if f"{name}_lora_a" in p:
+            a, b = p[f"{name}_lora_a"], p[f"{name}_lora_b"]
+            out[name] = constrain(layout, term(x, a, b, _site_key(key, _LORA_SITES[name])), axes)
+    return out
 
 
 def _with_lora(equation: str, x, outputs: list, weights: tuple[str, ...], p: dict, cfg: ModelConfig) -> list:
@@ -91,12 +125,23 @@ def _with_lora(equation: str, x, outputs: list, weights: tuple[str, ...], p: dic
     ]
 
 
-def _project(h_btd, *ws, cfg: ModelConfig, flat: bool = True):
+_QKV_TERMS = {"wq": HEADS_ACT, "wk": KV_ACT, "wv": KV_ACT}
+
+
+def _plus(x: jax.Array, terms: dict) -> jax.Array:
+    """x plus the one LoRA term in `terms`, if any."""
+    return x + next(iter(terms.values())) if terms else x
+
+
+def _project(h_btd, *ws, cfg: ModelConfig, flat: bool = True, terms: tuple[str, ...] = ()):
     """Column-parallel QKV projections (+ biases, + RMSNorm of q and k over head_dim, + LoRA terms).
-    Runs per tensor rank on its heads (inside `column_parallel`), so it must not name mesh axes."""
-    p = dict(zip(_qkv_names(cfg), ws, strict=True))
+    Runs per tensor rank on its heads (inside `column_parallel`), so it must not name mesh axes.
+    `terms`: the targets among wq, wk, wv whose LoRA terms come computed (`_lora_terms`), first in `ws`."""
+    given = dict(zip(terms, ws, strict=False))
+    p = dict(zip(_qkv_names(cfg), ws[len(terms) :], strict=True))
     q, k, v = layers.dense_shared("btd,dnh->btnh", h_btd, [p["wq"], p["wk"], p["wv"]], flat)
     q, k, v = _with_lora("btd,dnh->btnh", h_btd, [q, k, v], ("wq", "wk", "wv"), p, cfg)
+    q, k, v = (o + given[w] if w in given else o for o, w in zip((q, k, v), ("wq", "wk", "wv"), strict=True))
     if cfg.family == "gpt" or cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if cfg.qk_norm:
@@ -105,8 +150,8 @@ def _project(h_btd, *ws, cfg: ModelConfig, flat: bool = True):
 
 
 def _lora(p: dict, name: str, cfg: ModelConfig):
-    """A row-parallel projection's LoRA adapters for `row_parallel` (None without)."""
-    if f"{name}_lora_a" not in p:
+    """A row-parallel projection's LoRA adapters for `row_parallel` (None without, or outside it)."""
+    if f"{name}_lora_a" not in p or _lora_outside(cfg):
         return None
     axes = weight_axes(cfg)
     a, b = f"{name}_lora_a", f"{name}_lora_b"
@@ -129,11 +174,11 @@ def _rope_qk(q, k, positions, cfg: ModelConfig):
     return layers.rope(q, cos, sin), layers.rope(k, cos, sin)
 
 
-def _qkv(h_btd, *args, cfg: ModelConfig, context: bool = False):
-    """Projections, then RoPE (llama) at positions 0..t-1 - or, under context parallelism, at the
-    original positions of this rank's tokens, passed first in `args`."""
+def _qkv(h_btd, *args, cfg: ModelConfig, context: bool = False, terms: tuple[str, ...] = ()):
+    """Projections (+ the LoRA `terms` given next in `args`), then RoPE (llama) at positions 0..t-1 -
+    or, under context parallelism, at the original positions of this rank's tokens, passed first."""
     positions = args[0] if context else None  # None: 0..t-1 (RoPE's tables constants up to CONSTANT_ROPE_MAX)
-    q, k, v = _project(h_btd, *args[1 if context else 0 :], cfg=cfg, flat=not context)
+    q, k, v = _project(h_btd, *args[1 if context else 0 :], cfg=cfg, flat=not context, terms=terms)
     if cfg.family == "gpt":
         return q, k, v
     return (*_rope_qk(q, k, positions, cfg), v)
@@ -147,15 +192,16 @@ def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cac
     """Attention of t new tokens over the cache: their K/V are written at slots index..index+t-1
     of layer `kv[2]` of the whole cache `kv[:2]`, then every query attends to the valid slots up
     to its own. Returns (output, (whole k, whole v))."""
-    names = _qkv_names(cfg)
+    names, terms = _qkv_names(cfg), _lora_terms(h_btd, p, None, "btd,dnh->btnh", _QKV_TERMS, cfg, layout)
     q, k, v = column_parallel(
         layout,
-        partial(_project, cfg=cfg),
+        partial(_project, cfg=cfg, terms=tuple(terms)),
         h_btd,
         [p[n] for n in names],
         [weight_axes(cfg)[n] for n in names],
         (HEADS_ACT, KV_ACT, KV_ACT),
         RESIDUAL,
+        [(t, _QKV_TERMS[n]) for n, t in terms.items()],
     )
     if cfg.family == "llama":
         q, k = _rope_qk(q, k, positions_bt, cfg)
@@ -176,7 +222,7 @@ def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cac
     a = constrain(layout, a, HEADS_ACT)
     wo_axes = weight_axes(cfg)["wo"]
     out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, wo_axes, RESIDUAL, lora=_lora(p, "wo", cfg))
-    return out, (k_all, v_all)
+    return _plus(out, _lora_terms(a, p, None, "btnh,nhd->btd", {"wo": RESIDUAL}, cfg, layout)), (k_all, v_all)
 
 
 def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_policy: str, segments=None, dec=None):
@@ -188,9 +234,11 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
     names = _qkv_names(cfg)
     context = _context(layout)
     extras = [(jnp.asarray(layout.seq_index(h_btd.shape[1])), (ax.SEQ,))] if context else []
+    terms = _lora_terms(h_btd, p, key, "btd,dnh->btnh", _QKV_TERMS, cfg, layout)
+    extras += [(t, _QKV_TERMS[n]) for n, t in terms.items()]
     q, k, v = column_parallel(
         layout,
-        partial(_qkv, cfg=cfg, context=context),
+        partial(_qkv, cfg=cfg, context=context, terms=tuple(terms)),
         h_btd,
         [p[n] for n in names],
         [weight_axes(cfg)[n] for n in names],
@@ -222,7 +270,7 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
         a = constrain(layout, a, HEADS_ACT)  # pass: a constrained copy (or a rows view) would be stored twice
     wo_axes, lora = weight_axes(cfg)["wo"], _lora(p, "wo", cfg)
     out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, wo_axes, RESIDUAL, explicit, lora=lora)
-    return out, None
+    return _plus(out, _lora_terms(a, p, key, "btnh,nhd->btd", {"wo": RESIDUAL}, cfg, layout)), None
 
 
 def _kernel(cfg: ModelConfig, key, remat_policy: str, layout: Layout | None):
@@ -268,9 +316,11 @@ def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_poli
 
     axes = weight_axes(cfg)
     (f,) = column_parallel(layout, fc1, h, [p[n] for n in names], [axes[n] for n in names], (MLP_ACT,), RESIDUAL)
+    f = _plus(f, _lora_terms(h, p, key, "btd,df->btf", {"w_fc": MLP_ACT}, cfg, layout))
     f = remat.wrap_elementwise(layers.gelu, remat_policy)(f)
     lora = _lora(p, "w_proj", cfg)
     o = row_parallel(layout, "btf,fd->btd", f, p["w_proj"], MLP_ACT, axes["w_proj"], RESIDUAL, lora=lora) + p["b_proj"]
+    o = _plus(o, _lora_terms(f, p, key, "btf,fd->btd", {"w_proj": RESIDUAL}, cfg, layout))
     x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _MLP_OUT), at), RESIDUAL)
     return x_btd, kv
 
@@ -301,9 +351,12 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
     gate, up = column_parallel(
         layout, gate_up, h, [p[n] for n in names], [axes[n] for n in names], (MLP_ACT, MLP_ACT), RESIDUAL
     )
+    terms = _lora_terms(h, p, key, "btd,df->btf", {"w_gate": MLP_ACT, "w_up": MLP_ACT}, cfg, layout)
+    gate, up = gate + terms.get("w_gate", 0), up + terms.get("w_up", 0)
     act = remat.wrap_elementwise(layers.swiglu, remat_policy)(gate, up)
     lora = _lora(p, "w_down", cfg)
     o = row_parallel(layout, "btf,fd->btd", act, p["w_down"], MLP_ACT, axes["w_down"], RESIDUAL, lora=lora)
+    o = _plus(o, _lora_terms(act, p, key, "btf,fd->btd", {"w_down": RESIDUAL}, cfg, layout))
     x_btd = constrain(layout, x_btd + o, RESIDUAL)
     return x_btd, kv
 

@@ -38,7 +38,9 @@ number of microbatch-chunks in flight, the inboxes what has arrived and not yet 
 are assigned in Python by interval colouring, so nothing is searched at run time.
 
 Gradients: each device accumulates those of its own rows through the loop; they are summed over
-the batch axes once, after it (one reduction per step). Dropout bits are drawn at each element's
+the batch axes once, after it (one reduction per step). LoRA: only the adapters are differentiated
+and accumulated (the frozen weights, embeddings and output layer are held constant; zeros in the
+returned tree), and zb1's weight pass takes the adapters among its regions' weights. Dropout bits are drawn at each element's
 global position (`layers.global_keep_mask`), so a batch shard draws what the whole batch would.
 
 Weights: the stacked layer axis [L, ...] is sharded over `stage` in contiguous blocks (the rules
@@ -131,6 +133,10 @@ class _Stage:
         self.stage = jax.lax.axis_index(AXIS)
         specs = param_specs(cfg.model)
         self.top_axes = {n: spec.axes for n, spec in specs.items() if n != "layers"}
+        # LoRA: only the adapters are differentiated; the frozen weights and the embeddings and
+        # output layer (all frozen) get no gradient and no accumulator
+        self.trained = {n for n, spec in specs["layers"].items() if spec.trainable}
+        self.top_trained = all(spec.trainable for n, spec in specs.items() if n != "layers")
         self.split = tab.weight_slots > 0  # zb1: B and W apart
         self.unbranched = runs_unbranched(cfg.parallel)  # the ring inside the stages (see `phase`)
         self.w_inputs, self.w_grads = [], []  # zb1: a weight slot's region inputs and output gradients
@@ -188,14 +194,15 @@ class _Stage:
         regions' inputs its weight pass needs; the vjp then also gives the regions' output gradients."""
         run = partial(run_layers, layer_ids=ids, cfg=self.cfg.model, layout=self.layout, key=k, segment_ids=seg)
         run = partial(run, remat_policy=self.cfg.remat.policy)
-        if self.split:  # the regions' weights held constant: their gradients come from W
+        # held constant: frozen weights, and (zb1) the regions' weights, whose gradients come from W
+        held = {n: a for n, a in w.items() if n not in self.trained or (self.split and n in self.region_names)}
+        other = {n: a for n, a in w.items() if n not in held}
+        if self.split:
             taps = [jnp.zeros(a.shape, a.dtype) for a in self.w_grads]
-            held = {n: w[n] for n in self.region_names}
-            other = {n: a for n, a in w.items() if n not in held}
             f = lambda wo, x, t: run(x, {**wo, **held}, taps=t)
             y, vjp_fn, (_, inputs) = jax.vjp(f, other, x, taps, has_aux=True)
         else:
-            (y, vjp_fn), inputs = jax.vjp(lambda w, x: run(x, w)[0], w, x), []
+            (y, vjp_fn), inputs = jax.vjp(lambda wo, x: run(x, {**wo, **held})[0], other, x), []
         w_leaves = jax.tree.leaves(w)
         where = tuple(next((j for j, q in enumerate(w_leaves) if q is r), None) for r in jax.tree.leaves(vjp_fn))
         return y, vjp_fn, where, inputs
@@ -262,7 +269,7 @@ class _Stage:
                 return self.top_layout(jax.tree.map(jnp.add, g_top, vjp_embed(dx)[0]))
 
             first = r["b_first"].astype(bool)
-            top = jax.lax.cond(first, through_embedding, lambda: self.top_layout(g_top))
+            top = jax.lax.cond(first, through_embedding, lambda: self.top_layout(g_top)) if self.top_trained else g_top
             return acc, top, jnp.where(first, self.filled(), self.resid(dx.astype(self.dtype))), out_taps
 
         idle = lambda: (g_layers, self.top_layout(g_top), self.filled(), self.spare(self.w_grads))
@@ -275,11 +282,14 @@ class _Stage:
         to their accumulators."""
         if not self.split:
             return g_layers
+        names = tuple(n for n in self.region_names if n in self.trained)  # LoRA: the adapters' only
+        if not names:
+            return g_layers
         lc, slot = r[f"{which}_chunk"], r[f"{which}_slot"]
 
         def run():
             inputs, grads = [_take(b, slot) for b in w_in], [_take(b, slot) for b in w_grad]
-            dw = weight_gradients(self.chunk_weights(lc), inputs, grads, self.region_names, self.cfg.model, self.layout)
+            dw = weight_gradients(self.chunk_weights(lc), inputs, grads, names, self.cfg.model, self.layout)
             return self.accumulate(g_layers, lc, dw)
 
         return jax.lax.cond(r[which].astype(bool), run, lambda: g_layers)  # no ring op in W
@@ -301,6 +311,9 @@ class _Stage:
             inputs = [a.astype(b.dtype) for a, b in zip(inputs, self.w_inputs, strict=True)] if self.split else []
 
             def with_loss():
+                if not self.top_trained:  # LoRA: the output layer is frozen
+                    (ls, cnt), dy = jax.value_and_grad(self.loss, has_aux=True)(y, self.top, mb)
+                    return self.resid(dy.astype(self.dtype)), g_top, ls, cnt
                 (ls, cnt), (dy, dtop) = jax.value_and_grad(self.loss, argnums=(0, 1), has_aux=True)(y, self.top, mb)
                 return self.resid(dy.astype(self.dtype)), self.top_layout(jax.tree.map(jnp.add, g_top, dtop)), ls, cnt
 
@@ -325,8 +338,8 @@ class _Stage:
             "w_grad": [_slots((self.tab.weight_slots,), a, self.idle_fill) for a in self.w_grads] if self.split else [],
             # zb1: the last forward's region inputs and their slot, written at the next tick's start
             "w_in_next": (jnp.int32(self.tab.weight_slots - 1), self.spare(self.w_inputs)) if self.split else None,
-            "g_layers": jax.tree.map(jnp.zeros_like, self.local),
-            "g_top": jax.tree.map(jnp.zeros_like, self.top),
+            "g_layers": {n: jnp.zeros_like(w) for n, w in self.local.items() if n in self.trained},
+            "g_top": jax.tree.map(jnp.zeros_like, self.top) if self.top_trained else {},
             "loss": jnp.zeros((), jnp.float32),
             "count": jnp.zeros((), jnp.float32),
         }
@@ -439,5 +452,7 @@ def pipeline_gradients(
     def ungroup(g):  # [p, v, L/(pv), ...] -> [L, ...]
         return jnp.swapaxes(g, 0, 1).reshape(cfg.model.n_layers, *g.shape[3:])
 
-    grads = {"layers": jax.tree.map(ungroup, g_layers), **g_top}
-    return grads, loss_sum, count
+    # frozen leaves (LoRA's base): zeros, constants in the returned tree, as `step.gradients` gives them
+    layers = {n: ungroup(g_layers[n]) if n in g_layers else jnp.zeros_like(w) for n, w in params["layers"].items()}
+    top = {n: g_top.get(n, jnp.zeros_like(w)) for n, w in params.items() if n != "layers"}
+    return {"layers": layers, **top}, loss_sum, count

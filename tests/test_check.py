@@ -298,3 +298,25 @@ def test_moe_layouts_are_checked_and_a_lost_expert_reduction_is_caught(monkeypat
     monkeypatch.setattr(moe, "_moe_local", buggy)
     result = check.run_check(_cfg("moe", *sets))
     assert not result.equal and "layers/we_gate" in result.mismatched
+
+
+def test_a_bug_mixing_one_devices_rows_between_the_expert_exchanges_is_caught(monkeypatch, devices):
+    """The shrunk check keeps two rows per batch shard and microbatch (`check.CHECK_ROWS`): the
+    rows of each source device's buffer reversed between the two expert all_to_alls (every row then
+    takes another row's expert outputs, but only on the layout) fail it. With one row per shard
+    the reversal is the identity and the check would pass."""
+    from meshlm.model import moe
+
+    real = moe._swiglu_experts
+
+    def mixed(buf, *ws, **kw):
+        if jax.sharding.get_abstract_mesh().shape.get("expert", 1) > 1:  # between the two all_to_alls
+            e, r, c, d = buf.shape
+            buf = buf.reshape(e, 2, r // 2, c, d)[:, :, ::-1].reshape(e, r, c, d)  # each source's rows reversed
+        return real(buf, *ws, **kw)
+
+    monkeypatch.setattr(moe, "_swiglu_experts", mixed)
+    cfg = _cfg("moe", "parallel.expert=2")
+    assert check.shrink(check.validate(cfg)).train.global_batch == 2 * 2 * cfg.train.microbatches
+    result = check.run_check(cfg)
+    assert not result.equal

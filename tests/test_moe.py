@@ -108,6 +108,38 @@ def test_routing_capacity_and_router_losses_equal_numpy(renormalize):
     np.testing.assert_allclose(got["dropped_fraction"], (~kept).mean(), rtol=1e-6)
 
 
+def test_the_load_balancing_loss_is_transformers_pooled_over_layers():
+    """Layers that route differently: the auxiliary loss equals `transformers`' own
+    `load_balancing_loss_func` on the same router logits (counts and probabilities pooled over the
+    layers, then one product), which the mean of per-layer losses does not (checked: they differ)."""
+    import torch
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    rng = np.random.default_rng(1)
+    b, t, E, k = 2, 16, 8, 2
+    skew = np.zeros(E, np.float32)
+    skew[:2] = 3.0  # the second layer prefers two experts: its imbalance is not the first's
+    logits = [rng.normal(size=(b, t, E)).astype(np.float32), rng.normal(size=(b, t, E)).astype(np.float32) + skew]
+    per_layer = []
+    for lg in logits:
+        probs, experts, _, _ = np_route(lg, k, True, t)
+        counts = np.stack([(experts == e).sum(axis=(1, 2)) for e in range(E)], -1).astype(np.float32)
+        lse = np.log(np.exp(lg).sum(-1))
+        per_layer.append(moe.RouterStats(counts, probs.sum(1), (lse**2).sum(1), np.zeros(b, np.float32)))
+    stacked = moe.RouterStats(*[np.stack(a) for a in zip(*per_layer, strict=True)])
+    cfg = dataclasses.replace(moe_config().model, n_experts=E, experts_per_token=k)
+    got = float(jax.device_get(moe.moe_losses(stacked, cfg))["moe_aux_loss"])
+    want = float(load_balancing_loss_func(tuple(torch.from_numpy(x.reshape(-1, E)) for x in logits), E, k))
+    assert got == pytest.approx(want, rel=1e-6)
+    mean_of_layers = np.mean(
+        [
+            float(jax.device_get(moe.moe_losses(moe.RouterStats(*[a[None] for a in s]), cfg))["moe_aux_loss"])
+            for s in per_layer
+        ]
+    )
+    assert abs(mean_of_layers - want) > 1e-3 * want
+
+
 def test_the_layer_drops_exactly_what_numpy_drops():
     """The whole MoE layer on one device, with a finite capacity, equals a NumPy loop over tokens
     that adds weight x SwiGLU_e(x) for the kept assignments only (plus the gated shared expert)."""

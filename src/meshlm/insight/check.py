@@ -44,6 +44,9 @@ from meshlm.validation import validate
 # the bound is 0.1 (about 26u): room for other shapes, and still 10x below a doubled leaf (1.0), a
 # missing 1/t (at least 0.5) or a dropped pipeline stage's share.
 TOLERANCES = {"float32": 1e-5, "bfloat16": 0.1}
+# rows per batch shard and microbatch in the shrunk check: with one, a bug that mixes the rows of a
+# device's batch (between MoE's two expert all_to_alls, say) would leave every row where it was
+CHECK_ROWS = 2
 STEP = 1  # the dropout key of step 1 (not 0, so that the step index really reaches the keys)
 EOT = 0  # the end-of-text id of the check's random documents
 CHECK_WIDTH = 64  # d_model of the shrunk model (rounded up to the fsdp axis)
@@ -113,7 +116,8 @@ def shrink(cfg: RunConfig) -> RunConfig:
         max_seq_len=max(seq, m.max_seq_len) if m.family == "llama" else seq,
         scan_unroll=m.scan_unroll if m.scan_unroll < m.n_layers else layers,
     )
-    train = dataclasses.replace(t, seq_len=seq, global_batch=t.microbatches * p.batch_shards, steps=max(t.steps, STEP))
+    rows = CHECK_ROWS * t.microbatches * p.batch_shards
+    train = dataclasses.replace(t, seq_len=seq, global_batch=rows, steps=max(t.steps, STEP))
     return dataclasses.replace(cfg, model=model, train=train)
 
 

@@ -157,7 +157,8 @@ def all_pairs(seed: int = 0) -> list[dict]:
 
 
 def check_row(row: dict) -> dict:
-    """One row's outcome: {"result": "checked" | "differs" | "refused", "error", "tolerance", "why"}."""
+    """One row's outcome: {"result": "checked" | "differs" | "refused", "error", "tolerance", "dtype"
+    (the one it was checked in), "why"}."""
     from meshlm.insight.check import run_check
 
     try:
@@ -167,7 +168,7 @@ def check_row(row: dict) -> dict:
     except Exception as e:  # a combination must be refused by validation, never crash: a failure
         return {"result": "crashed", "why": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
     worst = max([r.loss_error, r.grad_norm_error, *(e.error for e in r.leaves)])
-    out = {"result": "checked" if r.equal else "differs", "error": worst, "tolerance": r.tolerance}
+    out = {"result": "checked" if r.equal else "differs", "error": worst, "tolerance": r.tolerance, "dtype": r.dtype}
     return out | ({"why": ", ".join(r.mismatched) or "loss / gradient norm"} if not r.equal else {})
 
 
@@ -210,8 +211,10 @@ def markdown(rows: list[dict], outcomes: list[dict | None], how: str, seconds: f
     ]
     for i, (row, out) in enumerate(zip(rows, outcomes, strict=True), 1):
         mask = "on" if row["document_mask"] else "off"
+        ran = (out or {}).get("dtype", row["dtype"])  # an MoE row asked in bf16 is checked in fp32 (docs/check.md)
+        dtype = row["dtype"] if ran == row["dtype"] else f"{row['dtype']}, checked in {ran}"
         lines.append(
-            f"| {i} | {row['family']} | {row['mesh']} | {row['attention']} | {row['remat']} | {row['dtype']} | "
+            f"| {i} | {row['family']} | {row['mesh']} | {row['attention']} | {row['remat']} | {dtype} | "
             f"{mask} | {_cell(out)} |"
         )
     return "\n".join(lines) + "\n"

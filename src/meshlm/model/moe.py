@@ -218,15 +218,16 @@ def without_capacity(cfg: ModelConfig) -> ModelConfig:
 
 def moe_losses(stats: RouterStats, cfg: ModelConfig) -> dict[str, jax.Array]:
     """From the per-layer, per-row statistics [L, b, ...] of one microbatch: the load-balancing loss
-    (Switch/GShard, in `transformers`' form: E * sum_e f_e P_e with f_e the fraction of tokens that
-    route to e (sums to k) and P_e its mean probability; k when perfectly balanced), the router
-    z-loss (ST-MoE: mean of logsumexp^2), each averaged over the MoE layers; the load of every
-    layer's experts (the fraction of routed assignments each receives; [L, E]) and the fraction of
-    assignments dropped."""
+    (Switch/GShard) in `transformers`' form (`load_balancing_loss_func`), pooled over the layers:
+    E * sum_e f_e P_e with f_e the fraction of (token, layer) pairs that route to e (sums to k) and
+    P_e its mean probability over them - not the mean of each layer's loss, which weighs a layer's
+    imbalance against its own probabilities only; k when perfectly balanced. The router z-loss
+    (ST-MoE: mean of logsumexp^2 over tokens and layers); the load of every layer's experts (the
+    fraction of routed assignments each receives; [L, E]) and the fraction of assignments dropped."""
     tokens = stats.counts.sum(axis=(1, 2)) / cfg.experts_per_token  # [L]
-    f = stats.counts.sum(axis=1) / tokens[:, None]
-    mean_p = stats.prob_sum.sum(axis=1) / tokens[:, None]
-    aux = jnp.mean(cfg.n_experts * jnp.sum(f * mean_p, axis=-1))
+    f = stats.counts.sum(axis=(0, 1)) / tokens.sum()
+    mean_p = stats.prob_sum.sum(axis=(0, 1)) / tokens.sum()
+    aux = cfg.n_experts * jnp.sum(f * mean_p)
     z = jnp.mean(stats.z_sum.sum(axis=1) / tokens)
     routed = stats.counts.sum(axis=(1, 2))
     return {

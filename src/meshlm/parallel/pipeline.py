@@ -40,8 +40,9 @@ are assigned in Python by interval colouring, so nothing is searched at run time
 Gradients: each device accumulates those of its own rows through the loop; they are summed over
 the batch axes once, after it (one reduction per step). LoRA: only the adapters are differentiated
 and accumulated (the frozen weights, embeddings and output layer are held constant; zeros in the
-returned tree), and zb1's weight pass takes the adapters among its regions' weights. Dropout bits are drawn at each element's
-global position (`layers.global_keep_mask`), so a batch shard draws what the whole batch would.
+returned tree), and zb1's weight pass takes the adapters among its regions' weights. Dropout bits
+are drawn at each element's global position (`layers.global_keep_mask`), so a batch shard draws
+what the whole batch would.
 
 Weights: the stacked layer axis [L, ...] is sharded over `stage` in contiguous blocks (the rules
 table), so checkpoints do not depend on the pipeline. Inside the step it is viewed as

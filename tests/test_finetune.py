@@ -75,6 +75,7 @@ def test_the_walkthrough_runs_as_written(work, capsys):
     assert meta["base"]["source"] == str(work / "base" / "checkpoints" / "0")  # the adapters' base: the import
     adapter = json.loads((work / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(hf.absolute())  # through the convert --from-hf import
+    assert adapter["lora_dropout"] == 0.05
     # the doc's Python: transformers loads the merged export (its chat template kept) and generates
     (snippet,) = blocks("python")
     capsys.readouterr()

@@ -74,16 +74,16 @@ def test_forward_equals_the_merged_model_and_counts_are_exact(family):
 
 @pytest.mark.parametrize(
     "parallel",
-    [{}, dict(stage=2, pipeline_schedule="1f1b"), dict(stage=2, pipeline_schedule="zb1")],
-    ids=["one", "1f1b", "zb1"],
+    [{}, dict(stage=2, pipeline_schedule="1f1b")],
+    ids=["one", "1f1b"],
 )
 def test_the_base_has_no_gradient_and_no_optimizer_state(parallel):
     """In the compiled gradient step of a LoRA run, every matmul that makes a weight-shaped output
     (neither dimension a microbatch's rows) has the rank as a dimension: the frozen weights' d_in x
     d_out gradient GEMMs are not in the program - nor in a pipeline's, whose stages differentiate
-    the adapters only and whose zb1 weight pass takes the adapters' only (full fine-tuning's are:
-    the check fails there; the program's exact GEMM FLOPs: tests/test_flops.py). Adam's moments
-    exist for the adapters only."""
+    and accumulate the adapters only (full fine-tuning's are: the check fails there, as it did by
+    hand on 1F1B with the frozen weights accumulated; the program's exact GEMM FLOPs:
+    tests/test_flops.py). Adam's moments exist for the adapters only."""
     cfg = lora_config("llama", microbatches=2 if parallel else 1)
     cfg = validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel)))
     full = validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0)))
@@ -155,7 +155,8 @@ def deep_reference():
 @pytest.mark.parametrize(
     "family, rate, parallel",
     [
-        ("llama", 0.2, dict(stage=2, pipeline_schedule="zb1", tensor=2, sequence_parallel=True)),
+        ("llama", 0.2, dict(stage=2, tensor=2, sequence_parallel=True)),
+        ("llama", 0.0, dict(stage=2, tensor=2, sequence_parallel=True, data=2)),
         ("gpt", 0.0, dict(stage=2, pipeline_schedule="interleaved", virtual_stages=2, data=2)),
         ("gpt", 0.2, dict(stage=2, fsdp=2)),
         ("llama", 0.2, dict(context=2, context_strategy="all_to_all", fsdp=2)),
@@ -163,9 +164,10 @@ def deep_reference():
     ],
 )
 def test_pipelines_and_lora_dropout_give_the_one_device_gradients(deep_reference, family, rate, parallel):
-    """LoRA inside pipelines (1F1B, zb1's split backward with the adapters' weight pass, interleaved)
-    and `lora_dropout` (its bits at each element's global position: the same on every layout,
-    context's load-balanced order included): raw gradients equal one device's; frozen leaves zero."""
+    """LoRA inside pipelines (1F1B and interleaved, with tensor parallelism: the adapters inside its
+    regions, or outside them with dropout) and `lora_dropout` (its bits at each element's global
+    position: the same on every layout, context's load-balanced order included): raw gradients equal
+    one device's; frozen leaves zero."""
     from test_gradients import assert_same_grads, grads
 
     one, params, ref = deep_reference(family, rate)
@@ -216,6 +218,12 @@ def test_config_errors():
         validate(dataclasses.replace(cfg, model=moe))
     with pytest.raises(ConfigError, match="lora_dropout must be in"):
         bad(lora_dropout=1.0)
+    with pytest.raises(ConfigError, match="lora_dropout without a rank"):
+        validate(apply_overrides(cfg, ["finetune.lora_dropout=0.1"]))
+    piped = apply_overrides(cfg, ["finetune.lora_rank=4", "parallel.stage=2", "train.microbatches=2"])
+    validate(piped)  # 1F1B
+    with pytest.raises(ConfigError, match="zb1 with LoRA"):
+        validate(apply_overrides(piped, ["parallel.pipeline_schedule=zb1"]))
     # the issue's names: finetune.lora_* set the model's LoRA fields (the adapters are parameters)
     got = apply_overrides(cfg, ["finetune.lora_rank=8", "finetune.lora_dropout=0.1", "finetune.lora_targets=wq,wv"])
     assert (got.model.lora_rank, got.model.lora_dropout, got.model.lora_targets) == (8, 0.1, ("wq", "wv"))
@@ -302,12 +310,15 @@ def test_checkpoints_hold_the_adapters_and_a_checked_pointer_to_the_base(hf_llam
 
     from safetensors.numpy import load_file, save_file
 
+    from meshlm import sources
     from meshlm.checkpoint import Checkpointer
     from meshlm.config import CheckpointConfig, DataConfig, OptimConfig, RunConfig, TrainConfig
     from meshlm.inference import load_model
     from meshlm.interop import hf_tables
+    from meshlm.interop.convert import export_hf
     from meshlm.trainer import train
 
+    is_spec = lambda x: hasattr(x, "axes")
     base = tmp_path / "base"
     shutil.copytree(hf_llama, base)
     model = dataclasses.replace(hf_tables.model_config(base), lora_rank=4, lora_alpha=8.0, lora_targets=("wq", "wv"))
@@ -339,6 +350,12 @@ def test_checkpoints_hold_the_adapters_and_a_checked_pointer_to_the_base(hf_llam
     shutil.rmtree(base)
     with pytest.raises(ConfigError, match=r"its base hf:.* cannot be read"):
         load_model(run)
+    export_hf(run, tmp_path / "adapter", peft=True, log=lambda _: None)  # a PEFT export reads no base
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    base_model = sources.base_run_config(cfg).model
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32), param_specs(base_model), is_leaf=is_spec)
+    with pytest.raises(ConfigError, match="holds the adapters only; fold them"):  # --init-from a LoRA run
+        sources.source_params(str(run), sources.base_run_config(cfg), shapes)
 
     # no --init-from: the base is train.seed's initialisation, drawn again and checked
     fresh = tmp_path / "fresh"

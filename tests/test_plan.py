@@ -359,6 +359,10 @@ def test_lora_plans_price_the_adapters_states_and_the_frozen_masters():
     a100 = ACCELERATORS["a100"]  # calibrated
     update = lambda c: planner.estimate(c, a100).calibrated["optimizer update"]
     assert update(lora) / update(full) == pytest.approx(adapters / base)
+    # pipelines: the stages accumulate the adapters' gradients alone, unsharded over fsdp
+    piped = lambda c: dataclasses.replace(c, parallel=ParallelConfig(stage=2, fsdp=2))
+    acc = lambda c: planner.estimate(piped(c), h100).memory["unsharded gradient accumulators"]
+    assert 0 < acc(lora) <= 4 * adapters / 2 and acc(full) > 100 * acc(lora)
 
 
 def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():

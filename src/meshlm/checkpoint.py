@@ -7,7 +7,7 @@ is never listed. Each step holds three items:
     params     fp32 master weights: global arrays stored shard by shard (tensorstore/OCDBT), so they
                restore onto any mesh and device count, each process reading only its own shards.
                A LoRA run's (meta has "base") hold its adapters only: the frozen base is where
-               meta["base"] points, with its checksums (`resume.with_base` reads and checks it)
+               meta["base"] points, with its checksums (`sources.with_base` reads and checks it)
     opt_state  the optimizer state, the same way
     meta       JSON: step (= the data position: batch n is a pure function of (seed, n)), the
                non-finite counters (skipped steps, current streak), the resolved config, code
@@ -277,6 +277,11 @@ class Checkpointer:
         when the files are unreadable or the checksums disagree."""
         meta = self.read_meta(step)
         if meta.get("base") and "params" in abstract:  # a LoRA run's: the adapters only (the caller adds the base)
+            if not lora.adapters(abstract["params"])["layers"]:
+                raise ConfigError(
+                    f"{self.directory / str(step)} is a LoRA run's checkpoint: it holds the adapters only; fold them "
+                    "into their base first (meshlm convert --from RUN --to-hf OUT) and start from --init-from hf:OUT"
+                )
             abstract = abstract | {"params": lora.adapters(abstract["params"])}
         self._check_shapes(step, meta, abstract)
         gb = _in_flight_gb(abstract)  # read buffers in flight bounded, as for save_params
@@ -298,7 +303,7 @@ class Checkpointer:
     def restore_latest(self, abstract_state: TrainState, step: int | None = None) -> Restored | None:
         """The newest good checkpoint (or exactly `step`), restored into `abstract_state`'s
         shardings; None when there is none. Unreadable steps are moved aside, never overwritten.
-        A LoRA run's state comes back with its adapters only as parameters (`resume.with_base`)."""
+        A LoRA run's state comes back with its adapters only as parameters (`sources.with_base`)."""
         candidates = [step] if step is not None else list(reversed(self.steps()))
         abstract = {"params": abstract_state.params, "opt_state": abstract_state.opt_state}
         for s in candidates:
@@ -334,7 +339,7 @@ class Checkpointer:
 
     def restore_params(self, abstract_params: dict, step: int | None = None) -> tuple[dict, dict]:
         """Only the parameters of the newest good (or the given) step (`--init-from`, `generate`,
-        `eval`, `convert`); a LoRA run's adapters only (`resume.with_base`)."""
+        `eval`, `convert`); a LoRA run's adapters only (`sources.with_base`)."""
         candidates = [step] if step is not None else list(reversed(self.steps()))
         errors = []
         for s in candidates:

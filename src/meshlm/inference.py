@@ -98,10 +98,15 @@ def run_tokenizer_file(run_dir: Path) -> Path | None:
 
 
 def load_model(
-    run_dir: str | Path, step: int | None = None, parallel: ParallelConfig | None = None, dtype: str | None = None
+    run_dir: str | Path,
+    step: int | None = None,
+    parallel: ParallelConfig | None = None,
+    dtype: str | None = None,
+    base: bool = True,
 ) -> Model:
     """A meshlm run directory's weights (latest good checkpoint, or `step`) on a mesh, or a
-    Hugging Face directory's when `run_dir` is "hf:DIR"."""
+    Hugging Face directory's when `run_dir` is "hf:DIR". A LoRA run's adapters come on their
+    frozen base, or (`base=False`: a PEFT export) alone, the base not read."""
     from meshlm.interop import hf, hf_tables
 
     if hf.is_hf_ref(str(run_dir)):
@@ -137,9 +142,10 @@ def load_model(
         params, meta = ckpt.restore_params(abstract, step)
     finally:
         ckpt.close()
-    from meshlm.resume import with_base
+    if base:
+        from meshlm.sources import with_base
 
-    params = with_base(params, meta, cfg, abstract)  # a LoRA run's adapters on their base
+        params = with_base(params, meta, cfg, abstract)  # a LoRA run's adapters on their base
     tok_file = run_tokenizer_file(root)
     tok = None if tok_file is None else toks.load(tok_file)
     if tok is not None and meta.get("tokenizer_fingerprint") not in (None, toks.fingerprint(tok)):

@@ -5,19 +5,15 @@ reported)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
 
-import jax
-
-from meshlm.checkpoint import Checkpointer, CheckpointError, describe, resolve_checkpoint
+from meshlm.checkpoint import resolve_checkpoint
 from meshlm.config import ConfigError, RunConfig
-from meshlm.data import tokenizer as toks
 from meshlm.interop import hf
 from meshlm.model import lora
-from meshlm.model.params import init_params, param_specs
+from meshlm.sources import base_run_config, checksums, source_params, with_base
 from meshlm.train_loop import TrainingError
 from meshlm.train_state import TrainState, init_state, placement
 
@@ -90,41 +86,9 @@ def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from,
         params, source = _adopted_params(cfg, abstract, identity, init_from, log, state.params)
         state = state._replace(params=params)
     if cfg.model.lora_rank:
-        sums = describe(lora.without_adapters(state.params))
-        checksums = {n: d["checksum"] for n, d in sums.items()}
-        identity["base"] = {"source": source, "seed": cfg.train.seed, "checksums": checksums}
+        sums = checksums(lora.without_adapters(state.params))
+        identity["base"] = {"source": source, "seed": cfg.train.seed, "checksums": sums}
     return state
-
-
-def with_base(params: dict, meta: dict, cfg: RunConfig, abstract: dict) -> dict:
-    """A restored step's parameters: as saved, or for a LoRA run's step (meta["base"]) its adapters
-    on the frozen base the step points at - `train.seed`'s initialisation ("init"), hf:DIR, or a
-    meshlm checkpoint step - which must be, bit for bit, the base the adapters were trained on."""
-    pointer = meta.get("base")
-    if not pointer:
-        return params
-    src = pointer["source"]
-    try:
-        if src == "init":
-            shardings = jax.tree.map(lambda a: a.sharding, abstract)
-            fresh = jax.jit(lambda k: init_params(param_specs(cfg.model), k), out_shardings=shardings)
-            base = lora.without_adapters(fresh(jax.random.key(pointer["seed"])))
-        else:
-            base_cfg = dataclasses.replace(cfg, model=lora.base_config(cfg.model))
-            base, _ = source_params(src, base_cfg, lora.without_adapters(abstract))
-    except (ConfigError, CheckpointError, OSError) as e:
-        raise ConfigError(
-            f"this LoRA checkpoint holds its adapters only, and its base {src} cannot be read: {e}"
-        ) from e
-    sums = {n: d["checksum"] for n, d in describe(base).items()}
-    changed = sorted(n for n in sums.keys() | pointer["checksums"].keys() if sums.get(n) != pointer["checksums"].get(n))
-    if changed:
-        raise ConfigError(
-            f"the LoRA base {src} is not the one this run's adapters were trained on: {len(changed)} of "
-            f"{len(pointer['checksums'])} tensors differ ({', '.join(changed[:3])}); put that base back, or start "
-            "a new run"
-        )
-    return lora.with_adapters(base, params)
 
 
 def _resume(cfg, ckpt, abstract, identity, log) -> TrainState | None:
@@ -160,8 +124,7 @@ def _adopted_params(cfg, abstract, identity, init_from: str, log, fresh: dict) -
     and the adapters are this run's fresh ones (`fresh`: B = 0, so training starts from the
     source's function)."""
     if cfg.model.lora_rank:
-        base_cfg = dataclasses.replace(cfg, model=lora.base_config(cfg.model))
-        params, source = source_params(init_from, base_cfg, lora.without_adapters(abstract.params))
+        params, source = source_params(init_from, base_run_config(cfg), lora.without_adapters(abstract.params))
         params = lora.with_adapters(params, fresh)
         log.print(f"  LoRA r={cfg.model.lora_rank} on {', '.join(cfg.model.lora_targets)}: the base weights are frozen")
     else:
@@ -175,31 +138,3 @@ def _adopted_params(cfg, abstract, identity, init_from: str, log, fresh: dict) -
     kind = "Hugging Face " if source["hf"] else ""
     log.print(f"initialised parameters from {kind}{source['where']} (optimizer state and step are fresh)")
     return params, (hf.HF_PREFIX if source["hf"] else "") + str(Path(source["where"]).absolute())
-
-
-def source_params(init_from: str, cfg: RunConfig, abstract: dict) -> tuple[dict, dict]:
-    """The weights of `init_from` (a Hugging Face directory as hf:DIR, or a meshlm run, checkpoints
-    directory or step), placed as `abstract` (ShapeDtypeStructs with shardings) says; and what is known
-    of the source: {"where", "hf", "tokenizer_fingerprint" (when known)}."""
-    if hf.is_hf_ref(init_from):
-        root = hf.hf_path(init_from)
-        params = hf.load_params(root, cfg.model, jax.tree.map(lambda a: a.sharding, abstract))
-        source = {"where": str(root), "hf": True}
-        if (root / "tokenizer.json").is_file():
-            source["tokenizer_fingerprint"] = toks.fingerprint(toks.load(root / "tokenizer.json"))
-        return params, source
-    directory, step = resolve_checkpoint(init_from)
-    reader = Checkpointer(directory, cfg.checkpoint, log=lambda _: None, read_only=True)
-    try:
-        params, meta = reader.restore_params(abstract, step)
-    finally:
-        reader.close()
-    if meta.get("base"):
-        raise ConfigError(
-            f"--init-from {init_from}: a LoRA run's checkpoint holds its adapters only; fold them into the base "
-            "first (meshlm convert --to-hf RUN OUT) and start from --init-from hf:OUT"
-        )
-    source = {"where": f"{directory}/{meta['step']}", "hf": False}
-    if meta.get("tokenizer_fingerprint"):
-        source["tokenizer_fingerprint"] = meta["tokenizer_fingerprint"]
-    return params, source

@@ -44,6 +44,7 @@ LORA_TARGETS = {
 
 def _validate_lora(m: ModelConfig) -> None:
     if not m.lora_rank:
+        _need(m.lora_dropout == 0.0, "model.lora_dropout without a rank: set model.lora_rank (finetune.lora_rank)")
         return
     _need(m.lora_rank > 0 and m.lora_alpha > 0, "model.lora_rank and model.lora_alpha must be positive")
     _need(0.0 <= m.lora_dropout < 1.0, "model.lora_dropout must be in [0, 1)")
@@ -129,6 +130,12 @@ def _validate_parallel(cfg: RunConfig) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in MESH_AXES:
         _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
+    _need(
+        not (m.lora_rank and p.stage > 1 and p.pipeline_schedule == "zb1"),
+        "parallel.pipeline_schedule=zb1 with LoRA: zb1 defers the weight-gradient GEMMs to fill the bubbles, and a "
+        "LoRA run has none but the adapters' rank-r ones, while its weight slots would keep every region's inputs; "
+        "use 1f1b or interleaved",
+    )
     for name, ways in p.dcn.items():
         _need(
             ways >= 1 and getattr(p, name) % ways == 0,

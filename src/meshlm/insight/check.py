@@ -175,9 +175,9 @@ def check_batch(cfg: RunConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 def source_params(cfg: RunConfig, init_from: str) -> dict:
     """`--init-from`'s weights as host arrays of `cfg`'s model: what `check --full --init-from`
-    checks on (the loader `train --init-from` uses, `resume.source_params`)."""
+    checks on (the loader `train --init-from` uses, `sources.source_params`)."""
     from meshlm.model.params import abstract_params
-    from meshlm.resume import source_params as load
+    from meshlm.sources import source_params as load
     from meshlm.train_state import param_shardings
 
     layout = make_layout(ParallelConfig(), [jax.local_devices()[0]])

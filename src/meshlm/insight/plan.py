@@ -193,7 +193,9 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
         # the executor gathers its fp32 weights once per step (a stage's layers over fsdp, the
         # embeddings and output layer over fsdp x stage) and accumulates their gradients unsharded
         out["gathered weights"] = 4 * sum(copies.values())
-        out["unsharded gradient accumulators"] = 4 * sum(n - sharded_params(cfg, part=k) for k, n in copies.items())
+        lora = bool(m.lora_rank)  # LoRA: the adapters' accumulators only
+        acc = {k: n - sharded_params(cfg, part=k, trainable=lora) for k, n in _pipeline_gathered(cfg, lora).items()}
+        out["unsharded gradient accumulators"] = 4 * sum(acc.values())
     elif par.fsdp > 1:  # one layer's weights gathered in the compute dtype, forward and backward
         layer = accounting.param_count(dataclasses.replace(m, n_layers=1)) - accounting.param_count(
             dataclasses.replace(m, n_layers=0)
@@ -202,17 +204,17 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
     return out
 
 
-def _pipeline_gathered(cfg: RunConfig) -> dict[str, float]:
+def _pipeline_gathered(cfg: RunConfig, trainable: bool = False) -> dict[str, float]:
     """The weights meshlm's pipeline step gathers, by part ("layers", "top"): parameters per device
-    of each copy it makes - its stage's layers split over tensor alone (when stored split over
-    fsdp), the embeddings and output layer whole but for tensor (when stored split)."""
+    of each copy it makes - its stage's layers split over tensor alone (when stored split over fsdp),
+    the embeddings and output layer whole but for tensor (when stored split); `trainable`: LoRA's."""
     par = cfg.parallel
     whole = lambda **sizes: dataclasses.replace(cfg, parallel=dataclasses.replace(par, **sizes))
     inside = {
-        "layers": sharded_params(whole(fsdp=1), part="layers"),
-        "top": sharded_params(whole(fsdp=1, stage=1), part="top"),
+        "layers": sharded_params(whole(fsdp=1), part="layers", trainable=trainable),
+        "top": sharded_params(whole(fsdp=1, stage=1), part="top", trainable=trainable),
     }
-    return {k: n for k, n in inside.items() if n > sharded_params(cfg, part=k)}
+    return {k: n for k, n in inside.items() if n > sharded_params(cfg, part=k, trainable=trainable)}
 
 
 def _state_parts(cfg: RunConfig, params: float, trainable: float, bytes_per_param: float, exact_zero1: bool, act):

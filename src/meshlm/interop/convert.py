@@ -106,7 +106,7 @@ def export_hf(
     from meshlm.model.lora import merged
 
     out = _fresh_dir(out_dir)
-    model = load_model(run_dir, step, parallel)
+    model = load_model(run_dir, step, parallel, base=not peft)  # a PEFT adapter: the adapters alone
     if peft:
         info = Path(run_dir) / "run.json"
         base = json.loads(info.read_text()).get("base_model", "") if info.is_file() else ""

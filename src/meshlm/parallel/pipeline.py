@@ -40,7 +40,7 @@ are assigned in Python by interval colouring, so nothing is searched at run time
 Gradients: each device accumulates those of its own rows through the loop; they are summed over
 the batch axes once, after it (one reduction per step). LoRA: only the adapters are differentiated
 and accumulated (the frozen weights, embeddings and output layer are held constant; zeros in the
-returned tree), and zb1's weight pass takes the adapters among its regions' weights. Dropout bits
+returned tree); zb1 is refused with LoRA (validation: it would have little to defer). Dropout bits
 are drawn at each element's global position (`layers.global_keep_mask`), so a batch shard draws
 what the whole batch would.
 
@@ -283,14 +283,11 @@ class _Stage:
         to their accumulators."""
         if not self.split:
             return g_layers
-        names = tuple(n for n in self.region_names if n in self.trained)  # LoRA: the adapters' only
-        if not names:
-            return g_layers
         lc, slot = r[f"{which}_chunk"], r[f"{which}_slot"]
 
         def run():
             inputs, grads = [_take(b, slot) for b in w_in], [_take(b, slot) for b in w_grad]
-            dw = weight_gradients(self.chunk_weights(lc), inputs, grads, names, self.cfg.model, self.layout)
+            dw = weight_gradients(self.chunk_weights(lc), inputs, grads, self.region_names, self.cfg.model, self.layout)
             return self.accumulate(g_layers, lc, dw)
 
         return jax.lax.cond(r[which].astype(bool), run, lambda: g_layers)  # no ring op in W

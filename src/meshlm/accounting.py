@@ -44,10 +44,10 @@ def param_count(cfg: ModelConfig) -> int:
 def _mlp_params(cfg: ModelConfig, experts: int) -> int:
     """A llama layer's MLP parameters with `experts` routed experts counted (MoE: router, experts,
     shared experts and their gate; dense: the SwiGLU)."""
-    d = cfg.d_model
+    d, e = cfg.d_model, cfg.n_experts
     if not cfg.moe:
         return 3 * d * cfg.ffn
-    return d * cfg.n_experts + experts * 3 * d * cfg.expert_ffn + 3 * d * cfg.shared_ffn + d * cfg.shared_expert_gate
+    return e * (d + cfg.router_bias) + 3 * d * (experts * cfg.expert_ffn + cfg.shared_ffn) + d * cfg.shared_expert_gate
 
 
 def active_param_count(cfg: ModelConfig) -> int:

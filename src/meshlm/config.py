@@ -121,6 +121,18 @@ class ModelConfig:
     # load-balancing loss (Switch/GShard, transformers' form) and router z-loss (ST-MoE) coefficients
     moe_aux_loss_coef: float = 0.01
     moe_z_loss_coef: float = 0.0
+    # DeepSeek-V3's routing (docs/moe.md): sigmoid scores; a per-expert bias added to the scores for
+    # the choice only (`router_bias`, HF's e_score_correction_bias), moved after each step by
+    # router_bias_rate x sign(mean load - load) (0: kept as it is); the choice limited to the
+    # `topk_group` of `n_group` expert groups with the largest sums of their best two scores; the
+    # chosen weights x routed_scaling_factor; and the sequence-wise balance loss's coefficient
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    router_bias: bool = False
+    router_bias_rate: float = 0.0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    moe_seq_aux_loss_coef: float = 0.0
     # LoRA (docs/finetune.md; also set as finetune.lora_*): rank > 0 freezes every weight and
     # trains, beside each projection named in `lora_targets`, adapters A [in, r] and B [r, out]
     # (B starts at zero), adding (lora_alpha / r) x dropout(x) A B to the projection of x;

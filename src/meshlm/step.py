@@ -25,7 +25,7 @@ import optax
 from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model.loss import cross_entropy_sum
-from meshlm.model.moe import MOE_METRICS, moe_losses, without_capacity
+from meshlm.model.moe import MOE_METRICS, moe_losses, update_router_bias, without_capacity
 from meshlm.model.params import param_specs, partition, trainable_mask
 from meshlm.model.transformer import forward
 from meshlm.optim import lr_schedule
@@ -82,6 +82,7 @@ def objective_sum(params, batch: Batch, cfg: RunConfig, layout: Layout, key):
     ce, count = cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
     metrics = moe_losses(stats, m)
     router = m.moe_aux_loss_coef * metrics["moe_aux_loss"] + m.moe_z_loss_coef * metrics["moe_z_loss"]
+    router += m.moe_seq_aux_loss_coef * metrics["moe_seq_aux_loss"]
     return ce + count * router, (ce, count, metrics)
 
 
@@ -220,6 +221,8 @@ def make_train_step(
         grads, loss, count, moe_metrics = gradients(state.params, batch, key, cfg, layout, shardings.params)
         grad_norm = optax.tree.norm(grads)
         params, opt_state, old_opt_state = update(grads, state)
+        if cfg.model.moe:  # DeepSeek-V3's router bias, moved by this step's load (outside the gradient)
+            params = update_router_bias(params, moe_metrics["expert_load"], cfg.model)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         running = jnp.logical_not(state.halted)
         apply = running & finite

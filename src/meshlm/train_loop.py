@@ -42,6 +42,7 @@ def moe_record(m: dict) -> dict:
     load = np.asarray(m["expert_load"], dtype=np.float64)
     return {
         "moe_aux_loss": float(m["moe_aux_loss"]),
+        "moe_seq_aux_loss": float(m["moe_seq_aux_loss"]),
         "moe_z_loss": float(m["moe_z_loss"]),
         "dropped_fraction": float(m["dropped_fraction"]),
         "expert_load_max": float(load.max() * load.shape[-1]),

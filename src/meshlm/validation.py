@@ -57,6 +57,32 @@ def _validate_lora(m: ModelConfig) -> None:
     )
 
 
+def _validate_router(m: ModelConfig) -> None:
+    """DeepSeek-V3's routing options (docs/moe.md): groups that split the experts evenly, at least two
+    experts a group (a group's score is its best two), enough experts in the kept groups for k."""
+    g, kept = m.n_group, m.topk_group
+    _need(m.routed_scaling_factor > 0, "model.routed_scaling_factor must be > 0")
+    _need(
+        m.router_bias_rate >= 0 and (m.router_bias or not m.router_bias_rate),
+        "model.router_bias_rate moves the router bias: it must be >= 0, and needs model.router_bias=true",
+    )
+    _need(
+        not (m.router_bias_rate and m.lora_rank),
+        "model.router_bias_rate with LoRA: the bias moves during training, but a LoRA run's checkpoints hold "
+        "its adapters only; set model.router_bias_rate=0 (the bias is then kept as loaded)",
+    )
+    _need(
+        g >= 1 and m.n_experts % g == 0 and (g == 1 or m.n_experts // g >= 2) and 1 <= kept <= g,
+        f"model.n_group={g} must divide n_experts={m.n_experts} into groups of 2 or more, and "
+        f"1 <= topk_group={kept} <= n_group",
+    )
+    _need(
+        m.experts_per_token <= kept * m.n_experts // g,
+        f"model.experts_per_token={m.experts_per_token} is more than the {kept * m.n_experts // g} experts of "
+        f"the topk_group={kept} groups kept",
+    )
+
+
 def _validate_model(m: ModelConfig) -> None:
     _validate_lora(m)
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "scan_unroll", "attention_block"):
@@ -104,7 +130,11 @@ def _validate_moe(cfg: RunConfig) -> None:
     )
     _need(m.expert_d_ff >= 0 and m.shared_expert_d_ff >= 0 and m.n_shared_experts >= 0, "MoE widths must be >= 0")
     _need(m.expert_capacity_factor >= 0, "model.expert_capacity_factor must be >= 0 (0: dropless)")
-    _need(m.moe_aux_loss_coef >= 0 and m.moe_z_loss_coef >= 0, "model.moe_aux_loss_coef/moe_z_loss_coef must be >= 0")
+    _need(
+        min(m.moe_aux_loss_coef, m.moe_z_loss_coef, m.moe_seq_aux_loss_coef) >= 0,
+        "model.moe_aux_loss_coef, moe_z_loss_coef and moe_seq_aux_loss_coef must be >= 0",
+    )
+    _validate_router(m)
     _need(
         not m.shared_expert_gate or m.shared_ffn > 0,
         "model.shared_expert_gate needs a shared expert (model.n_shared_experts or shared_expert_d_ff)",

@@ -50,7 +50,7 @@ from meshlm.parallel.rules import Layout
 
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
 SHARED_WEIGHTS = ("ws_gate", "ws_up", "ws_down")
-MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "expert_load", "dropped_fraction")  # `moe_losses`' keys
+MOE_METRICS = ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss", "expert_load", "dropped_fraction")  # `moe_losses`'s
 
 
 class RouterStats(NamedTuple):
@@ -63,12 +63,58 @@ class RouterStats(NamedTuple):
     dropped: jax.Array  # [b] assignments past their expert's capacity
 
 
-def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(weights [.., k] fp32, experts [.., k] int32, probabilities [.., E] fp32) of fp32 logits."""
-    probs = jax.nn.softmax(logits, axis=-1)
-    top, experts = jax.lax.top_k(logits, k)
-    weights = jax.nn.softmax(top, axis=-1) if renormalize else jnp.take_along_axis(probs, experts, axis=-1)
-    return weights, experts, probs
+def route(
+    logits: jax.Array,
+    k: int,
+    renormalize: bool,
+    *,
+    score: str = "softmax",
+    bias: jax.Array | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scale: float = 1.0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(weights [.., k] fp32, experts [.., k] int32, probabilities [.., E] fp32) of fp32 logits.
+
+    softmax (Mixtral, Qwen-MoE): the top-k logits; their weights the softmax over the chosen
+    (`renormalize`) or the full softmax's probabilities. sigmoid (DeepSeek-V3): scores s =
+    sigmoid(logits); the top-k of s + `bias` (the bias for the choice only); the weights s of the
+    chosen, divided by their sum (+1e-20) with `renormalize`. Group-limited (`n_group` > 1): the
+    experts split into n_group equal groups, each scored by the sum of its best two (s + bias), and
+    the choice made within the `topk_group` best groups. The weights are then x `scale`
+    (routed_scaling_factor). The probabilities (the load-balancing losses' P) are the softmax's, or
+    s normalised over the experts."""
+    if score == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        choice = logits if bias is None and n_group == 1 else probs  # top-k of the logits = of the softmax
+    else:
+        scores = jax.nn.sigmoid(logits)
+        probs, choice = scores / jnp.sum(scores, axis=-1, keepdims=True), scores
+    choice = choice if bias is None else choice + bias
+    if n_group > 1:
+        grouped = choice.reshape(*choice.shape[:-1], n_group, -1)
+        best = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [.., groups]
+        kept = jnp.any(jax.lax.top_k(best, topk_group)[1][..., None] == jnp.arange(n_group), axis=-2)
+        choice = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
+    experts = jax.lax.top_k(choice, k)[1]
+    if score == "softmax":
+        top = jnp.take_along_axis(logits, experts, axis=-1)
+        weights = jax.nn.softmax(top, axis=-1) if renormalize else jnp.take_along_axis(probs, experts, axis=-1)
+    else:
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20) if renormalize else weights
+    return weights * scale if scale != 1.0 else weights, experts, probs
+
+
+def update_router_bias(params: dict, expert_load: jax.Array, cfg: ModelConfig) -> dict:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after a step: each layer's router bias moves
+    by router_bias_rate x sign(mean load - load) per expert (`expert_load` [L, E]: the step's
+    fraction of routed assignments per expert), outside the gradient; unchanged when the rate is 0."""
+    if not (cfg.router_bias and cfg.router_bias_rate):
+        return params
+    error = jnp.mean(expert_load, axis=-1, keepdims=True) - expert_load
+    bias = params["layers"]["router_bias"] + cfg.router_bias_rate * jnp.sign(error)
+    return params | {"layers": params["layers"] | {"router_bias": bias}}
 
 
 def assign_slots(experts_btk: jax.Array, n_experts: int, slots: int) -> tuple[jax.Array, jax.Array]:
@@ -124,8 +170,18 @@ def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig
     combines. Returns (partial output [b, t, d] (partial over `tensor` if sharded), RouterStats)."""
     E, k = cfg.n_experts, cfg.experts_per_token
     C = expert_capacity(cfg, x_btd.shape[1])
+    bias, shared = (shared[-1], shared[:-1]) if cfg.router_bias else (None, shared)  # moe_names' order
     logits = jnp.einsum("btd,de->bte", x_btd, router, preferred_element_type=jnp.float32)
-    weights, experts, probs = route(logits, k, cfg.router_renormalize)
+    weights, experts, probs = route(
+        logits,
+        k,
+        cfg.router_renormalize,
+        score=cfg.router_score,
+        bias=bias,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        scale=cfg.routed_scaling_factor,
+    )
     slot, kept = assign_slots(experts, E, C)
     buf = dispatch(x_btd, slot, E, C)
     if ep is not None:  # each expert's slots to the device holding it: [E/X, X b, C, d]
@@ -164,7 +220,7 @@ def moe_names(cfg: ModelConfig) -> list[str]:
     names = ["w_router", *EXPERT_WEIGHTS]
     if cfg.shared_ffn:
         names += [*SHARED_WEIGHTS] + (["ws_router"] if cfg.shared_expert_gate else [])
-    return names
+    return names + (["router_bias"] if cfg.router_bias else [])
 
 
 def moe_ffn(
@@ -223,15 +279,22 @@ def moe_losses(stats: RouterStats, cfg: ModelConfig) -> dict[str, jax.Array]:
     P_e its mean probability over them - not the mean of each layer's loss, which weighs a layer's
     imbalance against its own probabilities only; k when perfectly balanced. The router z-loss
     (ST-MoE: mean of logsumexp^2 over tokens and layers); the load of every layer's experts (the
-    fraction of routed assignments each receives; [L, E]) and the fraction of assignments dropped."""
-    tokens = stats.counts.sum(axis=(1, 2)) / cfg.experts_per_token  # [L]
+    fraction of routed assignments each receives; [L, E]) and the fraction of assignments dropped.
+    DeepSeek-V3's sequence-wise balance loss: per sequence (row) and layer, sum_e f_e P_e with f_e =
+    E / (k T) x the row's assignments to e and P_e the mean of its normalised scores over the row's
+    T tokens (1 when balanced), averaged over rows and layers."""
+    k, E = cfg.experts_per_token, cfg.n_experts
+    tokens = stats.counts.sum(axis=(1, 2)) / k  # [L]
     f = stats.counts.sum(axis=(0, 1)) / tokens.sum()
     mean_p = stats.prob_sum.sum(axis=(0, 1)) / tokens.sum()
-    aux = cfg.n_experts * jnp.sum(f * mean_p)
+    aux = E * jnp.sum(f * mean_p)
+    row_tokens = stats.counts.sum(axis=-1, keepdims=True) / k  # [L, b, 1]
+    seq = jnp.mean(jnp.sum(E / k * stats.counts * stats.prob_sum / jnp.square(row_tokens), axis=-1))
     z = jnp.mean(stats.z_sum.sum(axis=1) / tokens)
     routed = stats.counts.sum(axis=(1, 2))
     return {
         "moe_aux_loss": aux,
+        "moe_seq_aux_loss": seq,
         "moe_z_loss": z,
         "expert_load": stats.counts.sum(axis=1) / routed[:, None],
         "dropped_fraction": stats.dropped.sum() / routed.sum(),

@@ -198,6 +198,8 @@ def _moe_specs(cfg: ModelConfig, w: Init, w_out: Init) -> dict:
     stacked experts (`we_*`, sharded over `expert`) and the fused shared experts (`ws_*`)."""
     L, D, E = cfg.n_layers, cfg.d_model, cfg.n_experts
     out = {"w_router": ParamSpec((L, D, E), (ax.LAYERS, ax.EMBED, None), w)}
+    if cfg.router_bias:  # for the choice only: no gradient, moved by the step (`moe.update_router_bias`)
+        out["router_bias"] = ParamSpec((L, E), (ax.LAYERS, None), zeros, trainable=False)
     out |= _swiglu_specs(L, D, cfg.expert_ffn, w, w_out, "we_", ((E, ax.EXPERT),))
     if cfg.shared_ffn:
         out |= _swiglu_specs(L, D, cfg.shared_ffn, w, w_out, "ws_")

@@ -35,6 +35,7 @@ TAGS = {
     "hfu": "perf/hfu",
     "checkpoint_save_s": "checkpoint/save_s",
     "moe_aux_loss": "moe/aux_loss",
+    "moe_seq_aux_loss": "moe/seq_aux_loss",
     "moe_z_loss": "moe/z_loss",
     "dropped_fraction": "moe/dropped_fraction",
     "expert_load_max": "moe/load_max",

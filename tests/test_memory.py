@@ -200,6 +200,7 @@ MOE_CASES = [(p, dict(expert=2, tensor=2, sp=True), {}) for p in POLICIES] + [
         dict(n_shared_experts=0, shared_expert_gate=False, expert_capacity_factor=0),
     ),
     ("selective", dict(tensor=2), dict(shared_expert_gate=False, experts_per_token=3)),
+    ("elementwise", dict(context=2, expert=2, context_strategy="all_to_all"), DROPLESS_UNSHARED),  # C = t / c
 ]
 
 
@@ -216,5 +217,5 @@ def test_moe_formula_equals_measurement(policy, mesh, model, devices):
     assert m.host_bytes == pytest.approx(f["host_total"], rel=1e-9, abs=1)
     if policy == "elementwise":  # the buffers are the layer's largest tensors: E x C slots per row
         b = 8 // cfg.parallel.batch_shards
-        slots = b * 8 * accounting.expert_capacity(cfg.model, 256)
+        slots = b * 8 * accounting.expert_capacity(cfg.model, 256 // cfg.parallel.context)  # a rank's tokens
         assert f["per_layer"]["expert_input"] == 2 * slots * 256

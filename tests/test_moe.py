@@ -281,11 +281,48 @@ def test_moe_flops_count_k_experts_and_hardware_flops_the_buffers():
     assert accounting.model_flops_per_step(dropless) == accounting.model_flops_per_step(cfg)  # MFU: active only
 
 
+@pytest.fixture(scope="module")
+def context_reference():
+    """Dropless MoE with DeepSeek-V3's routing and its sequence-wise loss (per-row statistics),
+    blockwise attention at block 4, packed rows (document and loss masks): one device's gradients."""
+    from test_gradients import grads as layout_grads
+
+    cfg = moe_config(
+        attention="blockwise",
+        attention_block=4,
+        router_score="sigmoid",
+        router_bias=True,
+        n_group=4,
+        topk_group=2,
+        moe_seq_aux_loss_coef=1e-2,
+    )
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=True))
+    params = jax.device_get(init_params(param_specs(cfg.model), jax.random.key(0)))
+    return cfg, params, layout_grads(cfg, params)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "all_to_all"])
+def test_dropless_moe_under_context_parallelism_equals_one_device(context_reference, strategy):
+    """MoE x context parallelism (dropless): context=2 x expert=2, each context strategy,
+    load-balanced order and document masks: raw gradients, loss, norm and the router losses equal
+    one device's (each row's statistics summed over `context`; without that sum the sequence-wise
+    loss and the pooled loss see half rows)."""
+    from test_gradients import assert_same_grads
+    from test_gradients import grads as layout_grads
+
+    one, params, ref = context_reference
+    par = dataclasses.replace(one.parallel, context=2, expert=2, context_strategy=strategy)
+    got = layout_grads(validate(dataclasses.replace(one, parallel=par)), params)
+    assert_same_grads(got, ref)
+    for key in ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss"):
+        np.testing.assert_allclose(got[key], ref[key], rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
         (dict(parallel=ParallelConfig(stage=2)), "pipeline"),
-        (dict(parallel=ParallelConfig(context=2)), "capacity group"),
+        (dict(parallel=ParallelConfig(context=2)), "a finite capacity is shared by one whole sequence"),
         (dict(parallel=ParallelConfig(expert=3)), "model.n_experts=8 is not divisible by mesh axis 'expert'"),
         (dict(model=dict(experts_per_token=9)), "experts_per_token=9"),
         (dict(model=dict(family="gpt")), "llama family"),

@@ -149,9 +149,11 @@ def _validate_moe(cfg: RunConfig) -> None:
         "expert, data, fsdp and tensor axes (docs/moe.md)",
     )
     _need(
-        p.context == 1,
-        "Mixture of Experts routes each sequence as one capacity group, which context parallelism would "
-        "split (parallel.context > 1); use the expert, data, fsdp and tensor axes (docs/moe.md)",
+        p.context == 1 or m.expert_capacity_factor == 0,
+        f"model.expert_capacity_factor={m.expert_capacity_factor:g}: a finite capacity is shared by one whole "
+        "sequence, which context parallelism splits (parallel.context > 1), so other tokens would be dropped than "
+        "on one device; route dropless (model.expert_capacity_factor=0) or use the expert, data, fsdp and tensor "
+        "axes (docs/moe.md)",
     )
 
 

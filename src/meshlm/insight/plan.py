@@ -2,15 +2,15 @@
 
 For every factorisation data x fsdp x context x tensor of the device count, SP on/off, context
 strategy (ring, all_gather, all_to_all), ZeRO-1 on/off, remat policy and gradient-accumulation
-count, predict per-device memory (parameters, gradients and
-optimizer state from the exact shardings; activations from `accounting.activation_memory`; FSDP's
-gathered layer weights) and step time from a roofline (GEMMs at peak, the attention core at its
-kernel's own fraction of peak (`attention_rates`: a named, sourced constant per kernel and device
-kind; plan rows say "unmeasured" where meshlm has not run the kernel there), plus tensor-parallel,
-context-parallel and data/FSDP collectives at the device kind's link bandwidths, not overlapped -
-except the ring's K/V hops, which overlap the attention they feed), then rank the layouts that fit.
-Where a device kind has measured rates (`CALIBRATIONS`: A100, from P2 Table 4), a calibrated step
-time is shown beside the roofline (`calibrated_time`; within 7% of P2 Table 5 for its four models).
+count, predict per-device memory (parameters, gradients and optimizer state from the exact
+shardings; activations from `accounting.activation_memory`; FSDP's gathered layer weights) and step
+time from a roofline (GEMMs at peak, the attention core at its kernel's own fraction of peak
+(`attention_rates`: a named, sourced constant per kernel and device kind; plan rows say
+"unmeasured" where meshlm has not run the kernel there), plus tensor-parallel, context-parallel and
+data/FSDP collectives at the device kind's link bandwidths, not overlapped - except the ring's K/V
+hops, which overlap the attention they feed), then rank the layouts that fit. Where a device kind
+has measured rates (`CALIBRATIONS`: A100, from P2 Table 4), a calibrated step time is shown beside
+the roofline (`calibrated_time`; within 7% of P2 Table 5 for its four models).
 
 For a model configured with explicit attention, every layout is also planned with
 `model.attention=blockwise` (which ring and all_gather context parallelism need, all_gather unless
@@ -324,8 +324,8 @@ def expert_exchange_bytes(cfg: RunConfig) -> float:
     m, par, t = cfg.model, cfg.parallel, cfg.train
     if not m.moe or par.expert == 1:
         return 0.0
-    b = t.global_batch // t.microbatches // par.batch_shards
-    buffer = b * m.n_experts * accounting.expert_capacity(m, t.seq_len) * m.d_model * accounting.dtype_bytes(m.dtype)
+    b, c = t.global_batch // t.microbatches // par.batch_shards, accounting.expert_capacity(m, t.seq_len // par.context)
+    buffer = b * m.n_experts * c * m.d_model * accounting.dtype_bytes(m.dtype)  # C of a context rank's tokens
     passes = 6 if cfg.remat.policy in ("full", "dots", "offload") else 4
     return t.microbatches * m.n_layers * passes * buffer * (par.expert - 1) / par.expert
 
@@ -536,14 +536,14 @@ def enumerate_plans(
 def _meshes(cfg: RunConfig, n_devices: int) -> list[dict[str, int]]:
     """Every factorisation of the device count over the mesh axes (context inside pipeline stages
     too); pipelines only over stage counts that split the layers. MoE models: `expert` over the
-    sizes that divide the experts, without pipelines or context (which MoE refuses)."""
+    sizes that divide the experts, no pipelines, context only dropless (validation's rules)."""
     m, out = cfg.model, []
     for stage in (p for p in _divisors(n_devices) if m.n_layers % p == 0 and (p == 1 or not m.moe)):
         for tensor in _divisors(n_devices // stage):
             rest = n_devices // stage // tensor
             experts = [e for e in _divisors(rest) if m.n_experts % e == 0] if m.moe else [1]
             for expert in experts:
-                contexts = _divisors(rest // expert) if not m.moe else [1]
+                contexts = _divisors(rest // expert) if not (m.moe and m.expert_capacity_factor) else [1]
                 for context in contexts:
                     for fsdp in _divisors(rest // expert // context):
                         data = rest // expert // context // fsdp

@@ -14,7 +14,9 @@ in priority order: all first choices of the row in token order, then all second 
 it adds nothing, and the residual stream carries the token past the layer. Because a group is one
 row, every layout that keeps rows whole (data, fsdp, expert, tensor, sequence parallelism) routes
 and drops exactly the same assignments as one device; splitting a row (context parallelism) would
-change the groups, so MoE refuses `context` > 1.
+change the groups, so a finite capacity refuses `context` > 1. Dropless, nothing is dropped
+wherever a token stands: each context rank routes its own tokens (a group of them, C = its t) and
+the rows' router statistics are summed over `context`.
 
 **Expert GEMMs.** The tokens are gathered into capacity buffers [E, rows, C, d] (an index gather,
 no one-hot einsum), and every expert's SwiGLU runs as one batched GEMM over its C slots per row:
@@ -241,11 +243,14 @@ def moe_ffn(
     ep = "expert" if layout.mesh.shape["expert"] > 1 else None
     tp = layout.tensor_size > 1
     sp = layout.sequence_parallel
+    cp = layout.context_size > 1  # a row's tokens over `context` (dropless only: validation)
 
     def local(x, *ws):
         if sp:
             x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
         y, stats = _moe_local(x, *ws, cfg=cfg, ep=ep, policy=remat_policy)
+        if cp:  # each row's statistics over all of its tokens, as one device counts them
+            stats = jax.tree.map(lambda a: jax.lax.psum(a, "context"), stats)
         if sp:
             y = jax.lax.psum_scatter(y, "tensor", scatter_dimension=1, tiled=True)
         elif tp:
@@ -290,6 +295,7 @@ def moe_losses(stats: RouterStats, cfg: ModelConfig) -> dict[str, jax.Array]:
     aux = E * jnp.sum(f * mean_p)
     row_tokens = stats.counts.sum(axis=-1, keepdims=True) / k  # [L, b, 1]
     seq = jnp.mean(jnp.sum(E / k * stats.counts * stats.prob_sum / jnp.square(row_tokens), axis=-1))
+    seq = seq if cfg.moe_seq_aux_loss_coef else jax.lax.stop_gradient(seq)  # logged only: keeps no residual
     z = jnp.mean(stats.z_sum.sum(axis=1) / tokens)
     routed = stats.counts.sum(axis=(1, 2))
     return {

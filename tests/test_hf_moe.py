@@ -144,3 +144,23 @@ def test_moe_configs_meshlm_does_not_compute_are_refused(hf_dirs, name, change, 
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=message):
         hf_tables.model_config(tmp_path)
+
+
+def test_deepseek_routing_starts_from_mixtral_with_a_zero_bias_and_refuses_to_export_as_it(hf_dirs, devices):
+    """`--init-from` a Mixtral with DeepSeek-V3's routing switched on: every weight is the
+    checkpoint's and the router bias (which Mixtral has not) starts at zero; exporting that model as
+    Mixtral would change its routing, so it is refused."""
+    import dataclasses
+
+    from meshlm.config import ConfigError
+    from meshlm.interop import hf_moe
+
+    d, _ = hf_dirs["mixtral"]
+    cfg, layout, params = _load(d, ParallelConfig())
+    biased = dataclasses.replace(cfg, router_score="sigmoid", router_bias=True, router_bias_rate=1e-3)
+    got = hf.load_params(d, biased, param_shardings(param_specs(biased), layout))
+    assert not np.any(np.asarray(got["layers"]["router_bias"])) and got["layers"]["router_bias"].dtype == np.float32
+    for name, w in params["layers"].items():
+        np.testing.assert_array_equal(np.asarray(got["layers"][name]), np.asarray(w), err_msg=name)
+    with pytest.raises(ConfigError, match=r"DeepSeek-V3.s routing .* has no export yet"):
+        hf_moe.hf_fields(biased)

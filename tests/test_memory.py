@@ -201,6 +201,7 @@ MOE_CASES = [(p, dict(expert=2, tensor=2, sp=True), {}) for p in POLICIES] + [
     ),
     ("selective", dict(tensor=2), dict(shared_expert_gate=False, experts_per_token=3)),
     ("elementwise", dict(context=2, expert=2, context_strategy="all_to_all"), DROPLESS_UNSHARED),  # C = t / c
+    ("elementwise", dict(expert=2), DROPLESS_UNSHARED | dict(router_score="sigmoid", router_bias=True, n_group=4)),
 ]
 
 

@@ -63,18 +63,23 @@ def test_the_choice_and_weights_equal_transformers_deepseek_v3_router(normalize)
 
 
 def test_bias_update_and_sequence_wise_loss_equal_numpy():
-    """The bias moves by rate x sign(mean load - load), per layer; the sequence-wise loss is
+    """The bias moves by rate x sign(mean load - load), per layer, from exact counts (an expert at
+    the mean does not move); it stays fp32 in a bf16 model; the sequence-wise loss is
     sum_e (E / (k T)) count_e x mean_t s_e / sum_j s_j per row, averaged over rows and layers."""
+    from meshlm.model.transformer import _cast_layer
+
     cfg = moe_config(**DEEPSEEK).model
     E, k, b, t, L = cfg.n_experts, cfg.experts_per_token, 3, 16, 2
     rng = np.random.default_rng(1)
-    load = rng.dirichlet(np.ones(E), size=L).astype(np.float32)
-    load[0] = [0.125, 0.125, 0.25, 0.0, 0.125, 0.125, 0.125, 0.125]  # experts at the mean load do not move
+    counts = rng.integers(0, 50, size=(L, E)).astype(np.int32)
+    counts[0] = [7, 7, 9, 5, 7, 7, 6, 8]  # mean 7: experts 0, 1, 4 and 5 stay put
     bias = rng.normal(size=(L, E)).astype(np.float32)
-    got = moe.update_router_bias({"layers": {"router_bias": bias}}, jnp.asarray(load), cfg)["layers"]["router_bias"]
-    want = bias + 0.01 * np.sign(load.mean(-1, keepdims=True) - load)
+    got = moe.update_router_bias({"layers": {"router_bias": bias}}, jnp.asarray(counts), cfg)["layers"]["router_bias"]
+    want = bias + 0.01 * np.sign(counts.mean(-1, keepdims=True) - counts)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
-    assert np.asarray(got)[0, 0] == bias[0, 0]
+    assert np.array_equal(np.asarray(got)[0, [0, 1, 4, 5]], bias[0, [0, 1, 4, 5]])
+    kept = _cast_layer({"router_bias": jnp.asarray(bias), "w_router": jnp.asarray(bias)}, jnp.bfloat16)
+    assert kept["router_bias"].dtype == jnp.float32 and kept["w_router"].dtype == jnp.bfloat16
 
     per_layer = []
     seq_want = []
@@ -94,7 +99,8 @@ def test_bias_update_and_sequence_wise_loss_equal_numpy():
 def test_deepseek_routing_on_expert_parallel_layouts_equals_one_device():
     """Sigmoid + bias + groups + scaling + the sequence-wise loss, dropless: raw gradients on
     expert=4 x data=2 equal one device's (no gradient reaches the bias), and after two train steps
-    the moved bias is bit for bit one device's (it is a function of exact assignment counts)."""
+    the moved bias is bit for bit one device's, with the layout's batch in 2 microbatches too (the
+    bias moves by the whole step's exact assignment counts)."""
     from test_gradients import assert_same_grads
 
     one = moe_config(**DEEPSEEK)
@@ -110,7 +116,10 @@ def test_deepseek_routing_on_expert_parallel_layouts_equals_one_device():
         np.testing.assert_allclose(got[key], ref[key], rtol=1e-6)
 
     batches = random_batches(one, 2, seed=7)
-    biases = [run_steps(c, batches)[1]["layers"]["router_bias"] for c in (one, cfg)]
+    accumulated = dataclasses.replace(  # 4 batch shards: 2 microbatches of 4 rows
+        cfg, parallel=dataclasses.replace(cfg.parallel, data=1), train=dataclasses.replace(cfg.train, microbatches=2)
+    )
+    biases = [run_steps(c, batches)[1]["layers"]["router_bias"] for c in (one, accumulated)]
     np.testing.assert_array_equal(biases[0], biases[1])
     steps = biases[0] / 0.01  # from zero, two moves of +-0.01 (or none) per expert
     assert np.allclose(steps, np.round(steps), atol=1e-4) and np.any(np.abs(steps) > 1.5)
@@ -118,12 +127,16 @@ def test_deepseek_routing_on_expert_parallel_layouts_equals_one_device():
 
 def test_router_options_are_checked():
     cfg = moe_config()
-    bad = lambda *sets: validate(apply_overrides(cfg, list(sets)))
+    bad = lambda *sets: validate(apply_overrides(cfg, ["model.router_score=sigmoid", *sets]))
     with pytest.raises(ConfigError, match="n_group=3 must divide"):
         bad("model.n_group=3")
     with pytest.raises(ConfigError, match="more than the 2 experts"):
         bad("model.n_group=4", "model.topk_group=1", "model.experts_per_token=3")
     with pytest.raises(ConfigError, match=r"needs model\.router_bias"):
         bad("model.router_bias_rate=0.001")
+    with pytest.raises(ConfigError, match=r"set model\.router_score=sigmoid"):
+        bad("model.router_bias=true", "model.router_score=softmax")
+    with pytest.raises(ConfigError, match="but the model is dense"):
+        validate(apply_overrides(cfg, ["model.n_experts=0", "model.router_score=sigmoid"]))
     with pytest.raises(ConfigError, match="router_bias_rate with LoRA"):
         bad("model.router_bias=true", "model.router_bias_rate=0.001", "model.lora_rank=4")

@@ -428,7 +428,7 @@ def _moe_terms(m: ModelConfig, s: int, b: int, t: int, sequence_parallel: bool) 
         "expert_up": e * slots * f / t,
         "expert_down_input": e * slots * f / t,
         "combine_input": e * s * b * k * d,
-        "router_logits_probs": 2 * 4 * s * b * E,
+        "router_logits_probs": (3 if m.router_score == "sigmoid" else 2) * 4 * s * b * E,  # sigmoid: + its scores
         # slot of each row's token (int32 per slot); per assignment: expert and slot (int32), weight
         # (fp32 and compute dtype); per token: fp32 softmax/logsumexp statistics (6) and a flag
         "routing": 4 * slots + (12 + e) * s * b * k + 25 * s * b,

@@ -144,7 +144,7 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         micro = _split_microbatches(batch, k, layout)
         (grads, loss_sum, count), per_micro = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
-        moe_metrics = jax.tree.map(lambda a: jnp.mean(a, axis=0), per_micro)
+        moe_metrics = {k: jnp.sum(a, 0) if k == "expert_counts" else jnp.mean(a, 0) for k, a in per_micro.items()}
     denom = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
     grads = join(jax.tree.map(lambda g: g / denom, grads), [jnp.zeros_like(f) for f in frozen])
     return grads, loss_sum / denom, count, moe_metrics
@@ -222,7 +222,7 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         params, opt_state, old_opt_state = update(grads, state)
         if cfg.model.moe:  # DeepSeek-V3's router bias, moved by this step's load (outside the gradient)
-            params = update_router_bias(params, moe_metrics["expert_load"], cfg.model)
+            params = update_router_bias(params, moe_metrics["expert_counts"], cfg.model)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         running = jnp.logical_not(state.halted)
         apply = running & finite

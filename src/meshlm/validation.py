@@ -63,6 +63,11 @@ def _validate_router(m: ModelConfig) -> None:
     g, kept = m.n_group, m.topk_group
     _need(m.routed_scaling_factor > 0, "model.routed_scaling_factor must be > 0")
     _need(
+        m.router_score == "sigmoid" or not (m.router_bias or g > 1),
+        "model.router_bias and model.n_group > 1 are DeepSeek-V3's routing, on sigmoid scores: set "
+        "model.router_score=sigmoid",
+    )
+    _need(
         m.router_bias_rate >= 0 and (m.router_bias or not m.router_bias_rate),
         "model.router_bias_rate moves the router bias: it must be >= 0, and needs model.router_bias=true",
     )
@@ -117,6 +122,11 @@ def _validate_moe(cfg: RunConfig) -> None:
     m, p = cfg.model, cfg.parallel
     _need(m.n_experts >= 0, f"model.n_experts={m.n_experts} must be >= 0 (0: a dense model)")
     if not m.moe:
+        _need(
+            m.router_score == "softmax" and not m.router_bias and m.n_group == 1,
+            "model.router_score, router_bias and n_group set a Mixture of Experts' routing, but the model is dense "
+            "(model.n_experts=0)",
+        )
         _need(
             p.expert == 1,
             f"parallel.expert={p.expert} shards MoE experts, but the model is dense (model.n_experts=0); "

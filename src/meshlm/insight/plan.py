@@ -227,7 +227,7 @@ def _state_parts(cfg: RunConfig, params: float, trainable: float, bytes_per_para
     frozen = 4 * (params - trainable)
     if not (par.shard_optimizer or cfg.optim.offload_state):
         return {"parameters, gradients, optimizer": bytes_per_param * trainable + frozen}
-    zero1 = par.shard_optimizer and exact_zero1 and trainable == params
+    zero1 = par.shard_optimizer and exact_zero1 and not cfg.model.lora_rank
     moments = MOMENT_BYTES * (zero1_params(cfg) if zero1 else trainable)
     out = {"parameters, gradients": (bytes_per_param - MOMENT_BYTES) * trainable + frozen}
     if cfg.optim.offload_state:

@@ -9,6 +9,7 @@ rematerialisation, so only `meshlm memory` checks activations.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -17,7 +18,6 @@ from meshlm import accounting
 from meshlm.config import RunConfig
 from meshlm.insight.memory import device_bytes
 from meshlm.model import kernels
-from meshlm.model.lora import lora_param_count
 from meshlm.model.params import named_leaves, param_specs, trainable_mask
 from meshlm.parallel.pipeline import schedule_for
 from meshlm.parallel.rules import Layout
@@ -87,7 +87,7 @@ def startup_report(
         "parameters": params,
         "param_count": accounting.param_count(cfg.model),
         "active_param_count": accounting.active_param_count(cfg.model),  # MoE: k of E experts per token
-        "trainable_param_count": lora_param_count(cfg.model) or accounting.param_count(cfg.model),
+        "trainable_param_count": sum(math.prod(p["shape"]) for p, t in zip(params, trainable, strict=True) if t),
         "lora": _lora_label(cfg.model),
         "predicted_device_bytes": predicted,
         "predicted_device_total": sum(v for k, v in predicted.items() if "host" not in k),

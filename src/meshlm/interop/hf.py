@@ -180,6 +180,9 @@ def load_params(hf_dir: str | Path, cfg: ModelConfig, shardings: dict) -> dict:
             by_leaf.setdefault(r.leaf, []).append(r)
         built = {}
         for leaf, shape_dtype in abstract.items():
+            if leaf == "layers/router_bias" and leaf not in by_leaf:  # a bias the checkpoint has not: it starts at 0
+                built[leaf] = jax.device_put(np.zeros(shape_dtype.shape, np.float32), named_sh[leaf])
+                continue
             (rule,) = by_leaf[leaf]
             built[leaf] = _build_leaf(reader, rule, prefix, shape_dtype.shape, named_sh[leaf])
         treedef = jax.tree.structure(abstract_params(param_specs(cfg)))

@@ -104,6 +104,11 @@ def model_fields(kind: str, data: dict, f: Any, path: Path) -> dict:
 
 def hf_fields(cfg: ModelConfig) -> dict:
     """config.json keys of an MoE model beyond Llama's, with its architecture and model_type."""
+    if cfg.router_score != "softmax" or cfg.router_bias or cfg.n_group > 1 or cfg.routed_scaling_factor != 1.0:
+        raise ConfigError(
+            "DeepSeek-V3's routing (model.router_score=sigmoid, router_bias, n_group, routed_scaling_factor) has no "
+            "export yet: Mixtral, Qwen3-MoE and Qwen2-MoE route by softmax alone, so the export would be another model"
+        )
     arch, kind = architecture(cfg)
     out: dict[str, Any] = {
         "architectures": [arch],

@@ -52,7 +52,8 @@ from meshlm.parallel.rules import Layout
 
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
 SHARED_WEIGHTS = ("ws_gate", "ws_up", "ws_down")
-MOE_METRICS = ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss", "expert_load", "dropped_fraction")  # `moe_losses`'s
+# `moe_losses`' keys; the step averages them over microbatches, but sums `expert_counts` (exact integers)
+MOE_METRICS = ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss", "expert_load", "expert_counts", "dropped_fraction")
 
 
 class RouterStats(NamedTuple):
@@ -82,17 +83,17 @@ def route(
     (`renormalize`) or the full softmax's probabilities. sigmoid (DeepSeek-V3): scores s =
     sigmoid(logits); the top-k of s + `bias` (the bias for the choice only); the weights s of the
     chosen, divided by their sum (+1e-20) with `renormalize`. Group-limited (`n_group` > 1): the
-    experts split into n_group equal groups, each scored by the sum of its best two (s + bias), and
-    the choice made within the `topk_group` best groups. The weights are then x `scale`
+    experts split into n_group equal groups, each scored by the sum of its best two s + bias, and
+    the choice made within the `topk_group` best groups (sigmoid only). The weights are then x `scale`
     (routed_scaling_factor). The probabilities (the load-balancing losses' P) are the softmax's, or
     s normalised over the experts."""
-    if score == "softmax":
-        probs = jax.nn.softmax(logits, axis=-1)
-        choice = logits if bias is None and n_group == 1 else probs  # top-k of the logits = of the softmax
+    if score == "softmax":  # validation keeps the bias and the groups to sigmoid scoring
+        assert bias is None and n_group == 1, "the router bias and groups go with sigmoid scores"
+        probs, choice = jax.nn.softmax(logits, axis=-1), logits  # top-k of the logits = of the softmax
     else:
         scores = jax.nn.sigmoid(logits)
         probs, choice = scores / jnp.sum(scores, axis=-1, keepdims=True), scores
-    choice = choice if bias is None else choice + bias
+        choice = choice if bias is None else choice + bias.astype(jnp.float32)
     if n_group > 1:
         grouped = choice.reshape(*choice.shape[:-1], n_group, -1)
         best = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [.., groups]
@@ -108,13 +109,14 @@ def route(
     return weights * scale if scale != 1.0 else weights, experts, probs
 
 
-def update_router_bias(params: dict, expert_load: jax.Array, cfg: ModelConfig) -> dict:
+def update_router_bias(params: dict, expert_counts: jax.Array, cfg: ModelConfig) -> dict:
     """DeepSeek-V3's auxiliary-loss-free balancing, after a step: each layer's router bias moves
-    by router_bias_rate x sign(mean load - load) per expert (`expert_load` [L, E]: the step's
-    fraction of routed assignments per expert), outside the gradient; unchanged when the rate is 0."""
+    by router_bias_rate x sign(mean load - load) per expert, outside the gradient; unchanged when
+    the rate is 0. `expert_counts` [L, E] int32: the step's assignments per expert (every
+    microbatch's), so the sign is exact: sign(sum of counts - E x count_e)."""
     if not (cfg.router_bias and cfg.router_bias_rate):
         return params
-    error = jnp.mean(expert_load, axis=-1, keepdims=True) - expert_load
+    error = jnp.sum(expert_counts, axis=-1, keepdims=True) - cfg.n_experts * expert_counts
     bias = params["layers"]["router_bias"] + cfg.router_bias_rate * jnp.sign(error)
     return params | {"layers": params["layers"] | {"router_bias": bias}}
 
@@ -303,5 +305,6 @@ def moe_losses(stats: RouterStats, cfg: ModelConfig) -> dict[str, jax.Array]:
         "moe_seq_aux_loss": seq,
         "moe_z_loss": z,
         "expert_load": stats.counts.sum(axis=1) / routed[:, None],
+        "expert_counts": jnp.round(stats.counts).astype(jnp.int32).sum(axis=1),  # exact past 2^24
         "dropped_fraction": stats.dropped.sum() / routed.sum(),
     }

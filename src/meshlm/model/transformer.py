@@ -387,6 +387,12 @@ def embed(
     return layers.dropout(x, cfg.dropout, embed_key, _drop_positions(layout, t))
 
 
+def _cast_layer(p: dict, dtype) -> dict:
+    """A layer's fp32 weights in the compute dtype, but the router bias: fp32, as `transformers`
+    keeps it (its steps of 1e-3 would vanish in bf16 next to a bias of 0.3)."""
+    return {n: w if n == "router_bias" else w.astype(dtype) for n, w in p.items()}
+
+
 def run_layers(
     x_btd: jax.Array,
     stacked: dict,
@@ -414,7 +420,7 @@ def run_layers(
     backward must keep the chunk's weight arrays themselves, which the scan passes through and a
     split would copy (the pipeline recognises them and does not stash them)."""
     dtype = jnp.dtype(cfg.dtype)
-    cast = partial(jax.tree.map, lambda w: w.astype(dtype))
+    cast = partial(_cast_layer, dtype=dtype)
     block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
 
     def body(x_btd, layer):
@@ -550,7 +556,7 @@ def forward(
         return (out, stats) if router_stats else out
 
     dtype = jnp.dtype(cfg.dtype)
-    cast = partial(jax.tree.map, lambda w: w.astype(dtype))
+    cast = partial(_cast_layer, dtype=dtype)
     block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
 
     def decode_body(carry, layer):

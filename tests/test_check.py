@@ -320,3 +320,28 @@ def test_a_bug_mixing_one_devices_rows_between_the_expert_exchanges_is_caught(mo
     assert check.shrink(check.validate(cfg)).train.global_batch == 2 * 2 * cfg.train.microbatches
     result = check.run_check(cfg)
     assert not result.equal
+
+
+def test_the_matrix_goes_on_from_its_journal_after_a_crash(monkeypatch, tmp_path, capsys):
+    """A matrix run that dies mid-way (XLA:CPU aborts a process whose collective waits too long)
+    keeps the rows it finished in its journal; run again, it checks only the rest and the table has
+    every row, its time the rows' sum."""
+    rows = [{"family": "gpt", "mesh": f"data={i}", "attention": "explicit", "remat": "full", "dtype": "float32",
+             "document_mask": False} for i in (1, 2, 3)]  # fmt: skip
+    checked = []
+
+    def fake(row):
+        checked.append(row["mesh"])
+        if row["mesh"] == "data=2" and checked.count("data=2") == 1:
+            raise SystemExit("the process dies here")
+        return {"result": "checked", "error": 1e-7, "tolerance": 1e-5, "dtype": "float32"}
+
+    monkeypatch.setattr(compat, "all_pairs", lambda seed=0: rows)
+    monkeypatch.setattr(compat, "check_row", fake)
+    monkeypatch.setattr(compat, "_journal", lambda: tmp_path / "journal.jsonl")
+    out = tmp_path / "matrix.md"
+    with pytest.raises(SystemExit):
+        compat.main(["--write", "--out", str(out)])
+    assert compat.main(["--write", "--out", str(out)]) == 0
+    assert checked == ["data=1", "data=2", "data=2", "data=3"]  # data=1 came from the journal
+    assert out.read_text().count("| checked, 1.0e-07 (tol 1e-05) |") == 3

@@ -10,6 +10,11 @@ compiles, never crash) or not run.
 
     python -m meshlm.insight.compat --write      # the default matrix into docs/compatibility.md
 
+Each finished row is appended to a journal (`<cache>/compat/<commit>.jsonl`, only for a clean
+checkout): a run that dies (XLA:CPU aborts the process when a collective's rendezvous waits past
+40 s, which a long matrix run on 2 cores has hit after 61 rows while each row alone passes) is run
+again and goes on from the next row, and the table's time is the rows' summed time.
+
 Imports no JAX at module level: `main` sets the simulated device count first.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import random
 import subprocess
 import sys
@@ -24,7 +30,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from meshlm.config import ConfigError, RunConfig, apply_overrides
+from meshlm.config import ConfigError, RunConfig, apply_overrides, cache_home
 from meshlm.validation import validate
 
 DEVICES = 8  # every layout below fits in 8 simulated devices
@@ -220,6 +226,27 @@ def markdown(rows: list[dict], outcomes: list[dict | None], how: str, seconds: f
     return "\n".join(lines) + "\n"
 
 
+def _journal() -> Path | None:
+    """This commit's journal of finished rows; None when tracked files have changes (rows checked on
+    uncommitted code must not be reused)."""
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=DOC.parent).stdout.strip()
+    commit = git("rev-parse", "HEAD")
+    if not commit or git("status", "--porcelain", "--untracked-files=no"):
+        return None
+    return cache_home() / "compat" / f"{commit}.jsonl"
+
+
+def _read_journal(path: Path) -> dict[str, dict]:
+    out = {}
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:  # the line a killed run was writing
+            continue
+        out[entry["row"]] = entry["outcome"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m meshlm.insight.compat", description=__doc__.split("\n\n")[0])
     ap.add_argument("--full", action="store_true", help="the full product instead of the all-pairs rows")
@@ -231,12 +258,23 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare_backend(DEVICES, cpu=True)  # before JAX is imported
     rows = list(all_rows()) if args.full else all_pairs(args.seed)
-    t0, outcomes = time.time(), []
+    journal = _journal()
+    done = {} if journal is None or not journal.is_file() else _read_journal(journal)
+    outcomes, seconds = [], 0.0
     for i, row in enumerate(rows, 1):
-        outcomes.append(check_row(row))
+        key = json.dumps(row, sort_keys=True)
+        if key not in done:
+            t0 = time.time()
+            done[key] = check_row(row) | {"seconds": time.time() - t0}
+            if journal is not None:
+                journal.parent.mkdir(parents=True, exist_ok=True)
+                with journal.open("a") as f:
+                    f.write(json.dumps({"row": key, "outcome": done[key]}) + "\n")
+        outcomes.append(done[key])
+        seconds += done[key]["seconds"]
         print(f"[{i}/{len(rows)}] {row} -> {_cell(outcomes[-1])}", file=sys.stderr, flush=True)
     how = "python -m meshlm.insight.compat" + (" --full" if args.full else "") + " --write"
-    text = markdown(rows, outcomes, how, time.time() - t0)
+    text = markdown(rows, outcomes, how, seconds)
     if args.write:
         Path(args.out).write_text(text)
     else:

@@ -19,6 +19,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
 from meshlm.accounting import query_chunks
@@ -125,19 +126,28 @@ def _dense_gradients(equation: str, meta: tuple, x_rows: jax.Array, ws: tuple) -
     of x and of the output gradient in place, which XLA:CPU's GEMM ran at half speed for the output
     layer's shapes (BENCHMARKS-history.md, "Weight gradients against a transposed copy"). Kept for
     backward: x and the weights themselves, as autodiff keeps (a pipeline recognises the weights
-    and does not stash them). `meta`: (output shape, output dtype, weight dtype) per weight.
+    and does not stash them); x only when some weight is differentiated (symbolic zeros: LoRA's
+    frozen base keeps none). `meta`: (output shape, output dtype, weight dtype) per weight.
     Reverse mode only: forward-mode derivatives of these zeros are not defined."""
     return tuple(jnp.zeros(shape, dtype) for shape, dtype, _ in meta)
 
 
 def _dense_gradients_fwd(equation, meta, x_rows, ws):
-    return _dense_gradients(equation, meta, x_rows, ws), (x_rows, ws)
+    """Keeps x for the weights' gradients only when some weight is differentiated (LoRA's frozen
+    base: the input gradient needs the weights alone, and x would be stored for nothing)."""
+    x, w = x_rows.value, tuple(a.value for a in ws)
+    kept = x if any(a.perturbed for a in ws) else jnp.zeros((0,), x.dtype)  # an empty marker of x's dtype
+    return _dense_gradients(equation, meta, x, w), (kept, w)
 
 
 def _dense_gradients_bwd(equation, meta, res, gs):
     x_rows, ws = res
+    gs = [jnp.zeros(g.shape, g.dtype) if isinstance(g, SymbolicZero) else g for g in gs]
     lhs, out = equation.split("->")
     x_axes, w_axes = lhs.split(",")
+    dxs = [jnp.einsum(f"{out},{w_axes}->{x_axes}", g, w) for g, w in zip(gs, ws, strict=True)]
+    if x_rows.size == 0:  # frozen weights: the input gradient only
+        return functools.reduce(jnp.add, dxs).astype(x_rows.dtype), tuple(None for _ in ws)
     rows_last = lambda a: jax.lax.optimization_barrier(jnp.moveaxis(a, 0, -1))  # written out
     x_t = rows_last(x_rows) if any(x_rows.size <= g.size for g in gs) else None
 
@@ -156,12 +166,11 @@ def _dense_gradients_bwd(equation, meta, res, gs):
             dw = jax.lax.optimization_barrier(dw).transpose(order)
         return dw.astype(dtype)
 
-    dxs = [jnp.einsum(f"{out},{w_axes}->{x_axes}", g, w) for g, w in zip(gs, ws, strict=True)]
     dws = tuple(weight_grad(g, dtype) for g, (_, _, dtype) in zip(gs, meta, strict=True))
     return functools.reduce(jnp.add, dxs).astype(x_rows.dtype), dws
 
 
-_dense_gradients.defvjp(_dense_gradients_fwd, _dense_gradients_bwd)
+_dense_gradients.defvjp(_dense_gradients_fwd, _dense_gradients_bwd, symbolic_zeros=True)
 
 
 def dropout(

@@ -51,6 +51,7 @@ class Model:
     source: str = ""
     stop_ids: tuple[int, ...] = ()  # tokens that end a row (default: eos_id)
     root: Path | None = None  # the run or Hugging Face directory it was loaded from
+    meta: dict = dataclasses.field(default_factory=dict)  # a run's: its checkpoint step's meta item
 
     @property
     def stops(self) -> tuple[int, ...]:
@@ -153,7 +154,7 @@ def load_model(
     stops = hf.token_ids(root)["eos_token_id"] if (root / "generation_config.json").is_file() else []
     eos = _eos(tok)
     eos = stops[0] if eos is None and stops else eos
-    return Model(cfg, params, layout, tok, eos, f"{directory}/{meta['step']}", tuple(stops), root)
+    return Model(cfg, params, layout, tok, eos, f"{directory}/{meta['step']}", tuple(stops), root, meta)
 
 
 def _eos(tok) -> int | None:

@@ -52,22 +52,6 @@ def copy_side_files(init_from: str | None, run_dir: Path) -> None:
             shutil.copyfile(root / name, run_dir / name)
 
 
-def base_model(init_from: str | None, run_dir: Path) -> str:
-    """The Hugging Face directory whose weights a run starts from, as an absolute path: `--init-from
-    hf:DIR`, or the source of a `convert --from-hf` import given as `--init-from`; on a resume, what
-    this run recorded before. "" otherwise: a trained meshlm run's weights are no Hugging Face
-    model's (export it, and start from that)."""
-    if not init_from:
-        info = run_dir / "run.json"
-        return json.loads(info.read_text()).get("base_model", "") if info.is_file() else ""
-    if hf.is_hf_ref(init_from):
-        return str(hf.hf_path(init_from).absolute())
-    root = resolve_checkpoint(init_from)[0].parent
-    if (root / "converted.json").is_file():
-        return json.loads((root / "converted.json").read_text()).get("from", "")
-    return ""
-
-
 def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from, log) -> TrainState:
     """Resume from the run's own latest good checkpoint, else `init_from`'s weights, else fresh.
     A LoRA run's checkpoints hold its adapters only: `identity["base"]` (the meta every save

@@ -5,6 +5,7 @@ run's checkpoints point at (they hold the adapters only: `with_base` puts them b
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 
@@ -47,6 +48,19 @@ def source_params(init_from: str, cfg: RunConfig, abstract: dict) -> tuple[dict,
     if meta.get("tokenizer_fingerprint"):
         source["tokenizer_fingerprint"] = meta["tokenizer_fingerprint"]
     return params, source
+
+
+def hf_base(source: str) -> str:
+    """The Hugging Face directory a LoRA run's base pointer (`meta["base"]["source"]`) leads to,
+    for a PEFT adapter's base_model_name_or_path: hf:DIR itself, or the source of the `convert
+    --from-hf` import that a checkpoint step belongs to; "" for `init` or a trained meshlm run
+    (its weights are no Hugging Face model's)."""
+    if hf.is_hf_ref(source):
+        return str(hf.hf_path(source))
+    if source in ("", "init"):
+        return ""
+    converted = resolve_checkpoint(source)[0].parent / "converted.json"
+    return json.loads(converted.read_text()).get("from", "") if converted.is_file() else ""
 
 
 def with_base(params: dict, meta: dict, cfg: RunConfig, abstract: dict) -> dict:

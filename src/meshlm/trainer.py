@@ -27,7 +27,7 @@ from meshlm.observe.metrics import MetricsLogger
 from meshlm.observe.sinks import open_sinks
 from meshlm.parallel.mesh import make_layout
 from meshlm.platform import hardware, host_memory
-from meshlm.resume import base_model, checkpoint_dir, copy_side_files, restore_or_init
+from meshlm.resume import checkpoint_dir, copy_side_files, restore_or_init
 from meshlm.step import abstract_batch, batch_sharding, make_eval_step, make_train_step
 from meshlm.train_loop import (
     NonFiniteStep,
@@ -110,7 +110,6 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
     first = jax.process_index() == 0  # writes the run's files; every process writes its checkpoint shards
     cfg = validate(fit_config_to_data(cfg, log.print))  # packed chat data: loss and document masks
     s = _compile(cfg, log)
-    s.run_info["base_model"] = base_model(init_from, run_dir)  # a LoRA run's base (convert --to-hf --peft)
     profiler = Profiler(cfg.train.profile_range(), cfg.train.steps, run_dir / "profile", log)
     if profiler.steps:
         log.print(f"profiling steps {profiler.first}..{profiler.last} (jax.profiler) into {profiler.directory}")

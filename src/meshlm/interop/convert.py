@@ -108,8 +108,9 @@ def export_hf(
     out = _fresh_dir(out_dir)
     model = load_model(run_dir, step, parallel, base=not peft)  # a PEFT adapter: the adapters alone
     if peft:
-        info = Path(run_dir) / "run.json"
-        base = json.loads(info.read_text()).get("base_model", "") if info.is_file() else ""
+        from meshlm.sources import hf_base
+
+        base = hf_base(model.meta.get("base", {}).get("source", ""))  # where the step's adapters point
         if not base:
             log(
                 "  warning: the run's base is no Hugging Face directory meshlm knows; load the adapter onto it yourself"

@@ -368,3 +368,55 @@ def test_checkpoints_hold_the_adapters_and_a_checked_pointer_to_the_base(hf_llam
     for k, w in want.items():
         if "_lora_" not in k:
             np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(w), err_msg=k)
+
+
+def _peft_dropout_logits(hf_llama, run, tokens, p: float, key):
+    """`peft`'s logits in train mode with each adapted module's dropout replaced by meshlm's mask for
+    that layer and target (fold_in(fold_in(key, layer), its site), drawn over the module's input)."""
+    import torch
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from meshlm.model.lora import PEFT_MODULES
+    from meshlm.model.transformer import _LORA_SITES
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, keep):
+            super().__init__()
+            self.keep = torch.from_numpy(keep.astype(np.float32))
+
+        def forward(self, x):
+            return x * self.keep.reshape(x.shape) / (1 - p)
+
+    model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(hf_llama), run)
+    model.train()
+    for i, layer in enumerate(model.base_model.model.model.layers):
+        for target, path in PEFT_MODULES.items():
+            module = layer.get_submodule(path)
+            shape = (*tokens.shape, module.in_features)
+            site = jax.random.fold_in(jax.random.fold_in(key, i), _LORA_SITES[target])
+            module.lora_dropout["default"] = Fixed(np.asarray(jax.random.bernoulli(site, 1 - p, shape)))
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens).long()).logits.numpy()
+
+
+def test_lora_dropout_sits_where_peft_puts_it(hf_llama, tmp_path):
+    """With the same keep masks, meshlm's training forward with `lora_dropout` equals `peft`'s in
+    train mode (its dropout modules given meshlm's masks): the mask multiplies each adapter's input
+    only, per target, scaled by 1 / (1 - p); the base path and the other targets see x whole."""
+    from meshlm.inference import load_model
+    from meshlm.interop import hf
+
+    base = load_model(f"hf:{hf_llama}")
+    model = dataclasses.replace(
+        base.cfg.model, lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS["llama"], lora_dropout=0.5
+    )
+    cfg = validate(dataclasses.replace(base.cfg, model=model))
+    params = lora.with_adapters(jax.device_get(base.params), adapted_params(cfg, seed=3))
+    hf.save_peft(params, cfg.model, tmp_path / "adapter", str(hf_llama), log=lambda _: None)
+    tokens = np.random.default_rng(6).integers(0, 300, (2, 24)).astype(np.int32)
+    key = jax.random.key(11)
+    ours = np.asarray(forward(params, tokens, cfg.model, None, key=key))
+    theirs = _peft_dropout_logits(hf_llama, tmp_path / "adapter", tokens, 0.5, key)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    assert not np.allclose(ours, np.asarray(forward(params, tokens, cfg.model, None)), atol=1e-3)  # it drops

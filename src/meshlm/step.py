@@ -25,7 +25,7 @@ import optax
 from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model.loss import cross_entropy_sum
-from meshlm.model.moe import MOE_METRICS, moe_losses, update_router_bias, without_capacity
+from meshlm.model.moe import MOE_METRICS, SUMMED_METRICS, moe_losses, update_router_bias, without_capacity
 from meshlm.model.params import param_specs, partition, trainable_mask
 from meshlm.model.transformer import forward
 from meshlm.optim import lr_schedule
@@ -144,7 +144,7 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         micro = _split_microbatches(batch, k, layout)
         (grads, loss_sum, count), per_micro = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
-        moe_metrics = {k: jnp.sum(a, 0) if k == "expert_counts" else jnp.mean(a, 0) for k, a in per_micro.items()}
+        moe_metrics = {k: (jnp.sum if k in SUMMED_METRICS else jnp.mean)(a, 0) for k, a in per_micro.items()}
     denom = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
     grads = join(jax.tree.map(lambda g: g / denom, grads), [jnp.zeros_like(f) for f in frozen])
     return grads, loss_sum / denom, count, moe_metrics

@@ -52,8 +52,8 @@ from meshlm.parallel.rules import Layout
 
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
 SHARED_WEIGHTS = ("ws_gate", "ws_up", "ws_down")
-# `moe_losses`' keys; the step averages them over microbatches, but sums `expert_counts` (exact integers)
 MOE_METRICS = ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss", "expert_load", "expert_counts", "dropped_fraction")
+SUMMED_METRICS = ("expert_counts",)  # over a step's microbatches (exact integers); the others are averaged
 
 
 class RouterStats(NamedTuple):

@@ -40,7 +40,7 @@ import transformers
 from _markdown import publish
 from meshlm import accounting, recipes
 from meshlm.config import OptimConfig, ParallelConfig, RunConfig, TrainConfig
-from meshlm.model import moe
+from meshlm.model import moe, moe_costs
 from meshlm.model.params import init_params, param_specs
 from meshlm.platform.hardware import cpu_description
 from meshlm.validation import validate
@@ -108,7 +108,7 @@ def layer_parts(cfg: RunConfig) -> dict[str, float]:
     m = cfg.model
     p = {k: v[0] for k, v in init_params(param_specs(m), jax.random.key(0))["layers"].items()}
     x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, m.d_model))
-    E, k, C = m.n_experts, m.experts_per_token, accounting.expert_capacity(m, SEQ)
+    E, k, C = m.n_experts, m.experts_per_token, moe_costs.expert_capacity(m, SEQ)
     weights, experts, _ = moe.route(jnp.einsum("btd,de->bte", x, p["w_router"]), k, True)
     slot, _ = moe.assign_slots(experts, E, C)
 

@@ -81,10 +81,13 @@ def test_model_flops_is_eq7_and_generalises():
 
 def _step_programs(family: str, policy: str, n_layers: int = 1, capacity_factor: float = 1.5, **lora):
     """moe: llama with 4 experts of width 32, top-2, capacity factor 1.5 (48 slots per expert for
-    the 2 x 64 assignments of a sequence: the buffers run 1.5x the routed FLOPs)."""
+    the 2 x 64 assignments of a sequence: the buffers run 1.5x the routed FLOPs); moe-grouped:
+    dropless, on the grouped CPU kernel (`model.grouped`: 1,024 tile rows for 512 assignments)."""
     moe = dict(n_experts=4, experts_per_token=2, expert_d_ff=32, expert_capacity_factor=capacity_factor)
+    if family == "moe-grouped":
+        moe |= dict(expert_capacity_factor=0.0, moe_kernel="tiled")
     model = ModelConfig(
-        family="llama" if family == "moe" else family,
+        family="llama" if family.startswith("moe") else family,
         vocab_size=256,
         d_model=64,
         n_layers=n_layers,
@@ -92,7 +95,7 @@ def _step_programs(family: str, policy: str, n_layers: int = 1, capacity_factor:
         n_kv_heads=2,
         max_seq_len=64,
         attention_chunk=24,  # query chunks of 24, 24, 16 rows
-        **(moe if family == "moe" else {}),
+        **(moe if family.startswith("moe") else {}),
         **lora,
     )
     cfg = RunConfig(model=model, remat=RematConfig(policy), train=TrainConfig(global_batch=4, seq_len=64, steps=3))
@@ -167,6 +170,24 @@ def test_moe_at_capacity_factor_one_runs_exactly_the_active_flops():
     # beyond the model's FLOPs, only what the chunked attention kernel skips (no slot padding)
     extra = accounting.hardware_flops_per_step(cfg) - accounting.model_flops_per_step(cfg)
     assert extra == accounting._attention_kernel_flops_adjustment(cfg)
+
+
+@pytest.mark.parametrize("policy", ["elementwise", "full", "dots"])
+def test_grouped_moe_runs_the_tile_rows_it_is_counted_for(policy):
+    """Dropless on the grouped CPU kernel: the compiled step, with each loop body x its trip count
+    (`hlo.executed_dot_flops`), runs exactly the hardware FLOPs, whose experts run over
+    `moe_costs.grouped_rows` (the routed rows and the tile padding; recomputed under full and dots).
+    Counting each loop body once, as `dot_flops` does, sees only one step of the tile loop."""
+    cfg, _, compiled = _step_programs("moe-grouped", policy)
+    counted, executed = accounting.expert_slot_flops(cfg)
+    assert executed == 2 * counted  # 1,024 rows for the 512 assignments of 4 x 64 tokens, top-2
+    hardware, text = accounting.hardware_flops_per_step(cfg), compiled.as_text()
+    if policy == "dots":  # the attention core's recomputation, which XLA may merge (above)
+        assert hardware - accounting.recompute_flops_per_step(cfg) + executed <= hlo.executed_dot_flops(text)
+        assert hlo.executed_dot_flops(text) <= hardware
+    else:
+        assert hlo.executed_dot_flops(text) == hardware
+    assert hlo.dot_flops(text) < hardware - executed
 
 
 def test_llama_1b_flops_are_six_n_plus_attention():

@@ -13,6 +13,7 @@ from meshlm import accounting
 from meshlm.cli import main
 from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
 from meshlm.insight.memory import measure_activations
+from meshlm.model import moe_costs
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.remat import POLICIES
 from meshlm.validation import validate
@@ -202,24 +203,30 @@ MOE_CASES = [(p, dict(expert=2, tensor=2, sp=True), {}) for p in POLICIES] + [
     ("selective", dict(tensor=2), dict(shared_expert_gate=False, experts_per_token=3)),
     ("elementwise", dict(context=2, expert=2, context_strategy="all_to_all"), DROPLESS_UNSHARED),  # C = t / c
     ("elementwise", dict(expert=2), DROPLESS_UNSHARED | dict(router_score="sigmoid", router_bias=True, n_group=4)),
+    ("elementwise", dict(expert=2), DROPLESS_UNSHARED | dict(moe_kernel="buffers")),  # C = t slots
+    ("dots", dict(expert=2, tensor=2, sp=True), dict(expert_capacity_factor=0)),
 ]
 
 
 @pytest.mark.parametrize("policy, mesh, model", MOE_CASES)
 def test_moe_formula_equals_measurement(policy, mesh, model, devices):
-    """The MoE terms (capacity buffers, the experts' SwiGLU over every slot, the assignments' outputs,
-    router logits and probabilities, routing indices, shared experts): the formula equals the bytes
-    the compiled program keeps, per device, on expert x tensor + SP under every policy and on other
-    shapes (dropless, no shared expert, top-3)."""
+    """The MoE terms (capacity buffers or the grouped tiles, the experts' SwiGLU over every slot or
+    row, the assignments' outputs, router logits and probabilities, routing indices, shared
+    experts): the formula equals the bytes the compiled program keeps, per device, on expert x
+    tensor + SP under every policy and on other shapes (dropless grouped and in buffers, no shared
+    expert, top-3)."""
     cfg = moe_config(policy, dict(mesh), **model)
     f = accounting.activation_memory(cfg)
     m = _measure(cfg)
     assert m.activation_bytes == pytest.approx(f["total"], rel=1e-9)
     assert m.host_bytes == pytest.approx(f["host_total"], rel=1e-9, abs=1)
-    if policy == "elementwise":  # the buffers are the layer's largest tensors: E x C slots per row
-        b = 8 // cfg.parallel.batch_shards
-        slots = b * 8 * accounting.expert_capacity(cfg.model, 256 // cfg.parallel.context)  # a rank's tokens
-        assert f["per_layer"]["expert_input"] == 2 * slots * 256
+    if policy == "elementwise":  # the layer's largest tensors: E x C slots per row, or the grouped tiles
+        b, s = 8 // cfg.parallel.batch_shards, 256 // cfg.parallel.context  # a rank's tokens
+        if moe_costs.expert_kernel(cfg.model, b, s, cfg.parallel.expert) == "buffers":
+            rows = b * 8 * moe_costs.expert_capacity(cfg.model, s)
+        else:  # the exchange's worst case: every assignment of the expert group on this device's experts
+            rows = moe_costs.grouped_rows(cfg.parallel.expert * b * s * 2, 8 // cfg.parallel.expert)
+        assert f["per_layer"]["expert_input"] == 2 * rows * 256
 
 
 @pytest.mark.parametrize("sp", [False, True])

@@ -15,7 +15,7 @@ import pytest
 from helpers import loss_mask, random_batches, tiny_config
 from meshlm import accounting, recipes
 from meshlm.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig, RematConfig, RunConfig
-from meshlm.model import moe
+from meshlm.model import moe, moe_costs
 from meshlm.model.params import count_params, init_params, named_leaves, param_specs
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.remat import POLICIES
@@ -145,7 +145,7 @@ def test_the_layer_drops_exactly_what_numpy_drops():
     that adds weight x SwiGLU_e(x) for the kept assignments only (plus the gated shared expert)."""
     cfg = moe_config(factor=1.0).model
     t = 32
-    C = accounting.expert_capacity(cfg, t)
+    C = moe_costs.expert_capacity(cfg, t)
     assert C == math.ceil(1.0 * t * 2 / 8) == 8
     specs = param_specs(cfg)
     p = {k: np.asarray(v[0]) for k, v in init_params(specs, jax.random.key(1))["layers"].items()}
@@ -252,6 +252,28 @@ def test_a_wrong_router_gradient_is_caught(params, reference):
         assert_same_as_one_device(got | {"dropped_fraction": got["dropped_fraction"] + 1e-3}, reference(0.0))
 
 
+# dropless kernels: name -> (mesh, sequence parallel, model.moe_kernel)
+KERNELS = {
+    "buffers, one device": ({}, False, "buffers"),
+    "ragged_dot, one device": ({}, False, "ragged_dot"),
+    "megablox in interpret mode, one device": ({}, False, "megablox"),
+    "tiled, expert2_tensor2+sp": (dict(expert=2, tensor=2), True, "tiled"),
+    "tiled, fsdp2_expert2": (dict(fsdp=2, expert=2), False, "tiled"),
+}
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_dropless_kernels_give_the_one_device_gradients(name, params, reference):
+    """The reference is one device on the grouped CPU kernel (`tiled`, what `auto` takes for its
+    512 assignments): capacity buffers of C = t slots (dropless) give its gradients, and so do
+    `ragged_dot`, JAX's megablox `gmm` (interpret mode) and the tiled kernel across the grouped
+    exchange's worst-case buffers, with tensor + SP and with fsdp."""
+    mesh, sp, kernel = KERNELS[name]
+    one = moe_config()
+    assert moe_costs.expert_kernel(one.model, 8, 32) == "tiled"
+    assert_same_as_one_device(grads(moe_config(mesh, sp, moe_kernel=kernel), params), reference(0.0))
+
+
 # ---------------------------------------------------------------------------- accounting, configs
 
 
@@ -266,19 +288,49 @@ def test_moe_parameter_counts(name):
         assert (accounting.param_count(m), active) == (46_702_792_704, 12_879_925_248)
 
 
-def test_moe_flops_count_k_experts_and_hardware_flops_the_buffers():
+def test_moe_flops_count_k_experts_and_hardware_flops_the_rows_that_run():
+    """MFU counts k experts per token; HFU the rows the experts run over: E x C slots per row in
+    capacity buffers (1.25x at capacity 1.25, E/k = 4x dropless), and dropless on the grouped kernel
+    each device's routed rows with their tile padding (moe-tiny on expert=2: 2,560 rows per device
+    for its 2,048 assignments, 1.25x)."""
     cfg = recipes.get("moe-tiny")
     m, t = cfg.model, cfg.train
     terms = accounting.layer_forward_flops_per_token(m, t.seq_len)
     assert terms["mlp"] == 2 * 2 * 3 * m.d_model * m.expert_ffn and terms["router"] == 2 * m.d_model * m.n_experts
     counted, executed = accounting.expert_slot_flops(cfg)
-    C = accounting.expert_capacity(m, t.seq_len)
+    C = moe_costs.expert_capacity(m, t.seq_len)
     assert C == 40 and executed * m.experts_per_token * t.seq_len == counted * m.n_experts * C  # 320 / 256 slots
-    dropless = dataclasses.replace(cfg, model=dataclasses.replace(m, expert_capacity_factor=0.0))
-    assert accounting.expert_slot_flops(dropless)[1] == counted * m.n_experts // m.experts_per_token  # E/k x
+    dropless = lambda kernel: dataclasses.replace(
+        cfg, model=dataclasses.replace(m, expert_capacity_factor=0.0, moe_kernel=kernel)
+    )
+    buffers, grouped = dropless("buffers"), dropless("auto")
+    assert accounting.expert_slot_flops(buffers)[1] == counted * m.n_experts // m.experts_per_token  # E/k x
+    assert moe_costs.expert_kernel(grouped.model, 8, t.seq_len, 2) == "tiled"
+    assert moe_costs.grouped_rows(8 * t.seq_len * 2, 4) == 2560  # a device's 2,048 assignments, 4 experts
+    assert accounting.expert_slot_flops(grouped)[1] * 4 == counted * 5  # 2 devices x 2,560 rows / 4,096
     hw = accounting.hardware_flops_per_step
-    assert hw(dropless) - hw(cfg) == 3 * (accounting.expert_slot_flops(dropless)[1] - executed)
-    assert accounting.model_flops_per_step(dropless) == accounting.model_flops_per_step(cfg)  # MFU: active only
+    assert hw(buffers) - hw(cfg) == 3 * (accounting.expert_slot_flops(buffers)[1] - executed)
+    assert accounting.model_flops_per_step(buffers) == accounting.model_flops_per_step(cfg)  # MFU: active only
+
+
+def test_the_grouped_cpu_kernel_runs_at_most_1_25x_the_routed_flops():
+    """moe-tiny's layer on one device (16 rows of 128 tokens, 8 experts, top-2), dropless: the
+    compiled forward and backward, every loop body x its trip count, run 3 x 4,608 rows' expert
+    GEMMs for 4,096 routed assignments (1.125x) besides the router's; the capacity buffers would run
+    4x. Counted once per loop body, the tile loop would look 9 times cheaper than it is."""
+    from meshlm.insight import hlo
+
+    m = dataclasses.replace(recipes.get("moe-tiny").model, expert_capacity_factor=0.0, n_layers=1)
+    p = {k: v[0] for k, v in init_params(param_specs(m), jax.random.key(1))["layers"].items()}
+    x = jnp.ones((16, 128, m.d_model), jnp.float32)
+    loss = lambda x, p: jnp.sum(moe.moe_ffn(None, x, p, m, {}, None)[0])
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, p).compile().as_text()
+    one_row = 2 * 3 * m.d_model * m.expert_ffn  # an assignment's SwiGLU, forward
+    routed = 16 * 128 * 2 * one_row
+    experts = hlo.executed_dot_flops(text) - 3 * 2 * 16 * 128 * m.d_model * m.n_experts  # less the router's
+    assert moe_costs.expert_kernel(m, 16, 128) == "tiled" and moe_costs.grouped_rows(4096, 8) == 4608
+    assert experts == 3 * 4608 * one_row and experts <= 1.25 * 3 * routed
+    assert hlo.dot_flops(text) < 3 * routed  # the loop body's text holds one step of 512 rows
 
 
 @pytest.fixture(scope="module")
@@ -301,9 +353,10 @@ def context_reference():
     return cfg, params, layout_grads(cfg, params)
 
 
-@pytest.mark.parametrize("strategy", ["ring", "all_gather", "all_to_all"])
-def test_dropless_moe_under_context_parallelism_equals_one_device(context_reference, strategy):
-    """MoE x context parallelism (dropless): context=2 x expert=2, each context strategy,
+@pytest.mark.parametrize("strategy, kernel", [("ring", "buffers"), ("all_gather", "tiled"), ("all_to_all", "tiled")])
+def test_dropless_moe_under_context_parallelism_equals_one_device(context_reference, strategy, kernel):
+    """MoE x context parallelism (dropless; capacity buffers, or the grouped kernel across its exchange):
+    context=2 x expert=2, each context strategy,
     load-balanced order and document masks: raw gradients, loss, norm and the router losses equal
     one device's (each row's statistics summed over `context`; without that sum the sequence-wise
     loss and the pooled loss see half rows)."""
@@ -312,7 +365,8 @@ def test_dropless_moe_under_context_parallelism_equals_one_device(context_refere
 
     one, params, ref = context_reference
     par = dataclasses.replace(one.parallel, context=2, expert=2, context_strategy=strategy)
-    got = layout_grads(validate(dataclasses.replace(one, parallel=par)), params)
+    model = dataclasses.replace(one.model, moe_kernel=kernel)
+    got = layout_grads(validate(dataclasses.replace(one, parallel=par, model=model)), params)
     assert_same_grads(got, ref)
     for key in ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss"):
         np.testing.assert_allclose(got[key], ref[key], rtol=1e-5)
@@ -418,29 +472,30 @@ def test_meshlm_eval_on_an_moe_run_is_the_same_on_expert_x_tensor(moe_run, capsy
     assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-5) and results[0]["loss"] < 6.5
 
 
-@pytest.mark.parametrize("policy", ["elementwise", "full"])
-def test_the_planners_all_to_all_bytes_are_the_compiled_steps(policy):
+@pytest.mark.parametrize("policy, kernel", [("elementwise", "buffers"), ("full", "buffers"), ("dots", "tiled")])
+def test_the_planners_all_to_all_bytes_are_the_compiled_steps(policy, kernel):
     """The compiled train step on expert=2 (one layer in the scan body) holds the all-to-alls
     `plan.expert_exchange_bytes` prices: dispatch and return, forward and backward (and once more
-    forward under `full`), each moving the [E, b, C, d] buffer, of which (X-1)/X leaves the device."""
+    forward under `full` and `dots`), each moving the [E, b, C, d] buffer (grouped: the worst-case
+    [X, b t k, d] and, forward, the expert ids), of which (X-1)/X leaves the device."""
     import re
 
     from helpers import build
     from meshlm.insight import plan
     from meshlm.step import abstract_batch, make_train_step
 
-    cfg = moe_config(dict(expert=2), policy=policy)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=1))
+    cfg = moe_config(dict(expert=2), policy=policy, moe_kernel=kernel)
     layout, _, tx, shardings, state = build(cfg)
     text = make_train_step(cfg, layout, tx, shardings).lower(state, abstract_batch(cfg, layout)).compile().as_text()
     ops = [line for line in text.splitlines() if re.search(r"= \(?[^=]*\ball-to-all\(", line)]
     # each op's operands: the X pieces of one device's buffer, whose (X-1)/X leave it
     sent = 0
     for line in ops:
-        pieces = re.findall(r"f32\[([\d,]+)\]", line.split("all-to-all(")[0])
+        pieces = re.findall(r"[fs]32\[([\d,]+)\]", line.split("all-to-all(")[0])
         sent += sum(math.prod(int(d) for d in p.split(",")) for p in pieces) * 4 / 2
     per_layer = plan.expert_exchange_bytes(cfg) / cfg.model.n_layers  # the scan body is one layer
-    assert len(ops) == (6 if policy == "full" else 4) and sent == per_layer
+    again = policy != "elementwise"
+    assert len(ops) == (6 if again else 4) + (kernel == "tiled") * (2 if again else 1) and sent == per_layer
 
 
 def test_balanced_routing_at_capacity_one_runs_the_active_flops_of_the_routed_tokens():

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 from meshlm.config import ModelConfig, RunConfig
 from meshlm.model.lora import lora_param_count, recompute_flops_per_token
+from meshlm.model.moe_costs import expert_slot_flops, moe_terms
 from meshlm.parallel.schedules import build, first_stage_in_flight, megatron_in_flight, tables
 
 
@@ -76,24 +76,6 @@ def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, i
         terms |= {"mlp": 2 * (routed + 3 * d * cfg.shared_ffn + d * cfg.shared_expert_gate)}
         terms["router"] = 2 * d * cfg.n_experts
     return terms
-
-
-def expert_capacity(cfg: ModelConfig, t: int) -> int:
-    """Slots per expert in a capacity group of t tokens (one sequence): min(t, ceil(factor t k / E)),
-    and t when dropless (`model.expert_capacity_factor` = 0): a token picks an expert at most once."""
-    if cfg.expert_capacity_factor <= 0:
-        return t
-    return max(1, min(t, math.ceil(cfg.expert_capacity_factor * t * cfg.experts_per_token / cfg.n_experts)))
-
-
-def expert_slot_flops(cfg: RunConfig) -> tuple[int, int]:
-    """Forward FLOPs per step of the routed experts' SwiGLUs: (as counted, k experts per token; as
-    executed, over the capacity buffers: E x C slots per sequence, filled or not). (0, 0) dense."""
-    m, t = cfg.model, cfg.train
-    if not m.moe:
-        return 0, 0
-    one = 2 * 3 * m.d_model * m.expert_ffn * t.global_batch * m.n_layers
-    return m.experts_per_token * t.seq_len * one, m.n_experts * expert_capacity(m, t.seq_len) * one
 
 
 def model_flops_per_step(cfg: RunConfig) -> int:
@@ -358,6 +340,7 @@ def layer_activation_terms(
     sequence_parallel: bool = False,
     policy: str = "elementwise",
     ulysses: int = 1,
+    expert: int = 1,
 ) -> dict[str, float]:
     """Bytes per device of one layer's stored activations, by tensor. `micro_batch` is per device
     (P2's b); `tensor` is t; the LayerNorm/dropout/residual regions are split by t only under SP.
@@ -402,45 +385,13 @@ def layer_activation_terms(
         terms["gelu_input"] = e * s * b * f / t
         terms["fc2_input"] = e * s * b * f / t
     elif m.moe:
-        terms |= _moe_terms(m, s, b, t, sequence_parallel)
+        terms |= moe_terms(m, s, b, t, sequence_parallel, expert)
     else:
         terms["gate"] = e * s * b * f / t
         terms["up"] = e * s * b * f / t
         terms["down_input"] = e * s * b * f / t
     if dropout:
         terms["mlp_dropout_mask"] = MASK_BYTES * s * b * d / r
-    return terms
-
-
-def _moe_terms(m: ModelConfig, s: int, b: int, t: int, sequence_parallel: bool) -> dict[str, float]:
-    """What an MoE layer keeps (`model.moe`; b rows per device, after the expert axis split them):
-    the capacity buffer entering the experts and each expert SwiGLU's gate, up and down-projection
-    input over all E x C slots of a row (the slots are the expert parallel all_to_all's, the same
-    bytes per device after it), the expert outputs each assignment reads back (`combine_input`),
-    the router's fp32 logits and probabilities, the routing indices and weights, and the shared
-    experts' SwiGLU (+ their gated output). The region replicates the tokens over `tensor`: only
-    the experts' widths split by t, and under SP the region keeps its all-gathered input."""
-    e, d, E, k, f = dtype_bytes(m.dtype), m.d_model, m.n_experts, m.experts_per_token, m.expert_ffn
-    slots = b * E * expert_capacity(m, s)
-    terms = {
-        "expert_input": e * slots * d,
-        "expert_gate": e * slots * f / t,
-        "expert_up": e * slots * f / t,
-        "expert_down_input": e * slots * f / t,
-        "combine_input": e * s * b * k * d,
-        "router_logits_probs": (3 if m.router_score == "sigmoid" else 2) * 4 * s * b * E,  # sigmoid: + its scores
-        # slot of each row's token (int32 per slot); per assignment: expert and slot (int32), weight
-        # (fp32 and compute dtype); per token: fp32 softmax/logsumexp statistics (6) and a flag
-        "routing": 4 * slots + (12 + e) * s * b * k + 25 * s * b,
-    }
-    if sequence_parallel:  # the region keeps its all-gathered input instead of the local shard
-        terms["mlp_input"] = e * s * b * d
-    if m.shared_ffn:
-        fs = m.shared_ffn
-        terms |= {"shared_gate": e * s * b * fs / t, "shared_up": e * s * b * fs / t}
-        terms["shared_down_input"] = e * s * b * fs / t
-        if m.shared_expert_gate:  # the output and the sigmoid the gate multiplies it by
-            terms["shared_gated_output"] = e * s * b * d + (4 + e) * s * b
     return terms
 
 
@@ -571,7 +522,7 @@ def activation_memory(
     b = t.global_batch // t.microbatches // par.batch_shards
     s = t.seq_len // par.context  # context parallelism: every stored tensor holds 1/c of the sequence
     ulysses = par.context if par.context_strategy == "all_to_all" else 1  # ... except Ulysses' scores
-    per_layer = layer_activation_terms(m, s, b, par.tensor, sp, policy, ulysses)
+    per_layer = layer_activation_terms(m, s, b, par.tensor, sp, policy, ulysses, par.expert)
     # offload: the dot outputs `dots` would keep live in pinned host memory instead
     host_per_layer = _dot_output_terms(m, s, b, par.tensor, par.tensor if sp else 1) if policy == "offload" else {}
     layer_total = sum(per_layer.values())

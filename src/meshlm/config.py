@@ -118,6 +118,11 @@ class ModelConfig:
     router_renormalize: bool = True
     # slots per expert in each capacity group (one sequence): min(t, ceil(factor t k / E)); 0: dropless
     expert_capacity_factor: float = 0.0
+    # the routed experts' GEMMs (docs/moe.md): `buffers` (batched over capacity buffers: dropless runs
+    # E/k x the routed FLOPs), or grouped over the routed assignments (dropless only): `tiled` (CPU),
+    # `ragged_dot` (GPU), `megablox` (TPU; interpret mode elsewhere); `auto`: buffers with a finite
+    # capacity, else the device's grouped kernel (buffers where they would run fewer rows)
+    moe_kernel: Literal["auto", "buffers", "tiled", "ragged_dot", "megablox"] = "auto"
     # load-balancing loss (Switch/GShard, transformers' form) and router z-loss (ST-MoE) coefficients
     moe_aux_loss_coef: float = 0.01
     moe_z_loss_coef: float = 0.0

@@ -170,15 +170,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     verified = plan_report.verify(feasible) if args.verify and feasible else None
     miss = None if feasible else plan_report.closest_miss(cfg, plans, args.devices, device, limit)
     why, optimizer = plan_report.explain_choice(plans), plan_report.explain_optimizer(plans)
-    strategy = plan_report.explain_context_strategy(plans)
+    strategy, experts = plan_report.explain_context_strategy(plans), plan_report.explain_experts(plans, device)
     if args.json:
         extra = {"error": miss, "context_choice": why, "context_strategy_choice": strategy}
-        extra |= {"optimizer_choice": optimizer}
+        extra |= {"optimizer_choice": optimizer, "expert_choice": experts}
         print(json.dumps(plan_report.to_json(plans, device, verified) | extra, indent=2))
         return 0 if feasible else EXIT_CONFIG
     for line in plan_report.format_plans(plans, args.top, device, limit):
         print(line)
-    for reason in (why, strategy, optimizer):
+    for reason in (why, strategy, optimizer, experts):
         if reason:
             print(reason)
     if verified:

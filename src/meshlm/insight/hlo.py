@@ -2,8 +2,9 @@
 the GEMM FLOPs it executes and the collectives it runs. Used to check the analytic accounting
 against what the compiler really produced.
 
-Caveat: a `while` body (`lax.scan`) appears once in the text, whatever its trip count, so counts
-are per program *text*; measure with one layer (and one microbatch) when comparing totals.
+`dot_flops` counts the program *text*: a `while` body (`lax.scan`) appears once whatever its trip
+count, so measure with one layer (and one microbatch) when comparing totals with it.
+`executed_dot_flops` multiplies each loop body by its trip count, as the program runs.
 """
 
 from __future__ import annotations
@@ -142,3 +143,39 @@ def loop_bodies(hlo_text: str) -> list[str]:
             todo.extend(_called(comps[name]))
         out.append("\n".join(line for name in sorted(seen) for line in comps[name]))
     return out
+
+
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_ENTRY = re.compile(r"^ENTRY %?([\w.\-]+) ")
+
+
+def executed_dot_flops(hlo_text: str) -> int:
+    """`dot_flops` as the program executes them: from the entry computation, each called computation
+    once per call, a `while` loop's body and condition times its known trip count, and a
+    conditional's costliest branch (an upper bound where a branch is skipped at run time). A loop
+    whose trip count XLA did not infer is an error, not a guess."""
+    comps = _computations(hlo_text)
+    entry = next(m.group(1) for line in hlo_text.splitlines() if (m := _ENTRY.match(line)))
+    memo: dict[str, int] = {}
+
+    def cost(name: str) -> int:
+        if name not in memo:
+            lines = comps[name]
+            total = dot_flops("\n".join(lines))
+            for line in lines:
+                called = _called([line]) & comps.keys()
+                if not called:
+                    continue
+                if " while(" in line:
+                    trips = _TRIP_COUNT.search(line)
+                    if trips is None:
+                        raise ValueError(f"a loop without a known trip count: {line.strip()[:200]}")
+                    total += int(trips.group(1)) * sum(cost(c) for c in called)
+                elif " conditional(" in line:
+                    total += max(cost(c) for c in called)
+                else:
+                    total += sum(cost(c) for c in called)
+            memo[name] = total
+        return memo[name]
+
+    return cost(entry)

@@ -36,6 +36,7 @@ from meshlm import axes as ax
 from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ContextStrategy, RematConfig, RunConfig
 from meshlm.insight.attention_rates import attention_kernel
+from meshlm.model.moe_costs import expert_exchange_bytes
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel import rules
 from meshlm.parallel.mesh import abstract_layout
@@ -313,21 +314,6 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
         stage_work = out["compute"] + sum(out.get(k, 0.0) for k in inside)
         out |= _pipeline_parts(cfg, pipeline, interleave, stage_work, _link(device, n, _across(cfg, "stage")))
     return out
-
-
-def expert_exchange_bytes(cfg: RunConfig) -> float:
-    """Bytes one device sends per step in MoE's all_to_alls over `expert`: per layer and microbatch,
-    the capacity buffer [E, b, C, d] out to the experts' devices and back, forward and again (as
-    cotangents) backward, and once more forward where the policy recomputes the layer (`full`) or
-    the experts' batched matmuls (`dots`, `offload`); (X-1)/X of it leaves the device. The compiled
-    step has exactly these all-to-alls (tests/test_moe.py)."""
-    m, par, t = cfg.model, cfg.parallel, cfg.train
-    if not m.moe or par.expert == 1:
-        return 0.0
-    b, c = t.global_batch // t.microbatches // par.batch_shards, accounting.expert_capacity(m, t.seq_len // par.context)
-    buffer = b * m.n_experts * c * m.d_model * accounting.dtype_bytes(m.dtype)  # C of a context rank's tokens
-    passes = 6 if cfg.remat.policy in ("full", "dots", "offload") else 4
-    return t.microbatches * m.n_layers * passes * buffer * (par.expert - 1) / par.expert
 
 
 def _data_parallel_bytes(cfg: RunConfig, own: bool, pipeline: int) -> float:

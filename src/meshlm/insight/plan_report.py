@@ -14,7 +14,17 @@ from meshlm import accounting
 from meshlm.axes import MESH_AXES
 from meshlm.config import RunConfig
 from meshlm.insight.attention_rates import attention_kernel
-from meshlm.insight.plan import CALIBRATIONS, CONTEXT_STRATEGIES, EXCHANGE, GiB, Plan, device_peak, estimate
+from meshlm.insight.plan import (
+    CALIBRATIONS,
+    CONTEXT_STRATEGIES,
+    EXCHANGE,
+    EXPERT_EXCHANGE,
+    GiB,
+    Plan,
+    device_peak,
+    estimate,
+)
+from meshlm.model.moe_costs import expert_capacity, expert_kernel
 from meshlm.platform.hardware import Accelerator, matmul_precision
 
 
@@ -61,6 +71,48 @@ def explain_choice(plans: list[Plan]) -> str | None:
         instead = f"; the batch splits over data x fsdp = {rows} instead" if rows > 1 else ""
         return f"no context parallelism: at s={s} the best layout with it ({split[0].describe()}) is {pace}{instead}"
     return None
+
+
+def explain_experts(plans: list[Plan], device: Accelerator) -> str | None:
+    """MoE: the expert kernel the plans price and at what rate, and why the best plan does or does
+    not shard the experts over `expert` (against the best plan of the other kind)."""
+    feasible = [p for p in plans if not p.rejected]
+    if not feasible or not feasible[0].cfg.model.moe:
+        return None
+    best = feasible[0]
+    m, par, t = best.cfg.model, best.cfg.parallel, best.cfg.train
+    b, s = t.global_batch // t.microbatches // par.batch_shards, t.seq_len // par.context
+    kernel = expert_kernel(m, b, s, par.expert, device.platform)
+    if kernel == "buffers":
+        said = [f"experts: capacity buffers (E x C slots per row, C = {expert_capacity(m, s)}) at the GEMM rate"]
+    else:
+        said = [
+            f"experts: dropless, grouped GEMMs ({kernel} on {device.platform}) over the routed rows and their tile "
+            f"padding, at the GEMM rate (assumption: a grouped GEMM as fast as a dense one, as MegaBlocks "
+            f"(Gale et al. 2022) report for block-sparse kernels; unmeasured: meshlm has not run it on {device.name}"
+            + (
+                "; whether XLA:GPU lowers ragged_dot to a grouped GEMM is unverified)"
+                if kernel == "ragged_dot"
+                else ")"
+            )
+        ]
+    rivals = [p for p in feasible if (p.cfg.parallel.expert > 1) != (par.expert > 1)]
+    if rivals:
+        other = rivals[0]
+        mine, theirs = best.calibrated or best.time, other.calibrated or other.time
+        part, extra = max(((k, v - mine.get(k, 0.0)) for k, v in theirs.items()), key=lambda kv: kv[1])
+        with_it = "with" if par.expert == 1 else "without"
+        said.append(
+            f"{'no expert parallelism' if par.expert == 1 else f'expert={par.expert}'}: the best layout {with_it} it "
+            f"({other.describe()}) takes {other.expected_time / best.expected_time:.3f}x the time, its {part} "
+            f"{extra:.3g} s more"
+            + (
+                " (the grouped exchange sends worst-case buffers, `expert` x the routed rows)"
+                if part == EXPERT_EXCHANGE
+                else ""
+            )
+        )
+    return "; ".join(said)
 
 
 def explain_context_strategy(plans: list[Plan]) -> str | None:

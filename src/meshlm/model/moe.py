@@ -37,15 +37,16 @@ Shapes: b rows, t tokens, d d_model, E experts, k experts per token, C slots, f 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from meshlm import axes as ax
-from meshlm.accounting import expert_capacity
 from meshlm.config import ModelConfig
-from meshlm.model import layers
+from meshlm.model import grouped, layers
+from meshlm.model.moe_costs import expert_capacity, expert_kernel, grouped_rows
 from meshlm.parallel import remat
 from meshlm.parallel.collectives import manual_region, region_weight_spec
 from meshlm.parallel.rules import Layout
@@ -168,12 +169,13 @@ def combine(out_ebcd: jax.Array, slot: jax.Array, weights_btk: jax.Array) -> jax
     return jnp.sum(picked.reshape(b, k, t, d) * w_bkt[..., None], axis=1)
 
 
-def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig, ep: str | None, policy: str):
-    """The MoE layer on one device's rows (all of them without a mesh): routes, dispatches into
-    capacity buffers, exchanges them over `ep` (the expert axis, if sharded), runs the experts,
-    combines. Returns (partial output [b, t, d] (partial over `tensor` if sharded), RouterStats)."""
+def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig, ep, ways: int, policy: str):
+    """The MoE layer on one device's rows (all of them without a mesh): routes, runs the experts on
+    the assignments (capacity buffers or grouped, `moe_costs.expert_kernel`; exchanged over `ep`,
+    the expert axis of `ways` devices, if sharded), combines. Returns (partial output [b, t, d]
+    (partial over `tensor` if sharded), RouterStats)."""
     E, k = cfg.n_experts, cfg.experts_per_token
-    C = expert_capacity(cfg, x_btd.shape[1])
+    b, t = x_btd.shape[:2]
     bias, shared = (shared[-1], shared[:-1]) if cfg.router_bias else (None, shared)  # moe_names' order
     logits = jnp.einsum("btd,de->bte", x_btd, router, preferred_element_type=jnp.float32)
     weights, experts, probs = route(
@@ -186,15 +188,22 @@ def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig
         topk_group=cfg.topk_group,
         scale=cfg.routed_scaling_factor,
     )
-    slot, kept = assign_slots(experts, E, C)
-    buf = dispatch(x_btd, slot, E, C)
-    if ep is not None:  # each expert's slots to the device holding it: [E/X, X b, C, d]
-        buf = jax.lax.all_to_all(buf, ep, split_axis=0, concat_axis=1, tiled=True)
     act = remat.wrap_elementwise(layers.swiglu, policy)  # keeps gate and up only, as the dense MLP
-    out = _swiglu_experts(buf, we_gate, we_up, we_down, act)
-    if ep is not None:
-        out = jax.lax.all_to_all(out, ep, split_axis=1, concat_axis=0, tiled=True)
-    y = combine(out, slot, weights)
+    kernel = expert_kernel(cfg, b, t, ways, jax.default_backend())
+    if kernel == "buffers":
+        C = expert_capacity(cfg, t)
+        slot, kept = assign_slots(experts, E, C)
+        buf = dispatch(x_btd, slot, E, C)
+        if ep is not None:  # each expert's slots to the device holding it: [E/X, X b, C, d]
+            buf = jax.lax.all_to_all(buf, ep, split_axis=0, concat_axis=1, tiled=True)
+        out = _swiglu_experts(buf, we_gate, we_up, we_down, act)
+        if ep is not None:
+            out = jax.lax.all_to_all(out, ep, split_axis=1, concat_axis=0, tiled=True)
+        y, dropped = combine(out, slot, weights), jnp.sum(1.0 - kept.astype(jnp.float32), axis=1)
+    else:
+        picked = _grouped_experts(x_btd, experts, we_gate, we_up, we_down, act, kernel, ep, ways)
+        w = weights.astype(picked.dtype)[..., None]  # a weighted sum, not an einsum (see `combine`)
+        y, dropped = jnp.sum(picked.reshape(b, t, k, -1) * w, axis=2), jnp.zeros((b,), jnp.float32)
     if shared:
         y = y + _shared_expert(x_btd, *shared, act=act)
     counts = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(1, 2))
@@ -203,9 +212,29 @@ def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig
         counts=counts,
         prob_sum=jnp.sum(probs, axis=1),
         z_sum=jnp.sum(jnp.square(lse), axis=1),
-        dropped=jnp.sum(1.0 - kept.astype(jnp.float32), axis=1),
+        dropped=dropped,
     )
     return y, stats
+
+
+def _grouped_experts(x_btd, experts_btk, w_gate, w_up, w_down, act, kernel: str, ep, ways: int) -> jax.Array:
+    """Dropless at the routed FLOPs (`model.grouped`): each assignment's expert output [b t k, d],
+    token-major, from the grouped kernel; over `ep` through the exchange's worst-case buffers."""
+    b, t, d = x_btd.shape
+    n, local = experts_btk.size, w_gate.shape[0]
+    expert = experts_btk.reshape(n)
+    source = jnp.arange(n, dtype=jnp.int32) // experts_btk.shape[-1]
+    interpret = jax.default_backend() != "tpu"
+
+    def run(x_nd, ids, source):
+        g = grouped.Groups(ids, local, grouped_rows(ids.shape[0], local))
+        out = grouped.expert_swiglu(g.gather(x_nd, source), g, w_gate, w_up, w_down, act, kernel, interpret)
+        return g.scatter(out)
+
+    if ep is None:
+        return run(x_btd.reshape(b * t, d), expert, source)
+    rows = functools.partial(run, source=jnp.arange(ways * n, dtype=jnp.int32))
+    return grouped.exchange(x_btd.reshape(b * t, d), expert, source, ep, ways, local, rows)
 
 
 def _shared_expert(x_btd, w_gate, w_up, w_down, gate=None, *, act):
@@ -241,7 +270,7 @@ def moe_ffn(
     names = moe_names(cfg)
     weights = [p[n] for n in names]
     if layout is None:
-        return _moe_local(x_btd, *weights, cfg=cfg, ep=None, policy=remat_policy)
+        return _moe_local(x_btd, *weights, cfg=cfg, ep=None, ways=1, policy=remat_policy)
     ep = "expert" if layout.mesh.shape["expert"] > 1 else None
     tp = layout.tensor_size > 1
     sp = layout.sequence_parallel
@@ -250,7 +279,7 @@ def moe_ffn(
     def local(x, *ws):
         if sp:
             x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
-        y, stats = _moe_local(x, *ws, cfg=cfg, ep=ep, policy=remat_policy)
+        y, stats = _moe_local(x, *ws, cfg=cfg, ep=ep, ways=layout.mesh.shape["expert"], policy=remat_policy)
         if cp:  # each row's statistics over all of its tokens, as one device counts them
             stats = jax.tree.map(lambda a: jax.lax.psum(a, "context"), stats)
         if sp:

@@ -1,0 +1,189 @@
+"""Dropless MoE at the routed FLOPs: each expert's assignments sorted together and multiplied as one
+group (a grouped GEMM), instead of capacity buffers that run every expert over every token.
+
+**Layout** (every kernel): the assignments in expert order, each expert's run padded to a whole
+number of TILE-row tiles (MegaBlocks' block padding: at most E x (TILE - 1) rows more than routed),
+then to whole steps of up to CHUNK tiles: a static buffer of `grouped_rows` rows, of which the
+first `used` tiles hold assignments and the rest zeros. A token's assignment to expert e sits at
+row start_e + (its rank among e's assignments, in token order).
+
+**Kernels** (`model.moe_kernel`; `auto` takes the device's):
+- `tiled` (CPU, meshlm's own): a loop over steps of CHUNK tiles. Each step gathers its tiles'
+  expert weights [CHUNK, d, f] and runs batched GEMMs; steps past the last used tile are skipped
+  (`lax.cond`). Its custom VJP runs the same loop backward, recomputing silu(gate) x up from the
+  kept gate and up, and adding each tile's weight gradient (fp32) into its expert's.
+- `ragged_dot` (GPU): `jax.lax.ragged_dot` over the padded groups. Whether XLA:GPU lowers it to a
+  grouped GEMM is unverified here (no GPU has run it); XLA:CPU lowers it to a dense dot over every
+  group, so on CPU it is a reference only.
+- `megablox` (TPU): JAX's Pallas `gmm` (MaxText's kernel), in interpret mode off TPU (tested so).
+  Its rows past the groups are left unwritten: they are zeroed here.
+Each kernel keeps the tiles' input, gate and up for the backward pass and recomputes the rest (the
+ragged_dot and megablox paths by a checkpoint that saves those two by name).
+
+**Expert parallelism** (`exchange`): each device packs its assignments by destination into a
+worst-case buffer [X, n, d] (any device may receive all n of another's assignments: X x its routed
+rows, where capacity buffers dropless send E/k x), all_to_all's it with the local expert ids, runs
+its experts over the X n received rows (the tile loop skips the empty steps), and sends the rows
+back. `ragged_all_to_all`, which would send only the routed rows, is not used: XLA:CPU does not
+implement it, so nothing here could test it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from meshlm.model.moe_costs import CHUNK, TILE
+
+
+class Groups:
+    """Where each assignment sits in the grouped buffer, and which expert each tile runs.
+
+    row [n] int32: its row (rows when it has no expert: out of range, reads and writes nothing);
+    tile_expert [tiles] int32; used_rows: rows of the tiles in use; sizes [E] int32: the padded
+    group sizes (sum = used_rows)."""
+
+    def __init__(self, expert: jax.Array, n_experts: int, rows: int):
+        one_hot = (expert[:, None] == jnp.arange(n_experts, dtype=expert.dtype)).astype(jnp.int32)
+        rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # among e's, in order
+        counts = jnp.sum(one_hot, axis=0)
+        tiles = (counts + TILE - 1) // TILE
+        end = jnp.cumsum(tiles)
+        start = (end - tiles) * TILE
+        valid = expert < n_experts  # an id of n_experts: no assignment (an empty exchange slot)
+        self.row = jnp.where(valid, start[jnp.minimum(expert, n_experts - 1)] + rank, rows).astype(jnp.int32)
+        tile_index = jnp.arange(rows // TILE, dtype=end.dtype)
+        self.tile_expert = jnp.minimum(jnp.sum(tile_index[:, None] >= end, axis=-1), n_experts - 1).astype(jnp.int32)
+        self.used_rows = (end[-1] * TILE).astype(jnp.int32)
+        self.sizes = (tiles * TILE).astype(jnp.int32)
+        self.rows = rows
+
+    def gather(self, x_nd: jax.Array, source: jax.Array) -> jax.Array:
+        """The buffer [rows, d]: row `row[i]` holds x[source[i]]; zeros elsewhere."""
+        filler = jnp.full((self.rows,), x_nd.shape[0], jnp.int32).at[self.row].set(source, mode="drop")
+        return jnp.take(x_nd, filler, axis=0, mode="fill", fill_value=0)
+
+    def scatter(self, out_rd: jax.Array) -> jax.Array:
+        """Each assignment's output [n, d] (zeros for one without an expert)."""
+        return jnp.take(out_rd, self.row, axis=0, mode="fill", fill_value=0)
+
+
+def expert_swiglu(
+    x_rd: jax.Array, g: Groups, w_gate, w_up, w_down, act: Callable, kernel: str, interpret: bool = False
+) -> jax.Array:
+    """Every assignment's expert SwiGLU over the grouped buffer x [rows, d]: [rows, d]."""
+    if kernel == "tiled":
+        return _tiled(x_rd, g.tile_expert, g.used_rows, w_gate, w_up, w_down, act=act)
+    if kernel == "ragged_dot":
+        mul = functools.partial(jax.lax.ragged_dot, group_sizes=g.sizes)
+    else:
+        from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+
+        def mul(lhs, rhs):
+            tiling = (TILE, _tile(lhs.shape[1]), _tile(rhs.shape[2]))
+            out = megablox.gmm(lhs, rhs, g.sizes, lhs.dtype, tiling, None, None, False, interpret)
+            return jnp.where(jnp.arange(lhs.shape[0])[:, None] < g.used_rows, out, 0)  # unwritten rows
+
+    def ffn(x):
+        gate = checkpoint_name(mul(x, w_gate), "expert_gate")
+        up = checkpoint_name(mul(x, w_up), "expert_up")
+        return mul(act(gate, up), w_down)
+
+    keep = jax.checkpoint_policies.save_only_these_names("expert_gate", "expert_up")
+    return jax.checkpoint(ffn, policy=keep)(x_rd)
+
+
+def _tile(n: int) -> int:
+    """megablox's tile along a contracted or output dimension: the largest of 512/256/128 dividing it."""
+    return next((c for c in (512, 256, 128) if n % c == 0), n)
+
+
+def _steps(a: jax.Array, chunk: int) -> jax.Array:
+    """[tiles x TILE, ...] -> [steps, chunk, TILE, ...]."""
+    return a.reshape(-1, chunk, TILE, *a.shape[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _tiled(x, tile_expert, used_rows, w_gate, w_up, w_down, act):
+    return _tiled_fwd(x, tile_expert, used_rows, w_gate, w_up, w_down, act)[0]
+
+
+def _tiled_fwd(x, tile_expert, used_rows, w_gate, w_up, w_down, act):
+    rows, f = x.shape[0], w_gate.shape[-1]
+    chunk = min(CHUNK, rows // TILE)
+
+    def step(_, inputs):
+        xs, e, first = inputs
+
+        def run(xs):
+            gate = jnp.einsum("ctd,cdf->ctf", xs, w_gate[e])
+            up = jnp.einsum("ctd,cdf->ctf", xs, w_up[e])
+            return gate, up, jnp.einsum("ctf,cfd->ctd", act(gate, up), w_down[e])
+
+        def skip(xs):
+            zeros = jnp.zeros((chunk, TILE, f), x.dtype)
+            return zeros, zeros, jnp.zeros_like(xs)
+
+        return None, jax.lax.cond(first < used_rows, run, skip, xs)
+
+    firsts = jnp.arange(rows // (chunk * TILE), dtype=jnp.int32) * chunk * TILE
+    _, (gate, up, out) = jax.lax.scan(step, None, (_steps(x, chunk), tile_expert.reshape(-1, chunk), firsts))
+    flat = [a.reshape(rows, -1) for a in (gate, up, out)]
+    return flat[2], (x, tile_expert, used_rows, flat[0], flat[1], w_gate, w_up, w_down)
+
+
+def _tiled_bwd(act, residuals, dy):
+    x, tile_expert, used_rows, gate, up, w_gate, w_up, w_down = residuals
+    rows, d = x.shape
+    chunk = min(CHUNK, rows // TILE)
+    f32 = jnp.float32
+
+    def step(grads, inputs):
+        xs, gs, us, dys, e, first = inputs
+
+        def run(grads):
+            dwg, dwu, dwd = grads
+            h, vjp = jax.vjp(act, gs, us)
+            dwd = dwd.at[e].add(jnp.einsum("ctf,ctd->cfd", h, dys, preferred_element_type=f32))
+            dg, du = vjp(jnp.einsum("ctd,cfd->ctf", dys, w_down[e]))
+            dwg = dwg.at[e].add(jnp.einsum("ctd,ctf->cdf", xs, dg, preferred_element_type=f32))
+            dwu = dwu.at[e].add(jnp.einsum("ctd,ctf->cdf", xs, du, preferred_element_type=f32))
+            dx = jnp.einsum("ctf,cdf->ctd", dg, w_gate[e]) + jnp.einsum("ctf,cdf->ctd", du, w_up[e])
+            return (dwg, dwu, dwd), dx
+
+        return jax.lax.cond(first < used_rows, run, lambda grads: (grads, jnp.zeros_like(xs)), grads)
+
+    zeros = tuple(jnp.zeros(w.shape, f32) for w in (w_gate, w_up, w_down))
+    firsts = jnp.arange(rows // (chunk * TILE), dtype=jnp.int32) * chunk * TILE
+    inputs = (*(_steps(a, chunk) for a in (x, gate, up, dy)), tile_expert.reshape(-1, chunk), firsts)
+    grads, dx = jax.lax.scan(step, zeros, inputs)
+    dw = [g.astype(w.dtype) for g, w in zip(grads, (w_gate, w_up, w_down), strict=True)]
+    return (dx.reshape(rows, d), None, None, *dw)
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def exchange(
+    x_nd: jax.Array, expert: jax.Array, source: jax.Array, ep: str, ways: int, local_experts: int, run: Callable
+) -> jax.Array:
+    """Expert parallelism over mesh axis `ep` (`ways` devices, `local_experts` each): every
+    assignment (global expert id `expert` [n], token row `source` [n] of x) goes to the device of its
+    expert in a worst-case buffer [ways, n, d], the local experts run there (`run(rows [R, d], local
+    expert ids [R])`), and the outputs come back: each assignment's output [n, d]."""
+    n, d = expert.shape[0], x_nd.shape[-1]
+    dest = expert // local_experts
+    one_hot = (dest[:, None] == jnp.arange(ways, dtype=dest.dtype)).astype(jnp.int32)
+    slot = dest * n + jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # packed by destination
+    filler = jnp.full((ways * n,), x_nd.shape[0], jnp.int32).at[slot].set(source)
+    send = jnp.take(x_nd, filler, axis=0, mode="fill", fill_value=0).reshape(ways, n, d)
+    ids = jnp.full((ways * n,), local_experts, jnp.int32).at[slot].set(expert % local_experts).reshape(ways, n)
+    recv = jax.lax.all_to_all(send, ep, split_axis=0, concat_axis=0, tiled=True)
+    recv_ids = jax.lax.all_to_all(ids, ep, split_axis=0, concat_axis=0, tiled=True)
+    out = run(recv.reshape(ways * n, d), recv_ids.reshape(ways * n))
+    back = jax.lax.all_to_all(out.reshape(ways, n, d), ep, split_axis=0, concat_axis=0, tiled=True)
+    return jnp.take(back.reshape(ways * n, d), slot, axis=0)

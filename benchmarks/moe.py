@@ -5,7 +5,9 @@ The shapes are moe-tiny's: 4 layers, d=128, 4 heads and 2 kv heads, 8 SwiGLU exp
 in alternating rounds in one process:
 
 - meshlm MoE, capacity factor 1.25 (the recipe), on 1 device and on expert=2 (two simulated devices);
-- meshlm MoE dropless (capacity = t: the buffers run E/k = 4x the routed FLOPs);
+- meshlm MoE dropless on the grouped CPU kernel (`model.grouped`, `tiled`: the routed rows and their
+  tile padding, 1.25x), on 1 device and on expert=2 (its exchange's worst-case buffers);
+- meshlm MoE dropless in capacity buffers (C = t: E/k = 4x the routed FLOPs);
 - meshlm dense llama with the same active parameters per token (d_ff = k x 128 = 256);
 - `transformers`' `MixtralForCausalLM` (dropless, with its load-balancing loss) on PyTorch CPU eager,
   with the same shapes and optimizer.
@@ -13,8 +15,9 @@ in alternating rounds in one process:
 The dispatch's share of one MoE layer is itemised with forward + backward of its parts, jitted apart
 at the recipe's shapes, as a fraction of the 1-device step: routing (router GEMM, softmax, top-k,
 slot assignment), dispatch + combine (the gathers into and out of the capacity buffers), the expert
-GEMMs (and, for comparison, the same GEMMs on the rows-major buffers meshlm first used), and the
-expert=2 all_to_alls (two simulated devices: memory copies here, not a network).
+GEMMs over the buffers, the dropless grouped path (grouping, gathers and the tiled kernel) at the
+kernel's tile x step sizes (the constants in `moe_costs`, TILE x CHUNK, chosen from this table), and
+the expert=2 all_to_alls (two simulated devices: memory copies here, not a network).
 
     python benchmarks/moe.py [--rounds 5] [--steps 3] [--write]
 """
@@ -122,10 +125,8 @@ def layer_parts(cfg: RunConfig) -> dict[str, float]:
     def experts_fn(buf, *ws):
         return jnp.sum(moe._swiglu_experts(buf, *ws, moe.layers.swiglu))
 
-    def rows_major(buf, w_gate, w_up, w_down):  # the buffers' first layout: [rows, E, C, d]
-        gate = jnp.einsum("recd,edf->recf", buf, w_gate)
-        up = jnp.einsum("recd,edf->recf", buf, w_up)
-        return jnp.sum(jnp.einsum("recf,efd->recd", moe.layers.swiglu(gate, up), w_down))
+    def grouped(x, *ws):  # the dropless path after routing: grouping, gathers, the tiled kernel
+        return jnp.sum(moe._grouped_experts(x, experts, *ws, moe.layers.swiglu, "tiled", None, 1))
 
     mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
 
@@ -144,13 +145,28 @@ def layer_parts(cfg: RunConfig) -> dict[str, float]:
         "routing": _timed(jax.jit(jax.grad(routing, argnums=(0, 1))), x, p["w_router"]),
         "dispatch + combine": _timed(jax.jit(jax.grad(dispatch_combine)), x),
         "expert GEMMs": _timed(grads(experts_fn), buf, *ws),
-        "expert GEMMs, rows-major buffers [rows, E, C, d] (before 2026-12-03)": _timed(
-            grads(rows_major), buf.transpose(1, 0, 2, 3), *ws
-        ),
+        **{
+            f"dropless grouped, tile {tile} x step {chunk} tiles": _tiled(grouped, tile, chunk, x, *ws)
+            for tile, chunk in ((128, 4), (128, 8), (128, 2), (64, 8))
+        },
         "all_to_all dispatch + return on expert=2 (the global batch's buffers)": _timed(
             jax.jit(jax.grad(exchange)), buf
         ),
     }
+
+
+def _tiled(fn, tile: int, chunk: int, *args) -> float:
+    """`_timed` of fn(*args) with the grouped kernel's tile and step sizes set to these."""
+    from meshlm.model import grouped
+
+    saved = moe_costs.TILE, moe_costs.CHUNK
+    moe_costs.TILE = grouped.TILE = tile
+    moe_costs.CHUNK = grouped.CHUNK = chunk
+    try:
+        return _timed(jax.jit(jax.grad(fn, argnums=(0, 1, 2, 3))), *args)
+    finally:
+        moe_costs.TILE = grouped.TILE = saved[0]
+        moe_costs.CHUNK = grouped.CHUNK = saved[1]
 
 
 def main() -> None:
@@ -169,7 +185,13 @@ def main() -> None:
     variants = {
         "meshlm MoE 1 device": meshlm_stepper(moe_cfg),
         "meshlm MoE expert=2": meshlm_stepper(config(ParallelConfig(expert=2))),
-        "meshlm MoE dropless": meshlm_stepper(config(expert_capacity_factor=0.0)),
+        "meshlm MoE dropless, grouped": meshlm_stepper(config(expert_capacity_factor=0.0)),
+        "meshlm MoE dropless, grouped, expert=2": meshlm_stepper(
+            config(ParallelConfig(expert=2), expert_capacity_factor=0.0, moe_kernel="tiled")
+        ),
+        "meshlm MoE dropless, capacity buffers (C = t)": meshlm_stepper(
+            config(expert_capacity_factor=0.0, moe_kernel="buffers")
+        ),
         "meshlm dense, same active": meshlm_stepper(dense),
         "transformers Mixtral (PyTorch eager)": mixtral_stepper(moe_cfg),
     }

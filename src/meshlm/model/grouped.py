@@ -9,9 +9,10 @@ row start_e + (its rank among e's assignments, in token order).
 
 **Kernels** (`model.moe_kernel`; `auto` takes the device's):
 - `tiled` (CPU, meshlm's own): a loop over steps of CHUNK tiles. Each step gathers its tiles'
-  expert weights [CHUNK, d, f] and runs batched GEMMs; steps past the last used tile are skipped
-  (`lax.cond`). Its custom VJP runs the same loop backward, recomputing silu(gate) x up from the
-  kept gate and up, and adding each tile's weight gradient (fp32) into its expert's.
+  expert weights (gate and up side by side, [CHUNK, d, 2f], one GEMM for both) and runs batched
+  GEMMs; steps past the last used tile are skipped (`lax.cond`). Its custom VJP runs the same loop
+  backward, recomputing silu(gate) x up from the kept gate and up, and adding each tile's weight
+  gradient (fp32) into its expert's.
 - `ragged_dot` (GPU): `jax.lax.ragged_dot` over the padded groups. Whether XLA:GPU lowers it to a
   grouped GEMM is unverified here (no GPU has run it); XLA:CPU lowers it to a dense dot over every
   group, so on CPU it is a reference only.
@@ -77,7 +78,7 @@ def expert_swiglu(
 ) -> jax.Array:
     """Every assignment's expert SwiGLU over the grouped buffer x [rows, d]: [rows, d]."""
     if kernel == "tiled":
-        return _tiled(x_rd, g.tile_expert, g.used_rows, w_gate, w_up, w_down, act=act)
+        return _tiled(x_rd, g.tile_expert, g.used_rows, jnp.concatenate([w_gate, w_up], axis=-1), w_down, act)
     if kernel == "ragged_dot":
         mul = functools.partial(jax.lax.ragged_dot, group_sizes=g.sizes)
     else:
@@ -102,66 +103,70 @@ def _tile(n: int) -> int:
     return next((c for c in (512, 256, 128) if n % c == 0), n)
 
 
+def _t(a: jax.Array) -> jax.Array:
+    """[c, t, n] -> [c, n, t], materialised: a weight gradient's left operand with its contracted
+    rows last. XLA:CPU runs that form as a library GEMM, and the folded transpose (the rows
+    contracted in place) about 2x slower; the barrier keeps XLA from folding it back."""
+    return jax.lax.optimization_barrier(jnp.swapaxes(a, 1, 2))
+
+
 def _steps(a: jax.Array, chunk: int) -> jax.Array:
     """[tiles x TILE, ...] -> [steps, chunk, TILE, ...]."""
     return a.reshape(-1, chunk, TILE, *a.shape[1:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _tiled(x, tile_expert, used_rows, w_gate, w_up, w_down, act):
-    return _tiled_fwd(x, tile_expert, used_rows, w_gate, w_up, w_down, act)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _tiled(x, tile_expert, used_rows, w_gate_up, w_down, act):
+    return _tiled_fwd(x, tile_expert, used_rows, w_gate_up, w_down, act)[0]
 
 
-def _tiled_fwd(x, tile_expert, used_rows, w_gate, w_up, w_down, act):
-    rows, f = x.shape[0], w_gate.shape[-1]
+def _tiled_fwd(x, tile_expert, used_rows, w_gate_up, w_down, act):
+    """w_gate_up [E, d, 2f]: the gate and up weights side by side, one GEMM for both."""
+    rows, f2 = x.shape[0], w_gate_up.shape[-1]
     chunk = min(CHUNK, rows // TILE)
 
     def step(_, inputs):
         xs, e, first = inputs
 
         def run(xs):
-            gate = jnp.einsum("ctd,cdf->ctf", xs, w_gate[e])
-            up = jnp.einsum("ctd,cdf->ctf", xs, w_up[e])
-            return gate, up, jnp.einsum("ctf,cfd->ctd", act(gate, up), w_down[e])
+            gate_up = jnp.einsum("ctd,cdf->ctf", xs, w_gate_up[e])
+            gate, up = jnp.split(gate_up, 2, axis=-1)
+            return gate_up, jnp.einsum("ctf,cfd->ctd", act(gate, up), w_down[e])
 
-        def skip(xs):
-            zeros = jnp.zeros((chunk, TILE, f), x.dtype)
-            return zeros, zeros, jnp.zeros_like(xs)
-
-        return None, jax.lax.cond(first < used_rows, run, skip, xs)
+        return None, jax.lax.cond(
+            first < used_rows, run, lambda xs: (jnp.zeros((chunk, TILE, f2), x.dtype), jnp.zeros_like(xs)), xs
+        )
 
     firsts = jnp.arange(rows // (chunk * TILE), dtype=jnp.int32) * chunk * TILE
-    _, (gate, up, out) = jax.lax.scan(step, None, (_steps(x, chunk), tile_expert.reshape(-1, chunk), firsts))
-    flat = [a.reshape(rows, -1) for a in (gate, up, out)]
-    return flat[2], (x, tile_expert, used_rows, flat[0], flat[1], w_gate, w_up, w_down)
+    _, (gate_up, out) = jax.lax.scan(step, None, (_steps(x, chunk), tile_expert.reshape(-1, chunk), firsts))
+    gate_up = gate_up.reshape(rows, f2)
+    return out.reshape(rows, -1), (x, tile_expert, used_rows, gate_up, w_gate_up, w_down)
 
 
 def _tiled_bwd(act, residuals, dy):
-    x, tile_expert, used_rows, gate, up, w_gate, w_up, w_down = residuals
+    x, tile_expert, used_rows, gate_up, w_gate_up, w_down = residuals
     rows, d = x.shape
     chunk = min(CHUNK, rows // TILE)
     f32 = jnp.float32
 
     def step(grads, inputs):
-        xs, gs, us, dys, e, first = inputs
+        xs, gus, dys, e, first = inputs
 
         def run(grads):
-            dwg, dwu, dwd = grads
-            h, vjp = jax.vjp(act, gs, us)
-            dwd = dwd.at[e].add(jnp.einsum("ctf,ctd->cfd", h, dys, preferred_element_type=f32))
-            dg, du = vjp(jnp.einsum("ctd,cfd->ctf", dys, w_down[e]))
-            dwg = dwg.at[e].add(jnp.einsum("ctd,ctf->cdf", xs, dg, preferred_element_type=f32))
-            dwu = dwu.at[e].add(jnp.einsum("ctd,ctf->cdf", xs, du, preferred_element_type=f32))
-            dx = jnp.einsum("ctf,cdf->ctd", dg, w_gate[e]) + jnp.einsum("ctf,cdf->ctd", du, w_up[e])
-            return (dwg, dwu, dwd), dx
+            dw_gate_up, dw_down = grads
+            h, vjp = jax.vjp(act, *jnp.split(gus, 2, axis=-1))
+            dw_down = dw_down.at[e].add(jnp.einsum("cft,ctd->cfd", _t(h), dys, preferred_element_type=f32))
+            dgu = jnp.concatenate(vjp(jnp.einsum("ctd,cfd->ctf", dys, w_down[e])), axis=-1)
+            dw_gate_up = dw_gate_up.at[e].add(jnp.einsum("cdt,ctf->cdf", _t(xs), dgu, preferred_element_type=f32))
+            return (dw_gate_up, dw_down), jnp.einsum("ctf,cdf->ctd", dgu, w_gate_up[e])
 
         return jax.lax.cond(first < used_rows, run, lambda grads: (grads, jnp.zeros_like(xs)), grads)
 
-    zeros = tuple(jnp.zeros(w.shape, f32) for w in (w_gate, w_up, w_down))
+    zeros = tuple(jnp.zeros(w.shape, f32) for w in (w_gate_up, w_down))
     firsts = jnp.arange(rows // (chunk * TILE), dtype=jnp.int32) * chunk * TILE
-    inputs = (*(_steps(a, chunk) for a in (x, gate, up, dy)), tile_expert.reshape(-1, chunk), firsts)
+    inputs = (*(_steps(a, chunk) for a in (x, gate_up, dy)), tile_expert.reshape(-1, chunk), firsts)
     grads, dx = jax.lax.scan(step, zeros, inputs)
-    dw = [g.astype(w.dtype) for g, w in zip(grads, (w_gate, w_up, w_down), strict=True)]
+    dw = [g.astype(w.dtype) for g, w in zip(grads, (w_gate_up, w_down), strict=True)]
     return (dx.reshape(rows, d), None, None, *dw)
 
 

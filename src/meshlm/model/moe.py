@@ -18,18 +18,21 @@ change the groups, so a finite capacity refuses `context` > 1. Dropless, nothing
 wherever a token stands: each context rank routes its own tokens (a group of them, C = its t) and
 the rows' router statistics are summed over `context`.
 
-**Expert GEMMs.** The tokens are gathered into capacity buffers [E, rows, C, d] (an index gather,
-no one-hot einsum), and every expert's SwiGLU runs as one batched GEMM over its C slots per row:
-the FLOPs are those of the buffers (capacity x the active FLOPs; dropless: E/k x), what XLA:CPU can
-run without a grouped GEMM (`jax.lax.ragged_dot` lowers there to a dense dot over every expert).
+**Expert GEMMs** (`moe_costs.expert_kernel`). With a finite capacity (or `moe_kernel=buffers`)
+the tokens are gathered into capacity buffers [E, rows, C, d] (an index gather, no one-hot einsum),
+and every expert's SwiGLU runs as one batched GEMM over its C slots per row: capacity x the active
+FLOPs, E/k x dropless. Dropless, the assignments are grouped by expert instead and multiplied as
+groups (`model.grouped`: a tiled CPU kernel, `ragged_dot`, megablox): the routed rows and their
+tile padding.
 
 **Expert parallelism.** Experts are sharded over the `expert` mesh axis, which also splits the
 batch for every other layer. Inside one `shard_map` region each device routes its own rows, then an
 `all_to_all` over `expert` sends each expert's slots to the device that holds it ([E, rows, C, d]
--> [E/expert, expert x rows, C, d]), the local experts run, and a second `all_to_all` brings the
-outputs back to their rows. With a tensor axis each expert's FFN is split Megatron-style (gate/up
-column-parallel, down row-parallel) and the partial sums are reduced once at the region's exit
-(an all-reduce, or a reduce-scatter along the sequence under SP, whose entry all-gathers it).
+-> [E/expert, expert x rows, C, d]; grouped: `grouped.exchange`'s worst-case buffers), the local
+experts run, and a second `all_to_all` brings the outputs back to their rows. With a tensor axis
+each expert's FFN is split Megatron-style (gate/up column-parallel, down row-parallel) and the
+partial sums are reduced once at the region's exit (an all-reduce, or a reduce-scatter along the
+sequence under SP, whose entry all-gathers it).
 
 Shapes: b rows, t tokens, d d_model, E experts, k experts per token, C slots, f expert width.
 """
@@ -201,7 +204,8 @@ def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig
             out = jax.lax.all_to_all(out, ep, split_axis=1, concat_axis=0, tiled=True)
         y, dropped = combine(out, slot, weights), jnp.sum(1.0 - kept.astype(jnp.float32), axis=1)
     else:
-        picked = _grouped_experts(x_btd, experts, we_gate, we_up, we_down, act, kernel, ep, ways)
+        # the plain activation: the grouped kernels keep gate and up and recompute it themselves
+        picked = _grouped_experts(x_btd, experts, we_gate, we_up, we_down, layers.swiglu, kernel, ep, ways)
         w = weights.astype(picked.dtype)[..., None]  # a weighted sum, not an einsum (see `combine`)
         y, dropped = jnp.sum(picked.reshape(b, t, k, -1) * w, axis=2), jnp.zeros((b,), jnp.float32)
     if shared:

@@ -9,8 +9,8 @@ import math
 
 from meshlm.config import ModelConfig, RunConfig
 
-TILE = 64  # grouped rows per tile: each expert's group is padded to a multiple (the padding runs)
-CHUNK = 8  # tiles per step of the CPU kernel's loop: 512 rows (tuned at moe-tiny's shapes, BENCHMARKS.md)
+TILE = 128  # grouped rows per tile: each expert's group is padded to a multiple (the padding runs)
+CHUNK = 4  # tiles per step of the CPU kernel's loop: 512 rows (tuned at moe-tiny's shapes, BENCHMARKS.md)
 DEVICE_KERNEL = {"cpu": "tiled", "gpu": "ragged_dot", "tpu": "megablox"}  # `model.moe_kernel=auto`, dropless
 
 

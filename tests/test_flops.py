@@ -190,6 +190,21 @@ def test_grouped_moe_runs_the_tile_rows_it_is_counted_for(policy):
     assert hlo.dot_flops(text) < hardware - executed
 
 
+@pytest.mark.parametrize("policy", ["elementwise", "full"])
+def test_an_moe_model_with_a_dense_layer_runs_its_counted_flops(policy):
+    """Layer 0 a dense SwiGLU of d_ff, layer 1 MoE: model FLOPs count each layer by its kind
+    (Megatron's form), and the program (two scans of one layer each) runs exactly the hardware
+    FLOPs, lowered and compiled."""
+    cfg, lowered, compiled = _step_programs("moe", policy, n_layers=2, first_k_dense=1)
+    all_moe, _, _ = _step_programs("moe", policy, n_layers=2)
+    m, t = cfg.model, cfg.train
+    swiglu, routed = 2 * 3 * m.d_model * m.ffn, 2 * 2 * 3 * m.d_model * m.expert_ffn + 2 * m.d_model * m.n_experts
+    diff = 3 * t.global_batch * t.seq_len * (swiglu - routed)
+    assert accounting.model_flops_per_step(cfg) - accounting.model_flops_per_step(all_moe) == diff
+    hardware = accounting.hardware_flops_per_step(cfg)
+    assert _lowered_dot_flops(lowered.as_text()) == hardware == hlo.dot_flops(compiled.as_text())
+
+
 def test_llama_1b_flops_are_six_n_plus_attention():
     """Llama-3.2-1B's model FLOPs per token are 6 x its matmul parameters (the published 1,235,814,400
     less the RMSNorm scales; the tied embedding counts once, as the output layer) plus causal

@@ -3,6 +3,7 @@ softmax-then-top-k) and Qwen2-MoE (QKV biases, a sigmoid-gated shared expert), m
 `transformers` with random weights. Import gives its logits on one device and on expert=2 x
 tensor=2, export writes back the same tensors, and greedy decoding equals its `generate`."""
 
+import dataclasses
 import json
 
 import jax
@@ -35,6 +36,18 @@ COMMON = dict(
 
 
 def _hf_model(name: str):
+    if name == "qwen3_moe, dense layers":  # 6 layers: 1, 3 and 5 sparse (decoder_sparse_step), but 5 (mlp_only_layers)
+        layout = dict(decoder_sparse_step=2, mlp_only_layers=[5], num_hidden_layers=6)
+        c = transformers.Qwen3MoeConfig(
+            intermediate_size=64,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            **(COMMON | layout),
+        )
+        return transformers.Qwen3MoeForCausalLM(c)
     if name == "mixtral":
         c = transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **COMMON)
         return transformers.MixtralForCausalLM(c)
@@ -48,7 +61,7 @@ def _hf_model(name: str):
     return transformers.Qwen2MoeForCausalLM(c)
 
 
-NAMES = ("mixtral", "qwen3_moe", "qwen2_moe")
+NAMES = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen3_moe, dense layers")
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +96,8 @@ def test_import_gives_transformers_logits_on_one_device_and_expert2_tensor2(hf_d
     tokens = np.random.default_rng(0).integers(0, 64, (2, 24)).astype(np.int32)
     want = _hf_logits(model, tokens)
     cfg = hf_tables.model_config(d)
-    assert cfg.n_experts == 4 and cfg.qk_norm == (name == "qwen3_moe") and cfg.qkv_bias == (name == "qwen2_moe")
+    assert cfg.n_experts == 4 and cfg.qk_norm == name.startswith("qwen3") and cfg.qkv_bias == (name == "qwen2_moe")
+    assert cfg.dense_layer_ids == ((0, 2, 4, 5) if "dense" in name else ())
     for parallel in (ParallelConfig(), EP_TP):
         cfg, layout, params = _load(d, parallel)
         if parallel.expert > 1:  # built straight into shards: each device holds 2 of the 4 experts
@@ -105,7 +119,7 @@ def test_export_writes_back_the_same_tensors_and_config(hf_dirs, name, tmp_path,
     for k, v in exported.items():
         assert torch.equal(v, original[k]), k
     written = json.loads((out / "config.json").read_text())
-    assert written["model_type"] == name and written["architectures"] == [type(model).__name__]
+    assert written["model_type"] == name.split(",")[0] and written["architectures"] == [type(model).__name__]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = np.random.default_rng(1).integers(0, 64, (2, 16)).astype(np.int32)
     np.testing.assert_array_equal(_hf_logits(reloaded, tokens), _hf_logits(model, tokens))
@@ -127,16 +141,16 @@ def test_greedy_decoding_on_expert2_tensor2_equals_transformers_generate(hf_dirs
 @pytest.mark.parametrize(
     "name, change, message",
     [
-        ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 is not supported"),
-        ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers=\\[0\\] is not supported"),
+        ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+        ("qwen3_moe", {"mlp_only_layers": "0"}, "mlp_only_layers='0' must be a list of layer indices"),
         ("mixtral", {"sliding_window": 4096}, "sliding_window=4096 is not supported"),
         ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds the 4 experts"),
         ("qwen3_moe", {"num_experts": None, "num_local_experts": None}, "missing the expert count"),
     ],
 )
 def test_moe_configs_meshlm_does_not_compute_are_refused(hf_dirs, name, change, message, tmp_path):
-    """Dense layers among the sparse ones, sliding windows and impossible routing are named, not
-    imported as something else."""
+    """Malformed dense-layer keys, sliding windows and impossible routing are named, not imported as
+    something else. A model with dense layers does not export as Mixtral, whose layers are all MoE."""
     from meshlm.config import ConfigError
 
     data = json.loads((hf_dirs[name][0] / "config.json").read_text())
@@ -144,6 +158,9 @@ def test_moe_configs_meshlm_does_not_compute_are_refused(hf_dirs, name, change, 
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=message):
         hf_tables.model_config(tmp_path)
+    mixed = dataclasses.replace(hf_tables.model_config(hf_dirs["mixtral"][0]), first_k_dense=1)
+    with pytest.raises(ConfigError, match="whose layers are all MoE; this one has dense layers \\[0\\]"):
+        hf_tables.hf_config(mixed, 1, 2, "float32")
 
 
 def test_deepseek_routing_starts_from_mixtral_with_a_zero_bias_and_refuses_to_export_as_it(hf_dirs, devices):

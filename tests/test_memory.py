@@ -205,6 +205,8 @@ MOE_CASES = [(p, dict(expert=2, tensor=2, sp=True), {}) for p in POLICIES] + [
     ("elementwise", dict(expert=2), DROPLESS_UNSHARED | dict(router_score="sigmoid", router_bias=True, n_group=4)),
     ("elementwise", dict(expert=2), DROPLESS_UNSHARED | dict(moe_kernel="buffers")),  # C = t slots
     ("dots", dict(expert=2, tensor=2, sp=True), dict(expert_capacity_factor=0)),
+    ("elementwise", dict(expert=2), dict(n_layers=3, first_k_dense=1, expert_capacity_factor=0)),  # dense layers
+    ("full", dict(expert=2, tensor=2, sp=True), dict(n_layers=3, dense_layers=(1,))),
 ]
 
 
@@ -214,7 +216,7 @@ def test_moe_formula_equals_measurement(policy, mesh, model, devices):
     row, the assignments' outputs, router logits and probabilities, routing indices, shared
     experts): the formula equals the bytes the compiled program keeps, per device, on expert x
     tensor + SP under every policy and on other shapes (dropless grouped and in buffers, no shared
-    expert, top-3)."""
+    expert, top-3, dense layers among the MoE ones: their terms apart, the mean per layer)."""
     cfg = moe_config(policy, dict(mesh), **model)
     f = accounting.activation_memory(cfg)
     m = _measure(cfg)

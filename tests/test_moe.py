@@ -274,6 +274,58 @@ def test_dropless_kernels_give_the_one_device_gradients(name, params, reference)
     assert_same_as_one_device(grads(moe_config(mesh, sp, moe_kernel=kernel), params), reference(0.0))
 
 
+# MoE models with dense layers: name -> (mesh, sequence parallel, model.moe_kernel)
+MIXED = {
+    "expert2_tensor2+sp": (dict(expert=2, tensor=2), True, "auto"),
+    "fsdp2_expert2, grouped": (dict(fsdp=2, expert=2), False, "tiled"),
+}
+MIXED_MODEL = dict(n_layers=5, first_k_dense=1, dense_layers=(3,))  # dense 0 and 3: scans D, M M, D, M
+
+
+@pytest.fixture(scope="module")
+def mixed_reference():
+    cfg = moe_config(**MIXED_MODEL)
+    params = jax.device_get(init_params(param_specs(cfg.model), jax.random.key(4)))
+    return params, grads(cfg, params)
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_moe_models_with_dense_layers_give_the_one_device_gradients(name, mixed_reference):
+    """Dense first layers and a dense layer in between (two stacks, scanned in the model's order;
+    HF parity is tests/test_hf_moe.py's): raw gradients of both stacks, loss and router losses equal
+    one device's; the router statistics are the MoE layers' only."""
+    mesh, sp, kernel = MIXED[name]
+    params, ref = mixed_reference
+    assert params["dense_layers"]["w_gate"].shape[0] == 2 and params["layers"]["we_gate"].shape[0] == 3
+    assert np.asarray(ref["expert_load"]).shape == (3, 8)
+    got = grads(moe_config(mesh, sp, moe_kernel=kernel, **MIXED_MODEL), params)
+    assert_same_as_one_device(got, ref)
+    assert np.abs(got["grads"]["dense_layers"]["w_down"]).max() > 0
+
+
+def test_layer_groups_cover_the_models_layers_in_order():
+    """The scans run every layer once in order: each (unit, repeats) group expanded gives the
+    model's layer kinds, for DeepSeek-V3's and Qwen's layouts and an irregular one; parameter
+    counts follow the kinds."""
+    from meshlm.model import mixed
+
+    cases = [
+        (61, dict(first_k_dense=3), [((False,), 3), ((True,), 58)]),
+        (8, dict(moe_layer_step=2), [((False, True), 4)]),
+        (6, dict(moe_layer_step=2, dense_layers=(5,)), [((False, True), 2), ((False,), 2)]),
+        (6, dict(dense_layers=(1, 2, 4)), None),
+    ]
+    for L, fields, want in cases:
+        m = dataclasses.replace(moe_config().model, n_layers=L, **fields)
+        groups = mixed.layer_groups(m.moe_layer_ids, L)
+        kinds = [k for unit, r in groups for _ in range(r) for k in unit]
+        assert kinds == [i in m.moe_layer_ids for i in range(L)]
+        assert accounting.param_count(m) == count_params(param_specs(m))  # both stacks, each its own MLP
+        idle = (m.n_experts - m.experts_per_token) * 3 * m.d_model * m.expert_ffn * len(m.moe_layer_ids)
+        assert accounting.active_param_count(m) == accounting.param_count(m) - idle
+        assert want is None or groups == want
+
+
 # ---------------------------------------------------------------------------- accounting, configs
 
 
@@ -381,6 +433,10 @@ def test_dropless_moe_under_context_parallelism_equals_one_device(context_refere
         (dict(parallel=ParallelConfig(expert=3)), "model.n_experts=8 is not divisible by mesh axis 'expert'"),
         (dict(model=dict(experts_per_token=9)), "experts_per_token=9"),
         (dict(model=dict(family="gpt")), "llama family"),
+        (dict(model=dict(dense_layers=(0, 4))), "dense_layers=\\[0, 4\\]: \\[4\\] not in \\[0, n_layers=4\\)"),
+        (dict(model=dict(first_k_dense=3, dense_layers=(3,))), "leave none of the 4 layers an MoE layer"),
+        (dict(model=dict(first_k_dense=1, lora_rank=4)), "LoRA on an MoE model with dense layers"),
+        (dict(model=dict(n_experts=0, first_k_dense=1)), "but the model is dense"),
     ],
 )
 def test_moe_configs_that_cannot_run_are_refused(change, message):
@@ -400,7 +456,8 @@ def test_moe_configs_that_cannot_run_are_refused(change, message):
 
 @pytest.fixture(scope="module")
 def moe_run(corpus_dir, tmp_path_factory):
-    """moe-tiny (small) for 6 steps on expert=2 x tensor=2 with checkpoints at 3 and 6."""
+    """moe-tiny (small, 3 layers, the first dense) for 6 steps on expert=2 x tensor=2 with
+    checkpoints at 3 and 6."""
     from meshlm.trainer import train
 
     root = tmp_path_factory.mktemp("moe")
@@ -408,7 +465,9 @@ def moe_run(corpus_dir, tmp_path_factory):
     cfg = validate(
         dataclasses.replace(
             base,
-            model=dataclasses.replace(base.model, vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2),
+            model=dataclasses.replace(
+                base.model, vocab_size=320, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, first_k_dense=1
+            ),
             parallel=ParallelConfig(expert=2, tensor=2),
             train=dataclasses.replace(base.train, steps=6, global_batch=8, seq_len=32, log_every=1, eval_every=0),
             data=DataConfig(paths=(str(corpus_dir),), cache_dir=str(root / "cache")),
@@ -430,12 +489,13 @@ def test_router_metrics_reach_metrics_jsonl_tensorboard_and_the_report(moe_run):
     assert len(steps) == 6
     for r in steps:
         load = np.asarray(r["expert_load"])
-        assert load.shape == (2, 8) and np.allclose(load.sum(-1), 1, atol=1e-5)
+        assert load.shape == (2, 8) and np.allclose(load.sum(-1), 1, atol=1e-5) and r["moe_layers"] == [1, 2]
         assert 0 <= r["dropped_fraction"] < 0.5 and r["expert_load_max"] == pytest.approx(8 * load.max(), rel=1e-5)
     acc = EventAccumulator(str(root / "run" / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    assert {"moe/aux_loss", "moe/z_loss", "moe/dropped_fraction", "moe/load/layer1/expert7"} <= set(tags)
+    assert {"moe/aux_loss", "moe/z_loss", "moe/dropped_fraction", "moe/load/layer2/expert7"} <= set(tags)
+    assert "moe/load/layer0/expert0" not in tags  # layer 0 is dense: the charts name the model's layers
     assert [e.value for e in acc.Scalars("moe/aux_loss")] == pytest.approx([r["moe_aux_loss"] for r in steps])
     report = write_report(root / "run")
     assert "MoE router" in report.read_text()

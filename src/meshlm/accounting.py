@@ -36,9 +36,18 @@ def param_count(cfg: ModelConfig) -> int:
     if cfg.family == "gpt":
         per_layer = attn + (n * h + 2 * k * h + d) + 2 * d * f + f + d + 4 * d  # + biases, 2 LNs
         return v * d + cfg.max_seq_len * d + L * per_layer + 2 * d + lora_param_count(cfg)
-    per_layer = attn + _mlp_params(cfg, cfg.n_experts) + 2 * d
-    per_layer += (n * h + 2 * k * h if cfg.qkv_bias else 0) + (2 * h if cfg.qk_norm else 0)
-    return (1 if cfg.tied_embeddings else 2) * v * d + L * per_layer + d + lora_param_count(cfg)
+    per_layer = attn + 2 * d + (n * h + 2 * k * h if cfg.qkv_bias else 0) + (2 * h if cfg.qk_norm else 0)
+    layers = L * per_layer + sum(count * _mlp_params(kind, kind.n_experts) for kind, count in layer_kinds(cfg))
+    return (1 if cfg.tied_embeddings else 2) * v * d + layers + d + lora_param_count(cfg)
+
+
+def layer_kinds(cfg: ModelConfig) -> list[tuple[ModelConfig, int]]:
+    """(the model as one kind of layer sees it, how many layers of that kind): one kind, or an MoE
+    model's MoE layers and its dense ones (`model.dense_layer_ids`), seen as a dense llama of d_ff."""
+    if not cfg.dense_layer_ids:
+        return [(cfg, cfg.n_layers)]
+    dense = dataclasses.replace(cfg, n_experts=0, first_k_dense=0, moe_layer_step=1, dense_layers=())
+    return [(cfg, len(cfg.moe_layer_ids)), (dense, len(cfg.dense_layer_ids))]
 
 
 def _mlp_params(cfg: ModelConfig, experts: int) -> int:
@@ -56,7 +65,7 @@ def active_param_count(cfg: ModelConfig) -> int:
     if not cfg.moe:
         return param_count(cfg)
     idle = _mlp_params(cfg, cfg.n_experts) - _mlp_params(cfg, cfg.experts_per_token)
-    return param_count(cfg) - cfg.n_layers * idle
+    return param_count(cfg) - len(cfg.moe_layer_ids) * idle
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
@@ -85,7 +94,8 @@ def model_flops_per_step(cfg: RunConfig) -> int:
     run 2x (forward, input gradient; no weight gradient), the attention core's and the adapters' 3x."""
     m, t = cfg.model, cfg.train
     terms = layer_forward_flops_per_token(m, t.seq_len)
-    per_token = m.n_layers * sum(terms.values()) + 2 * m.d_model * m.vocab_size  # + the logits
+    layers = sum(n * sum(layer_forward_flops_per_token(kind, t.seq_len).values()) for kind, n in layer_kinds(m))
+    per_token = layers + 2 * m.d_model * m.vocab_size  # + the logits
     if not m.lora_rank:
         return 3 * t.global_batch * t.seq_len * per_token
     core = m.n_layers * (terms["attn_scores"] + terms["attn_values"])
@@ -131,15 +141,26 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     counted, executed = expert_slot_flops(cfg)
     again = t.global_batch * t.seq_len * recompute_flops_per_token(m)  # LoRA's dropout: x A again
     if policy == "full":
-        last_mlp = terms["mlp"] // (2 if m.family == "gpt" else 3)
-        if m.moe:  # only the shared experts' down projection, when no gate multiplies its output
-            last_mlp = 0 if m.shared_expert_gate else 2 * m.d_model * m.shared_ffn
-        return round(tokens_layers * (sum(terms.values()) - last_mlp - attn + frac * attn)) + executed - counted + again
+        tokens = t.global_batch * t.seq_len  # (tokens x layers) x per token, as one kind always multiplied
+        layers = sum(tokens * n * _full_recompute_per_token(kind, t.seq_len, frac) for kind, n in layer_kinds(m))
+        return round(layers) + executed - counted + again
     if policy in ("dots", "offload"):
         return round(tokens_layers * frac * attn) + executed + again
     if policy == "selective" and m.attention == "explicit":  # the O(s) kernels are never checkpointed
         return round(tokens_layers * frac * terms["attn_scores"]) + again
     return again
+
+
+def _full_recompute_per_token(m: ModelConfig, seq_len: int, frac: float) -> float:
+    """One layer's forward GEMMs per token that `full` runs again: all but the last MLP projection
+    (MoE: but the shared experts' down projection, when no gate multiplies its output), with the
+    attention core at the fraction its kernel executes."""
+    terms = layer_forward_flops_per_token(m, seq_len)
+    attn = terms["attn_scores"] + terms["attn_values"]
+    last_mlp = terms["mlp"] // (2 if m.family == "gpt" else 3)
+    if m.moe:
+        last_mlp = 0 if m.shared_expert_gate else 2 * m.d_model * m.shared_ffn
+    return sum(terms.values()) - last_mlp - attn + frac * attn
 
 
 def attention_core_flops(cfg: RunConfig) -> int:
@@ -508,7 +529,8 @@ def activation_memory(
 ) -> dict[str, object]:
     """Per-device activation bytes of a whole model: {'per_layer': {term: bytes}, 'layer_total',
     'layers', 'outside': {term: bytes}, 'total' (device), 'host_per_layer', 'host_total' (pinned
-    host memory, offload policy)}.
+    host memory, offload policy), 'dense_per_layer'}. An MoE model with dense layers: 'per_layer'
+    is an MoE layer's, 'dense_per_layer' a dense one's, and 'layer_total' the mean per layer.
 
     'layers' without a pipeline: L x layer_total. With one, stage 0's: the microbatch-chunks it
     holds at its peak (`pipeline_in_flight`) x L/(p v) layers each. Megatron's (an explicit
@@ -522,10 +544,14 @@ def activation_memory(
     b = t.global_batch // t.microbatches // par.batch_shards
     s = t.seq_len // par.context  # context parallelism: every stored tensor holds 1/c of the sequence
     ulysses = par.context if par.context_strategy == "all_to_all" else 1  # ... except Ulysses' scores
-    per_layer = layer_activation_terms(m, s, b, par.tensor, sp, policy, ulysses, par.expert)
+    kinds = layer_kinds(m)  # an MoE model with dense layers: their terms apart, the mean per layer
+    each = [layer_activation_terms(k, s, b, par.tensor, sp, policy, ulysses, par.expert) for k, _ in kinds]
     # offload: the dot outputs `dots` would keep live in pinned host memory instead
-    host_per_layer = _dot_output_terms(m, s, b, par.tensor, par.tensor if sp else 1) if policy == "offload" else {}
-    layer_total = sum(per_layer.values())
+    r = par.tensor if sp else 1
+    host = [_dot_output_terms(k, s, b, par.tensor, r) if policy == "offload" else {} for k, _ in kinds]
+    mean = lambda terms: sum(n * sum(x.values()) for x, (_, n) in zip(terms, kinds, strict=True)) / m.n_layers
+    per_layer, host_per_layer = each[0], host[0]
+    layer_total = sum(per_layer.values()) if len(kinds) == 1 else mean(each)
     own = pipeline is None and par.stage > 1
     p = par.stage if pipeline is None else pipeline
     v = par.virtual_stages if pipeline is None else (interleave or 1)
@@ -547,5 +573,6 @@ def activation_memory(
         "outside": outside,
         "total": layers + sum(outside.values()),
         "host_per_layer": host_per_layer,
-        "host_total": held * sum(host_per_layer.values()),
+        "host_total": held * (sum(host_per_layer.values()) if len(kinds) == 1 else mean(host)),
+        "dense_per_layer": each[1] if len(kinds) > 1 else {},
     }

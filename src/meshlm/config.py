@@ -123,6 +123,12 @@ class ModelConfig:
     # `ragged_dot` (GPU), `megablox` (TPU; interpret mode elsewhere); `auto`: buffers with a finite
     # capacity, else the device's grouped kernel (buffers where they would run fewer rows)
     moe_kernel: Literal["auto", "buffers", "tiled", "ragged_dot", "megablox"] = "auto"
+    # layers whose MLP stays a dense SwiGLU of width d_ff in an MoE model: the first `first_k_dense`
+    # (DeepSeek's first_k_dense_replace), all but every `moe_layer_step`-th (Qwen's decoder_sparse_step:
+    # layer i is MoE when (i + 1) % step == 0) and those listed in `dense_layers` (Qwen's mlp_only_layers)
+    first_k_dense: int = 0
+    moe_layer_step: int = 1
+    dense_layers: tuple[int, ...] = ()
     # load-balancing loss (Switch/GShard, transformers' form) and router z-loss (ST-MoE) coefficients
     moe_aux_loss_coef: float = 0.01
     moe_z_loss_coef: float = 0.0
@@ -184,6 +190,22 @@ class ModelConfig:
     @property
     def expert_ffn(self) -> int:
         return self.expert_d_ff or self.ffn
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """The layers whose MLP is the MoE layer (all of an MoE model's but its dense layers)."""
+        if not self.moe:
+            return ()
+        step, dense = max(self.moe_layer_step, 1), set(self.dense_layers)
+        return tuple(
+            i for i in range(self.n_layers) if i >= self.first_k_dense and (i + 1) % step == 0 and i not in dense
+        )
+
+    @property
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        """An MoE model's layers with a dense SwiGLU (stacked apart, as params["dense_layers"])."""
+        moe = set(self.moe_layer_ids)
+        return tuple(i for i in range(self.n_layers) if i not in moe) if self.moe else ()
 
     @property
     def shared_ffn(self) -> int:

@@ -273,6 +273,8 @@ class StepLoop:
         record["skipped"] = int(m["skipped"])  # non-finite steps skipped so far (on_nonfinite=skip)
         if "expert_load" in m:  # MoE: router losses, drops and each layer's load per expert
             record |= moe_record(m)
+            if self.cfg.model.dense_layer_ids:  # the MoE layers' indices, when some layers are dense
+                record["moe_layers"] = list(self.cfg.model.moe_layer_ids)
         record |= self.source_tokens(n)
         now, steps = _clock(), n - self.step_last
         eta = None

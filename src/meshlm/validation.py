@@ -57,6 +57,23 @@ def _validate_lora(m: ModelConfig) -> None:
     )
 
 
+def _validate_layer_kinds(m: ModelConfig) -> None:
+    """Which layers of an MoE model stay dense: indices in range, and at least one MoE layer."""
+    _need(m.first_k_dense >= 0 and m.moe_layer_step >= 1, "model.first_k_dense must be >= 0, moe_layer_step >= 1")
+    bad = [i for i in m.dense_layers if not 0 <= i < m.n_layers]
+    _need(not bad, f"model.dense_layers={list(m.dense_layers)}: {bad} not in [0, n_layers={m.n_layers})")
+    _need(
+        len(m.moe_layer_ids) > 0,
+        f"model.first_k_dense={m.first_k_dense}, moe_layer_step={m.moe_layer_step} and dense_layers leave none of "
+        f"the {m.n_layers} layers an MoE layer; use a dense model (model.n_experts=0)",
+    )
+    _need(
+        not (m.dense_layer_ids and m.lora_rank),
+        "LoRA on an MoE model with dense layers (model.first_k_dense, moe_layer_step, dense_layers) is not built: its "
+        "adapters live in the MoE layers' stack only",
+    )
+
+
 def _validate_router(m: ModelConfig) -> None:
     """DeepSeek-V3's routing options (docs/moe.md): groups that split the experts evenly, at least two
     experts a group (a group's score is its best two), enough experts in the kept groups for k."""
@@ -132,8 +149,14 @@ def _validate_moe(cfg: RunConfig) -> None:
             f"parallel.expert={p.expert} shards MoE experts, but the model is dense (model.n_experts=0); "
             f"use parallel.data={p.expert * p.data} to split the batch",
         )
+        _need(
+            not (m.first_k_dense or m.moe_layer_step != 1 or m.dense_layers),
+            "model.first_k_dense, moe_layer_step and dense_layers choose an MoE model's dense layers, but the model "
+            "is dense (model.n_experts=0)",
+        )
         return
     _need(m.family == "llama", "model.n_experts (Mixture of Experts) is implemented for the llama family")
+    _validate_layer_kinds(m)
     _need(
         1 <= m.experts_per_token <= m.n_experts,
         f"model.experts_per_token={m.experts_per_token} must be in [1, n_experts={m.n_experts}]",

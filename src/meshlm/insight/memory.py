@@ -29,6 +29,7 @@ import numpy as np
 from meshlm import accounting
 from meshlm import axes as ax
 from meshlm.config import RematConfig, RunConfig
+from meshlm.model import mixed
 from meshlm.model.params import abstract_params, param_specs, partition, trainable_mask
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.remat import POLICIES
@@ -120,8 +121,11 @@ def device_bytes(abstract, sharding) -> int:
 
 
 def _stacked_leaves(cfg: RunConfig, layout: Layout, shapes, b: int, s: int) -> set[int]:
-    """Indices of residuals stacked over layers: their leading dim grows with n_layers."""
-    deeper = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers + 1))
+    """Indices of residuals stacked over layers: their leading dim grows with n_layers (an MoE model
+    with dense layers grows by its last repeated unit of layers, so that its scans stay the same)."""
+    m = cfg.model
+    extra = len(mixed.layer_groups(m.moe_layer_ids, m.n_layers)[-1][0]) if m.dense_layer_ids else 1
+    deeper = dataclasses.replace(cfg, model=dataclasses.replace(m, n_layers=m.n_layers + extra))
     tokens = jax.ShapeDtypeStruct((b, s), jnp.int32)
     two = jax.eval_shape(_residual_fn(deeper, layout), abstract_params(param_specs(deeper.model)), tokens, tokens)
     return {i for i, (x, y) in enumerate(zip(shapes, two, strict=True)) if x.shape != y.shape}

@@ -63,6 +63,11 @@ def architecture(cfg: ModelConfig) -> tuple[str, str]:
             "an MoE model without q/k norms exports as Mixtral, whose router renormalises the top-k weights; "
             "set model.router_renormalize=true (or model.qk_norm=true for Qwen3-MoE)"
         )
+    if cfg.dense_layer_ids:
+        raise ConfigError(
+            "an MoE model without q/k norms exports as Mixtral, whose layers are all MoE; this one has dense layers "
+            f"{list(cfg.dense_layer_ids)} (Qwen3-MoE, with model.qk_norm=true, has them)"
+        )
     return MOE_TYPES["mixtral"], "mixtral"
 
 
@@ -86,11 +91,14 @@ def model_fields(kind: str, data: dict, f: Any, path: Path) -> dict:
     if kind == "mixtral":
         f.require("sliding_window", (None,), None)
         return out | {"expert_d_ff": f.int("intermediate_size"), "router_renormalize": True}
-    # Qwen: every layer sparse (meshlm's layer scan has one kind of layer), no sliding window
-    f.require("decoder_sparse_step", (1,), 1)
-    f.require("mlp_only_layers", ([],), [])
+    # Qwen: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers
+    # (the others: a SwiGLU of intermediate_size); no sliding window
+    dense = data.get("mlp_only_layers") or []
+    if not (isinstance(dense, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in dense)):
+        raise ConfigError(f"{path}: mlp_only_layers={dense!r} must be a list of layer indices")
     f.require("use_sliding_window", (False,), False)
     out |= {"expert_d_ff": f.int("moe_intermediate_size"), "router_renormalize": f.flag("norm_topk_prob", False)}
+    out |= {"moe_layer_step": f.int("decoder_sparse_step", 1), "dense_layers": tuple(sorted(dense))}
     if kind == "qwen3_moe":
         f.require("attention_bias", (False,), False)
         return out | {"qk_norm": True}
@@ -124,8 +132,8 @@ def hf_fields(cfg: ModelConfig) -> dict:
         "num_local_experts": cfg.n_experts,
         "moe_intermediate_size": cfg.expert_ffn,
         "norm_topk_prob": cfg.router_renormalize,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
+        "decoder_sparse_step": cfg.moe_layer_step,  # the dense layers it does not explain are listed
+        "mlp_only_layers": [i for i in cfg.dense_layer_ids if (i + 1) % cfg.moe_layer_step == 0],
         "use_sliding_window": False,
     }
     if kind == "qwen2_moe":

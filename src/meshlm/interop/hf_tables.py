@@ -42,6 +42,7 @@ class Rule:
     part: int = 0
     parts: int = 1
     experts: int = 0  # > 0: one tensor per layer and expert, "{e}" standing for the expert index
+    layers: tuple[int, ...] | None = None  # the HF layer at each place of the stack (None: all, in order)
 
     @property
     def layered(self) -> bool:
@@ -49,18 +50,19 @@ class Rule:
 
     def indices(self, n_layers: int) -> list:
         """Where each of `names` sits in the stacked parameter: None (unstacked), the layer i, or
-        (i, e) for expert e of layer i."""
+        (i, e) for expert e of layer i (places in the stack: `layers` maps them to HF's layers)."""
         if not self.layered:
             return [None]
+        n = n_layers if self.layers is None else len(self.layers)
         if self.experts:
-            return [(i, e) for i in range(n_layers) for e in range(self.experts)]
-        return list(range(n_layers))
+            return [(i, e) for i in range(n) for e in range(self.experts)]
+        return list(range(n))
 
     def name(self, index) -> str:
         if index is None:
             return self.hf
         i, e = index if isinstance(index, tuple) else (index, None)
-        return self.hf.format(i=i, e=e)
+        return self.hf.format(i=i if self.layers is None else self.layers[i], e=e)
 
     def names(self, n_layers: int) -> list[str]:
         return [self.name(ix) for ix in self.indices(n_layers)]
@@ -106,29 +108,34 @@ def rules(cfg: ModelConfig) -> list[Rule]:
             out.append(Rule(f"layers/b{n}", t + "attn.c_attn.bias", (3 * D,), part=j, parts=3))
         return out
     m = "model.layers.{i}."
-    out = [
-        Rule("wte", "model.embed_tokens.weight", (V, D)),
-        Rule("final_norm", "model.norm.weight", (D,)),
-        Rule("layers/attn_norm", m + "input_layernorm.weight", (D,)),
-        Rule("layers/mlp_norm", m + "post_attention_layernorm.weight", (D,)),
-        Rule("layers/wq", m + "self_attn.q_proj.weight", (N * H, D), transpose=True),
-        Rule("layers/wk", m + "self_attn.k_proj.weight", (K * H, D), transpose=True),
-        Rule("layers/wv", m + "self_attn.v_proj.weight", (K * H, D), transpose=True),
-        Rule("layers/wo", m + "self_attn.o_proj.weight", (D, N * H), transpose=True),
-    ]
-    if cfg.qkv_bias:
-        widths = (N * H, K * H, K * H)
-        out += [Rule(f"layers/b{n}", m + f"self_attn.{n}_proj.bias", (w,)) for n, w in zip("qkv", widths, strict=True)]
-    if cfg.qk_norm:
-        out += [Rule(f"layers/{n}_norm", m + f"self_attn.{n}_norm.weight", (H,)) for n in "qk"]
-    if cfg.moe:
-        out += moe_rules(cfg, m, Rule)
-    else:
-        out += [
-            Rule("layers/w_gate", m + "mlp.gate_proj.weight", (F, D), transpose=True),
-            Rule("layers/w_up", m + "mlp.up_proj.weight", (F, D), transpose=True),
-            Rule("layers/w_down", m + "mlp.down_proj.weight", (D, F), transpose=True),
+    out = [Rule("wte", "model.embed_tokens.weight", (V, D)), Rule("final_norm", "model.norm.weight", (D,))]
+    stacks = [("layers", cfg.moe, cfg.moe_layer_ids if cfg.dense_layer_ids else None)]
+    if cfg.dense_layer_ids:  # an MoE model's dense layers, stacked apart
+        stacks.append(("dense_layers", False, cfg.dense_layer_ids))
+    for stack, moe, ids in stacks:
+        layer = [
+            Rule("attn_norm", m + "input_layernorm.weight", (D,)),
+            Rule("mlp_norm", m + "post_attention_layernorm.weight", (D,)),
+            Rule("wq", m + "self_attn.q_proj.weight", (N * H, D), transpose=True),
+            Rule("wk", m + "self_attn.k_proj.weight", (K * H, D), transpose=True),
+            Rule("wv", m + "self_attn.v_proj.weight", (K * H, D), transpose=True),
+            Rule("wo", m + "self_attn.o_proj.weight", (D, N * H), transpose=True),
         ]
+        if cfg.qkv_bias:
+            widths = (N * H, K * H, K * H)
+            layer += [Rule(f"b{n}", m + f"self_attn.{n}_proj.bias", (w,)) for n, w in zip("qkv", widths, strict=True)]
+        if cfg.qk_norm:
+            layer += [Rule(f"{n}_norm", m + f"self_attn.{n}_norm.weight", (H,)) for n in "qk"]
+        if moe:
+            layer += moe_rules(cfg, m, Rule)
+        else:
+            layer += [
+                Rule("w_gate", m + "mlp.gate_proj.weight", (F, D), transpose=True),
+                Rule("w_up", m + "mlp.up_proj.weight", (F, D), transpose=True),
+                Rule("w_down", m + "mlp.down_proj.weight", (D, F), transpose=True),
+            ]
+        named = [r if "/" in r.leaf else dataclasses.replace(r, leaf=f"{stack}/{r.leaf}") for r in layer]
+        out += [dataclasses.replace(r, layers=ids) for r in named]
     if not cfg.tied_embeddings:
         out.append(Rule("lm_head", "lm_head.weight", (V, D), transpose=True))
     return out

@@ -58,7 +58,7 @@ def expert_slot_flops(cfg: RunConfig, platform: str = "cpu") -> tuple[int, int]:
     m, t, par = cfg.model, cfg.train, cfg.parallel
     if not m.moe:
         return 0, 0
-    one = 2 * 3 * m.d_model * m.expert_ffn * m.n_layers
+    one = 2 * 3 * m.d_model * m.expert_ffn * len(m.moe_layer_ids)
     b, s = t.global_batch // t.microbatches // par.batch_shards, t.seq_len // par.context
     devices = t.microbatches * par.batch_shards * par.context  # every row of the step, once
     executed = devices * expert_rows(m, b, s, par.expert, platform) * one
@@ -121,7 +121,7 @@ def expert_exchange_bytes(cfg: RunConfig) -> float:
     else:
         n = par.expert * b * s * m.experts_per_token
         per_layer = (6 if again else 4) * n * m.d_model * e + (2 if again else 1) * n * 4
-    return t.microbatches * m.n_layers * per_layer * (par.expert - 1) / par.expert
+    return t.microbatches * len(m.moe_layer_ids) * per_layer * (par.expert - 1) / par.expert
 
 
 def _bytes(m: ModelConfig) -> int:

@@ -160,26 +160,35 @@ def _base_specs(cfg: ModelConfig) -> dict:
             "ln_f_scale": ParamSpec((D,), (ax.EMBED,), ones, decay=False),
             "ln_f_bias": ParamSpec((D,), (ax.EMBED,), zeros, decay=False),
         }
-    layer |= {
-        "attn_norm": ParamSpec((L, D), (ax.LAYERS, ax.EMBED), ones, decay=False),
-        "mlp_norm": ParamSpec((L, D), (ax.LAYERS, ax.EMBED), ones, decay=False),
-    }
-    if cfg.qkv_bias:  # Qwen2
-        layer |= {
-            n: ParamSpec((L, heads, H), (ax.LAYERS, axis, ax.HEAD_DIM), zeros, decay=False)
-            for n, heads, axis in (("bq", N, ax.HEADS), ("bk", K, ax.KV_HEADS), ("bv", K, ax.KV_HEADS))
-        }
-    if cfg.qk_norm:  # Qwen3
-        layer |= {n: ParamSpec((L, H), (ax.LAYERS, ax.HEAD_DIM), ones, decay=False) for n in ("q_norm", "k_norm")}
-    layer |= _moe_specs(cfg, w, w_out) if cfg.moe else _swiglu_specs(L, D, F, w, w_out, "w_")
-    tree = {
-        "wte": ParamSpec((V, D), (ax.VOCAB, ax.EMBED), w),
-        "layers": layer,
+    tree = {"wte": ParamSpec((V, D), (ax.VOCAB, ax.EMBED), w)}
+    if cfg.dense_layer_ids:  # an MoE model with dense layers: two stacks, each scanned over its layers
+        tree["dense_layers"] = _llama_layer(cfg, layer, len(cfg.dense_layer_ids), False, w, w_out)
+    tree |= {
+        "layers": _llama_layer(cfg, layer, len(cfg.moe_layer_ids) if cfg.moe else L, cfg.moe, w, w_out),
         "final_norm": ParamSpec((D,), (ax.EMBED,), ones, decay=False),
     }
     if not cfg.tied_embeddings:  # tied: the output layer is wte, as in GPT-2
         tree["lm_head"] = ParamSpec((D, V), (ax.EMBED, ax.VOCAB), w)
     return tree
+
+
+def _llama_layer(cfg: ModelConfig, attention: dict, n: int, moe: bool, w: Init, w_out: Init) -> dict:
+    """A stack of n llama layers: the attention's weights (`attention`, stacked over all L layers,
+    restacked over n), norms, Qwen's biases and q/k norms, and the MoE layer (`moe`) or a SwiGLU."""
+    D, K, N, H = cfg.d_model, cfg.kv_heads, cfg.n_heads, cfg.dim_head
+    layer = {k: dataclasses.replace(v, shape=(n, *v.shape[1:])) for k, v in attention.items()}
+    layer |= {
+        "attn_norm": ParamSpec((n, D), (ax.LAYERS, ax.EMBED), ones, decay=False),
+        "mlp_norm": ParamSpec((n, D), (ax.LAYERS, ax.EMBED), ones, decay=False),
+    }
+    if cfg.qkv_bias:  # Qwen2
+        layer |= {
+            k: ParamSpec((n, heads, H), (ax.LAYERS, axis, ax.HEAD_DIM), zeros, decay=False)
+            for k, heads, axis in (("bq", N, ax.HEADS), ("bk", K, ax.KV_HEADS), ("bv", K, ax.KV_HEADS))
+        }
+    if cfg.qk_norm:  # Qwen3
+        layer |= {k: ParamSpec((n, H), (ax.LAYERS, ax.HEAD_DIM), ones, decay=False) for k in ("q_norm", "k_norm")}
+    return layer | (_moe_specs(cfg, n, w, w_out) if moe else _swiglu_specs(n, D, cfg.ffn, w, w_out, "w_"))
 
 
 def _swiglu_specs(L: int, D: int, F: int, w: Init, w_out: Init, prefix: str, lead=()) -> dict:
@@ -193,10 +202,11 @@ def _swiglu_specs(L: int, D: int, F: int, w: Init, w_out: Init, prefix: str, lea
     }
 
 
-def _moe_specs(cfg: ModelConfig, w: Init, w_out: Init) -> dict:
+def _moe_specs(cfg: ModelConfig, L: int, w: Init, w_out: Init) -> dict:
     """The router [L, D, E] (experts never sharded: every device routes to all of them), the
-    stacked experts (`we_*`, sharded over `expert`) and the fused shared experts (`ws_*`)."""
-    L, D, E = cfg.n_layers, cfg.d_model, cfg.n_experts
+    stacked experts (`we_*`, sharded over `expert`) and the fused shared experts (`ws_*`), for the
+    L MoE layers."""
+    D, E = cfg.d_model, cfg.n_experts
     out = {"w_router": ParamSpec((L, D, E), (ax.LAYERS, ax.EMBED, None), w)}
     if cfg.router_bias:  # for the choice only: no gradient, moved by the step (`moe.update_router_bias`)
         out["router_bias"] = ParamSpec((L, E), (ax.LAYERS, None), zeros, trainable=False)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
-from meshlm.model import kernels, layers, moe
+from meshlm.model import kernels, layers, mixed, moe
 from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.params import param_specs
 from meshlm.parallel import remat
@@ -48,8 +48,9 @@ def weight_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
     """Logical axes of every weight as one layer (or the top level) sees it, read from the
     ParamSpecs - the one place they are declared - without the stacked LAYERS axis."""
     specs = param_specs(cfg)
-    out = {n: s.axes for n, s in specs.items() if n != "layers"}
-    return out | {n: s.axes[1:] for n, s in specs["layers"].items()}
+    stacks = ("layers", "dense_layers")
+    out = {n: s.axes for n, s in specs.items() if n not in stacks}
+    return out | {n: s.axes[1:] for stack in stacks for n, s in specs.get(stack, {}).items()}
 
 
 KV_ACT = (ax.BATCH, ax.SEQ, ax.ACT_KV_HEADS, None)
@@ -335,7 +336,7 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
     x_btd = constrain(layout, x_btd + o, RESIDUAL)
 
     h = norm(x_btd, p["mlp_norm"])
-    if cfg.moe:
+    if "we_gate" in p:  # an MoE layer (an MoE model's dense layers have w_gate)
         o, stats = moe.moe_ffn(layout, h, p, cfg, weight_axes(cfg), RESIDUAL, remat_policy)
         x_btd = constrain(layout, x_btd + o, RESIDUAL)
         return x_btd, (stats if dec is None else kv)
@@ -549,25 +550,37 @@ def forward(
         positions = jnp.maximum(cache.index + jnp.arange(t)[None, :] - cache.start[:, None], 0)
     x = embed(params, tokens_bt, cfg, layout, key, positions)
     ids = jnp.arange(cfg.n_layers)
+    cast = partial(_cast_layer, dtype=jnp.dtype(cfg.dtype))
+    block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
+    mixed_layers = partial(mixed.run, params=params, moe_ids=cfg.moe_layer_ids, n_layers=cfg.n_layers)
     if cache is None:
-        chain = cfg.scan_unroll >= cfg.n_layers > 1  # fully unrolled: no loop at all
-        x, stats = run_layers(x, params["layers"], ids, cfg, layout, key, remat_policy, segment_ids, chain)
+        if "dense_layers" in params:  # an MoE model with dense layers: two stacks (`model.mixed`)
+
+            def one(x_btd, p, i):
+                layer_key = None if key is None else jax.random.fold_in(key, i)
+                return block(x_btd, cast(p), layer_key, segments=segment_ids)
+
+            x, stats = mixed_layers(x, one_layer=remat.wrap_layer(one, remat_policy), unroll=cfg.scan_unroll)
+        else:
+            chain = cfg.scan_unroll >= cfg.n_layers > 1  # fully unrolled: no loop at all
+            x, stats = run_layers(x, params["layers"], ids, cfg, layout, key, remat_policy, segment_ids, chain)
         out = logits(params, x, cfg, layout, remat_policy)
         return (out, stats) if router_stats else out
 
-    dtype = jnp.dtype(cfg.dtype)
-    cast = partial(_cast_layer, dtype=dtype)
-    block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
-
-    def decode_body(carry, layer):
+    def decode_layer(carry, p, i):
         x_btd, k_all, v_all = carry
-        p, i = layer
         dec = ((k_all, v_all, i), cache, positions, prefill)
         x_btd, (k_all, v_all) = block(x_btd, cast(p), None, dec=dec)
         return (x_btd, k_all, v_all), None
 
     unroll = min(cfg.scan_unroll, cfg.n_layers)
-    (x, k_all, v_all), _ = jax.lax.scan(decode_body, (x, cache.k, cache.v), (params["layers"], ids), unroll=unroll)
+    if "dense_layers" in params:
+        (x, k_all, v_all), _ = mixed_layers((x, cache.k, cache.v), one_layer=decode_layer, unroll=unroll)
+    else:
+        layers_in = (params["layers"], ids)
+        (x, k_all, v_all), _ = jax.lax.scan(
+            lambda c, li: decode_layer(c, *li), (x, cache.k, cache.v), layers_in, unroll=unroll
+        )
     cache = KVCache(k_all, v_all, cache.index + t, cache.start)
     x = x[:, -1:]  # only the last position's logits are used: never build [b, t, vocab]
     return logits(params, x, cfg, layout, remat_policy), cache

@@ -50,12 +50,14 @@ class Sink(Protocol):
 
 def chart_values(record: dict) -> dict[str, float]:
     """The chartable numbers of a metrics record, under their chart names; an MoE run's
-    `expert_load` [layer][expert] as one chart per expert, `moe/load/layer<l>/expert<e>`; a
+    `expert_load` [layer][expert] as one chart per expert, `moe/load/layer<l>/expert<e>` (l the
+    model's layer: `moe_layers` lists them when some are dense); a
     mixture's tokens per source (`tokens/<source>`) as `data/tokens/<source>`."""
     out = {TAGS[k]: float(v) for k, v in record.items() if k in TAGS and isinstance(v, int | float)}
     out |= {f"data/{k}": float(v) for k, v in record.items() if k.startswith("tokens/")}
-    for layer, loads in enumerate(record.get("expert_load") or ()):
-        out |= {f"moe/load/layer{layer}/expert{e}": float(v) for e, v in enumerate(loads)}
+    loads = record.get("expert_load") or ()
+    for layer, row in zip(record.get("moe_layers") or range(len(loads)), loads, strict=True):
+        out |= {f"moe/load/layer{layer}/expert{e}": float(v) for e, v in enumerate(row)}
     return out
 
 

@@ -150,7 +150,7 @@ def test_greedy_decoding_on_expert2_tensor2_equals_transformers_generate(hf_dirs
 )
 def test_moe_configs_meshlm_does_not_compute_are_refused(hf_dirs, name, change, message, tmp_path):
     """Malformed dense-layer keys, sliding windows and impossible routing are named, not imported as
-    something else. A model with dense layers does not export as Mixtral, whose layers are all MoE."""
+    something else."""
     from meshlm.config import ConfigError
 
     data = json.loads((hf_dirs[name][0] / "config.json").read_text())
@@ -158,6 +158,25 @@ def test_moe_configs_meshlm_does_not_compute_are_refused(hf_dirs, name, change, 
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=message):
         hf_tables.model_config(tmp_path)
+
+
+def test_dense_layers_route_like_transformers_and_do_not_export_as_mixtral(hf_dirs, devices):
+    """The router statistics are the sparse layers', in order: each MoE layer's summed router
+    probabilities equal the softmax of `transformers`' router logits for that layer (Qwen3-MoE,
+    dense layers 0, 2, 4, 5). A model with dense layers does not export as Mixtral, whose layers
+    are all MoE."""
+    from meshlm.config import ConfigError
+
+    d, model = hf_dirs["qwen3_moe, dense layers"]
+    tokens = np.random.default_rng(2).integers(0, 64, (2, 12)).astype(np.int32)
+    cfg, _, params = _load(d, ParallelConfig())
+    _, stats = jax.jit(lambda p, t: forward(p, t, cfg, router_stats=True))(params, tokens)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens.astype(np.int64)), output_router_logits=True).router_logits
+    assert len(logits) == len(cfg.moe_layer_ids) == 2
+    for j, layer in enumerate(logits):
+        want = torch.softmax(layer.float(), -1).numpy().reshape(2, 12, -1).sum(1)
+        np.testing.assert_allclose(np.asarray(stats.prob_sum[j]), want, rtol=1e-4, atol=1e-5)
     mixed = dataclasses.replace(hf_tables.model_config(hf_dirs["mixtral"][0]), first_k_dense=1)
     with pytest.raises(ConfigError, match="whose layers are all MoE; this one has dense layers \\[0\\]"):
         hf_tables.hf_config(mixed, 1, 2, "float32")

@@ -204,6 +204,7 @@ MOE_CASES = [(p, dict(expert=2, tensor=2, sp=True), {}) for p in POLICIES] + [
     ("elementwise", dict(context=2, expert=2, context_strategy="all_to_all"), DROPLESS_UNSHARED),  # C = t / c
     ("elementwise", dict(expert=2), DROPLESS_UNSHARED | dict(router_score="sigmoid", router_bias=True, n_group=4)),
     ("elementwise", dict(expert=2), DROPLESS_UNSHARED | dict(moe_kernel="buffers")),  # C = t slots
+    ("elementwise", {}, DROPLESS_UNSHARED),  # grouped, no exchange
     ("dots", dict(expert=2, tensor=2, sp=True), dict(expert_capacity_factor=0)),
     ("elementwise", dict(expert=2), dict(n_layers=3, first_k_dense=1, expert_capacity_factor=0)),  # dense layers
     ("full", dict(expert=2, tensor=2, sp=True), dict(n_layers=3, dense_layers=(1,))),
@@ -224,10 +225,12 @@ def test_moe_formula_equals_measurement(policy, mesh, model, devices):
     assert m.host_bytes == pytest.approx(f["host_total"], rel=1e-9, abs=1)
     if policy == "elementwise":  # the layer's largest tensors: E x C slots per row, or the grouped tiles
         b, s = 8 // cfg.parallel.batch_shards, 256 // cfg.parallel.context  # a rank's tokens
-        if moe_costs.expert_kernel(cfg.model, b, s, cfg.parallel.expert) == "buffers":
+        X = cfg.parallel.expert
+        if cfg.model.expert_capacity_factor or cfg.model.moe_kernel == "buffers":
             rows = b * 8 * moe_costs.expert_capacity(cfg.model, s)
-        else:  # the exchange's worst case: every assignment of the expert group on this device's experts
-            rows = moe_costs.grouped_rows(cfg.parallel.expert * b * s * 2, 8 // cfg.parallel.expert)
+        else:  # the exchange's worst case, X b s k rows, each expert's padded to 128-row tiles, 4 tiles a step
+            tiles = -(-(X * b * s * 2 + 8 // X * 127) // 128)
+            rows = 128 * 4 * -(-tiles // 4)
         assert f["per_layer"]["expert_input"] == 2 * rows * 256
 
 

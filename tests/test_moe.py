@@ -252,13 +252,14 @@ def test_a_wrong_router_gradient_is_caught(params, reference):
         assert_same_as_one_device(got | {"dropped_fraction": got["dropped_fraction"] + 1e-3}, reference(0.0))
 
 
-# dropless kernels: name -> (mesh, sequence parallel, model.moe_kernel)
+# dropless kernels: name -> (mesh, sequence parallel, model.moe_kernel, remat policy)
 KERNELS = {
-    "buffers, one device": ({}, False, "buffers"),
-    "ragged_dot, one device": ({}, False, "ragged_dot"),
-    "megablox in interpret mode, one device": ({}, False, "megablox"),
-    "tiled, expert2_tensor2+sp": (dict(expert=2, tensor=2), True, "tiled"),
-    "tiled, fsdp2_expert2": (dict(fsdp=2, expert=2), False, "tiled"),
+    "buffers, one device": ({}, False, "buffers", "elementwise"),
+    "ragged_dot, one device": ({}, False, "ragged_dot", "elementwise"),
+    "megablox in interpret mode, one device": ({}, False, "megablox", "elementwise"),
+    "tiled, expert2_tensor2+sp": (dict(expert=2, tensor=2), True, "tiled", "elementwise"),
+    "tiled, expert2_tensor2+sp, full": (dict(expert=2, tensor=2), True, "tiled", "full"),
+    "tiled, fsdp2_expert2, dots": (dict(fsdp=2, expert=2), False, "tiled", "dots"),
 }
 
 
@@ -267,11 +268,31 @@ def test_dropless_kernels_give_the_one_device_gradients(name, params, reference)
     """The reference is one device on the grouped CPU kernel (`tiled`, what `auto` takes for its
     512 assignments): capacity buffers of C = t slots (dropless) give its gradients, and so do
     `ragged_dot`, JAX's megablox `gmm` (interpret mode) and the tiled kernel across the grouped
-    exchange's worst-case buffers, with tensor + SP and with fsdp."""
-    mesh, sp, kernel = KERNELS[name]
+    exchange's worst-case buffers, with tensor + SP and with fsdp, under remat policies that
+    recompute it."""
+    mesh, sp, kernel, policy = KERNELS[name]
     one = moe_config()
     assert moe_costs.expert_kernel(one.model, 8, 32) == "tiled"
-    assert_same_as_one_device(grads(moe_config(mesh, sp, moe_kernel=kernel), params), reference(0.0))
+    got = grads(moe_config(mesh, sp, policy=policy, moe_kernel=kernel), params)
+    assert_same_as_one_device(got, reference(0.0))
+
+
+def test_the_tile_loop_skips_the_steps_past_the_routed_rows():
+    """16 assignments in a buffer of 4 steps of 4 x 128 rows: only the first step holds any, so the
+    others are skipped - their rows, filled with ones here, come out zero (run, they would not),
+    and so does their input gradient. The used rows equal each expert's SwiGLU."""
+    from meshlm.model import grouped
+    from meshlm.model.layers import swiglu
+
+    E, d, f = 8, 16, 8
+    g = grouped.Groups(jnp.arange(16, dtype=jnp.int32) % E, E, 4 * 4 * 128)
+    assert int(g.used_rows) == E * 128  # each expert's 2 assignments padded to a tile
+    x = jnp.ones((g.rows, d), jnp.float32)
+    ws = [jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(E, d, f), (E, d, f), (E, f, d)])]
+    out, pull = jax.vjp(lambda x: grouped.expert_swiglu(x, g, *ws, swiglu, "tiled"), x)
+    assert float(jnp.abs(out[E * 128 :]).max()) == 0.0 and float(jnp.abs(pull(out)[0][E * 128 :]).max()) == 0.0
+    want = swiglu(x[0] @ ws[0][3], x[0] @ ws[1][3]) @ ws[2][3]  # row 3 x 128: expert 3's first
+    np.testing.assert_allclose(out[3 * 128], want, rtol=1e-5)
 
 
 # MoE models with dense layers: name -> (mesh, sequence parallel, model.moe_kernel)

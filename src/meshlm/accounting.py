@@ -46,8 +46,19 @@ def layer_kinds(cfg: ModelConfig) -> list[tuple[ModelConfig, int]]:
     model's MoE layers and its dense ones (`model.dense_layer_ids`), seen as a dense llama of d_ff."""
     if not cfg.dense_layer_ids:
         return [(cfg, cfg.n_layers)]
-    dense = dataclasses.replace(cfg, n_experts=0, first_k_dense=0, moe_layer_step=1, dense_layers=())
-    return [(cfg, len(cfg.moe_layer_ids)), (dense, len(cfg.dense_layer_ids))]
+    moe = dataclasses.replace(cfg, first_k_dense=0, moe_layer_step=1, dense_layers=())
+    dense = dataclasses.replace(moe, n_experts=0)
+    return [(moe, len(cfg.moe_layer_ids)), (dense, len(cfg.dense_layer_ids))]
+
+
+def with_layers(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The model cut to n layers (>= 2 when it has dense layers among MoE ones: then its first
+    layer's kind, then the other kind, so that both stay): `meshlm check` and the planner's compile."""
+    if not cfg.dense_layer_ids:
+        return dataclasses.replace(cfg, n_layers=n)
+    first_dense = 0 in cfg.dense_layer_ids
+    dense = {"first_k_dense": 1} if first_dense else {"dense_layers": tuple(range(1, n))}
+    return dataclasses.replace(cfg, n_layers=n, moe_layer_step=1, **({"first_k_dense": 0, "dense_layers": ()} | dense))
 
 
 def _mlp_params(cfg: ModelConfig, experts: int) -> int:
@@ -128,9 +139,10 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
       matmuls (QK^T and attention over V, or the O(s) kernel's forward): those run again, as
       backward needs the core's output; elementwise: none.
 
-    MoE: the routed experts' GEMMs run over the capacity buffers (`expert_slot_flops`), and `full`
-    recomputes all of them, down projection included (the combine's weight gradient reads its
-    output); `dots` and `offload` recompute them too (batched matmuls, like the attention core).
+    MoE: the routed experts' GEMMs run over the rows `expert_slot_flops` counts (capacity slots, or
+    the grouped kernel's tiles), and `full` recomputes all of them, down projection included (the
+    combine's weight gradient reads its output); `dots` and `offload` recompute them too (batched or
+    looped matmuls, like the attention core).
     """
     m, t = cfg.model, cfg.train
     terms = layer_forward_flops_per_token(m, t.seq_len)
@@ -310,10 +322,10 @@ def forward_flops_per_step(cfg: RunConfig) -> int:
 def hardware_flops_per_step(cfg: RunConfig) -> int:
     """GEMM FLOPs actually executed per step: model FLOPs plus the policy's recomputation, with what
     the attention kernel executes (chunked explicit, blockwise, fused) instead of the counted s x s
-    terms, and (MoE) the routed experts over their whole capacity buffers instead of k per token.
+    terms, and (MoE) the routed experts over their capacity buffers or grouped tiles, not k per token.
     HFU uses this. (For P2's own HFU numbers, which assume more recomputation, see
     `p2_eq8_flops`.)"""
-    counted, executed = expert_slot_flops(cfg)  # MoE: every capacity slot runs, filled or not
+    counted, executed = expert_slot_flops(cfg)  # MoE: every capacity slot or tile row runs, filled or not
     extra = (2 if cfg.model.lora_rank else 3) * (executed - counted)  # LoRA: the experts are frozen
     return model_flops_per_step(cfg) + recompute_flops_per_step(cfg) + _attention_kernel_flops_adjustment(cfg) + extra
 

@@ -164,6 +164,12 @@ def _validate_moe(cfg: RunConfig) -> None:
     _need(m.expert_d_ff >= 0 and m.shared_expert_d_ff >= 0 and m.n_shared_experts >= 0, "MoE widths must be >= 0")
     _need(m.expert_capacity_factor >= 0, "model.expert_capacity_factor must be >= 0 (0: dropless)")
     _need(
+        m.moe_kernel in ("auto", "buffers") or m.expert_capacity_factor == 0,
+        f"model.moe_kernel={m.moe_kernel} is a dropless kernel (it runs the routed assignments, none dropped), but "
+        f"model.expert_capacity_factor={m.expert_capacity_factor:g}; a finite capacity runs in capacity buffers "
+        "(moe_kernel=auto or buffers)",
+    )
+    _need(
         min(m.moe_aux_loss_coef, m.moe_z_loss_coef, m.moe_seq_aux_loss_coef) >= 0,
         "model.moe_aux_loss_coef, moe_z_loss_coef and moe_seq_aux_loss_coef must be >= 0",
     )

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import optax
 
+from meshlm import accounting
 from meshlm.axes import MESH_AXES
 from meshlm.config import ParallelConfig, RunConfig
 from meshlm.data.loader import document_segments
@@ -105,8 +106,7 @@ def shrink(cfg: RunConfig) -> RunConfig:
     kv = p.tensor * (p.context if p.context_strategy == "all_to_all" else 1)  # the fewest kv heads the mesh splits
     seq = _check_seq_len(cfg)
     model = dataclasses.replace(
-        m,
-        n_layers=layers,
+        accounting.with_layers(m, max(layers, 2) if m.dense_layer_ids else layers),
         n_heads=kv * group,
         n_kv_heads=kv if group > 1 else 0,
         head_dim=CHECK_HEAD_DIM,

@@ -122,10 +122,17 @@ def device_bytes(abstract, sharding) -> int:
 
 def _stacked_leaves(cfg: RunConfig, layout: Layout, shapes, b: int, s: int) -> set[int]:
     """Indices of residuals stacked over layers: their leading dim grows with n_layers (an MoE model
-    with dense layers grows by its last repeated unit of layers, so that its scans stay the same)."""
+    with dense layers: with every scan's repeats doubled, the same scans over more layers)."""
     m = cfg.model
-    extra = len(mixed.layer_groups(m.moe_layer_ids, m.n_layers)[-1][0]) if m.dense_layer_ids else 1
-    deeper = dataclasses.replace(cfg, model=dataclasses.replace(m, n_layers=m.n_layers + extra))
+    deeper_m = dataclasses.replace(m, n_layers=m.n_layers + 1)
+    if m.dense_layer_ids:
+        groups = mixed.layer_groups(m.moe_layer_ids, m.n_layers)
+        kinds = [kind for unit, r in groups for kind in unit * (2 * r)]
+        dense = tuple(i for i, kind in enumerate(kinds) if not kind)
+        deeper_m = dataclasses.replace(m, n_layers=len(kinds), first_k_dense=0, moe_layer_step=1, dense_layers=dense)
+        if [u for u, _ in mixed.layer_groups(deeper_m.moe_layer_ids, len(kinds))] != [u for u, _ in groups]:
+            return set()  # the greedy grouping found other units: no labels (the totals do not need them)
+    deeper = dataclasses.replace(cfg, model=deeper_m)
     tokens = jax.ShapeDtypeStruct((b, s), jnp.int32)
     two = jax.eval_shape(_residual_fn(deeper, layout), abstract_params(param_specs(deeper.model)), tokens, tokens)
     return {i for i, (x, y) in enumerate(zip(shapes, two, strict=True)) if x.shape != y.shape}

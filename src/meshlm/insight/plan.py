@@ -198,8 +198,9 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
         acc = {k: n - sharded_params(cfg, part=k, trainable=lora) for k, n in _pipeline_gathered(cfg, lora).items()}
         out["unsharded gradient accumulators"] = 4 * sum(acc.values())
     elif par.fsdp > 1:  # one layer's weights gathered in the compute dtype, forward and backward
-        layer = accounting.param_count(dataclasses.replace(m, n_layers=1)) - accounting.param_count(
-            dataclasses.replace(m, n_layers=0)
+        size = lambda k: accounting.param_count(dataclasses.replace(k, n_layers=1))  # the largest kind of layer
+        layer = max(size(k) for k, _ in accounting.layer_kinds(m)) - accounting.param_count(
+            dataclasses.replace(m, n_layers=0, first_k_dense=0, dense_layers=())
         )
         out["gathered weights"] = 2 * layer / par.tensor * accounting.dtype_bytes(m.dtype)
     return out

@@ -291,7 +291,7 @@ def verify(feasible: list[Plan]) -> str:
     one_slice = {f"dcn_{axis}": 1 for axis, ways in plan.cfg.parallel.dcn.items() if ways > 1}  # devices here
     small = dataclasses.replace(
         plan.cfg,
-        model=dataclasses.replace(plan.cfg.model, n_layers=2),
+        model=accounting.with_layers(plan.cfg.model, 2),
         parallel=dataclasses.replace(plan.cfg.parallel, **one_slice),
     )
     measured = measure_activations(small, make_layout(small.parallel, jax.devices()[:n])).activation_bytes

@@ -41,6 +41,13 @@ from jax.ad_checkpoint import checkpoint_name
 from meshlm.model.moe_costs import CHUNK, TILE
 
 
+def rank_within(ids: jax.Array, n: int, axis: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(each entry's rank among the entries before it with the same id along `axis`, the count of
+    each id [.., n]) for int ids in [0, n) (others: rank 0, uncounted), by a cumulative one-hot sum."""
+    one_hot = (jnp.expand_dims(ids, -1) == jnp.arange(n, dtype=ids.dtype)).astype(jnp.int32)
+    return jnp.sum((jnp.cumsum(one_hot, axis=axis) - 1) * one_hot, axis=-1), jnp.sum(one_hot, axis=axis)
+
+
 class Groups:
     """Where each assignment sits in the grouped buffer, and which expert each tile runs.
 
@@ -49,9 +56,7 @@ class Groups:
     group sizes (sum = used_rows)."""
 
     def __init__(self, expert: jax.Array, n_experts: int, rows: int):
-        one_hot = (expert[:, None] == jnp.arange(n_experts, dtype=expert.dtype)).astype(jnp.int32)
-        rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # among e's, in order
-        counts = jnp.sum(one_hot, axis=0)
+        rank, counts = rank_within(expert, n_experts)  # among e's assignments, in order
         tiles = (counts + TILE - 1) // TILE
         end = jnp.cumsum(tiles)
         start = (end - tiles) * TILE
@@ -78,7 +83,7 @@ def expert_swiglu(
 ) -> jax.Array:
     """Every assignment's expert SwiGLU over the grouped buffer x [rows, d]: [rows, d]."""
     if kernel == "tiled":
-        return _tiled(x_rd, g.tile_expert, g.used_rows, jnp.concatenate([w_gate, w_up], axis=-1), w_down, act)
+        return _tiled(x_rd, g.tile_expert, g.used_rows, w_gate, w_up, w_down, act)
     if kernel == "ragged_dot":
         mul = functools.partial(jax.lax.ragged_dot, group_sizes=g.sizes)
     else:
@@ -86,6 +91,9 @@ def expert_swiglu(
 
         def mul(lhs, rhs):
             tiling = (TILE, _tile(lhs.shape[1]), _tile(rhs.shape[2]))
+            # positional: ops.gmm is a custom_vjp whose static arguments are found by position
+            # (lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset, existing_out,
+            # transpose_rhs, interpret)
             out = megablox.gmm(lhs, rhs, g.sizes, lhs.dtype, tiling, None, None, False, interpret)
             return jnp.where(jnp.arange(lhs.shape[0])[:, None] < g.used_rows, out, 0)  # unwritten rows
 
@@ -115,38 +123,54 @@ def _steps(a: jax.Array, chunk: int) -> jax.Array:
     return a.reshape(-1, chunk, TILE, *a.shape[1:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _tiled(x, tile_expert, used_rows, w_gate_up, w_down, act):
-    return _tiled_fwd(x, tile_expert, used_rows, w_gate_up, w_down, act)[0]
+def _loop(x, tile_expert) -> tuple[int, jax.Array, jax.Array]:
+    """(tiles per step, each step's tiles' experts [steps, chunk], each step's first row [steps])."""
+    chunk = min(CHUNK, x.shape[0] // TILE)
+    return (
+        chunk,
+        tile_expert.reshape(-1, chunk),
+        jnp.arange(x.shape[0] // (chunk * TILE), dtype=jnp.int32) * chunk * TILE,
+    )
 
 
-def _tiled_fwd(x, tile_expert, used_rows, w_gate_up, w_down, act):
-    """w_gate_up [E, d, 2f]: the gate and up weights side by side, one GEMM for both."""
-    rows, f2 = x.shape[0], w_gate_up.shape[-1]
-    chunk = min(CHUNK, rows // TILE)
+def _gate_up(w_gate, w_up, e) -> jax.Array:
+    """The step's experts' gate and up weights side by side [chunk, d, 2f]: one GEMM for both."""
+    return jnp.concatenate([w_gate[e], w_up[e]], axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _tiled(x, tile_expert, used_rows, w_gate, w_up, w_down, act):
+    return _tiled_fwd(x, tile_expert, used_rows, w_gate, w_up, w_down, act)[0]
+
+
+def _tiled_fwd(x, tile_expert, used_rows, w_gate, w_up, w_down, act):
+    """Keeps x, gate and up (one [rows, 2f] array) and the weights as they came (no copy)."""
+    chunk, experts, firsts = _loop(x, tile_expert)
+    dtype = jnp.result_type(x, w_gate)
 
     def step(_, inputs):
         xs, e, first = inputs
 
         def run(xs):
-            gate_up = jnp.einsum("ctd,cdf->ctf", xs, w_gate_up[e])
+            gate_up = jnp.einsum("ctd,cdf->ctf", xs, _gate_up(w_gate, w_up, e))
             gate, up = jnp.split(gate_up, 2, axis=-1)
             return gate_up, jnp.einsum("ctf,cfd->ctd", act(gate, up), w_down[e])
 
-        return None, jax.lax.cond(
-            first < used_rows, run, lambda xs: (jnp.zeros((chunk, TILE, f2), x.dtype), jnp.zeros_like(xs)), xs
-        )
+        def skip(xs):
+            return jnp.zeros((chunk, TILE, 2 * w_gate.shape[-1]), dtype), jnp.zeros(
+                (*xs.shape[:2], w_down.shape[-1]), dtype
+            )
 
-    firsts = jnp.arange(rows // (chunk * TILE), dtype=jnp.int32) * chunk * TILE
-    _, (gate_up, out) = jax.lax.scan(step, None, (_steps(x, chunk), tile_expert.reshape(-1, chunk), firsts))
-    gate_up = gate_up.reshape(rows, f2)
-    return out.reshape(rows, -1), (x, tile_expert, used_rows, gate_up, w_gate_up, w_down)
+        return None, jax.lax.cond(first < used_rows, run, skip, xs)
+
+    _, (gate_up, out) = jax.lax.scan(step, None, (_steps(x, chunk), experts, firsts))
+    rows = x.shape[0]
+    return out.reshape(rows, -1), (x, tile_expert, used_rows, gate_up.reshape(rows, -1), w_gate, w_up, w_down)
 
 
 def _tiled_bwd(act, residuals, dy):
-    x, tile_expert, used_rows, gate_up, w_gate_up, w_down = residuals
-    rows, d = x.shape
-    chunk = min(CHUNK, rows // TILE)
+    x, tile_expert, used_rows, gate_up, w_gate, w_up, w_down = residuals
+    chunk, experts, firsts = _loop(x, tile_expert)
     f32 = jnp.float32
 
     def step(grads, inputs):
@@ -158,16 +182,17 @@ def _tiled_bwd(act, residuals, dy):
             dw_down = dw_down.at[e].add(jnp.einsum("cft,ctd->cfd", _t(h), dys, preferred_element_type=f32))
             dgu = jnp.concatenate(vjp(jnp.einsum("ctd,cfd->ctf", dys, w_down[e])), axis=-1)
             dw_gate_up = dw_gate_up.at[e].add(jnp.einsum("cdt,ctf->cdf", _t(xs), dgu, preferred_element_type=f32))
-            return (dw_gate_up, dw_down), jnp.einsum("ctf,cdf->ctd", dgu, w_gate_up[e])
+            return (dw_gate_up, dw_down), jnp.einsum("ctf,cdf->ctd", dgu, _gate_up(w_gate, w_up, e))
 
         return jax.lax.cond(first < used_rows, run, lambda grads: (grads, jnp.zeros_like(xs)), grads)
 
-    zeros = tuple(jnp.zeros(w.shape, f32) for w in (w_gate_up, w_down))
-    firsts = jnp.arange(rows // (chunk * TILE), dtype=jnp.int32) * chunk * TILE
-    inputs = (*(_steps(a, chunk) for a in (x, gate_up, dy)), tile_expert.reshape(-1, chunk), firsts)
-    grads, dx = jax.lax.scan(step, zeros, inputs)
-    dw = [g.astype(w.dtype) for g, w in zip(grads, (w_gate_up, w_down), strict=True)]
-    return (dx.reshape(rows, d), None, None, *dw)
+    E, d, f = w_gate.shape
+    zeros = (jnp.zeros((E, d, 2 * f), f32), jnp.zeros(w_down.shape, f32))
+    inputs = (*(_steps(a, chunk) for a in (x, gate_up, dy)), experts, firsts)
+    (dw_gate_up, dw_down), dx = jax.lax.scan(step, zeros, inputs)
+    dw_gate, dw_up = jnp.split(dw_gate_up, 2, axis=-1)
+    dw = [g.astype(w.dtype) for g, w in zip((dw_gate, dw_up, dw_down), (w_gate, w_up, w_down), strict=True)]
+    return (dx.reshape(x.shape), None, None, *dw)
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
@@ -182,8 +207,7 @@ def exchange(
     expert ids [R])`), and the outputs come back: each assignment's output [n, d]."""
     n, d = expert.shape[0], x_nd.shape[-1]
     dest = expert // local_experts
-    one_hot = (dest[:, None] == jnp.arange(ways, dtype=dest.dtype)).astype(jnp.int32)
-    slot = dest * n + jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # packed by destination
+    slot = dest * n + rank_within(dest, ways)[0]  # packed by destination
     filler = jnp.full((ways * n,), x_nd.shape[0], jnp.int32).at[slot].set(source)
     send = jnp.take(x_nd, filler, axis=0, mode="fill", fill_value=0).reshape(ways, n, d)
     ids = jnp.full((ways * n,), local_experts, jnp.int32).at[slot].set(expert % local_experts).reshape(ways, n)

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm import axes as ax
-from meshlm.config import ModelConfig
+from meshlm.config import ConfigError, ModelConfig
 from meshlm.model import grouped, layers
 from meshlm.model.moe_costs import expert_capacity, expert_kernel, grouped_rows
 from meshlm.parallel import remat
@@ -131,8 +131,7 @@ def assign_slots(experts_btk: jax.Array, n_experts: int, slots: int) -> tuple[ja
     assignments to e so far, or E*C (out of range) when past the capacity."""
     b, t, k = experts_btk.shape
     order = experts_btk.transpose(0, 2, 1).reshape(b, k * t)
-    one_hot = (order[..., None] == jnp.arange(n_experts, dtype=order.dtype)).astype(jnp.int32)
-    position = jnp.sum((jnp.cumsum(one_hot, axis=1) - 1) * one_hot, axis=-1)
+    position = grouped.rank_within(order, n_experts, axis=1)[0]
     kept = position < slots
     return jnp.where(kept, order * slots + position, n_experts * slots), kept
 
@@ -228,7 +227,10 @@ def _grouped_experts(x_btd, experts_btk, w_gate, w_up, w_down, act, kernel: str,
     n, local = experts_btk.size, w_gate.shape[0]
     expert = experts_btk.reshape(n)
     source = jnp.arange(n, dtype=jnp.int32) // experts_btk.shape[-1]
-    interpret = jax.default_backend() != "tpu"
+    backend = jax.default_backend()
+    if kernel == "megablox" and backend not in ("tpu", "cpu"):  # interpret mode: a CPU reference, for tests
+        raise ConfigError(f"model.moe_kernel=megablox is JAX's TPU kernel; on {backend} use ragged_dot (or auto)")
+    interpret = backend != "tpu"
 
     def run(x_nd, ids, source):
         g = grouped.Groups(ids, local, grouped_rows(ids.shape[0], local))
@@ -237,8 +239,8 @@ def _grouped_experts(x_btd, experts_btk, w_gate, w_up, w_down, act, kernel: str,
 
     if ep is None:
         return run(x_btd.reshape(b * t, d), expert, source)
-    rows = functools.partial(run, source=jnp.arange(ways * n, dtype=jnp.int32))
-    return grouped.exchange(x_btd.reshape(b * t, d), expert, source, ep, ways, local, rows)
+    received = functools.partial(run, source=jnp.arange(ways * n, dtype=jnp.int32))  # rows in arrival order
+    return grouped.exchange(x_btd.reshape(b * t, d), expert, source, ep, ways, local, received)
 
 
 def _shared_expert(x_btd, w_gate, w_up, w_down, gate=None, *, act):

@@ -33,13 +33,16 @@ def grouped_rows(n: int, n_experts: int) -> int:
 def expert_kernel(m: ModelConfig, rows: int, tokens: int, expert: int = 1, platform: str = "cpu") -> str:
     """The kernel of an MoE layer over `rows` rows of `tokens` tokens per device (`expert` ways):
     `buffers` (capacity buffers) with a finite capacity or when asked, else the grouped kernel asked
-    for, or under `auto` the device's (`DEVICE_KERNEL`), unless its static buffer would hold as many
-    rows as dropless capacity buffers' E x t slots per row (a decode step of a few tokens)."""
+    for, or under `auto` the device's (`DEVICE_KERNEL`) unless it would run as many rows as dropless
+    capacity buffers' E x t slots per row (a decode step of a few tokens: each expert's tile is
+    mostly padding). Rows run: the device's routed assignments and their padding, as if balanced.
+    The exchange's worst-case buffer holds `expert` x those; once `expert` x k > E that is more
+    than the buffers' slots (the memory formula and the planner count it)."""
     if m.expert_capacity_factor > 0 or m.moe_kernel == "buffers":
         return "buffers"
     if m.moe_kernel != "auto":
         return m.moe_kernel
-    grouped = grouped_rows(expert * rows * tokens * m.experts_per_token, m.n_experts // expert)
+    grouped = grouped_rows(rows * tokens * m.experts_per_token, m.n_experts // expert)
     return DEVICE_KERNEL[platform] if grouped < m.n_experts * rows * tokens else "buffers"
 
 

@@ -210,13 +210,15 @@ def _pipeline_gathered(cfg: RunConfig, trainable: bool = False) -> dict[str, flo
     """The weights meshlm's pipeline step gathers, by part ("layers", "top"): parameters per device
     of each copy it makes - its stage's layers split over tensor alone (when stored split over fsdp),
     the embeddings and output layer whole but for tensor (when stored split); `trainable`: LoRA's."""
-    par = cfg.parallel
-    whole = lambda **sizes: dataclasses.replace(cfg, parallel=dataclasses.replace(par, **sizes))
-    inside = {
-        "layers": sharded_params(whole(fsdp=1), part="layers", trainable=trainable),
-        "top": sharded_params(whole(fsdp=1, stage=1), part="top", trainable=trainable),
-    }
-    return {k: n for k, n in inside.items() if n > sharded_params(cfg, part=k, trainable=trainable)}
+    return _gathered(cfg.model, cfg.parallel, trainable, _rules_key())
+
+
+@functools.lru_cache(maxsize=16384)
+def _gathered(model, par, trainable: bool, rules_key: tuple) -> dict[str, float]:
+    whole = lambda **sizes: dataclasses.replace(par, **sizes)
+    count = lambda p, part: _sharded_params(model, p, rules_key, False, part, trainable)
+    inside = {"layers": count(whole(fsdp=1), "layers"), "top": count(whole(fsdp=1, stage=1), "top")}
+    return {k: n for k, n in inside.items() if n > count(par, k)}
 
 
 def _state_parts(cfg: RunConfig, params: float, trainable: float, bytes_per_param: float, exact_zero1: bool, act):

@@ -36,26 +36,17 @@ COMMON = dict(
 
 
 def _hf_model(name: str):
-    if name == "qwen3_moe, dense layers":  # 6 layers: 1, 3 and 5 sparse (decoder_sparse_step), but 5 (mlp_only_layers)
-        layout = dict(decoder_sparse_step=2, mlp_only_layers=[5], num_hidden_layers=6)
-        c = transformers.Qwen3MoeConfig(
-            intermediate_size=64,
-            head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            norm_topk_prob=True,
-            **(COMMON | layout),
-        )
-        return transformers.Qwen3MoeForCausalLM(c)
     if name == "mixtral":
         c = transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **COMMON)
         return transformers.MixtralForCausalLM(c)
     qwen = dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[]
     )
-    if name == "qwen3_moe":
-        c = transformers.Qwen3MoeConfig(intermediate_size=64, head_dim=16, norm_topk_prob=True, **qwen, **COMMON)
+    common = COMMON
+    if name == "qwen3_moe, dense layers":  # 6 layers: 1, 3 and 5 sparse (decoder_sparse_step), but 5 (mlp_only_layers)
+        qwen, common = qwen | dict(decoder_sparse_step=2, mlp_only_layers=[5]), COMMON | dict(num_hidden_layers=6)
+    if name.startswith("qwen3_moe"):
+        c = transformers.Qwen3MoeConfig(intermediate_size=64, head_dim=16, norm_topk_prob=True, **qwen, **common)
         return transformers.Qwen3MoeForCausalLM(c)
     c = transformers.Qwen2MoeConfig(intermediate_size=64, shared_expert_intermediate_size=48, **qwen, **COMMON)
     return transformers.Qwen2MoeForCausalLM(c)

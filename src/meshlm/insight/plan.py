@@ -34,7 +34,7 @@ import jax
 from meshlm import accounting
 from meshlm import axes as ax
 from meshlm.axes import MESH_AXES
-from meshlm.config import ConfigError, ContextStrategy, RematConfig, RunConfig
+from meshlm.config import ConfigError, ContextStrategy, ParallelConfig, RematConfig, RunConfig
 from meshlm.insight.attention_rates import attention_kernel
 from meshlm.model.moe_costs import expert_exchange_bytes
 from meshlm.model.params import ParamSpec, param_specs
@@ -102,20 +102,30 @@ MOMENT_BYTES = 8
 def zero1_params(cfg: RunConfig) -> float:
     """Optimizer moments' elements one device holds under ZeRO-1 (`train_state.zero1_sharding` over
     an abstract mesh: exact)."""
-    return _zero1_params(cfg.model, cfg.parallel, _rules_key())
+    return _zero1_params(*_shapes_key(cfg), _rules_key())
 
 
 # The planner weighs ~10^5 candidates that share a few thousand (model, mesh) pairs: the exact
-# per-leaf shard counts are computed once per pair (and rules table: a test may patch it).
+# per-leaf shard counts are computed once per pair and rules table (a test may patch it). A mesh
+# is keyed by its sharding fields: SP, the context strategy, the pipeline schedule and ZeRO-1 do
+# not change a parameter's sharding (checked over the candidates for GPT-3 175B and Mixtral).
+_SAME = ("sequence_parallel", "context_strategy", "context_load_balance", "pipeline_schedule", "virtual_stages")
+_MESH_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.name not in (*_SAME, "shard_optimizer"))
+
+
+def _shapes_key(cfg: RunConfig) -> tuple:
+    return cfg.model, tuple(getattr(cfg.parallel, f) for f in _MESH_FIELDS)
+
+
 def _rules_key() -> tuple:
     return tuple(rules.RULES.items())
 
 
 @functools.lru_cache(maxsize=4096)
-def _zero1_params(model, parallel, _rules: tuple) -> float:
+def _zero1_params(model, mesh: tuple, _rules: tuple) -> float:
     from meshlm.train_state import zero1_sharding
 
-    layout = abstract_layout(parallel)
+    layout = abstract_layout(ParallelConfig(**dict(zip(_MESH_FIELDS, mesh, strict=True))))
     specs = jax.tree.leaves(param_specs(model), is_leaf=lambda x: isinstance(x, ParamSpec))
     shard = lambda s: zero1_sharding(layout, layout.param_sharding(s.axes, s.shape), s.shape).shard_shape(s.shape)
     return float(sum(math.prod(shard(s)) for s in specs))
@@ -126,12 +136,12 @@ def sharded_params(cfg: RunConfig, experts_only: bool = False, part: str | None 
     `Layout.param_sharding` the trainer uses, over an abstract mesh (no devices needed). `experts_only`:
     of the MoE experts' stacked weights alone; `part`: "layers" (the stacked layer weights) or
     "top" (embeddings, final norm, output layer) alone; `trainable`: the adapters alone (LoRA)."""
-    return _sharded_params(cfg.model, cfg.parallel, _rules_key(), experts_only, part, trainable)
+    return _sharded_params(*_shapes_key(cfg), _rules_key(), experts_only, part, trainable)
 
 
 @functools.lru_cache(maxsize=16384)
-def _sharded_params(model, parallel, _rules: tuple, experts_only: bool, part: str | None, trainable: bool) -> float:
-    layout = abstract_layout(parallel)
+def _sharded_params(model, mesh: tuple, _rules: tuple, experts_only: bool, part: str | None, trainable: bool) -> float:
+    layout = abstract_layout(ParallelConfig(**dict(zip(_MESH_FIELDS, mesh, strict=True))))
     tree = param_specs(model)
     if part is not None:
         tree = tree["layers"] if part == "layers" else {k: v for k, v in tree.items() if k != "layers"}
@@ -210,15 +220,15 @@ def _pipeline_gathered(cfg: RunConfig, trainable: bool = False) -> dict[str, flo
     """The weights meshlm's pipeline step gathers, by part ("layers", "top"): parameters per device
     of each copy it makes - its stage's layers split over tensor alone (when stored split over fsdp),
     the embeddings and output layer whole but for tensor (when stored split); `trainable`: LoRA's."""
-    return _gathered(cfg.model, cfg.parallel, trainable, _rules_key())
+    return _gathered(*_shapes_key(cfg), trainable, _rules_key())
 
 
 @functools.lru_cache(maxsize=16384)
-def _gathered(model, par, trainable: bool, rules_key: tuple) -> dict[str, float]:
-    whole = lambda **sizes: dataclasses.replace(par, **sizes)
-    count = lambda p, part: _sharded_params(model, p, rules_key, False, part, trainable)
+def _gathered(model, mesh: tuple, trainable: bool, rules_key: tuple) -> dict[str, float]:
+    whole = lambda **sizes: tuple(sizes.get(f, v) for f, v in zip(_MESH_FIELDS, mesh, strict=True))
+    count = lambda m, part: _sharded_params(model, m, rules_key, False, part, trainable)
     inside = {"layers": count(whole(fsdp=1), "layers"), "top": count(whole(fsdp=1, stage=1), "top")}
-    return {k: n for k, n in inside.items() if n > count(par, k)}
+    return {k: n for k, n in inside.items() if n > count(mesh, k)}
 
 
 def _state_parts(cfg: RunConfig, params: float, trainable: float, bytes_per_param: float, exact_zero1: bool, act):

@@ -223,6 +223,9 @@ def test_moe_formula_equals_measurement(policy, mesh, model, devices):
     m = _measure(cfg)
     assert m.activation_bytes == pytest.approx(f["total"], rel=1e-9)
     assert m.host_bytes == pytest.approx(f["host_total"], rel=1e-9, abs=1)
+    if cfg.model.dense_layer_ids:  # both stacks' scans labelled: the layers' bytes are the formula's
+        stacked = sum(r.device_bytes for r in m.residuals if r.label == "per layer (stacked)")
+        assert stacked == pytest.approx(f["layers"], rel=1e-9)
     if policy == "elementwise":  # the layer's largest tensors: E x C slots per row, or the grouped tiles
         b, s = 8 // cfg.parallel.batch_shards, 256 // cfg.parallel.context  # a rank's tokens
         X = cfg.parallel.expert

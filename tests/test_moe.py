@@ -278,19 +278,22 @@ def test_dropless_kernels_give_the_one_device_gradients(name, params, reference)
 
 
 def test_the_tile_loop_skips_the_steps_past_the_routed_rows():
-    """16 assignments in a buffer of 4 steps of 4 x 128 rows: only the first step holds any, so the
-    others are skipped - their rows, filled with ones here, come out zero (run, they would not),
-    and so does their input gradient. The used rows equal each expert's SwiGLU."""
+    """16 assignments, 2 per expert, each padded to a 128-row tile: 1,024 used rows (2 steps of 4 x
+    128) in a buffer of 4 steps. The other 2 steps are skipped: their rows, ones here, come out
+    zero (run, they would not), and a NaN cotangent on them reaches no weight gradient (run
+    backward, it would). The used rows equal each expert's SwiGLU."""
     from meshlm.model import grouped
     from meshlm.model.layers import swiglu
 
     E, d, f = 8, 16, 8
     g = grouped.Groups(jnp.arange(16, dtype=jnp.int32) % E, E, 4 * 4 * 128)
-    assert int(g.used_rows) == E * 128  # each expert's 2 assignments padded to a tile
+    assert int(g.used_rows) == E * 128
     x = jnp.ones((g.rows, d), jnp.float32)
     ws = [jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(E, d, f), (E, d, f), (E, f, d)])]
-    out, pull = jax.vjp(lambda x: grouped.expert_swiglu(x, g, *ws, swiglu, "tiled"), x)
-    assert float(jnp.abs(out[E * 128 :]).max()) == 0.0 and float(jnp.abs(pull(out)[0][E * 128 :]).max()) == 0.0
+    out, pull = jax.vjp(lambda x, *ws: grouped.expert_swiglu(x, g, *ws, swiglu, "tiled"), x, *ws)
+    assert float(jnp.abs(out[E * 128 :]).max()) == 0.0
+    cotangent = jnp.where(jnp.arange(g.rows)[:, None] < E * 128, jnp.ones_like(out), jnp.nan)
+    assert all(bool(jnp.isfinite(w).all()) for w in pull(cotangent)[1:])
     want = swiglu(x[0] @ ws[0][3], x[0] @ ws[1][3]) @ ws[2][3]  # row 3 x 128: expert 3's first
     np.testing.assert_allclose(out[3 * 128], want, rtol=1e-5)
 

@@ -404,6 +404,31 @@ def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
     assert next(p for p in plans if not p.rejected).mfu > 0.40  # 21.2% over E/k x capacity buffers
 
 
+def test_the_shard_counts_cache_ignores_only_what_does_not_shard():
+    """The planner caches parameter and ZeRO-1 shard counts by (model, the mesh's sizes): changing SP,
+    the context strategy, the pipeline schedule or ZeRO-1 gives the counts the full Layout gives."""
+    from meshlm.parallel.mesh import abstract_layout
+    from meshlm.train_state import zero1_sharding
+
+    cfg = recipes.get("llama-1b")
+    base = ParallelConfig(stage=2, data=2, fsdp=2, context=2, tensor=2)
+    variants = [
+        dict(sequence_parallel=True),
+        dict(context_strategy="all_to_all", context_load_balance=False),
+        dict(pipeline_schedule="interleaved", virtual_stages=2),
+        dict(pipeline_schedule="zb1", shard_optimizer=True),
+    ]
+    specs = [s for s in jax.tree.leaves(param_specs(cfg.model), is_leaf=lambda x: hasattr(x, "axes"))]
+    for change in variants:
+        par = dataclasses.replace(base, **change)
+        layout = abstract_layout(par)
+        shard = lambda s, lay=layout: lay.param_sharding(s.axes, s.shape)
+        held = sum(math.prod(shard(s).shard_shape(s.shape)) for s in specs)
+        zero1 = sum(math.prod(zero1_sharding(layout, shard(s), s.shape).shard_shape(s.shape)) for s in specs)
+        run = dataclasses.replace(cfg, parallel=par)
+        assert (planner.sharded_params(run), planner.zero1_params(run)) == (held, zero1), change
+
+
 def test_dropless_plans_price_the_grouped_kernel():
     """Qwen3-30B-A3B on 32 H100s, dropless: priced over the routed rows (grouped GEMMs) instead of
     E/k = 16x in capacity buffers, the best plan's MFU more than doubles (7.5% before); it does not

@@ -105,8 +105,10 @@ def shrink(cfg: RunConfig) -> RunConfig:
     group = m.n_heads // m.kv_heads  # query heads per kv head (GQA), kept
     kv = p.tensor * (p.context if p.context_strategy == "all_to_all" else 1)  # the fewest kv heads the mesh splits
     seq = _check_seq_len(cfg)
+    if m.dense_layer_ids:  # one layer of the first kind, then the other's scan: one more keeps its unroll partial
+        layers += 1 if 1 < m.scan_unroll < m.n_layers else 0
     model = dataclasses.replace(
-        accounting.with_layers(m, max(layers, 2) if m.dense_layer_ids else layers),
+        accounting.with_layers(m, layers),
         n_heads=kv * group,
         n_kv_heads=kv if group > 1 else 0,
         head_dim=CHECK_HEAD_DIM,

@@ -183,7 +183,7 @@ def _tiled_bwd(act, residuals, dy):
             dw_down = dw_down.at[e].add(jnp.einsum("cft,ctd->cfd", _t(h), dys, preferred_element_type=f32))
             dgu = jnp.concatenate(vjp(jnp.einsum("ctd,cfd->ctf", dys, w_down[e])), axis=-1)
             dw_gate_up = dw_gate_up.at[e].add(jnp.einsum("cdt,ctf->cdf", _t(xs), dgu, preferred_element_type=f32))
-            return (dw_gate_up, dw_down), jnp.einsum("ctf,cdf->ctd", dgu, _gate_up(w_gate, w_up, e))
+            return (dw_gate_up, dw_down), jnp.einsum("ctf,cdf->ctd", dgu, _gate_up(w_gate, w_up, e)).astype(xs.dtype)
 
         return jax.lax.cond(first < used_rows, run, lambda grads: (grads, jnp.zeros_like(xs)), grads)
 

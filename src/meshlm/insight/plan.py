@@ -210,7 +210,7 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
     elif par.fsdp > 1:  # one layer's weights gathered in the compute dtype, forward and backward
         size = lambda k: accounting.param_count(dataclasses.replace(k, n_layers=1))  # the largest kind of layer
         layer = max(size(k) for k, _ in accounting.layer_kinds(m)) - accounting.param_count(
-            dataclasses.replace(m, n_layers=0, first_k_dense=0, dense_layers=())
+            dataclasses.replace(m, n_layers=0)
         )
         out["gathered weights"] = 2 * layer / par.tensor * accounting.dtype_bytes(m.dtype)
     return out

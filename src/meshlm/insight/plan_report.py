@@ -88,8 +88,8 @@ def explain_experts(plans: list[Plan], device: Accelerator) -> str | None:
     else:
         said = [
             f"experts: dropless, grouped GEMMs ({kernel} on {device.platform}) over the routed rows and their tile "
-            f"padding, at the GEMM rate (assumption: a grouped GEMM as fast as a dense one, as MegaBlocks "
-            f"(Gale et al. 2022) report for block-sparse kernels; unmeasured: meshlm has not run it on {device.name}"
+            f"padding, at the GEMM rate (assumption: a grouped GEMM as fast as a dense one, no source; "
+            f"unmeasured: meshlm has not run it on {device.name}"
             + (
                 "; whether XLA:GPU lowers ragged_dot to a grouped GEMM is unverified)"
                 if kernel == "ragged_dot"

@@ -46,16 +46,16 @@ def expert_kernel(m: ModelConfig, rows: int, tokens: int, expert: int = 1, platf
     return DEVICE_KERNEL[platform] if grouped < m.n_experts * rows * tokens else "buffers"
 
 
-def expert_rows(m: ModelConfig, rows: int, tokens: int, expert: int = 1, platform: str = "cpu") -> int:
+def expert_rows(m: ModelConfig, rows: int, tokens: int, expert: int = 1) -> int:
     """Rows one device's expert GEMMs run over per layer: E x C per row in capacity buffers; grouped,
     each device's routed assignments with their tile padding, as if the routing were balanced (the
     exchange's worst-case buffer holds `expert` x that, but the loop skips its empty steps)."""
-    if expert_kernel(m, rows, tokens, expert, platform) == "buffers":
+    if expert_kernel(m, rows, tokens, expert) == "buffers":  # the grouped kernels share one layout
         return m.n_experts * rows * expert_capacity(m, tokens)
     return grouped_rows(rows * tokens * m.experts_per_token, m.n_experts // expert)
 
 
-def expert_slot_flops(cfg: RunConfig, platform: str = "cpu") -> tuple[int, int]:
+def expert_slot_flops(cfg: RunConfig) -> tuple[int, int]:
     """Forward FLOPs per step of the routed experts' SwiGLUs: (as counted, k experts per token; as
     executed, over `expert_rows` of every device's microbatches). (0, 0) dense."""
     m, t, par = cfg.model, cfg.train, cfg.parallel
@@ -64,7 +64,7 @@ def expert_slot_flops(cfg: RunConfig, platform: str = "cpu") -> tuple[int, int]:
     one = 2 * 3 * m.d_model * m.expert_ffn * len(m.moe_layer_ids)
     b, s = t.global_batch // t.microbatches // par.batch_shards, t.seq_len // par.context
     devices = t.microbatches * par.batch_shards * par.context  # every row of the step, once
-    executed = devices * expert_rows(m, b, s, par.expert, platform) * one
+    executed = devices * expert_rows(m, b, s, par.expert) * one
     return m.experts_per_token * t.seq_len * t.global_batch * one, executed
 
 

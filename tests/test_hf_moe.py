@@ -35,7 +35,36 @@ COMMON = dict(
 )
 
 
+# DeepSeek-V3: MLA with q LoRA, YaRN (mscale_all_dim != mscale: both factors matter), interleaved RoPE
+# rows, a dense first layer, sigmoid routing over 2 groups with a nonzero score-correction bias, a shared expert
+DEEPSEEK = dict(
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    max_position_embeddings=64,
+    rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.7
+    )
+    | dict(rope_theta=100.0),
+)
+
+
 def _hf_model(name: str):
+    if name == "deepseek_v3":
+        own = ("num_key_value_heads", "rope_theta", "num_hidden_layers")
+        common = {k: v for k, v in COMMON.items() if k not in own}
+        return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK, **common))
     if name == "mixtral":
         c = transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **COMMON)
         return transformers.MixtralForCausalLM(c)
@@ -52,7 +81,7 @@ def _hf_model(name: str):
     return transformers.Qwen2MoeForCausalLM(c)
 
 
-NAMES = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen3_moe, dense layers")
+NAMES = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen3_moe, dense layers", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +93,9 @@ def hf_dirs(tmp_path_factory):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.1 * torch.randn_like(p))
+            for layer in model.model.layers if name == "deepseek_v3" else ():  # zero at init: make it choose
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(4))
         d = tmp_path_factory.mktemp(name)
         model.save_pretrained(d, max_shard_size="100KB")
         out[name] = (d, model)
@@ -88,7 +120,8 @@ def test_import_gives_transformers_logits_on_one_device_and_expert2_tensor2(hf_d
     want = _hf_logits(model, tokens)
     cfg = hf_tables.model_config(d)
     assert cfg.n_experts == 4 and cfg.qk_norm == name.startswith("qwen3") and cfg.qkv_bias == (name == "qwen2_moe")
-    assert cfg.dense_layer_ids == ((0, 2, 4, 5) if "dense" in name else ())
+    assert cfg.dense_layer_ids == {"qwen3_moe, dense layers": (0, 2, 4, 5), "deepseek_v3": (0,)}.get(name, ())
+    assert cfg.mla == cfg.router_bias == (name == "deepseek_v3")
     for parallel in (ParallelConfig(), EP_TP):
         cfg, layout, params = _load(d, parallel)
         if parallel.expert > 1:  # built straight into shards: each device holds 2 of the 4 experts

@@ -183,7 +183,7 @@ def test_llama3_frequencies_fall_in_every_regime():
 
     c = LLAMA3_SMALL
     plain = np.asarray(rope_inv_freq(c.dim_head, c.rope_theta))
-    scaled = np.asarray(rope_inv_freq(c.dim_head, c.rope_theta, (4.0, 1.0, 4.0, 32)))
+    scaled = np.asarray(rope_inv_freq(c.dim_head, c.rope_theta, ("llama3", 4.0, 1.0, 4.0, 32)))
     ratio = scaled / plain
     assert ratio[0] == 1.0 and ratio[-1] == pytest.approx(0.25) and 0.25 < ratio[1] < 1.0, ratio
 

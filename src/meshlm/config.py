@@ -23,7 +23,7 @@ Family = Literal["gpt", "llama"]
 DType = Literal["float32", "bfloat16"]
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what `meshlm convert --to-hf --dtype` writes
 Attention = Literal["explicit", "blockwise", "fused"]
-RopeScaling = Literal["none", "llama3"]
+RopeScaling = Literal["none", "llama3", "yarn"]
 OnNonFinite = Literal["stop", "skip"]
 # Recomputation policies: the names are owned here, their meaning by meshlm.parallel.remat.POLICIES
 # (a test keeps the two equal), so validating a config imports no JAX.
@@ -34,6 +34,11 @@ RematPolicy = Literal["elementwise", "selective", "full", "dots", "offload"]
 
 class ConfigError(ValueError):
     """A configuration the user asked for cannot run; the message says why and what to change."""
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature term: 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def cache_home() -> Path:
@@ -90,6 +95,14 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_len: int = 8192
+    # YaRN ("yarn", DeepSeek-V3's rope_scaling): frequencies blended between interpolated (/ rope_factor)
+    # and kept by a ramp over the dimensions that turn beta_slow..beta_fast times in rope_original_len;
+    # the rotated parts scaled by mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim), and
+    # the softmax scale by mscale(factor, yarn_mscale_all_dim)^2 (mscale(f, m) = 0.1 m ln f + 1)
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
     # llama: share the token embedding with the output layer (Llama 3.2 1B/3B); gpt always ties (GPT-2)
     tie_embeddings: bool = False
     # layers run in a lax.scan; unrolling k layers per iteration makes the program (and compile time)
@@ -103,6 +116,20 @@ class ModelConfig:
     # Q, K and V projections (Qwen2)
     qk_norm: bool = False
     qkv_bias: bool = False
+    # Multi-head Latent Attention (DeepSeek-V2/V3, docs/deepseek.md; llama family): kv_lora_rank > 0
+    # replaces Q, K, V by a query path through rank `q_lora_rank` (0: a full projection), a key-value
+    # latent of rank kv_lora_rank (RMSNormed; the decoding cache holds it) up-projected per head to
+    # keys of qk_nope_head_dim and values of v_head_dim, and one RoPE key of qk_rope_head_dim shared
+    # by the heads beside each query's RoPE part (head_dim, n_kv_heads unused)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # multi-token prediction (DeepSeek-V3 2.2): `mtp_depth` modules, the k-th predicting token i+k+1
+    # from the (k-1)-th's hidden state and token i+k's embedding; their mean loss x mtp_loss_coef
+    mtp_depth: int = 0
+    mtp_loss_coef: float = 0.3
     # Mixture of Experts (llama family, docs/moe.md): every layer's MLP becomes `n_experts` SwiGLU
     # experts of width `expert_d_ff` (0: d_ff), `experts_per_token` of them per token; 0: dense
     n_experts: int = 0
@@ -169,7 +196,49 @@ class ModelConfig:
 
     @property
     def dim_head(self) -> int:
+        """The query-key head size (MLA: the no-RoPE and RoPE parts together)."""
+        if self.mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def rope_args(self) -> tuple | None:
+        """RoPE's frequency scaling as `layers.rope_inv_freq` takes it: None, ("llama3", factor, low
+        freq factor, high freq factor, original length) or ("yarn", factor, beta_fast, beta_slow,
+        original length)."""
+        if self.rope_scaling == "llama3":
+            f = (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor)
+            return ("llama3", *f, self.rope_original_len)
+        if self.rope_scaling == "yarn":
+            return ("yarn", self.rope_factor, self.yarn_beta_fast, self.yarn_beta_slow, self.rope_original_len)
+        return None
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """YaRN's scale of the rotated parts of q and k (1 otherwise)."""
+        if self.rope_scaling != "yarn":
+            return 1.0
+        if self.yarn_mscale and self.yarn_mscale_all_dim:
+            f = self.rope_factor
+            return yarn_mscale(f, self.yarn_mscale) / yarn_mscale(f, self.yarn_mscale_all_dim)
+        return yarn_mscale(self.rope_factor, 1.0)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """The factor on the softmax scale 1/sqrt(dim_head): YaRN's mscale(factor, yarn_mscale_all_dim)^2
+        (DeepSeek-V3), else 1."""
+        if self.rope_scaling != "yarn" or not self.yarn_mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.rope_factor, self.yarn_mscale_all_dim) ** 2
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def value_dim(self) -> int:
+        """The value head size (= dim_head but under MLA)."""
+        return self.v_head_dim if self.mla else self.dim_head
 
     @property
     def ffn(self) -> int:

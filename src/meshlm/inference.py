@@ -28,6 +28,7 @@ import numpy as np
 from meshlm import axes as ax
 from meshlm.config import ConfigError, ParallelConfig, RunConfig, from_dict
 from meshlm.data import tokenizer as toks
+from meshlm.model import mla
 from meshlm.model.moe import without_capacity
 from meshlm.model.params import abstract_params, param_specs
 from meshlm.model.transformer import CACHE_AXES, KVCache, forward
@@ -207,7 +208,7 @@ class Generator:
         self.model = model
         m, layout = model.cfg.model, model.layout
         self.batch_shards = model.cfg.parallel.batch_shards
-        self._cache_sharding = layout.sharding(CACHE_AXES)
+        self._cache_sharding = layout.sharding(mla.CACHE_AXES if m.mla else CACHE_AXES)
         tokens_sh = layout.sharding((ax.BATCH, None))
         self._row_sh = layout.sharding((ax.BATCH,))
         params_sh = param_shardings(param_specs(m), layout)
@@ -242,14 +243,15 @@ class Generator:
 
     def _empty_cache(self, b: int, s: int, start: np.ndarray) -> KVCache:
         m = self.model.cfg.model
-        shape = (m.n_layers, b, s, m.kv_heads, m.dim_head)
-        if shape not in self._zeros:
-            self._zeros[shape] = jax.jit(
-                lambda: jnp.zeros(shape, jnp.dtype(m.dtype)), out_shardings=self._cache_sharding
+        shapes = tuple((m.n_layers, b, s, *rows) for rows in mla.cache_rows(m))  # MLA: the latent cache
+        if shapes not in self._zeros:
+            self._zeros[shapes] = jax.jit(
+                lambda: tuple(jnp.zeros(shape, jnp.dtype(m.dtype)) for shape in shapes),
+                out_shardings=(self._cache_sharding, self._cache_sharding),
             )
-        zeros = self._zeros[shape]
+        k, v = self._zeros[shapes]()
         start = jax.device_put(start.astype(np.int32), self._row_sh)
-        return KVCache(zeros(), zeros(), jnp.zeros((), jnp.int32), start)
+        return KVCache(k, v, jnp.zeros((), jnp.int32), start)
 
     def generate(
         self,

@@ -105,6 +105,32 @@ def _validate_router(m: ModelConfig) -> None:
     )
 
 
+def _validate_mla(m: ModelConfig) -> None:
+    _need(m.mtp_depth >= 0 and m.mtp_loss_coef >= 0, "model.mtp_depth and model.mtp_loss_coef must be >= 0")
+    _need(m.family == "llama" or not m.mtp_depth, "model.mtp_depth (multi-token prediction) is a llama-family option")
+    if not m.mla:
+        _need(m.kv_lora_rank == 0 and m.q_lora_rank == 0, "model.q_lora_rank needs MLA: set model.kv_lora_rank > 0")
+        return
+    _need(m.family == "llama", "MLA (model.kv_lora_rank > 0) is a llama-family option")
+    _need(
+        m.q_lora_rank >= 0 and m.qk_nope_head_dim >= 0 and m.v_head_dim > 0,
+        "MLA needs model.q_lora_rank >= 0 (0: a full query projection), qk_nope_head_dim >= 0 and v_head_dim > 0",
+    )
+    _need(
+        m.qk_rope_head_dim > 0 and m.qk_rope_head_dim % 2 == 0, "MLA needs an even model.qk_rope_head_dim > 0 for RoPE"
+    )
+    _need(
+        m.n_kv_heads in (0, m.n_heads) and not m.head_dim,
+        "MLA's keys and values are per query head, sized by qk_nope_head_dim + qk_rope_head_dim and v_head_dim: "
+        "leave model.n_kv_heads and model.head_dim at 0",
+    )
+    _need(not (m.qk_norm or m.qkv_bias), "MLA normalises its latents itself: model.qk_norm and qkv_bias do not apply")
+    _need(
+        not m.lora_rank,
+        "LoRA targets wq wk wv, which an MLA model does not have (its projections are wq_a/wq_b/wkv_a/wk_b/wv_b)",
+    )
+
+
 def _validate_model(m: ModelConfig) -> None:
     _validate_lora(m)
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "scan_unroll", "attention_block"):
@@ -116,8 +142,16 @@ def _validate_model(m: ModelConfig) -> None:
         f"model.d_model={m.d_model} is not divisible by n_heads={m.n_heads}; set model.head_dim",
     )
     _need(m.dim_head % 2 == 0 or m.family == "gpt", "llama needs an even head_dim for RoPE")
-    if m.rope_scaling == "llama3":
+    if m.rope_scaling != "none":
         _need(m.family == "llama", "model.rope_scaling applies to the llama family (gpt has learned positions)")
+    if m.rope_scaling == "yarn":
+        _need(
+            m.rope_factor >= 1 and m.rope_original_len > 0 and m.yarn_beta_fast > m.yarn_beta_slow > 0,
+            "model.rope_scaling=yarn needs rope_factor >= 1, rope_original_len > 0 and "
+            "yarn_beta_fast > yarn_beta_slow > 0",
+        )
+    _validate_mla(m)
+    if m.rope_scaling == "llama3":
         _need(
             m.rope_factor >= 1 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor and m.rope_original_len > 0,
             "model.rope_scaling=llama3 needs rope_factor >= 1, 0 < rope_low_freq_factor < rope_high_freq_factor "

@@ -120,12 +120,19 @@ def weight_files(hf_dir: Path) -> list[Path]:
 def _plan_import(reader: st.Reader, cfg: ModelConfig, where: Path) -> tuple[list[Rule], str]:
     """The rules, and the name prefix the files use (GPT-2 files saved by OpenAI's converter have
     no "transformer."); every missing, extra or mis-shaped tensor named."""
-    table = rules(cfg)
+    interleaved = read_json(where / "config.json").get("rope_interleave", True) if cfg.mla else True
+    table = rules(cfg, interleaved is not False)
     names = set(reader.tensors)
     layered = next(r for r in table if r.layered).hf.split("{i}")[0].removeprefix("transformer.")
-    present = {
-        int(m.group(1)) for n in names if (m := re.match(r"(?:transformer\.)?" + re.escape(layered) + r"(\d+)\.", n))
-    }
+    pattern = re.compile(r"(?:transformer\.)?" + re.escape(layered) + r"(\d+)\.")
+
+    def layer_of(name: str) -> int | None:
+        m = pattern.match(name)
+        return int(m.group(1)) if m else None
+
+    if cfg.mla:  # DeepSeek-V3's multi-token-prediction layers follow the model's (layers.{L}.*): not read
+        names = {n for n in names if (layer_of(n) or 0) < cfg.n_layers}
+    present = {i for n in names if (i := layer_of(n)) is not None}
     if present != set(range(cfg.n_layers)):
         raise ConfigError(
             f"{where}/config.json says {cfg.n_layers} layers, but the weights hold layers "
@@ -326,7 +333,13 @@ def _write_weights(tmp: Path, files: list[list], params: dict, np_dtype: np.dtyp
 
     leaves = named_leaves(params)
 
-    def gather(sources: Sources) -> np.ndarray:
+    def gather(sources: Sources, shape: tuple[int, ...]) -> np.ndarray:
+        if sources[0][0].rows is not None:  # leaves holding rows of one tensor (MLA's kv_b_proj, RoPE order)
+            out = np.zeros(shape, np.float32)
+            for rule, i in sources:
+                x = leaves[rule.leaf] if i is None else leaves[rule.leaf][i]
+                out[np.asarray(rule.rows)] = rule.to_hf(np.asarray(jax.device_get(x)))
+            return out
         chunks = []
         for rule, i in sorted(sources, key=lambda s: s[0].part):
             x = leaves[rule.leaf] if i is None else leaves[rule.leaf][i]
@@ -338,7 +351,7 @@ def _write_weights(tmp: Path, files: list[list], params: dict, np_dtype: np.dtyp
     for k, group in enumerate(files):
         fname = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" if many else SAFE_SINGLE
         specs = [(name, shape, np_dtype) for name, shape, _ in group]
-        st.write(tmp / fname, specs, (gather(src) for _, _, src in group), {"format": "pt"})
+        st.write(tmp / fname, specs, (gather(src, shape) for _, shape, src in group), {"format": "pt"})
         weight_map |= {name: fname for name, _, _ in group}
         total += sum(math.prod(shape) * np_dtype.itemsize for _, shape, _ in group)
     if many:

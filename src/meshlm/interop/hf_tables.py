@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from meshlm.config import ConfigError, ModelConfig
+from meshlm.interop import hf_deepseek
 from meshlm.interop import safetensors_io as st
 from meshlm.interop.hf_moe import MOE_TYPES, moe_rules
 from meshlm.interop.hf_moe import hf_fields as moe_hf_fields
@@ -43,6 +44,7 @@ class Rule:
     parts: int = 1
     experts: int = 0  # > 0: one tensor per layer and expert, "{e}" standing for the expert index
     layers: tuple[int, ...] | None = None  # the HF layer at each place of the stack (None: all, in order)
+    rows: tuple[int, ...] | None = None  # the HF tensor's rows (axis 0) this leaf holds, in its order (None: all)
 
     @property
     def layered(self) -> bool:
@@ -68,10 +70,14 @@ class Rule:
         return [self.name(ix) for ix in self.indices(n_layers)]
 
     def part_shape(self) -> tuple[int, ...]:
+        if self.rows is not None:
+            return (len(self.rows), *self.hf_shape[1:])
         *lead, last = self.hf_shape
         return (*lead, last // self.parts)
 
     def to_meshlm(self, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        if self.rows is not None:
+            x = x[np.asarray(self.rows)]
         if self.parts > 1:
             w = x.shape[-1] // self.parts
             x = x[..., self.part * w : (self.part + 1) * w]
@@ -83,7 +89,9 @@ class Rule:
         return x.reshape(p[::-1]).T if self.transpose else x.reshape(p)
 
 
-def rules(cfg: ModelConfig) -> list[Rule]:
+def rules(cfg: ModelConfig, interleaved: bool = True) -> list[Rule]:
+    """The table of `cfg`'s tensors. `interleaved`: an MLA model's rotated rows are stored in
+    interleaved pairs (DeepSeek-V3's `rope_interleave`, `hf_deepseek`)."""
     D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head, cfg.ffn, cfg.vocab_size
     if cfg.family == "gpt":
         t = "transformer.h.{i}."
@@ -116,18 +124,23 @@ def rules(cfg: ModelConfig) -> list[Rule]:
         layer = [
             Rule("attn_norm", m + "input_layernorm.weight", (D,)),
             Rule("mlp_norm", m + "post_attention_layernorm.weight", (D,)),
-            Rule("wq", m + "self_attn.q_proj.weight", (N * H, D), transpose=True),
-            Rule("wk", m + "self_attn.k_proj.weight", (K * H, D), transpose=True),
-            Rule("wv", m + "self_attn.v_proj.weight", (K * H, D), transpose=True),
-            Rule("wo", m + "self_attn.o_proj.weight", (D, N * H), transpose=True),
         ]
+        if cfg.mla:  # DeepSeek-V3's
+            layer += hf_deepseek.mla_rules(cfg, m, Rule, interleaved)
+        else:
+            layer += [
+                Rule("wq", m + "self_attn.q_proj.weight", (N * H, D), transpose=True),
+                Rule("wk", m + "self_attn.k_proj.weight", (K * H, D), transpose=True),
+                Rule("wv", m + "self_attn.v_proj.weight", (K * H, D), transpose=True),
+                Rule("wo", m + "self_attn.o_proj.weight", (D, N * H), transpose=True),
+            ]
         if cfg.qkv_bias:
             widths = (N * H, K * H, K * H)
             layer += [Rule(f"b{n}", m + f"self_attn.{n}_proj.bias", (w,)) for n, w in zip("qkv", widths, strict=True)]
         if cfg.qk_norm:
             layer += [Rule(f"{n}_norm", m + f"self_attn.{n}_norm.weight", (H,)) for n in "qk"]
         if moe:
-            layer += moe_rules(cfg, m, Rule)
+            layer += hf_deepseek.moe_rules(cfg, m, Rule) if cfg.mla else moe_rules(cfg, m, Rule)
         else:
             layer += [
                 Rule("w_gate", m + "mlp.gate_proj.weight", (F, D), transpose=True),
@@ -225,6 +238,8 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
             dropout=f.float("resid_pdrop", 0.1, 0.0, 0.99),
             norm_eps=f.float("layer_norm_epsilon", 1e-5, 0.0, 1.0),
         )
+    elif kind == hf_deepseek.KIND:
+        cfg = ModelConfig(**hf_deepseek.model_fields(data, f, path), **_rope(data, f, path))
     elif kind in ("llama", *MOE_TYPES):
         f.require("hidden_act", ("silu",), "silu")
         if kind != "qwen3_moe":  # hf_moe checks Qwen3-MoE's
@@ -261,7 +276,7 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
         raise ConfigError(
             f"{path}: model_type {kind!r} ({arch}) is not supported; meshlm converts 'gpt2' (GPT2LMHeadModel), "
             "'llama' (LlamaForCausalLM), 'mixtral' (MixtralForCausalLM), 'qwen3_moe' (Qwen3MoeForCausalLM) and "
-            "'qwen2_moe' (Qwen2MoeForCausalLM) checkpoints"
+            "'qwen2_moe' (Qwen2MoeForCausalLM) and 'deepseek_v3' (DeepseekV3ForCausalLM) checkpoints"
         )
     return cfg
 
@@ -278,8 +293,12 @@ def _rope(data: dict, f: _Fields, path: Path) -> dict:
     kind = src.get("rope_type", src.get("type", "default"))
     if kind in (None, "default"):
         return {"rope_theta": theta}
+    if kind == "yarn":
+        return _yarn(src, f, theta, path)
     if kind != "llama3":
-        raise ConfigError(f"{path}: RoPE type {kind!r} is not supported (meshlm implements 'default' and 'llama3')")
+        raise ConfigError(
+            f"{path}: RoPE type {kind!r} is not supported (meshlm implements 'default', 'llama3' and 'yarn')"
+        )
     out = {
         "rope_theta": theta,
         "rope_scaling": "llama3",
@@ -293,6 +312,49 @@ def _rope(data: dict, f: _Fields, path: Path) -> dict:
     if out["rope_low_freq_factor"] >= out["rope_high_freq_factor"]:
         raise ConfigError(f"{path}: low_freq_factor must be below high_freq_factor")
     return out | {"rope_original_len": original}
+
+
+def _yarn(src: dict, f: _Fields, theta: float, path: Path) -> dict:
+    """YaRN's settings (`ModelConfig.rope_scaling` "yarn"); an explicit attention_factor is refused."""
+    if src.get("attention_factor") is not None:
+        raise ConfigError(f"{path}: YaRN's attention_factor is derived from mscale and mscale_all_dim in meshlm")
+    original = src.get("original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ConfigError(f"{path}: original_max_position_embeddings must be a positive integer, got {original!r}")
+    return {
+        "rope_theta": theta,
+        "rope_scaling": "yarn",
+        "rope_factor": f.float("factor", None, 1.0, data=src),
+        "rope_original_len": original,
+        "yarn_beta_fast": f.float("beta_fast", 32.0, 1e-9, data=src),
+        "yarn_beta_slow": f.float("beta_slow", 1.0, 1e-9, data=src),
+        "yarn_mscale": f.float("mscale", 1.0, 0.0, data=src),
+        "yarn_mscale_all_dim": f.float("mscale_all_dim", 0.0, 0.0, data=src),
+    }
+
+
+def hf_rope(cfg: ModelConfig) -> dict:
+    """config.json's `rope_parameters` (transformers >= 5)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "llama3":
+        return rope | {
+            "rope_type": "llama3",
+            "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_len,
+        }
+    if cfg.rope_scaling == "yarn":
+        return rope | {
+            "rope_type": "yarn",
+            "factor": cfg.rope_factor,
+            "original_max_position_embeddings": cfg.rope_original_len,
+            "beta_fast": cfg.yarn_beta_fast,
+            "beta_slow": cfg.yarn_beta_slow,
+            "mscale": cfg.yarn_mscale,
+            "mscale_all_dim": cfg.yarn_mscale_all_dim,
+        }
+    return rope
 
 
 def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str, max_positions: int = 0) -> dict:
@@ -325,15 +387,19 @@ def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str, ma
             "dtype": torch_dtype,
             "torch_dtype": torch_dtype,  # transformers 4's name
         }
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling == "llama3":
-        rope = rope | {
-            "rope_type": "llama3",
-            "factor": cfg.rope_factor,
-            "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_len,
-        }
+    rope = hf_rope(cfg)
+    common = {
+        "max_position_embeddings": max(cfg.max_seq_len, max_positions),
+        "rope_parameters": rope,  # transformers >= 5
+        "rope_theta": cfg.rope_theta,  # older readers (transformers 4, vLLM, llama.cpp's converter)
+        "rope_scaling": None if cfg.rope_scaling == "none" else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "dtype": torch_dtype,
+        "torch_dtype": torch_dtype,
+    }
+    if cfg.mla:
+        return hf_deepseek.hf_fields(cfg) | common
     if (cfg.qk_norm or cfg.qkv_bias or cfg.shared_ffn) and not cfg.moe:
         raise ConfigError("a dense llama-family model with q/k norms, QKV biases or shared experts has no export")
     out = {
@@ -347,19 +413,11 @@ def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str, ma
         "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.dim_head,
         "hidden_act": "silu",
-        "max_position_embeddings": max(cfg.max_seq_len, max_positions),
         "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": rope,  # transformers >= 5
-        "rope_theta": cfg.rope_theta,  # older readers (transformers 4, vLLM, llama.cpp's converter)
-        "rope_scaling": None if cfg.rope_scaling == "none" else {k: v for k, v in rope.items() if k != "rope_theta"},
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": cfg.tied_embeddings,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "dtype": torch_dtype,
-        "torch_dtype": torch_dtype,
-    }
+    } | common
     return out | moe_hf_fields(cfg) if cfg.moe else out
 
 

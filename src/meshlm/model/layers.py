@@ -283,17 +283,25 @@ def _mask_bwd(rate, keep, g):
 _apply_keep_mask.defvjp(_mask_fwd, _mask_bwd)
 
 
-def rope_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None) -> jax.Array:
-    """[head_dim/2] fp32 rotary frequencies theta^(-2i/h). With `llama3` = (factor, low_freq_factor,
-    high_freq_factor, original_len), Llama 3's scaling: wavelengths above original_len/low_freq_factor
-    are divided by `factor`, those below original_len/high_freq_factor kept, and those between
-    blended linearly in original_len/wavelength."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None = None) -> jax.Array:
+    """[head_dim/2] fp32 rotary frequencies theta^(-2i/h), scaled by `scaling` (`ModelConfig.rope_args`).
+    ("llama3", factor, low_freq_factor, high_freq_factor, original_len): wavelengths above
+    original_len/low_freq_factor are divided by `factor`, those below original_len/high_freq_factor
+    kept, and those between blended linearly in original_len/wavelength. ("yarn", factor, beta_fast,
+    beta_slow, original_len): YaRN's blend of the interpolated (/ factor) and kept frequencies by a
+    linear ramp over the dimensions between those turning beta_fast and beta_slow times in
+    original_len (floored and ceiled, as Hugging Face's default `truncate`)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if llama3 is None:
+    if scaling is None:
         return inv_freq
-    factor, low, high, original = llama3
+    kind, factor, a, b, original = scaling
+    if kind == "yarn":
+        dim_of = lambda turns: head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = max(math.floor(dim_of(a)), 0), min(math.ceil(dim_of(b)), head_dim - 1)
+        ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / max(high - low, 1e-3), 0.0, 1.0)
+        return inv_freq / factor * ramp + inv_freq * (1 - ramp)
     wavelength = 2 * math.pi / inv_freq
-    blend = jnp.clip((original / wavelength - low) / (high - low), 0.0, 1.0)  # 0: long waves, 1: short
+    blend = jnp.clip((original / wavelength - a) / (b - a), 0.0, 1.0)  # 0: long waves, 1: short
     return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
@@ -313,7 +321,7 @@ CONSTANT_ROPE_MAX = 1 << 20
 
 @functools.lru_cache(maxsize=16)
 def constant_rope_tables(
-    t: int, head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None
+    t: int, head_dim: int, theta: float, scaling: tuple | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """`rope_tables` at positions 0..t-1 (training, evaluation), computed now by XLA (eagerly, also
     while a step is being traced) and kept on the host: the step reads them as constants, the same two arrays
@@ -322,7 +330,7 @@ def constant_rope_tables(
     and evaluated them once per element there: [b, t, heads, h] transcendentals where the tables
     have [t, h] (BENCHMARKS-history.md, "RoPE's tables computed once")."""
     with jax.ensure_compile_time_eval():
-        cos, sin = rope_tables(np.arange(t), rope_inv_freq(head_dim, theta, llama3))
+        cos, sin = rope_tables(np.arange(t), rope_inv_freq(head_dim, theta, scaling))
     # Host copies: device arrays made here while a shard_map is traced (a pipeline stage) carry a mesh
     # of other axis types into it, and tracing fails (test_rope_tables_made_inside_one_mesh_serve_every_step).
     return np.asarray(cos), np.asarray(sin)
@@ -336,6 +344,21 @@ def rope(x_btnh: jax.Array, cos: ArrayLike, sin: ArrayLike) -> jax.Array:
     x1, x2 = x[..., : h // 2], x[..., h // 2 :]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (x * cos + rotated * sin).astype(x_btnh.dtype)
+
+
+def rotate(xs: tuple, positions, dim: int, theta: float, scaling: tuple | None, factor: float = 1.0) -> tuple:
+    """RoPE on each of `xs` [b, t, heads, dim] at positions 0..t-1 (None) with the constant tables (up
+    to `CONSTANT_ROPE_MAX` values per table), else at the traced `positions` ([t] or [b, t]), or
+    0..t-1 for longer sequences, with tables computed in the program; times `factor` (YaRN's)."""
+    t = xs[0].shape[1]
+    if positions is None and t * dim <= CONSTANT_ROPE_MAX:
+        cos, sin = constant_rope_tables(t, dim, theta, scaling)
+    else:
+        positions = jnp.arange(t) if positions is None else positions
+        cos, sin = rope_tables(positions, rope_inv_freq(dim, theta, scaling))
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return tuple(rope(x, cos, sin) for x in xs)
 
 
 def _causal_softmax(scores: jax.Array, same_doc: jax.Array | None = None) -> jax.Array:
@@ -478,7 +501,7 @@ def masked_causal_attention(
     k, v = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)  # [b, k, s, h]
     out = _chunked_core(q, k, v, keep, same_doc, rate, query_chunks(t, chunk))
     out = out.transpose(0, 3, 1, 2, 4) if grouped else out.transpose(0, 2, 1, 3)
-    return out.reshape(b, t, n, h)
+    return out.reshape(b, t, n, v_bskh.shape[-1])  # MLA: the value head size may differ from h
 
 
 def causal_attention(

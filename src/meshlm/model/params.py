@@ -134,6 +134,8 @@ def _base_specs(cfg: ModelConfig) -> dict:
         "wv": ParamSpec((L, D, K, H), (ax.LAYERS, ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), w),
         "wo": ParamSpec((L, N, H, D), (ax.LAYERS, ax.HEADS, ax.HEAD_DIM, ax.EMBED), w_out),
     }
+    if cfg.mla:
+        layer = _mla_specs(cfg, w, w_out)
     if cfg.family == "gpt":
         norm = lambda: ParamSpec((L, D), (ax.LAYERS, ax.EMBED), ones, decay=False)
         bias = lambda *shape_axes: ParamSpec(
@@ -170,6 +172,26 @@ def _base_specs(cfg: ModelConfig) -> dict:
     if not cfg.tied_embeddings:  # tied: the output layer is wte, as in GPT-2
         tree["lm_head"] = ParamSpec((D, V), (ax.EMBED, ax.VOCAB), w)
     return tree
+
+
+def _mla_specs(cfg: ModelConfig, w: Init, w_out: Init) -> dict:
+    """MLA's (`model.mla`) attention weights of all L layers: down-projections [L, d, rank] and their norms,
+    up-projections [L, rank, n, h] sharded over heads, and the output [L, n, v_head_dim, d]."""
+    L, D, N = cfg.n_layers, cfg.d_model, cfg.n_heads
+    R, P, E, V, Q = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
+    down = lambda rank: ParamSpec((L, D, rank), (ax.LAYERS, ax.EMBED, None), w)
+    up = lambda rank, h: ParamSpec((L, rank, N, h), (ax.LAYERS, None, ax.HEADS, ax.HEAD_DIM), w)
+    norm = lambda rank: ParamSpec((L, rank), (ax.LAYERS, None), ones, decay=False)
+    out = {"wq_a": down(Q), "q_a_norm": norm(Q), "wq_b": up(Q, E + P)} if Q else {}
+    if not Q:
+        out["wq"] = ParamSpec((L, D, N, E + P), (ax.LAYERS, ax.EMBED, ax.HEADS, ax.HEAD_DIM), w)
+    return out | {
+        "wkv_a": down(R + P),
+        "kv_a_norm": norm(R),
+        "wk_b": up(R, E),
+        "wv_b": up(R, V),
+        "wo": ParamSpec((L, N, V, D), (ax.LAYERS, ax.HEADS, ax.HEAD_DIM, ax.EMBED), w_out),
+    }
 
 
 def _llama_layer(cfg: ModelConfig, attention: dict, n: int, moe: bool, w: Init, w_out: Init) -> dict:

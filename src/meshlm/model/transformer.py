@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
-from meshlm.model import kernels, layers, mixed, moe
+from meshlm.model import kernels, layers, mixed, mla, moe
 from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.params import param_specs
 from meshlm.parallel import remat
@@ -160,19 +160,8 @@ def _lora(p: dict, name: str, cfg: ModelConfig):
 
 
 def _rope_qk(q, k, positions, cfg: ModelConfig):
-    """RoPE on q and k [b, t, heads, h]: at positions 0..t-1 (None) with the constant tables (up to
-    `layers.CONSTANT_ROPE_MAX` values per table), else at the traced `positions` ([t] or [b, t]), or
-    0..t-1 for longer sequences, with tables computed in the program."""
-    scaling = None
-    if cfg.rope_scaling == "llama3":
-        scaling = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_len)
-    t = q.shape[1]
-    if positions is None and t * cfg.dim_head <= layers.CONSTANT_ROPE_MAX:
-        cos, sin = layers.constant_rope_tables(t, cfg.dim_head, cfg.rope_theta, scaling)
-    else:
-        positions = jnp.arange(t) if positions is None else positions
-        cos, sin = layers.rope_tables(positions, layers.rope_inv_freq(cfg.dim_head, cfg.rope_theta, scaling))
-    return layers.rope(q, cos, sin), layers.rope(k, cos, sin)
+    """RoPE on q and k [b, t, heads, h] (`layers.rotate`)."""
+    return layers.rotate((q, k), positions, cfg.dim_head, cfg.rope_theta, cfg.rope_args)
 
 
 def _qkv(h_btd, *args, cfg: ModelConfig, context: bool = False, terms: tuple[str, ...] = ()):
@@ -193,6 +182,8 @@ def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cac
     """Attention of t new tokens over the cache: their K/V are written at slots index..index+t-1
     of layer `kv[2]` of the whole cache `kv[:2]`, then every query attends to the valid slots up
     to its own. Returns (output, (whole k, whole v))."""
+    if cfg.mla:
+        return mla.attention_cached(h_btd, p, cfg, layout, weight_axes(cfg), RESIDUAL, kv, cache, positions_bt)
     names, terms = _qkv_names(cfg), _lora_terms(h_btd, p, None, "btd,dnh->btnh", _QKV_TERMS, cfg, layout)
     q, k, v = column_parallel(
         layout,
@@ -232,14 +223,20 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
     (output, (whole k, whole v))."""
     if dec is not None:
         return _attention_cached(h_btd, p, cfg, layout, *dec)
-    names = _qkv_names(cfg)
+    names = mla.names(cfg) if cfg.mla else _qkv_names(cfg)
     context = _context(layout)
     extras = [(jnp.asarray(layout.seq_index(h_btd.shape[1])), (ax.SEQ,))] if context else []
     terms = _lora_terms(h_btd, p, key, "btd,dnh->btnh", _QKV_TERMS, cfg, layout)
     extras += [(t, _QKV_TERMS[n]) for n, t in terms.items()]
+    explicit = cfg.attention == "explicit" and not context
+    pad = mla.padded(cfg, explicit)  # MLA: one head size for q, k and v where the kernel needs it
+    if cfg.mla:
+        project = partial(mla.project, cfg=cfg, context=context, pad=pad)
+    else:
+        project = partial(_qkv, cfg=cfg, context=context, terms=tuple(terms))
     q, k, v = column_parallel(
         layout,
-        partial(_qkv, cfg=cfg, context=context, terms=tuple(terms)),
+        project,
         h_btd,
         [p[n] for n in names],
         [weight_axes(cfg)[n] for n in names],
@@ -266,7 +263,8 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
         )
     else:
         a = kernel(q, k, v, segments)
-    explicit = cfg.attention == "explicit" and not context
+    if pad:
+        a = a[..., : cfg.value_dim]
     if explicit:  # the O(s) kernels keep their output for their own backward
         a = constrain(layout, a, HEADS_ACT)  # pass: a constrained copy (or a rows view) would be stored twice
     wo_axes, lora = weight_axes(cfg)["wo"], _lora(p, "wo", cfg)

@@ -1,0 +1,169 @@
+"""Multi-head Latent Attention (DeepSeek-V2 section 2.1, V3 section 2.1; docs/deepseek.md).
+
+Training runs MLA as projections in front of meshlm's attention kernels: `project` turns the
+normed residual stream into per-head q, k [b, t, n, nope + rope] and v [b, t, n, v_head_dim], inside
+the tensor-parallel region of the Q/K/V projections (`column_parallel`), so every kernel, context
+strategy, pipeline and remat policy sees ordinary multi-head attention:
+
+- queries: c_q = RMSNorm(h W_DQ) of rank q_lora_rank, q = c_q W_UQ (or q = h W_Q with q_lora_rank 0),
+  each head's last qk_rope_head_dim values rotated;
+- keys and values: [c_kv | k_r] = h W_DKV, the latent c_kv RMSNormed, k = [c_kv W_UK | RoPE(k_r)] -
+  one rotated key part shared by every head - and v = c_kv W_UV.
+
+The down-projections (W_DQ, W_DKV) are replicated over `tensor`: each rank computes the latents
+from the whole gathered sequence and up-projects its own heads; the region's backward sums the
+ranks' partial input gradients once, as it does for Q, K and V.
+
+Decoding keeps only the latent: the cache holds c_kv and RoPE(k_r) (kv_lora_rank + qk_rope_head_dim
+values per token and layer, `cache_rows`), and `attention_cached` absorbs W_UK into the query
+(scores = (q_nope W_UK^T) c_kv + q_rope k_r) and W_UV into the output (o = (p c_kv) W_UV).
+
+Shape legend: b batch, t query positions, s cache slots, d d_model, n heads, r a latent rank,
+e the query-key no-RoPE size, p the RoPE size, h a head size.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from meshlm import axes as ax
+from meshlm.config import ModelConfig
+from meshlm.model import layers
+from meshlm.parallel.collectives import column_parallel, row_parallel
+from meshlm.parallel.rules import constrain
+
+# transformers' DeepseekV3 normalises both latents with RMSNorm's default eps, whatever rms_norm_eps says
+LATENT_EPS = 1e-6
+# the latent cache: [layers, b, slots, 1, rank], replicated over `tensor` (every rank's heads read it)
+CACHE_AXES = (None, ax.BATCH, None, None, None)
+
+
+def names(cfg: ModelConfig) -> list[str]:
+    """The weights `project` takes, in order."""
+    q = ["wq_a", "q_a_norm", "wq_b"] if cfg.q_lora_rank else ["wq"]
+    return [*q, "wkv_a", "kv_a_norm", "wk_b", "wv_b"]
+
+
+def padded(cfg: ModelConfig, explicit: bool) -> int:
+    """The head size q, k and v are padded to for a kernel that needs one size for all three (0: none).
+    The explicit kernel takes v_head_dim != the query-key size as it is; the blockwise, fused and
+    context kernels get zero columns (exact: the padded output columns are zero and dropped)."""
+    if explicit or cfg.value_dim == cfg.dim_head:
+        return 0
+    return max(cfg.value_dim, cfg.dim_head)
+
+
+def _queries(h, p: dict, cfg: ModelConfig, flat: bool):
+    if cfg.q_lora_rank:
+        c = layers.rms_norm(layers.dense("btd,dc->btc", h, p["wq_a"], flat), p["q_a_norm"], LATENT_EPS)
+        q = layers.dense("btc,cnh->btnh", c, p["wq_b"], flat)
+    else:
+        q = layers.dense("btd,dnh->btnh", h, p["wq"], flat)
+    return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+
+
+def _latent(h, p: dict, cfg: ModelConfig, flat: bool):
+    """(c_kv [b, t, r] normed, k_r [b, t, 1, p] before RoPE)."""
+    kv = layers.dense("btd,dc->btc", h, p["wkv_a"], flat)
+    c = layers.rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LATENT_EPS)
+    return c, kv[..., None, cfg.kv_lora_rank :]
+
+
+def _rotate(q_rope, k_rope, positions, cfg: ModelConfig):
+    dim = cfg.qk_rope_head_dim
+    return layers.rotate((q_rope, k_rope), positions, dim, cfg.rope_theta, cfg.rope_args, cfg.rope_attention_factor)
+
+
+def project(h_btd, *args, cfg: ModelConfig, context: bool = False, pad: int = 0):
+    """q, k [b, t, n, e + p] and v [b, t, n, v_head_dim] (all padded with zeros to `pad` if > 0) from
+    the normed stream; `args`: under context parallelism this rank's token positions, then the
+    weights `names` lists. q carries YaRN's softmax factor (`softmax_mscale`)."""
+    positions = args[0] if context else None
+    p = dict(zip(names(cfg), args[1 if context else 0 :], strict=True))
+    flat = not context
+    q_nope, q_rope = _queries(h_btd, p, cfg, flat)
+    c, k_rope = _latent(h_btd, p, cfg, flat)
+    k_nope, v = layers.dense_shared("btc,cnh->btnh", c, [p["wk_b"], p["wv_b"]], flat)
+    q_rope, k_rope = _rotate(q_rope, k_rope, positions, cfg)
+    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
+    scale = cfg.softmax_mscale
+    if pad > cfg.dim_head:  # zero query-key columns: keep the kernel's 1/sqrt(size) that of dim_head
+        scale *= math.sqrt(pad / cfg.dim_head)
+    if scale != 1.0:
+        q = q * jnp.asarray(scale, q.dtype)
+    if pad:
+        widen = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, pad - x.shape[-1])])
+        q, k, v = widen(q), widen(k), widen(v)
+    return q, k, v
+
+
+def cache_rows(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The per-token (k, v) cache shapes [heads, size]: MLA keeps (c_kv, RoPE(k_r)) for one shared
+    head; other models their KV heads' keys and values."""
+    if cfg.mla:
+        return (1, cfg.kv_lora_rank), (1, cfg.qk_rope_head_dim)
+    return (cfg.kv_heads, cfg.dim_head), (cfg.kv_heads, cfg.value_dim)
+
+
+def latents(h_btd, positions_bt, *ws, cfg: ModelConfig):
+    """Decoding's projections: (q_nope [b, t, n, e], RoPE(q_r) [b, t, n, p], c_kv [b, t, 1, r],
+    RoPE(k_r) [b, t, 1, p]) - what `attention_cached` absorbs and caches."""
+    p = dict(zip(names(cfg), ws, strict=True))
+    q_nope, q_rope = _queries(h_btd, p, cfg, True)
+    c, k_rope = _latent(h_btd, p, cfg, True)
+    q_rope, k_rope = _rotate(q_rope, k_rope, positions_bt, cfg)
+    return q_nope, q_rope, c[:, :, None], k_rope
+
+
+def absorbed_attention(q_nope, q_rope, c_bs1r, r_bs1p, wk_b, wv_b, q_slots_t, start_b, cfg: ModelConfig):
+    """Attention of t queries over s cached latents with W_UK and W_UV absorbed: scores
+    (q_nope W_UK^T) c_kv + q_rope k_r, scaled as the uncompressed path; the softmax-weighted latent
+    up-projected by W_UV. Masking as `layers.cached_attention`. Scores and softmax in fp32;
+    returns [b, t, n, v_head_dim]."""
+    f32 = jnp.float32
+    q_lat = jnp.einsum("btne,rne->btnr", q_nope, wk_b, preferred_element_type=f32)
+    c, r = c_bs1r[:, :, 0], r_bs1p[:, :, 0]
+    scores = jnp.einsum("btnr,bsr->bnts", q_lat, c.astype(f32))
+    scores += jnp.einsum("btnp,bsp->bnts", q_rope, r, preferred_element_type=f32)
+    scores *= cfg.softmax_mscale / math.sqrt(cfg.dim_head)
+    slot, q_slot = jnp.arange(c.shape[1]), q_slots_t[None, :, None]
+    allowed = (slot <= q_slot) & ((slot >= start_b[:, None, None]) | (slot == q_slot))
+    probs = jax.nn.softmax(jnp.where(allowed[:, None], scores, -jnp.inf), axis=-1)
+    o_lat = jnp.einsum("bnts,bsr->btnr", probs, c.astype(f32))
+    return jnp.einsum("btnr,rnh->btnh", o_lat, wv_b.astype(f32)).astype(q_nope.dtype)
+
+
+LATENT_ACT = (ax.BATCH, ax.SEQ, None, None)  # [b, t, 1, r]: one shared "head", every tensor rank reads it
+
+
+def attention_cached(h_btd, p: dict, cfg: ModelConfig, layout, axes: dict, residual, kv, cache, positions_bt):
+    """`transformer._attention_cached` for MLA: the new tokens' latents written at slots
+    index..index+t-1 of layer `kv[2]` of the whole latent cache `kv[:2]` (c_kv, RoPE(k_r)), then
+    absorbed attention over the valid slots. Returns (output, (whole c_kv, whole k_r))."""
+    heads = (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None)
+    ws = names(cfg)
+    q_nope, q_rope, c, r = column_parallel(
+        layout,
+        partial(latents, cfg=cfg),
+        h_btd,
+        [p[n] for n in ws],
+        [axes[n] for n in ws],
+        (heads, heads, LATENT_ACT, LATENT_ACT),
+        residual,
+        [(positions_bt, (ax.BATCH, ax.SEQ))],
+    )
+    c_all, r_all, layer = kv
+    at = (layer, 0, cache.index, 0, 0)
+    c_all = constrain(layout, jax.lax.dynamic_update_slice(c_all, c[None].astype(c_all.dtype), at), CACHE_AXES)
+    r_all = constrain(layout, jax.lax.dynamic_update_slice(r_all, r[None].astype(r_all.dtype), at), CACHE_AXES)
+    c_layer = jax.lax.dynamic_index_in_dim(c_all, layer, 0, keepdims=False)
+    r_layer = jax.lax.dynamic_index_in_dim(r_all, layer, 0, keepdims=False)
+    slots = cache.index + jnp.arange(h_btd.shape[1])
+    a = absorbed_attention(q_nope, q_rope, c_layer, r_layer, p["wk_b"], p["wv_b"], slots, cache.start, cfg)
+    a = constrain(layout, a, heads)
+    return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], heads, axes["wo"], residual), (c_all, r_all)

@@ -13,6 +13,7 @@ import pytest
 from meshlm import accounting, recipes
 from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
 from meshlm.insight import hlo
+from meshlm.model import mla_costs
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import make_train_step
 from meshlm.train_state import init_state, setup
@@ -86,17 +87,19 @@ def _step_programs(family: str, policy: str, n_layers: int = 1, capacity_factor:
     moe = dict(n_experts=4, experts_per_token=2, expert_d_ff=32, expert_capacity_factor=capacity_factor)
     if family == "moe-grouped":
         moe |= dict(expert_capacity_factor=0.0, moe_kernel="tiled")
+    if family.startswith("mla"):  # MLA: q LoRA, a query-key head of 16 + 8, values of 12 (blockwise: padded to 24)
+        mla = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+        lora |= mla | dict(n_kv_heads=0) | (dict(attention="blockwise", attention_block=16) if "block" in family else {})
     model = ModelConfig(
-        family="llama" if family.startswith("moe") else family,
+        family="llama" if family.startswith(("moe", "mla")) else family,
         vocab_size=256,
         d_model=64,
         n_layers=n_layers,
         n_heads=4,
-        n_kv_heads=2,
         max_seq_len=64,
         attention_chunk=24,  # query chunks of 24, 24, 16 rows
         **(moe if family.startswith("moe") else {}),
-        **lora,
+        **({"n_kv_heads": 2} | lora),
     )
     cfg = RunConfig(model=model, remat=RematConfig(policy), train=TrainConfig(global_batch=4, seq_len=64, steps=3))
     layout = make_layout(ParallelConfig(), jax.devices()[:1])
@@ -121,7 +124,7 @@ def _lowered_dot_flops(stablehlo: str) -> int:
     return total
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama", "moe"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "moe", "mla"])
 @pytest.mark.parametrize("policy", ["elementwise", "selective", "full", "dots", "offload"])
 def test_gemm_flops_match_the_programs(family, policy):
     """One layer (a scan body appears once in program text), one microbatch, GQA for llama.
@@ -143,6 +146,22 @@ def test_gemm_flops_match_the_programs(family, policy):
         assert compiled_dots == hardware
     xla = compiled.cost_analysis()["flops"]
     assert compiled_dots <= xla <= 1.15 * hardware
+
+
+@pytest.mark.parametrize("policy", ["elementwise", "full", "dots"])
+def test_mla_on_the_blockwise_kernel_runs_its_values_padded_to_the_query_key_size(policy, monkeypatch):
+    """MLA's values (12) are padded to the query-key head size (24) for the blockwise kernel: the
+    compiled step, each loop body x its trip count, runs exactly the hardware FLOPs, which count
+    probs @ V and its gradients at 24; at 12 (what the explicit kernel runs) they would be short."""
+    cfg, _, compiled = _step_programs("mla-blockwise", policy)
+    hardware = accounting.hardware_flops_per_step(cfg)
+    assert hlo.executed_dot_flops(compiled.as_text()) == hardware
+    m, t = cfg.model, cfg.train
+    passes = 3 + (policy in ("full", "dots"))  # P @ V, dP, dV (+ P @ V again)
+    frac = accounting.attention_executed_fraction(m, t.seq_len)
+    padding = passes * frac * t.global_batch * t.seq_len * 2 * t.seq_len * m.n_heads * (24 - 12)
+    monkeypatch.setattr(mla_costs, "padded", lambda m, explicit: 0)
+    assert hardware - accounting.hardware_flops_per_step(cfg) == padding > 0
 
 
 @pytest.mark.parametrize("family, rate", [("gpt", 0.0), ("llama", 0.0), ("llama", 0.1)])

@@ -66,7 +66,7 @@ def test_bias_update_and_sequence_wise_loss_equal_numpy():
     """The bias moves by rate x sign(mean load - load), per layer, from exact counts (an expert at
     the mean does not move); it stays fp32 in a bf16 model; the sequence-wise loss is
     sum_e (E / (k T)) count_e x mean_t s_e / sum_j s_j per row, averaged over rows and layers."""
-    from meshlm.model.transformer import _cast_layer
+    from meshlm.model.transformer import cast_layer
 
     cfg = moe_config(**DEEPSEEK).model
     E, k, b, t, L = cfg.n_experts, cfg.experts_per_token, 3, 16, 2
@@ -78,7 +78,7 @@ def test_bias_update_and_sequence_wise_loss_equal_numpy():
     want = bias + 0.01 * np.sign(counts.mean(-1, keepdims=True) - counts)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
     assert np.array_equal(np.asarray(got)[0, [0, 1, 4, 5]], bias[0, [0, 1, 4, 5]])
-    kept = _cast_layer({"router_bias": jnp.asarray(bias), "w_router": jnp.asarray(bias)}, jnp.bfloat16)
+    kept = cast_layer({"router_bias": jnp.asarray(bias), "w_router": jnp.asarray(bias)}, jnp.bfloat16)
     assert kept["router_bias"].dtype == jnp.float32 and kept["w_router"].dtype == jnp.bfloat16
 
     per_layer = []

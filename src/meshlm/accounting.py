@@ -16,8 +16,10 @@ import dataclasses
 import functools
 
 from meshlm.config import ModelConfig, RunConfig
+from meshlm.model import mla_costs
 from meshlm.model.lora import lora_param_count, recompute_flops_per_token
 from meshlm.model.moe_costs import expert_slot_flops, moe_terms
+from meshlm.parallel.context_costs import context_block_pairs, context_comm_bytes  # noqa: F401 (their home here)
 from meshlm.parallel.schedules import build, first_stage_in_flight, megatron_in_flight, tables
 
 
@@ -32,7 +34,7 @@ def param_count(cfg: ModelConfig) -> int:
         cfg.vocab_size,
         cfg.n_layers,
     )
-    attn = d * n * h + 2 * d * k * h + n * h * d
+    attn = mla_costs.attention_params(cfg) if cfg.mla else d * n * h + 2 * d * k * h + n * h * d
     if cfg.family == "gpt":
         per_layer = attn + (n * h + 2 * k * h + d) + 2 * d * f + f + d + 4 * d  # + biases, 2 LNs
         return v * d + cfg.max_seq_len * d + L * per_layer + 2 * d + lora_param_count(cfg)
@@ -84,11 +86,12 @@ def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, i
     k routed experts' SwiGLUs plus the shared experts' (and their gate), "router" the router's."""
     d, n, k, h, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head, cfg.ffn
     n_mlp_mats = 2 if cfg.family == "gpt" else 3
+    v = cfg.value_dim  # MLA: v_head_dim
     terms = {
-        "qkv": 2 * d * (n + 2 * k) * h,
+        "qkv": mla_costs.projection_flops(cfg) if cfg.mla else 2 * d * (n + 2 * k) * h,
         "attn_scores": 2 * seq_len * n * h,  # QK^T, not halved for causality
-        "attn_values": 2 * seq_len * n * h,  # probs @ V
-        "attn_out": 2 * n * h * d,
+        "attn_values": 2 * seq_len * n * v,  # probs @ V
+        "attn_out": 2 * n * v * d,
         "mlp": 2 * n_mlp_mats * d * f,
     }
     if cfg.moe:
@@ -145,34 +148,45 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     looped matmuls, like the attention core).
     """
     m, t = cfg.model, cfg.train
-    terms = layer_forward_flops_per_token(m, t.seq_len)
     tokens_layers = t.global_batch * t.seq_len * m.n_layers
     policy = cfg.remat.policy
     frac = attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
-    attn = terms["attn_scores"] + terms["attn_values"]
+    scores, values = _core_terms(cfg)
     counted, executed = expert_slot_flops(cfg)
     again = t.global_batch * t.seq_len * recompute_flops_per_token(m)  # LoRA's dropout: x A again
+    if m.mla and cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1:  # the SP region's latents
+        again += tokens_layers * mla_costs.down_projection_flops(m)
     if policy == "full":
         tokens = t.global_batch * t.seq_len  # (tokens x layers) x per token, as one kind always multiplied
-        layers = sum(tokens * n * _full_recompute_per_token(kind, t.seq_len, frac) for kind, n in layer_kinds(m))
+        core = frac * (scores + values)
+        layers = sum(tokens * n * _full_recompute_per_token(kind, t.seq_len, core) for kind, n in layer_kinds(m))
         return round(layers) + executed - counted + again
     if policy in ("dots", "offload"):
-        return round(tokens_layers * frac * attn) + executed + again
+        return round(tokens_layers * frac * (scores + values)) + executed + again
     if policy == "selective" and m.attention == "explicit":  # the O(s) kernels are never checkpointed
-        return round(tokens_layers * frac * terms["attn_scores"]) + again
+        return round(tokens_layers * frac * scores) + again
     return again
 
 
-def _full_recompute_per_token(m: ModelConfig, seq_len: int, frac: float) -> float:
+def _core_terms(cfg: RunConfig) -> tuple[int, int]:
+    """One pass of QK^T and of probs @ V per token and layer, over the whole s x s, as the kernel runs
+    them: `layer_forward_flops_per_token`'s terms, but MLA's heads padded to one size where its kernel
+    needs that (`mla_costs.padded`)."""
+    m, s = cfg.model, cfg.train.seq_len
+    qk, v = mla_costs.core_sizes(m, m.attention == "explicit" and cfg.parallel.context == 1)
+    return 2 * s * m.n_heads * qk, 2 * s * m.n_heads * v
+
+
+def _full_recompute_per_token(m: ModelConfig, seq_len: int, core: float) -> float:
     """One layer's forward GEMMs per token that `full` runs again: all but the last MLP projection
     (MoE: but the shared experts' down projection, when no gate multiplies its output), with the
-    attention core at the fraction its kernel executes."""
+    attention core as its kernel executes it (`core` FLOPs per token)."""
     terms = layer_forward_flops_per_token(m, seq_len)
     attn = terms["attn_scores"] + terms["attn_values"]
     last_mlp = terms["mlp"] // (2 if m.family == "gpt" else 3)
     if m.moe:
         last_mlp = 0 if m.shared_expert_gate else 2 * m.d_model * m.shared_ffn
-    return sum(terms.values()) - last_mlp - attn + frac * attn
+    return sum(terms.values()) - last_mlp - attn + core
 
 
 def attention_core_flops(cfg: RunConfig) -> int:
@@ -180,22 +194,23 @@ def attention_core_flops(cfg: RunConfig) -> int:
     recomputation included: 6 matmul passes explicit, 7 for the O(s) kernels, each over the executed
     score blocks, plus whatever of it the policy re-runs (`recompute_flops_per_step`)."""
     m, t = cfg.model, cfg.train
-    one = layer_forward_flops_per_token(m, t.seq_len)["attn_scores"] * t.global_batch * t.seq_len * m.n_layers
+    tokens_layers = t.global_batch * t.seq_len * m.n_layers
+    scores, values = (tokens_layers * x for x in _core_terms(cfg))
     frac = attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
-    kernel = (6 if m.attention == "explicit" else 7) * one * frac
+    kernel = ((3 if m.attention == "explicit" else 4) * scores + 3 * values) * frac
     policy = cfg.remat.policy
-    rerun = {"full": 2 * frac, "dots": 2 * frac, "offload": 2 * frac}.get(policy, 0.0)
+    rerun = (scores + values) * frac if policy in ("full", "dots", "offload") else 0.0
     if policy == "selective" and m.attention == "explicit":
-        rerun = frac
-    return round(kernel + one * rerun)
+        rerun = scores * frac
+    return round(kernel + rerun)
 
 
 def attention_forward_flops(cfg: RunConfig) -> int:
     """FLOPs of the attention core's forward per step (QK^T and attention over V over the executed
     score blocks): what a kernel re-run in backward adds."""
     m, t = cfg.model, cfg.train
-    one = layer_forward_flops_per_token(m, t.seq_len)["attn_scores"] * t.global_batch * t.seq_len * m.n_layers
-    return round(2 * one * attention_executed_fraction(m, t.seq_len, context_chunk(cfg)))
+    core = sum(_core_terms(cfg)) * t.global_batch * t.seq_len * m.n_layers
+    return round(core * attention_executed_fraction(m, t.seq_len, context_chunk(cfg)))
 
 
 def attention_block(m: ModelConfig, seq_len: int, context_chunk: int | None = None) -> int:
@@ -247,75 +262,30 @@ def attention_executed_fraction(m: ModelConfig, seq_len: int, context_chunk: int
     return nb * (nb + 1) / 2 * block * block / seq_len**2
 
 
-def context_block_pairs(seq_len: int, context: int, load_balance: bool, block: int) -> list[int]:
-    """(query block, key block) pairs each context rank's kernel executes: those with some key at
-    or before some query in the original order - the kernel's skip rule
-    (`blockwise.blocks_visible`), on the positions the loader's reordering gives each rank.
-    Load-balanced, every rank executes the same number."""
-    import numpy as np
-
-    from meshlm.parallel.rules import context_order, sequence_index
-
-    blocks = sequence_index(seq_len, context_order(context, load_balance)).reshape(context, -1, block)
-    key_first = np.sort(blocks.min(-1).reshape(-1))  # every rank's key blocks (ring and all-gather see all)
-    last = blocks.max(-1)  # [rank, query block]
-    # pairs with key.min() <= query.max(): `blocks_visible`, counted by binary search
-    return [int(np.searchsorted(key_first, last[r], side="right").sum()) for r in range(context)]
-
-
-def context_comm_bytes(cfg: RunConfig) -> dict[str, float]:
-    """Bytes each device receives per step under context parallelism, by direction. Per layer and
-    microbatch, with KV = one rank's K and V in the compute dtype and dKV its fp32 gradients:
-
-    - ring: forward c-1 hops of KV; backward c-1 hops of KV and c of dKV (the gradients ride home);
-    - all_gather: forward gathers (c-1) x KV; backward gathers again and reduce-scatters dKV;
-    - all_to_all: forward (c-1)/c of one rank's Q, K and V (one all-to-all) and of the kernel's
-      output (the other); backward their transposes, the same bytes (gradients in the compute dtype).
-      Per device this falls as c grows; the ring's and all_gather's grow towards the whole K/V.
-
-    Policies that recompute the attention forward in backward (full, dots, offload) run the
-    forward exchange twice. Positions and document ids (int32 per token) are not counted."""
-    m, par, t = cfg.model, cfg.parallel, cfg.train
-    c = par.context
-    if c == 1:
-        return {}
-    b = t.global_batch // t.microbatches // par.batch_shards
-    tokens = t.seq_len // c * b * m.dim_head / par.tensor  # one rank's tokens x head_dim, per head
-    local = tokens * m.kv_heads
-    kv, dkv = 2 * dtype_bytes(m.dtype) * local, 2 * 4 * local
-    forwards = 2 if cfg.remat.policy in ("full", "dots", "offload") else 1
-    if par.context_strategy == "all_to_all":
-        qkvo = dtype_bytes(m.dtype) * tokens * (2 * m.n_heads + 2 * m.kv_heads)
-        per_layer_fwd = per_layer_bwd = (c - 1) / c * qkvo
-    else:
-        per_layer_fwd = (c - 1) * kv
-        per_layer_bwd = (c - 1) * kv + (c if par.context_strategy == "ring" else c - 1) * dkv
-    n = m.n_layers * t.microbatches
-    return {"forward": n * forwards * per_layer_fwd, "backward": n * per_layer_bwd}
-
-
 def _attention_kernel_flops_adjustment(cfg: RunConfig) -> int:
     """Executed minus counted attention FLOPs of the attention core, over the score blocks
     `attention_executed_fraction` says: explicit attention runs the 6 matmuls the model counts
     (QK^T and P @ V forward; dP, dV, dK, dQ backward) on its chunks' blocks; the O(s) kernels also
-    recompute QK^T in backward (7)."""
+    recompute QK^T in backward (7). MLA's padded heads (`_core_terms`) run at their padded size."""
     m, t = cfg.model, cfg.train
-    passes = 6 if m.attention == "explicit" else 7
     terms = layer_forward_flops_per_token(m, t.seq_len)
-    one = terms["attn_scores"]  # one s x s matmul per token (attn_values is the same size)
+    scores, values = _core_terms(cfg)
+    executed = ((3 if m.attention == "explicit" else 4) * scores + 3 * values) * attention_executed_fraction(
+        m, t.seq_len, context_chunk(cfg)
+    )
     tokens_layers = t.global_batch * t.seq_len * m.n_layers
-    return round(tokens_layers * one * (passes * attention_executed_fraction(m, t.seq_len, context_chunk(cfg)) - 6))
+    return round(tokens_layers * (executed - 3 * (terms["attn_scores"] + terms["attn_values"])))
 
 
 def forward_flops_per_step(cfg: RunConfig) -> int:
     """GEMM FLOPs the forward pass executes (once; recomputation is backward work): a third of the
     model FLOPs, with attention over the score blocks the kernel runs instead of the full s x s."""
     m, t = cfg.model, cfg.train
-    forward = model_flops_per_step(cfg) // 3
-    one = layer_forward_flops_per_token(m, t.seq_len)["attn_scores"]
+    terms = layer_forward_flops_per_token(m, t.seq_len)
+    executed = sum(_core_terms(cfg)) * attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
     tokens_layers = t.global_batch * t.seq_len * m.n_layers
-    return forward + round(
-        tokens_layers * one * 2 * (attention_executed_fraction(m, t.seq_len, context_chunk(cfg)) - 1)
+    return model_flops_per_step(cfg) // 3 + round(
+        tokens_layers * (executed - terms["attn_scores"] - terms["attn_values"])
     )
 
 

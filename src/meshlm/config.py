@@ -271,6 +271,12 @@ class ModelConfig:
         )
 
     @property
+    def moe_stat_layer_ids(self) -> tuple[int, ...]:
+        """The layers whose router statistics a step reports, in order: the MoE layers, then the
+        multi-token-prediction modules' (numbered after the model's, n_layers + k - 1, as DeepSeek-V3's)."""
+        return self.moe_layer_ids + (tuple(range(self.n_layers, self.n_layers + self.mtp_depth)) if self.moe else ())
+
+    @property
     def dense_layer_ids(self) -> tuple[int, ...]:
         """An MoE model's layers with a dense SwiGLU (stacked apart, as params["dense_layers"])."""
         moe = set(self.moe_layer_ids)

@@ -24,6 +24,7 @@ import optax
 
 from meshlm import axes as ax
 from meshlm.config import RunConfig
+from meshlm.model import mtp
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.moe import MOE_METRICS, SUMMED_METRICS, moe_losses, update_router_bias, without_capacity
 from meshlm.model.params import param_specs, partition, trainable_mask
@@ -69,21 +70,29 @@ def _forward(params, batch: Batch, cfg: RunConfig, layout: Layout, key=None, rem
 
 
 def objective_sum(params, batch: Batch, cfg: RunConfig, layout: Layout, key):
-    """(objective summed over the microbatch's tokens, (cross-entropy sum, token count, MoE metrics)).
+    """(objective summed over the microbatch's tokens, (cross-entropy sum, token count, metrics)).
 
     MoE: the objective adds count x (aux_coef x load-balancing loss + z_coef x z-loss), so that after
-    the one division by the batch's token count each microbatch's router losses weigh as its tokens."""
+    the one division by the batch's token count each microbatch's router losses weigh as its tokens.
+    MTP (`model.mtp`): it adds mtp_loss_coef / D x the modules' loss sums (DeepSeek-V3's 1/T: the same
+    division), reported apart as `mtp_loss_sum` [D]; their MoE layers' statistics join the model's."""
     m = cfg.model
-    if not m.moe:
-        logits = _forward(params, batch, cfg, layout, key, cfg.remat.policy)
-        ce, count = cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
-        return ce, (ce, count, {})
-    logits, stats = _forward(params, batch, cfg, layout, key, cfg.remat.policy, router_stats=True)
+    kw = {"hidden": True} if m.mtp_depth else {"router_stats": True} if m.moe else {}
+    out = _forward(params, batch, cfg, layout, key, cfg.remat.policy, **kw)
+    logits, stats, x = out if m.mtp_depth else (*out, None) if m.moe else (out, None, None)
     ce, count = cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
-    metrics = moe_losses(stats, m)
-    router = m.moe_aux_loss_coef * metrics["moe_aux_loss"] + m.moe_z_loss_coef * metrics["moe_z_loss"]
-    router += m.moe_seq_aux_loss_coef * metrics["moe_seq_aux_loss"]
-    return ce + count * router, (ce, count, metrics)
+    objective, metrics = ce, {}
+    if m.mtp_depth:
+        sums, mtp_stats = mtp.objective(params, x, batch, m, layout, key, cfg.remat.policy)
+        objective += m.mtp_loss_coef / m.mtp_depth * jnp.sum(sums)
+        metrics["mtp_loss_sum"] = sums
+        if mtp_stats is not None:  # the modules' MoE layers after the model's
+            stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, mtp_stats)
+    if m.moe:
+        metrics |= moe_losses(stats, m)
+        router = m.moe_aux_loss_coef * metrics["moe_aux_loss"] + m.moe_z_loss_coef * metrics["moe_z_loss"]
+        objective += count * (router + m.moe_seq_aux_loss_coef * metrics["moe_seq_aux_loss"])
+    return objective, (ce, count, metrics)
 
 
 def _split_microbatches(batch: Batch, k: int, layout: Layout) -> Batch:
@@ -146,6 +155,8 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         (grads, loss_sum, count), per_micro = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
         moe_metrics = {k: (jnp.sum if k in SUMMED_METRICS else jnp.mean)(a, 0) for k, a in per_micro.items()}
     denom = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
+    if "mtp_loss_sum" in moe_metrics:  # each module's loss, DeepSeek-V3's L_k
+        moe_metrics["mtp_loss"] = moe_metrics.pop("mtp_loss_sum") / denom
     grads = join(jax.tree.map(lambda g: g / denom, grads), [jnp.zeros_like(f) for f in frozen])
     return grads, loss_sum / denom, count, moe_metrics
 
@@ -161,6 +172,8 @@ def make_grad_step(cfg: RunConfig, layout: Layout, param_shardings: dict) -> Cal
     out = {"grads": param_shardings} | dict.fromkeys(("loss", "grad_norm", *MOE_METRICS), layout.replicated())
     if not cfg.model.moe:
         out = {k: v for k, v in out.items() if k not in MOE_METRICS}
+    if cfg.model.mtp_depth:
+        out["mtp_loss"] = layout.replicated()
     return jax.jit(fn, in_shardings=(param_shardings, batch_sharding(layout), None), out_shardings=out)
 
 

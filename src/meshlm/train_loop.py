@@ -273,8 +273,10 @@ class StepLoop:
         record["skipped"] = int(m["skipped"])  # non-finite steps skipped so far (on_nonfinite=skip)
         if "expert_load" in m:  # MoE: router losses, drops and each layer's load per expert
             record |= moe_record(m)
-            if self.cfg.model.dense_layer_ids:  # the MoE layers' indices, when some layers are dense
-                record["moe_layers"] = list(self.cfg.model.moe_layer_ids)
+            if self.cfg.model.dense_layer_ids or self.cfg.model.mtp_depth:  # their layer ids, when not 0..L-1
+                record["moe_layers"] = list(self.cfg.model.moe_stat_layer_ids)
+        if "mtp_loss" in m:  # each multi-token-prediction module's loss (model.mtp_depth)
+            record |= {f"mtp_loss_{k + 1}": float(v) for k, v in enumerate(np.asarray(m["mtp_loss"]))}
         record |= self.source_tokens(n)
         now, steps = _clock(), n - self.step_last
         eta = None

@@ -107,7 +107,9 @@ def _validate_router(m: ModelConfig) -> None:
 
 def _validate_mla(m: ModelConfig) -> None:
     _need(m.mtp_depth >= 0 and m.mtp_loss_coef >= 0, "model.mtp_depth and model.mtp_loss_coef must be >= 0")
-    _need(m.family == "llama" or not m.mtp_depth, "model.mtp_depth (multi-token prediction) is a llama-family option")
+    if m.mtp_depth:
+        _need(m.family == "llama", "model.mtp_depth (multi-token prediction) is a llama-family option")
+        _need(not m.lora_rank, "LoRA adapts the model's layers only: fine-tune an MTP model with model.mtp_depth=0")
     if not m.mla:
         _need(m.kv_lora_rank == 0 and m.q_lora_rank == 0, "model.q_lora_rank needs MLA: set model.kv_lora_rank > 0")
         return
@@ -240,6 +242,11 @@ def _validate_parallel(cfg: RunConfig) -> None:
         "parallel.pipeline_schedule=zb1 with LoRA: zb1 defers the weight-gradient GEMMs to fill the bubbles, and a "
         "LoRA run has none but the adapters' rank-r ones, while its weight slots would keep every region's inputs; "
         "use 1f1b or interleaved",
+    )
+    _need(
+        not (m.mtp_depth and p.stage > 1),
+        "multi-token prediction (model.mtp_depth) with a pipeline (parallel.stage > 1) is not built yet: the "
+        "modules need the last stage's hidden state and the first stage's embedding; set one of them to 0/1",
     )
     for name, ways in p.dcn.items():
         _need(

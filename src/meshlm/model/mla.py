@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
 from meshlm.model import layers
+from meshlm.model.mla_costs import padded  # noqa: F401 (the model's callers ask it here)
 from meshlm.parallel.collectives import column_parallel, row_parallel
 from meshlm.parallel.rules import constrain
 
@@ -48,29 +49,23 @@ def names(cfg: ModelConfig) -> list[str]:
     return [*q, "wkv_a", "kv_a_norm", "wk_b", "wv_b"]
 
 
-def padded(cfg: ModelConfig, explicit: bool) -> int:
-    """The head size q, k and v are padded to for a kernel that needs one size for all three (0: none).
-    The explicit kernel takes v_head_dim != the query-key size as it is; the blockwise, fused and
-    context kernels get zero columns (exact: the padded output columns are zero and dropped)."""
-    if explicit or cfg.value_dim == cfg.dim_head:
-        return 0
-    return max(cfg.value_dim, cfg.dim_head)
+@jax.checkpoint  # keeps only its input; backward recomputes the element-wise work
+def _latent_norm(x, scale):
+    return layers.rms_norm(x, scale, LATENT_EPS)
 
 
-def _queries(h, p: dict, cfg: ModelConfig, flat: bool):
+def _projections(h, p: dict, cfg: ModelConfig, flat: bool):
+    """(q_nope [b, t, n, e], q_r [b, t, n, p], c_kv [b, t, r] normed, k_r [b, t, 1, p]), RoPE not yet
+    applied. Both down-projections read h in one call, so backward keeps h once for their gradients."""
+    b, t, d = h.shape
+    down = p["wq_a"] if cfg.q_lora_rank else p["wq"].reshape(d, -1)  # a full query projection: [d, n h]
+    q, kv = layers.dense_shared("btd,dc->btc", h, [down, p["wkv_a"]], flat)
     if cfg.q_lora_rank:
-        c = layers.rms_norm(layers.dense("btd,dc->btc", h, p["wq_a"], flat), p["q_a_norm"], LATENT_EPS)
-        q = layers.dense("btc,cnh->btnh", c, p["wq_b"], flat)
+        q = layers.dense("btc,cnh->btnh", _latent_norm(q, p["q_a_norm"]), p["wq_b"], flat)
     else:
-        q = layers.dense("btd,dnh->btnh", h, p["wq"], flat)
-    return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
-
-
-def _latent(h, p: dict, cfg: ModelConfig, flat: bool):
-    """(c_kv [b, t, r] normed, k_r [b, t, 1, p] before RoPE)."""
-    kv = layers.dense("btd,dc->btc", h, p["wkv_a"], flat)
-    c = layers.rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LATENT_EPS)
-    return c, kv[..., None, cfg.kv_lora_rank :]
+        q = q.reshape(b, t, -1, cfg.dim_head)
+    c = _latent_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"])
+    return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], c, kv[..., None, cfg.kv_lora_rank :]
 
 
 def _rotate(q_rope, k_rope, positions, cfg: ModelConfig):
@@ -85,8 +80,7 @@ def project(h_btd, *args, cfg: ModelConfig, context: bool = False, pad: int = 0)
     positions = args[0] if context else None
     p = dict(zip(names(cfg), args[1 if context else 0 :], strict=True))
     flat = not context
-    q_nope, q_rope = _queries(h_btd, p, cfg, flat)
-    c, k_rope = _latent(h_btd, p, cfg, flat)
+    q_nope, q_rope, c, k_rope = _projections(h_btd, p, cfg, flat)
     k_nope, v = layers.dense_shared("btc,cnh->btnh", c, [p["wk_b"], p["wv_b"]], flat)
     q_rope, k_rope = _rotate(q_rope, k_rope, positions, cfg)
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
@@ -114,8 +108,7 @@ def latents(h_btd, positions_bt, *ws, cfg: ModelConfig):
     """Decoding's projections: (q_nope [b, t, n, e], RoPE(q_r) [b, t, n, p], c_kv [b, t, 1, r],
     RoPE(k_r) [b, t, 1, p]) - what `attention_cached` absorbs and caches."""
     p = dict(zip(names(cfg), ws, strict=True))
-    q_nope, q_rope = _queries(h_btd, p, cfg, True)
-    c, k_rope = _latent(h_btd, p, cfg, True)
+    q_nope, q_rope, c, k_rope = _projections(h_btd, p, cfg, True)
     q_rope, k_rope = _rotate(q_rope, k_rope, positions_bt, cfg)
     return q_nope, q_rope, c[:, :, None], k_rope
 

@@ -57,7 +57,8 @@ from meshlm.parallel.rules import Layout
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
 SHARED_WEIGHTS = ("ws_gate", "ws_up", "ws_down")
 MOE_METRICS = ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss", "expert_load", "expert_counts", "dropped_fraction")
-SUMMED_METRICS = ("expert_counts",)  # over a step's microbatches (exact integers); the others are averaged
+# summed over a step's microbatches (exact integers; MTP's loss sums); the others are averaged
+SUMMED_METRICS = ("expert_counts", "mtp_loss_sum")
 
 
 class RouterStats(NamedTuple):
@@ -121,8 +122,12 @@ def update_router_bias(params: dict, expert_counts: jax.Array, cfg: ModelConfig)
     if not (cfg.router_bias and cfg.router_bias_rate):
         return params
     error = jnp.sum(expert_counts, axis=-1, keepdims=True) - cfg.n_experts * expert_counts
-    bias = params["layers"]["router_bias"] + cfg.router_bias_rate * jnp.sign(error)
-    return params | {"layers": params["layers"] | {"router_bias": bias}}
+    step = cfg.router_bias_rate * jnp.sign(error)
+    n = len(cfg.moe_layer_ids)  # then the multi-token-prediction modules' MoE layers (`model.mtp`)
+    out = params | {"layers": params["layers"] | {"router_bias": params["layers"]["router_bias"] + step[:n]}}
+    if "router_bias" in params.get("mtp", {}):
+        out["mtp"] = params["mtp"] | {"router_bias": params["mtp"]["router_bias"] + step[n:]}
+    return out
 
 
 def assign_slots(experts_btk: jax.Array, n_experts: int, slots: int) -> tuple[jax.Array, jax.Array]:

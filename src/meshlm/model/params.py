@@ -171,7 +171,25 @@ def _base_specs(cfg: ModelConfig) -> dict:
     }
     if not cfg.tied_embeddings:  # tied: the output layer is wte, as in GPT-2
         tree["lm_head"] = ParamSpec((D, V), (ax.EMBED, ax.VOCAB), w)
+    if cfg.mtp_depth:
+        tree["mtp"] = _mtp_specs(cfg, layer, w, w_out)
     return tree
+
+
+def _mtp_specs(cfg: ModelConfig, attention: dict, w: Init, w_out: Init) -> dict:
+    """The multi-token-prediction modules (`model.mtp`), stacked over the depth (not a LAYERS axis:
+    a pipeline's stages do not split them): each a llama layer (MoE in an MoE model), the norms of
+    the embedding and the hidden state, their projection [2d, d] and the norm before the shared head."""
+    D, d = cfg.mtp_depth, cfg.d_model
+    layer = _llama_layer(cfg, attention, D, cfg.moe, w, w_out)
+    unstacked = {n: dataclasses.replace(s, axes=(None, *s.axes[1:])) for n, s in layer.items()}
+    norm = lambda: ParamSpec((D, d), (None, ax.EMBED), ones, decay=False)
+    return unstacked | {
+        "enorm": norm(),
+        "hnorm": norm(),
+        "eh_proj": ParamSpec((D, 2 * d, d), (None, None, ax.EMBED), w),
+        "post_norm": norm(),
+    }
 
 
 def _mla_specs(cfg: ModelConfig, w: Init, w_out: Init) -> dict:

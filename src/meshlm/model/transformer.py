@@ -48,7 +48,7 @@ def weight_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
     """Logical axes of every weight as one layer (or the top level) sees it, read from the
     ParamSpecs - the one place they are declared - without the stacked LAYERS axis."""
     specs = param_specs(cfg)
-    stacks = ("layers", "dense_layers")
+    stacks = ("layers", "dense_layers", "mtp")
     out = {n: s.axes for n, s in specs.items() if n not in stacks}
     return out | {n: s.axes[1:] for stack in stacks for n, s in specs.get(stack, {}).items()}
 
@@ -386,7 +386,7 @@ def embed(
     return layers.dropout(x, cfg.dropout, embed_key, _drop_positions(layout, t))
 
 
-def _cast_layer(p: dict, dtype) -> dict:
+def cast_layer(p: dict, dtype) -> dict:
     """A layer's fp32 weights in the compute dtype, but the router bias: fp32, as `transformers`
     keeps it (its steps of 1e-3 would vanish in bf16 next to a bias of 0.3)."""
     return {n: w if n == "router_bias" else w.astype(dtype) for n, w in p.items()}
@@ -419,7 +419,7 @@ def run_layers(
     backward must keep the chunk's weight arrays themselves, which the scan passes through and a
     split would copy (the pipeline recognises them and does not stash them)."""
     dtype = jnp.dtype(cfg.dtype)
-    cast = partial(_cast_layer, dtype=dtype)
+    cast = partial(cast_layer, dtype=dtype)
     block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
 
     def body(x_btd, layer):
@@ -530,7 +530,8 @@ def forward(
     cache: KVCache | None = None,
     prefill: bool = False,
     router_stats: bool = False,
-) -> jax.Array | tuple[jax.Array, KVCache] | tuple[jax.Array, moe.RouterStats]:
+    hidden: bool = False,
+) -> jax.Array | tuple:
     """Logits [b, t, v] in fp32 for int tokens [b, t]: `embed` -> `run_layers` -> `logits`.
 
     `params` are fp32 masters; each layer casts its slice to `cfg.dtype` just before use. `key`
@@ -541,14 +542,15 @@ def forward(
     last position's logits [b, 1, v] and the cache with their K/V written and its index advanced.
     `prefill`: the cache is empty (index 0), so a blockwise/fused model attends among the new
     tokens with its O(s) kernel instead of over the whole cache.
-    `router_stats` (MoE, no cache): returns (logits, the layers' RouterStats [L, b, ...]).
+    `router_stats` (MoE, no cache): returns (logits, the layers' RouterStats [L, b, ...]); `hidden`
+    (no cache): (logits, RouterStats or None, the last layer's output before the final norm).
     """
     t = tokens_bt.shape[1]
     if cache is not None:
         positions = jnp.maximum(cache.index + jnp.arange(t)[None, :] - cache.start[:, None], 0)
     x = embed(params, tokens_bt, cfg, layout, key, positions)
     ids = jnp.arange(cfg.n_layers)
-    cast = partial(_cast_layer, dtype=jnp.dtype(cfg.dtype))
+    cast = partial(cast_layer, dtype=jnp.dtype(cfg.dtype))
     block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
     mixed_layers = partial(mixed.run, params=params, moe_ids=cfg.moe_layer_ids, n_layers=cfg.n_layers)
     if cache is None:
@@ -563,7 +565,7 @@ def forward(
             chain = cfg.scan_unroll >= cfg.n_layers > 1  # fully unrolled: no loop at all
             x, stats = run_layers(x, params["layers"], ids, cfg, layout, key, remat_policy, segment_ids, chain)
         out = logits(params, x, cfg, layout, remat_policy)
-        return (out, stats) if router_stats else out
+        return (out, stats, x) if hidden else (out, stats) if router_stats else out
 
     def decode_layer(carry, p, i):
         x_btd, k_all, v_all = carry

@@ -55,6 +55,7 @@ def chart_values(record: dict) -> dict[str, float]:
     mixture's tokens per source (`tokens/<source>`) as `data/tokens/<source>`."""
     out = {TAGS[k]: float(v) for k, v in record.items() if k in TAGS and isinstance(v, int | float)}
     out |= {f"data/{k}": float(v) for k, v in record.items() if k.startswith("tokens/")}
+    out |= {f"train/{k}": float(v) for k, v in record.items() if k.startswith("mtp_loss_")}
     loads = record.get("expert_load") or ()
     for layer, row in zip(record.get("moe_layers") or range(len(loads)), loads, strict=True):
         out |= {f"moe/load/layer{layer}/expert{e}": float(v) for e, v in enumerate(row)}

@@ -89,7 +89,8 @@ def _step_programs(family: str, policy: str, n_layers: int = 1, capacity_factor:
         moe |= dict(expert_capacity_factor=0.0, moe_kernel="tiled")
     if family.startswith("mla"):  # MLA: q LoRA, a query-key head of 16 + 8, values of 12 (blockwise: padded to 24)
         mla = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
-        lora |= mla | dict(n_kv_heads=0) | (dict(attention="blockwise", attention_block=16) if "block" in family else {})
+        blockwise = dict(attention="blockwise", attention_block=16) if "block" in family else {}
+        lora |= mla | dict(n_kv_heads=0) | blockwise
     model = ModelConfig(
         family="llama" if family.startswith(("moe", "mla")) else family,
         vocab_size=256,

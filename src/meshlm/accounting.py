@@ -39,8 +39,16 @@ def param_count(cfg: ModelConfig) -> int:
         per_layer = attn + (n * h + 2 * k * h + d) + 2 * d * f + f + d + 4 * d  # + biases, 2 LNs
         return v * d + cfg.max_seq_len * d + L * per_layer + 2 * d + lora_param_count(cfg)
     per_layer = attn + 2 * d + (n * h + 2 * k * h if cfg.qkv_bias else 0) + (2 * h if cfg.qk_norm else 0)
-    layers = L * per_layer + sum(count * _mlp_params(kind, kind.n_experts) for kind, count in layer_kinds(cfg))
-    return (1 if cfg.tied_embeddings else 2) * v * d + layers + d + lora_param_count(cfg)
+    kinds = layer_kinds(cfg)
+    layers = L * per_layer + sum(count * _mlp_params(kind, kind.n_experts) for kind, count in kinds)
+    # MTP modules: a layer of the first kind (MoE in an MoE model), 3 norms, the [2d, d] projection
+    mtp = cfg.mtp_depth * (per_layer + _mlp_params(kinds[0][0], cfg.n_experts) + 3 * d + 2 * d * d)
+    return (1 if cfg.tied_embeddings else 2) * v * d + layers + mtp + d + lora_param_count(cfg)
+
+
+def attention_layers(m: ModelConfig) -> int:
+    """Layers with an attention core: the model's and the MTP modules'."""
+    return m.n_layers + m.mtp_depth
 
 
 def layer_kinds(cfg: ModelConfig) -> list[tuple[ModelConfig, int]]:
@@ -78,7 +86,7 @@ def active_param_count(cfg: ModelConfig) -> int:
     if not cfg.moe:
         return param_count(cfg)
     idle = _mlp_params(cfg, cfg.n_experts) - _mlp_params(cfg, cfg.experts_per_token)
-    return param_count(cfg) - len(cfg.moe_layer_ids) * idle
+    return param_count(cfg) - len(cfg.moe_stat_layer_ids) * idle
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
@@ -108,8 +116,12 @@ def model_flops_per_step(cfg: RunConfig) -> int:
     run 2x (forward, input gradient; no weight gradient), the attention core's and the adapters' 3x."""
     m, t = cfg.model, cfg.train
     terms = layer_forward_flops_per_token(m, t.seq_len)
-    layers = sum(n * sum(layer_forward_flops_per_token(kind, t.seq_len).values()) for kind, n in layer_kinds(m))
+    kinds = layer_kinds(m)
+    layers = sum(n * sum(layer_forward_flops_per_token(kind, t.seq_len).values()) for kind, n in kinds)
     per_token = layers + 2 * m.d_model * m.vocab_size  # + the logits
+    # MTP: per module a layer of the first kind, the [2d, d] projection and the shared output layer
+    mtp_layer = sum(layer_forward_flops_per_token(kinds[0][0], t.seq_len).values())
+    per_token += m.mtp_depth * (mtp_layer + 2 * 2 * m.d_model**2 + 2 * m.d_model * m.vocab_size)
     if not m.lora_rank:
         return 3 * t.global_batch * t.seq_len * per_token
     core = m.n_layers * (terms["attn_scores"] + terms["attn_values"])
@@ -124,7 +136,7 @@ def causal_flops_per_step(cfg: RunConfig) -> int:
     show an MFU above 100%; Eq. 7's figure stays `model_flops_per_step` (P2 Table 5)."""
     m, t = cfg.model, cfg.train
     terms = layer_forward_flops_per_token(m, t.seq_len)
-    attention = 3 * t.global_batch * t.seq_len * m.n_layers * (terms["attn_scores"] + terms["attn_values"])
+    attention = 3 * t.global_batch * t.seq_len * attention_layers(m) * (terms["attn_scores"] + terms["attn_values"])
     return model_flops_per_step(cfg) - attention * (t.seq_len - 1) // (2 * t.seq_len)
 
 
@@ -148,7 +160,7 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     looped matmuls, like the attention core).
     """
     m, t = cfg.model, cfg.train
-    tokens_layers = t.global_batch * t.seq_len * m.n_layers
+    tokens_layers = t.global_batch * t.seq_len * attention_layers(m)
     policy = cfg.remat.policy
     frac = attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
     scores, values = _core_terms(cfg)
@@ -158,8 +170,10 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
         again += tokens_layers * mla_costs.down_projection_flops(m)
     if policy == "full":
         tokens = t.global_batch * t.seq_len  # (tokens x layers) x per token, as one kind always multiplied
-        core = frac * (scores + values)
-        layers = sum(tokens * n * _full_recompute_per_token(kind, t.seq_len, core) for kind, n in layer_kinds(m))
+        core, kinds = frac * (scores + values), layer_kinds(m)
+        layers = sum(tokens * n * _full_recompute_per_token(kind, t.seq_len, core) for kind, n in kinds)
+        # each MTP module is checkpointed as a layer is: its layer and its [2d, d] projection run again
+        layers += tokens * m.mtp_depth * (_full_recompute_per_token(kinds[0][0], t.seq_len, core) + 4 * m.d_model**2)
         return round(layers) + executed - counted + again
     if policy in ("dots", "offload"):
         return round(tokens_layers * frac * (scores + values)) + executed + again
@@ -194,7 +208,7 @@ def attention_core_flops(cfg: RunConfig) -> int:
     recomputation included: 6 matmul passes explicit, 7 for the O(s) kernels, each over the executed
     score blocks, plus whatever of it the policy re-runs (`recompute_flops_per_step`)."""
     m, t = cfg.model, cfg.train
-    tokens_layers = t.global_batch * t.seq_len * m.n_layers
+    tokens_layers = t.global_batch * t.seq_len * attention_layers(m)
     scores, values = (tokens_layers * x for x in _core_terms(cfg))
     frac = attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
     kernel = ((3 if m.attention == "explicit" else 4) * scores + 3 * values) * frac
@@ -209,7 +223,7 @@ def attention_forward_flops(cfg: RunConfig) -> int:
     """FLOPs of the attention core's forward per step (QK^T and attention over V over the executed
     score blocks): what a kernel re-run in backward adds."""
     m, t = cfg.model, cfg.train
-    core = sum(_core_terms(cfg)) * t.global_batch * t.seq_len * m.n_layers
+    core = sum(_core_terms(cfg)) * t.global_batch * t.seq_len * attention_layers(m)
     return round(core * attention_executed_fraction(m, t.seq_len, context_chunk(cfg)))
 
 
@@ -273,7 +287,7 @@ def _attention_kernel_flops_adjustment(cfg: RunConfig) -> int:
     executed = ((3 if m.attention == "explicit" else 4) * scores + 3 * values) * attention_executed_fraction(
         m, t.seq_len, context_chunk(cfg)
     )
-    tokens_layers = t.global_batch * t.seq_len * m.n_layers
+    tokens_layers = t.global_batch * t.seq_len * attention_layers(m)
     return round(tokens_layers * (executed - 3 * (terms["attn_scores"] + terms["attn_values"])))
 
 
@@ -283,7 +297,7 @@ def forward_flops_per_step(cfg: RunConfig) -> int:
     m, t = cfg.model, cfg.train
     terms = layer_forward_flops_per_token(m, t.seq_len)
     executed = sum(_core_terms(cfg)) * attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
-    tokens_layers = t.global_batch * t.seq_len * m.n_layers
+    tokens_layers = t.global_batch * t.seq_len * attention_layers(m)
     return model_flops_per_step(cfg) // 3 + round(
         tokens_layers * (executed - terms["attn_scores"] - terms["attn_values"])
     )

@@ -179,6 +179,84 @@ def qwen3_30b_a3b() -> RunConfig:
     return _moe_recipe(model, ParallelConfig(data=4, expert=16), 256, 4096)
 
 
+def deepseek_tiny() -> RunConfig:
+    """`llama-tiny` made a DeepSeek-V3 (docs/deepseek.md): MLA (q rank 64, KV latent 32, query-key
+    heads of 32 + 16, values of 32), a dense first layer, then 8 experts of width 128 and a shared one,
+    sigmoid routing over 4 groups (top 2 of them) with the loss-free bias and the sequence-wise loss,
+    dropless, one MTP module (weight 0.3); experts split over expert=2."""
+    base = llama_tiny()
+    model = dataclasses.replace(
+        base.model,
+        n_kv_heads=0,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        n_experts=8,
+        experts_per_token=2,
+        expert_d_ff=128,
+        n_shared_experts=1,
+        first_k_dense=1,
+        router_score="sigmoid",
+        router_bias=True,
+        router_bias_rate=1e-3,
+        n_group=4,
+        topk_group=2,
+        moe_aux_loss_coef=0.0,
+        moe_seq_aux_loss_coef=1e-4,
+        mtp_depth=1,
+        mtp_loss_coef=0.3,
+    )
+    return dataclasses.replace(base, model=model, parallel=ParallelConfig(expert=2))
+
+
+def deepseek_v3() -> RunConfig:
+    """DeepSeek-V3's shapes (its config.json; V3 2.1-2.2, 4.2): 61 layers (3 dense), h=7168, 128 heads,
+    MLA (q rank 1536, KV latent 512, query-key heads 128 + 64, values 128), 256 routed experts of width
+    2048 + 1 shared, top-8 of 4 of 8 groups, sigmoid routing with the bias, routed scaling 2.5, YaRN
+    (factor 40 over 4096, mscale 1), vocabulary 129280, one MTP module: 671B parameters (37B active) and
+    11.6B more in the MTP module. Its pre-training batch: 15360 sequences of 4096. Planner-sized (bf16;
+    V3 trained in FP8)."""
+    model = ModelConfig(
+        family="llama",
+        vocab_size=129280,
+        d_model=7168,
+        n_layers=61,
+        n_heads=128,
+        d_ff=18432,
+        max_seq_len=4096,
+        dtype="bfloat16",
+        norm_eps=1e-6,
+        rope_scaling="yarn",
+        rope_factor=40.0,
+        rope_original_len=4096,
+        yarn_mscale=1.0,
+        yarn_mscale_all_dim=1.0,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_experts=256,
+        experts_per_token=8,
+        expert_d_ff=2048,
+        n_shared_experts=1,
+        first_k_dense=3,
+        router_score="sigmoid",
+        router_bias=True,
+        router_bias_rate=1e-3,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        moe_aux_loss_coef=0.0,
+        moe_seq_aux_loss_coef=1e-4,
+        mtp_depth=1,
+        mtp_loss_coef=0.3,
+    )
+    return _moe_recipe(model, ParallelConfig(data=32, expert=64), 15360, 4096)
+
+
 RECIPES: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
     "llama-tiny": llama_tiny,
@@ -190,6 +268,8 @@ RECIPES: dict[str, Callable[[], RunConfig]] = {
     "moe-tiny": moe_tiny,
     "mixtral-8x7b": mixtral_8x7b,
     "qwen3-30b-a3b": qwen3_30b_a3b,
+    "deepseek-tiny": deepseek_tiny,
+    "deepseek-v3": deepseek_v3,
 }
 
 

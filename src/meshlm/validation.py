@@ -143,7 +143,7 @@ def _validate_model(m: ModelConfig) -> None:
         m.head_dim > 0 or m.d_model % m.n_heads == 0,
         f"model.d_model={m.d_model} is not divisible by n_heads={m.n_heads}; set model.head_dim",
     )
-    _need(m.dim_head % 2 == 0 or m.family == "gpt", "llama needs an even head_dim for RoPE")
+    _need(m.dim_head % 2 == 0 or m.family == "gpt" or m.mla, "llama needs an even head_dim for RoPE")
     if m.rope_scaling != "none":
         _need(m.family == "llama", "model.rope_scaling applies to the llama family (gpt has learned positions)")
     if m.rope_scaling == "yarn":

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from meshlm.config import ConfigError, ModelConfig
+from meshlm.interop import hf_deepseek
 from meshlm.interop import safetensors_io as st
 from meshlm.interop.hf_tables import Rule, hf_config, read_json, rules
 
@@ -130,10 +131,12 @@ def _plan_import(reader: st.Reader, cfg: ModelConfig, where: Path) -> tuple[list
         m = pattern.match(name)
         return int(m.group(1)) if m else None
 
-    if cfg.mla:  # DeepSeek-V3's multi-token-prediction layers follow the model's (layers.{L}.*): not read
-        names = {n for n in names if (layer_of(n) or 0) < cfg.n_layers}
+    if cfg.mla:  # DeepSeek-V3's multi-token-prediction layers follow the model's (layers.{L}.*): read as
+        # many as the model has (model.mtp_depth), without their copies of the embedding and the output layer
+        names = {n for n in names if (layer_of(n) or 0) < cfg.n_layers + cfg.mtp_depth}
+        names = {n for n in names if (layer_of(n) or 0) < cfg.n_layers or not n.endswith(hf_deepseek.SHARED_COPIES)}
     present = {i for n in names if (i := layer_of(n)) is not None}
-    if present != set(range(cfg.n_layers)):
+    if present != set(range(cfg.n_layers + (cfg.mtp_depth if cfg.mla else 0))):
         raise ConfigError(
             f"{where}/config.json says {cfg.n_layers} layers, but the weights hold layers "
             f"{sorted(present)[:5]}{'...' if len(present) > 5 else ''} ({len(present)} in all)"

@@ -57,7 +57,9 @@ MODEL = {"family": "llama", "router_score": "sigmoid", "router_bias": True, "moe
 
 
 def model_fields(data: dict, f: Any, path: Path) -> dict:
-    """ModelConfig fields of a DeepSeek-V3 config.json (`f`: hf_tables._Fields); RoPE is read apart."""
+    """ModelConfig fields of a DeepSeek-V3 config.json (`f`: hf_tables._Fields); RoPE is read apart.
+    `mtp_depth`: the multi-token-prediction modules the weights beside it hold (at most
+    num_nextn_predict_layers; none where there are no weights to look at)."""
     for key, value in FIXED.items():
         f.require(key, (value,), value)
     out: dict[str, Any] = dict(MODEL)
@@ -70,6 +72,8 @@ def model_fields(data: dict, f: Any, path: Path) -> dict:
             out[field] = 0 if data.get(key) is None else f.int(key)
         else:
             out[field] = f.int(key, None, 0 if kind == "int0" else 1)
+    declared = f.int("num_nextn_predict_layers", 0, 0)
+    out["mtp_depth"] = min(declared, mtp_layers_stored(_tensor_names(path.parent), out["n_layers"]))
     if out["first_k_dense"] > out["n_layers"]:
         raise ConfigError(f"{path}: first_k_dense_replace={out['first_k_dense']} exceeds num_hidden_layers")
     if out["experts_per_token"] > out["n_experts"] or out["n_experts"] % out["n_group"]:
@@ -144,12 +148,50 @@ def moe_rules(cfg: ModelConfig, m: str, rule: type) -> list:
     D, E, F, S = cfg.d_model, cfg.n_experts, cfg.expert_ffn, cfg.shared_ffn
     mlp = m + "mlp."
     out = [
-        rule("layers/w_router", mlp + "gate.weight", (E, D), transpose=True),
-        rule("layers/router_bias", mlp + "gate.e_score_correction_bias", (E,)),
+        rule("w_router", mlp + "gate.weight", (E, D), transpose=True),
+        rule("router_bias", mlp + "gate.e_score_correction_bias", (E,)),
     ]
     for name, hf, shape in (("gate", "gate_proj", (F, D)), ("up", "up_proj", (F, D)), ("down", "down_proj", (D, F))):
-        out.append(rule(f"layers/we_{name}", mlp + "experts.{e}." + hf + ".weight", shape, transpose=True, experts=E))
+        out.append(rule(f"we_{name}", mlp + "experts.{e}." + hf + ".weight", shape, transpose=True, experts=E))
         if S:
             shared = (S, D) if name != "down" else (D, S)
-            out.append(rule(f"layers/ws_{name}", mlp + "shared_experts." + hf + ".weight", shared, transpose=True))
+            out.append(rule(f"ws_{name}", mlp + "shared_experts." + hf + ".weight", shared, transpose=True))
     return out
+
+
+def mtp_rules(cfg: ModelConfig, m: str, rule: type) -> list:
+    """A multi-token-prediction module's own tensors (its layer's are the usual ones), as stored in
+    the released checkpoints: `model.layers.{L + k - 1}.` + enorm, hnorm, eh_proj and shared_head.norm
+    (its copies of the embedding and the output layer, `embed_tokens` and `shared_head.head`, are the
+    model's own: not read, not written)."""
+    D = cfg.d_model
+    return [
+        rule("mtp/enorm", m + "enorm.weight", (D,)),
+        rule("mtp/hnorm", m + "hnorm.weight", (D,)),
+        rule("mtp/eh_proj", m + "eh_proj.weight", (D, 2 * D), transpose=True),
+        rule("mtp/post_norm", m + "shared_head.norm.weight", (D,)),
+    ]
+
+
+# a module's copies of the shared embedding and output layer, which the released checkpoints hold
+SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def _tensor_names(hf_dir: Path) -> set[str]:
+    """The tensor names of a directory's safetensors files (their headers only); none without files."""
+    from meshlm.interop import hf, safetensors_io
+
+    try:
+        files = hf.weight_files(hf_dir)
+    except ConfigError:
+        return set()
+    return {name for file in files for name in safetensors_io.read_header(file)[0]}
+
+
+def mtp_layers_stored(names: set[str], n_layers: int) -> int:
+    """How many multi-token-prediction modules a checkpoint's tensor `names` hold (layers n_layers,
+    n_layers + 1, ... with an `eh_proj`): config.json says num_nextn_predict_layers 1 even without one."""
+    k = 0
+    while f"model.layers.{n_layers + k}.eh_proj.weight" in names:
+        k += 1
+    return k

@@ -120,6 +120,9 @@ def rules(cfg: ModelConfig, interleaved: bool = True) -> list[Rule]:
     stacks = [("layers", cfg.moe, cfg.moe_layer_ids if cfg.dense_layer_ids else None)]
     if cfg.dense_layer_ids:  # an MoE model's dense layers, stacked apart
         stacks.append(("dense_layers", False, cfg.dense_layer_ids))
+    if cfg.mtp_depth:  # DeepSeek-V3's multi-token-prediction modules: the layers after the model's
+        stacks.append(("mtp", cfg.moe, tuple(range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth))))
+        out += [dataclasses.replace(r, layers=stacks[-1][2]) for r in hf_deepseek.mtp_rules(cfg, m, Rule)]
     for stack, moe, ids in stacks:
         layer = [
             Rule("attn_norm", m + "input_layernorm.weight", (D,)),

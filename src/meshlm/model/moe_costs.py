@@ -61,7 +61,7 @@ def expert_slot_flops(cfg: RunConfig) -> tuple[int, int]:
     m, t, par = cfg.model, cfg.train, cfg.parallel
     if not m.moe:
         return 0, 0
-    one = 2 * 3 * m.d_model * m.expert_ffn * len(m.moe_layer_ids)
+    one = 2 * 3 * m.d_model * m.expert_ffn * len(m.moe_stat_layer_ids)  # with the MTP modules' MoE layers
     b, s = t.global_batch // t.microbatches // par.batch_shards, t.seq_len // par.context
     devices = t.microbatches * par.batch_shards * par.context  # every row of the step, once
     executed = devices * expert_rows(m, b, s, par.expert) * one

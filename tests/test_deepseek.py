@@ -1,0 +1,258 @@
+"""DeepSeek-V3-class models: Multi-head Latent Attention (MLA) against a NumPy reference and on every
+layout, decoding from the latent cache, multi-token prediction (MTP) against `transformers`' MtpModel
+and a NumPy loss, and the accounting of both (docs/deepseek.md)."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from helpers import loss_mask, random_batches
+from meshlm import accounting, recipes
+from meshlm.config import ConfigError, ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
+from meshlm.model import mla, mla_costs
+from meshlm.model.params import count_params, init_params, named_leaves, param_specs
+from meshlm.model.transformer import KVCache, _attention, forward
+from meshlm.parallel.mesh import make_layout
+from meshlm.parallel.rules import reorder_sequence
+from meshlm.step import make_grad_step
+from meshlm.train_state import state_shardings
+from meshlm.validation import validate
+
+RTOL = 1e-5
+# MLA with a q LoRA, a query-key head of 8 + 4 and values of 6, YaRN; DeepSeek's MoE (a dense first
+# layer, sigmoid routing over 2 groups with a bias, a shared expert); one MTP module
+MODEL = ModelConfig(
+    family="llama",
+    vocab_size=64,
+    d_model=32,
+    n_layers=3,
+    n_heads=4,
+    d_ff=64,
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    rope_scaling="yarn",
+    rope_factor=4.0,
+    rope_original_len=8,
+    yarn_mscale=1.0,
+    yarn_mscale_all_dim=0.7,
+    n_experts=4,
+    experts_per_token=2,
+    expert_d_ff=16,
+    n_shared_experts=1,
+    first_k_dense=1,
+    router_score="sigmoid",
+    router_bias=True,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    moe_aux_loss_coef=0.0,
+    mtp_depth=1,
+    attention_chunk=8,
+    attention_block=4,  # blockwise: 4 blocks of a row of 16, one context chunk's tokens under ring
+)
+
+
+def config(mesh: dict | None = None, sp: bool = False, policy: str = "elementwise", **model) -> RunConfig:
+    par = ParallelConfig(sequence_parallel=sp, **(mesh or {}))
+    train = TrainConfig(global_batch=8, seq_len=16, steps=3)
+    model_cfg = dataclasses.replace(MODEL, **model)
+    return validate(RunConfig(model=model_cfg, parallel=par, remat=RematConfig(policy), train=train))
+
+
+def _perturbed(specs: dict) -> dict:
+    """Parameters with norms and the router bias away from 1 and 0 (the bias then really chooses)."""
+    p = init_params(specs, jax.random.key(0))
+    leaves, tree = jax.tree.flatten(p)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    return jax.device_get(
+        jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)])
+    )
+
+
+@pytest.fixture(scope="module")
+def params():
+    return _perturbed(param_specs(MODEL))
+
+
+def grads(cfg: RunConfig, params: dict) -> dict:
+    """Raw gradients at step 5 of a random loss-masked batch (context: in the layout's storage order)."""
+    layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
+    shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
+    batch = random_batches(cfg, 1, seed=3)[0] | {"mask": loss_mask((cfg.train.global_batch, cfg.train.seq_len))}
+    if layout.context_size > 1:
+        batch = {k: reorder_sequence(v, layout.context_order) for k, v in batch.items()}
+    return jax.device_get(make_grad_step(cfg, layout, shardings)(jax.device_put(params, shardings), batch, 5))
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    cache = {}
+
+    def get(**model) -> dict:
+        key = tuple(sorted(model.items()))
+        if key not in cache:
+            cache[key] = grads(config(**model), params)
+        return cache[key]
+
+    return get
+
+
+def assert_same_as_one_device(got: dict, ref: dict) -> None:
+    g, r = named_leaves(got["grads"]), named_leaves(ref["grads"])
+    assert g.keys() == r.keys() and {"layers/wkv_a", "mtp/eh_proj", "mtp/wq_b"} <= g.keys()
+    errors = {n: float(np.linalg.norm(g[n] - r[n]) / max(np.linalg.norm(r[n]), 1e-6)) for n in r}
+    assert max(errors.values()) < RTOL, {n: e for n, e in errors.items() if e >= RTOL}
+    for key in ("loss", "grad_norm", "mtp_loss"):
+        np.testing.assert_allclose(got[key], ref[key], rtol=RTOL, err_msg=key)
+    np.testing.assert_allclose(got["expert_load"], ref["expert_load"], rtol=1e-6)
+
+
+LAYOUTS = {  # name: (mesh, SP, policy, model changes)
+    "tensor2+sp x expert2": (dict(tensor=2, expert=2), True, "elementwise", {}),
+    "fsdp2 x expert2": (dict(fsdp=2, expert=2), False, "elementwise", {}),
+    "context2 ring x tensor2": (dict(context=2, tensor=2), False, "elementwise", dict(attention="blockwise")),
+    "context2 all_to_all x tensor2": (dict(context=2, tensor=2, context_strategy="all_to_all"), False, "full", {}),
+    "tensor2 blockwise": (dict(tensor=2, data=2), False, "selective", dict(attention="blockwise")),
+    "tensor2+sp dots": (dict(tensor=2, data=2), True, "dots", {}),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_mla_mtp_moe_layouts_give_the_one_device_gradients(name, params, reference):
+    """Every gradient leaf (MLA's down- and up-projections, the MoE layers, the MTP module), the loss,
+    the gradient norm, the MTP loss and the expert load equal one device's: tensor parallelism over
+    the heads with SP beside the expert axis, FSDP, both context strategies (the MTP targets shifted
+    in the original order), the blockwise kernel (values padded) and three remat policies."""
+    mesh, sp, policy, model = LAYOUTS[name]
+    assert_same_as_one_device(grads(config(mesh, sp, policy, **model), params), reference(**model))
+
+
+def _np_rope(x, pos, inv_freq, factor):
+    """Rotate-half RoPE in NumPy on x [..., t, h] at positions [t], times YaRN's factor."""
+    ang = pos[:, None] * inv_freq[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)) * factor, np.sin(np.concatenate([ang, ang], -1)) * factor
+    h = x.shape[-1] // 2
+    return x * cos + np.concatenate([-x[..., h:], x[..., :h]], -1) * sin
+
+
+def _np_yarn(dim, theta, factor, fast, slow, original):
+    """YaRN's frequencies as the paper (and transformers' `_compute_yarn_parameters`) define them."""
+    base = theta ** (np.arange(0, dim, 2) / dim)
+    corr = lambda rot: dim * math.log(original / (rot * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = max(math.floor(corr(fast)), 0), min(math.ceil(corr(slow)), dim - 1)
+    ramp = np.clip((np.arange(dim // 2) - low) / max(high - low, 1e-3), 0, 1)
+    return (1 / (factor * base)) * ramp + (1 / base) * (1 - ramp)
+
+
+def _np_rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
+
+
+def test_the_mla_attention_equals_numpy(params):
+    """The attention of one layer (q LoRA + norm, the KV latent + norm, the shared RoPE key, the
+    per-head up-projections, YaRN's two factors, causal softmax, v_head_dim 6 != 12) equals a
+    NumPy transcription of DeepSeek-V3 2.1, with the explicit and the blockwise kernel."""
+    m = MODEL
+    p = {k: np.asarray(v[1], np.float64) for k, v in params["layers"].items()}  # the first MoE layer's attention
+    h = np.random.default_rng(0).normal(size=(2, 16, 32))
+    E, P, R, n = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.n_heads
+    fm = lambda f, mscale: 1.0 if f <= 1 else 0.1 * mscale * math.log(f) + 1
+    attn_factor, softmax_factor = fm(4.0, 1.0) / fm(4.0, 0.7), fm(4.0, 0.7) ** 2
+    inv = _np_yarn(P, m.rope_theta, 4.0, 32.0, 1.0, 8)
+    pos = np.arange(16.0)
+    c_q = _np_rms(h @ p["wq_a"], p["q_a_norm"], 1e-6)
+    q = np.einsum("btc,cnh->bnth", c_q, p["wq_b"])
+    kv = h @ p["wkv_a"]
+    c_kv = _np_rms(kv[..., :R], p["kv_a_norm"], 1e-6)
+    k_rope = _np_rope(kv[:, None, :, R:], pos, inv, attn_factor)
+    q = np.concatenate([q[..., :E], _np_rope(q[..., E:], pos, inv, attn_factor)], -1)
+    k = np.concatenate([np.einsum("btc,cnh->bnth", c_kv, p["wk_b"]), np.repeat(k_rope, n, 1)], -1)
+    v = np.einsum("btc,cnh->bnth", c_kv, p["wv_b"])
+    s = q @ k.transpose(0, 1, 3, 2) * softmax_factor / math.sqrt(E + P)
+    s = np.where(np.tril(np.ones((16, 16), bool)), s, -np.inf)
+    a = np.exp(s - s.max(-1, keepdims=True))
+    o = (a / a.sum(-1, keepdims=True)) @ v
+    want = np.einsum("bnth,nhd->btd", o, p["wo"])
+    for kernel in ("explicit", "blockwise"):
+        cfg = dataclasses.replace(m, attention=kernel, attention_block=8)
+        layer = {k: jnp.asarray(v[1]) for k, v in params["layers"].items()}
+        got, _ = _attention(jnp.asarray(h, jnp.float32), layer, None, cfg, None, "elementwise")
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5, err_msg=kernel)
+
+
+@pytest.mark.parametrize("mesh", [{}, dict(tensor=2)])
+def test_latent_cache_decoding_equals_the_full_forward(params, mesh):
+    """Prefill 8 tokens, then 16 decode steps from the latent cache (c_kv and the rotated key, W_UK
+    and W_UV absorbed): every step's logits equal the full forward's at that position, on one
+    device and over tensor=2; the cache holds kv_lora_rank + qk_rope_head_dim values per token and layer."""
+    cfg = MODEL
+    tok = np.random.default_rng(0).integers(0, 64, (2, 24)).astype(np.int32)
+    full = np.asarray(forward(params, tok, cfg))
+    layout = make_layout(ParallelConfig(**mesh), jax.devices()[: 2 if mesh else 1])
+    (rk, hk), (rv, hv) = mla.cache_rows(cfg)
+    assert (rk, hk, rv, hv) == (1, 12, 1, 4) and hk + hv == mla_costs.cache_values_per_token(cfg)
+    plain = dataclasses.replace(cfg, kv_lora_rank=0, q_lora_rank=0, mtp_depth=0)  # 4 heads of 8: keys and values
+    assert mla_costs.cache_values_per_token(plain) == 4 * 2 * 8 == sum(h * w for h, w in mla.cache_rows(plain))
+    zeros = lambda h: jnp.zeros((3, 2, 24, 1, h), jnp.float32)
+    cache = KVCache(zeros(hk), zeros(hv), jnp.zeros((), jnp.int32), jnp.zeros((2,), jnp.int32))
+    step = jax.jit(lambda p, t, c, pre: forward(p, t, cfg, layout, cache=c, prefill=pre), static_argnums=3)
+    logits, cache = step(params, tok[:, :8], cache, True)
+    errors = [np.abs(np.asarray(logits[:, 0]) - full[:, 7]).max()]
+    for i in range(8, 24):
+        logits, cache = step(params, tok[:, i : i + 1], cache, False)
+        errors.append(np.abs(np.asarray(logits[:, 0]) - full[:, i]).max())
+    assert max(errors) < 1e-5, errors
+
+
+def test_parameter_counts_and_flops_of_mla_and_mtp():
+    """The parameter formula equals the specs' count (MLA's projections, both layer kinds, the MTP
+    module); DeepSeek-V3's recipe has its published 671B parameters (37B active) plus the 11.6B of
+    its MTP module beyond the shared embedding and head; MTP's FLOPs are one layer, its projection
+    and the output layer per token and module."""
+    assert accounting.param_count(MODEL) == count_params(param_specs(MODEL))
+    dense = dataclasses.replace(MODEL, n_experts=0, first_k_dense=0, mtp_depth=2, q_lora_rank=0)
+    assert accounting.param_count(dense) == count_params(param_specs(dense))
+    v3 = recipes.get("deepseek-v3").model
+    main = dataclasses.replace(v3, mtp_depth=0)
+    assert round(accounting.param_count(main) / 1e9) == 671
+    active = accounting.active_param_count(main)  # 37.55B; without the input embedding 36.6B: "37B"
+    assert int(active / 1e9) == 37 and round((active - v3.vocab_size * v3.d_model) / 1e9) == 37
+    assert round((accounting.param_count(v3) - accounting.param_count(main)) / 1e9, 1) == 11.6
+    run = config()
+    no_mtp = dataclasses.replace(run, model=dataclasses.replace(run.model, mtp_depth=0))
+    t, d, v = run.train, MODEL.d_model, MODEL.vocab_size
+    layer = accounting.layer_forward_flops_per_token(dataclasses.replace(MODEL, first_k_dense=0), t.seq_len)
+    per_token = sum(layer.values()) + 2 * (2 * d) * d + 2 * d * v
+    assert accounting.model_flops_per_step(run) - accounting.model_flops_per_step(no_mtp) == (
+        3 * t.global_batch * t.seq_len * per_token
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(n_kv_heads=2), "leave model.n_kv_heads and model.head_dim at 0"),
+        (dict(lora_rank=4, mtp_depth=0), "LoRA targets wq wk wv, which an MLA model does not have"),
+        (dict(lora_rank=4, kv_lora_rank=0, q_lora_rank=0), "fine-tune an MTP model with model.mtp_depth=0"),
+        (dict(qk_rope_head_dim=3), "even model.qk_rope_head_dim"),
+        (dict(kv_lora_rank=0), "model.q_lora_rank needs MLA"),
+    ],
+)
+def test_mla_configs_that_cannot_run_are_refused(change, message):
+    with pytest.raises(ConfigError, match=message):
+        config(**change)
+
+
+def test_mtp_with_a_pipeline_is_refused_for_now():
+    with pytest.raises(ConfigError, match=r"multi-token prediction .* with a pipeline"):
+        dense = dataclasses.replace(MODEL, n_experts=0, first_k_dense=0, router_score="softmax", router_bias=False)
+        dense = dataclasses.replace(dense, n_group=1, topk_group=1, routed_scaling_factor=1.0, n_shared_experts=0)
+        validate(dataclasses.replace(config(), parallel=ParallelConfig(stage=2), model=dense))

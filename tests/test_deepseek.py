@@ -256,3 +256,168 @@ def test_mtp_with_a_pipeline_is_refused_for_now():
         dense = dataclasses.replace(MODEL, n_experts=0, first_k_dense=0, router_score="softmax", router_bias=False)
         dense = dataclasses.replace(dense, n_group=1, topk_group=1, routed_scaling_factor=1.0, n_shared_experts=0)
         validate(dataclasses.replace(config(), parallel=ParallelConfig(stage=2), model=dense))
+
+
+# ---------------------------------------------------------------- Hugging Face: MTP layers in and out
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _mtp_tensors(mtp_model, n_layers: int) -> dict:
+    """An MtpModel's weights as DeepSeek-V3's checkpoints store them: layer n_layers + k, its block's
+    tensors under that prefix (experts one by one), `shared_head.norm` for its post norm."""
+    out = {}
+    for name, w in mtp_model.state_dict().items():
+        if not name.startswith("layers."):
+            continue  # the shared embedding and head
+        k, rest = name.split(".", 2)[1:]
+        prefix = f"model.layers.{n_layers + int(k)}."
+        rest = rest.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
+        if rest.endswith("experts.gate_up_proj"):
+            f = w.shape[1] // 2
+            for e in range(w.shape[0]):
+                out[prefix + f"mlp.experts.{e}.gate_proj.weight"] = w[e, :f].contiguous()
+                out[prefix + f"mlp.experts.{e}.up_proj.weight"] = w[e, f:].contiguous()
+        elif rest.endswith("experts.down_proj"):
+            out |= {prefix + f"mlp.experts.{e}.down_proj.weight": w[e].contiguous() for e in range(w.shape[0])}
+        else:
+            out[prefix + rest] = w.contiguous()
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_mtp(tmp_path_factory):
+    """A random DeepSeek-V3 (2 layers, the first dense) with 2 MTP layers made by `transformers`' MtpModel,
+    every weight and router bias perturbed, saved as a released checkpoint is (MTP as layers 2 and 3)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    torch.manual_seed(0)
+    c = transformers.DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        max_position_embeddings=64,
+        num_mtp_layers=2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = transformers.DeepseekV3ForCausalLM(c).eval()
+    mtp_model = MtpModel(model, 2).eval()
+    with torch.no_grad():
+        for m in (model, mtp_model):
+            for p in m.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+            for name, b in m.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(0.3 * torch.randn_like(b))
+    d = tmp_path_factory.mktemp("deepseek-mtp")
+    model.save_pretrained(d)
+    main = load_file(d / "model.safetensors")
+    save_file(_mtp_tensors(mtp_model, 2), d / "mtp.safetensors")
+    weight_map = dict.fromkeys(main, "model.safetensors") | dict.fromkeys(_mtp_tensors(mtp_model, 2), "mtp.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d, model, mtp_model
+
+
+def _hf_mtp_logits(model, mtp_model, z: np.ndarray) -> list[np.ndarray]:
+    """Each MTP layer's logits for inputs z[:, :T] (T = z's length - 1), as `transformers` drafts:
+    layer k reads tokens z[:, k:] and the previous layer's hidden state (the model's last layer output
+    first)."""
+    t = z.shape[1] - 1
+    zt = torch.from_numpy(z.astype(np.int64))
+    out = []
+    with torch.no_grad():
+        h = model(zt[:, :t], output_hidden_states=True).hidden_states[-1]
+        pos = torch.arange(t)[None].expand(z.shape[0], -1)
+        for k in range(len(mtp_model.layers)):
+            n = t - k
+            h = mtp_model.forward_layer(k, h[:, :n], pos[:, :n], None, input_ids=zt[:, k + 1 : k + 1 + n])
+            out.append(mtp_model._project_to_logits(h).numpy())
+    return out
+
+
+def test_mtp_layers_import_with_transformers_logits_and_the_papers_loss(hf_mtp, devices):
+    """Importing the checkpoint finds its 2 MTP layers (config.json would say 1 even without any):
+    each module's logits equal MtpModel's where both are defined, and the MTP losses of the train
+    step equal a NumPy transcription of DeepSeek-V3 2.2 on those logits: L_k = -(1/T) sum over the
+    positions with a token k + 1 ahead of log P(t_{i+k+1}), on one device and on expert=2 x tensor=2."""
+    from meshlm.interop import hf, hf_tables
+    from meshlm.model import mtp
+    from meshlm.train_state import param_shardings
+
+    d, model, mtp_model = hf_mtp
+    cfg = hf_tables.model_config(d)
+    assert cfg.mla and cfg.mtp_depth == 2 and cfg.moe_stat_layer_ids == (1, 2, 3)
+    z = np.random.default_rng(0).integers(0, 64, (4, 17)).astype(np.int32)
+    want = _hf_mtp_logits(model, mtp_model, z)
+    run = validate(RunConfig(model=cfg, train=TrainConfig(global_batch=4, seq_len=16)))
+    batch = {"inputs": z[:, :-1], "targets": z[:, 1:]}
+    for mesh in ({}, dict(expert=2, tensor=2)):
+        run = dataclasses.replace(run, parallel=ParallelConfig(**mesh))
+        layout = make_layout(run.parallel, jax.devices()[: run.parallel.n_devices])
+        params = hf.load_params(d, cfg, param_shardings(param_specs(cfg), layout))
+        heads = jax.jit(
+            lambda p, b, lay=layout: mtp.module_logits(
+                p, forward(p, b["inputs"], cfg, lay, hidden=True)[2], b, cfg, lay
+            )
+        )
+        got = heads(params, batch)
+        for k, (g, w) in enumerate(zip(got, want, strict=True)):
+            np.testing.assert_allclose(np.asarray(g)[:, : w.shape[1]], w, atol=1e-4, err_msg=f"module {k + 1}")
+        shardings = state_shardings(param_specs(cfg), layout, optax.sgd(1.0)).params
+        losses = np.asarray(make_grad_step(run, layout, shardings)(params, batch, 0)["mtp_loss"])
+        for k, w in enumerate(want):  # module k + 1 at position i predicts z[i + k + 2], defined for i < T - k - 1
+            n = 16 - k - 1
+            logp = w[:, :n] - np.log(np.exp(w[:, :n]).sum(-1, keepdims=True))
+            ce = -np.take_along_axis(logp, z[:, k + 2 : k + 2 + n, None], -1).sum()
+            np.testing.assert_allclose(losses[k], ce / z[:, 1:].size, rtol=1e-5)
+
+
+def test_mtp_layers_export_and_transformers_loads_them(hf_mtp, tmp_path, devices, monkeypatch):
+    """Export writes the MTP layers back as the checkpoint had them (and num_nextn_predict_layers 2);
+    `transformers`' MtpModel.from_pretrained loads them from the export and drafts the same logits.
+    (transformers finds DeepSeek-V3's MTP weights by the pattern of its 61-layer release, layers.61:
+    here the layers after this model's 2.)"""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers.modeling_layers import MtpModel
+
+    from meshlm.interop import hf, hf_tables
+    from meshlm.train_state import param_shardings
+
+    d, model, mtp_model = hf_mtp
+    cfg = hf_tables.model_config(d)
+    layout = make_layout(ParallelConfig(expert=2, tensor=2), jax.devices()[:4])
+    params = hf.load_params(d, cfg, param_shardings(param_specs(cfg), layout))
+    out = hf.save_pretrained(params, cfg, tmp_path / "out", log=lambda m: None)
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 2
+    original = load_file(d / "mtp.safetensors")
+    exported = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    for name, w in original.items():
+        assert torch.equal(exported[name], w), name
+    mtp_pattern = [r"model\.layers\.[23]\..*"]
+    monkeypatch.setattr(transformers.DeepseekV3ForCausalLM, "_keys_to_ignore_on_load_unexpected", mtp_pattern)
+    reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(out).eval()
+    drafts = MtpModel.from_pretrained(reloaded).eval()
+    z = np.random.default_rng(1).integers(0, 64, (2, 13)).astype(np.int32)
+    for got, want in zip(_hf_mtp_logits(reloaded, drafts, z), _hf_mtp_logits(model, mtp_model, z), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)

@@ -1,12 +1,13 @@
 """Multi-token prediction (DeepSeek-V3 section 2.2; docs/deepseek.md).
 
 `model.mtp_depth` = D sequential modules after the main model. Module k (1..D) at position i
-combines its predecessor's hidden state h^{k-1}_i (h^0: the main model's last layer output, before
-the final norm) with the embedding of token t_{i+k}, as `transformers`' `MtpLayer` and the released
-weights do: h' = W [RMSNorm_e(Emb(t_{i+k})); RMSNorm_h(h^{k-1}_i)], then one transformer layer (an MoE
-layer in an MoE model), then its own RMSNorm (`post_norm`, the checkpoint's `shared_head.norm`):
-h^k. The shared output layer turns h^k into logits for t_{i+k+1}. Embedding and output layer are the
-main model's (one copy each).
+combines its predecessor's hidden state h^{k-1}_i with the embedding of token t_{i+k}, as
+`transformers`' `MtpLayer` and the released weights do: h' = W [RMSNorm_e(Emb(t_{i+k}));
+RMSNorm_h(h^{k-1}_i)], then one transformer layer (an MoE layer in an MoE model), then its own
+RMSNorm (`post_norm`, the checkpoint's `shared_head.norm`): h^k. h^0 is the main model's output
+after its final norm, what its output layer reads (`transformers`' MtpModel and vLLM's drafter are
+fed that). The shared output layer turns h^k into logits for t_{i+k+1}. Embedding and output layer
+are the main model's (one copy each).
 
 Loss: L_k = (1/T) sum over the positions with a token k+1 ahead of -log P(t_{i+k+1}) (the paper's
 1/T: the main loss's token count, the positions past the end contributing nothing), and the
@@ -59,9 +60,8 @@ def targets(batch_targets, mask, segments, k: int, layout: Layout | None):
     return inputs, goal, valid
 
 
-def objective(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout, key, remat_policy: str):
-    """([D] loss sums of the modules, their MoE layers' RouterStats [D, ...] or None) from the main
-    model's last hidden state `x_btd` (before the final norm)."""
+def _modules(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout, key, remat_policy: str):
+    """Per module k = 1..D: (its logits [b, t, v] fp32, targets t_{i+k+1}, loss mask, MoE RouterStats)."""
     segments = batch.get("segment_ids")
     norm = remat.wrap_elementwise(partial(layers.rms_norm, eps=cfg.norm_eps), remat_policy)
 
@@ -73,15 +73,29 @@ def objective(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout, key, r
         return llama_block(h, block, depth_key, cfg, layout, remat_policy, segments)
 
     module = remat.wrap_layer(module, remat_policy)
-    sums, stats, h = [], [], x_btd
+    h = norm(
+        x_btd, cast_layer({"n": params["final_norm"]}, jnp.dtype(cfg.dtype))["n"]
+    )  # h^0: normed, as the head sees it
     for k in range(1, cfg.mtp_depth + 1):
         p = cast_layer(jax.tree.map(lambda a, k=k: a[k - 1], params["mtp"]), jnp.dtype(cfg.dtype))
         tokens, goal, valid = targets(batch["targets"], batch.get("mask"), segments, k, layout)
         depth_key = None if key is None else jax.random.fold_in(key, cfg.n_layers + 1 + k)
-        h, st = module(h, p, tokens, depth_key)  # before post_norm: the shared head normalises with it
-        out = logits(params | {"final_norm": p["post_norm"]}, h, cfg, layout, remat_policy)
+        h, stats = module(h, p, tokens, depth_key)  # before post_norm: the shared head normalises with it
+        yield logits(params | {"final_norm": p["post_norm"]}, h, cfg, layout, remat_policy), goal, valid, stats
+        h = norm(h, p["post_norm"])  # h^k, the next module's input
+
+
+def objective(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout, key, remat_policy: str):
+    """([D] loss sums of the modules, their MoE layers' RouterStats [D, ...] or None) from the main
+    model's last layer output `x_btd` (before the final norm, which h^0 then gets)."""
+    sums, stats = [], []
+    for out, goal, valid, st in _modules(params, x_btd, batch, cfg, layout, key, remat_policy):
         sums.append(cross_entropy_sum(out, goal, valid)[0])
         stats.append(st)
-        h = norm(h, p["post_norm"])  # h^k, the next module's input
     stacked = None if stats[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *stats)
     return jnp.stack(sums), stacked
+
+
+def module_logits(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout=None) -> list:
+    """Each module's logits [b, t, v] (position i predicting t_{i+k+1}), deterministic."""
+    return [out for out, *_ in _modules(params, x_btd, batch, cfg, layout, None, "elementwise")]

@@ -322,9 +322,11 @@ def hf_mtp(tmp_path_factory):
     model = transformers.DeepseekV3ForCausalLM(c).eval()
     mtp_model = MtpModel(model, 2).eval()
     with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        for name, p in mtp_model.layers.named_parameters():  # MtpModel leaves its experts uninitialised
+            p.copy_(0.1 * torch.randn_like(p) + (1.0 if name.endswith("norm.weight") else 0.0))
         for m in (model, mtp_model):
-            for p in m.parameters():
-                p.add_(0.1 * torch.randn_like(p))
             for name, b in m.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.copy_(0.3 * torch.randn_like(b))
@@ -421,3 +423,54 @@ def test_mtp_layers_export_and_transformers_loads_them(hf_mtp, tmp_path, devices
     z = np.random.default_rng(1).integers(0, 64, (2, 13)).astype(np.int32)
     for got, want in zip(_hf_mtp_logits(reloaded, drafts, z), _hf_mtp_logits(model, mtp_model, z), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_fp8_weights_are_dequantised_by_their_block_scales(hf_mtp, tmp_path, devices):
+    """The released DeepSeek-V3 and Kimi K2 weights are FP8 E4M3 with a `weight_scale_inv` per block
+    of config.json's weight_block_size. A checkpoint whose projections (MTP layers included) are
+    quantised so, in blocks of 8 x 8, imports as exactly the float32 checkpoint of its NumPy
+    dequantisation; a scale of the wrong shape is refused by name."""
+    import json
+
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    from meshlm.interop import hf, hf_tables
+    from meshlm.train_state import param_shardings
+
+    d, _, _ = hf_mtp
+    fp8, plain = tmp_path / "fp8", tmp_path / "plain"
+    tensors = {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+    quantised, dequantised = {}, {}
+    for name, w in tensors.items():
+        if not name.endswith("proj.weight") or w.ndim != 2:
+            quantised[name] = dequantised[name] = w
+            continue
+        rows, cols = -(-w.shape[0] // 8), -(-w.shape[1] // 8)
+        padded = np.zeros((rows * 8, cols * 8), np.float32)
+        padded[: w.shape[0], : w.shape[1]] = w
+        scale = np.abs(padded.reshape(rows, 8, cols, 8)).max((1, 3)) / 448.0
+        full = np.repeat(np.repeat(scale, 8, 0), 8, 1)[: w.shape[0], : w.shape[1]]
+        q = (w / full).astype(ml_dtypes.float8_e4m3fn)
+        quantised |= {name: q, name + "_scale_inv": scale.astype(np.float32)}
+        dequantised[name] = q.astype(np.float32) * full
+    config = json.loads((d / "config.json").read_text())
+    quant = {"quantization_config": dict(quant_method="fp8", fmt="e4m3", weight_block_size=[8, 8])}
+    for out, weights, extra in ((fp8, quantised, quant), (plain, dequantised, {})):
+        out.mkdir()
+        save_file(weights, out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps(config | extra))
+    cfg = hf_tables.model_config(fp8)
+    assert cfg == hf_tables.model_config(plain) and cfg.mtp_depth == 2
+    layout = make_layout(ParallelConfig(expert=2, tensor=2), jax.devices()[:4])
+    got, want = (hf.load_params(x, cfg, param_shardings(param_specs(cfg), layout)) for x in (fp8, plain))
+    for name, w in named_leaves(want).items():
+        np.testing.assert_array_equal(np.asarray(named_leaves(got)[name]), np.asarray(w), err_msg=name)
+    assert sum(n.endswith("_scale_inv") for n in quantised) > 30  # every projection, the MTP layers' too
+    assert not np.array_equal(
+        dequantised["model.layers.0.self_attn.q_b_proj.weight"], tensors["model.layers.0.self_attn.q_b_proj.weight"]
+    )
+    name = next(n for n in quantised if n.endswith("_scale_inv"))
+    save_file(quantised | {name: quantised[name][:1]}, fp8 / "model.safetensors")
+    with pytest.raises(ConfigError, match="do not tile"):
+        hf.load_params(fp8, cfg, param_shardings(param_specs(cfg), layout))

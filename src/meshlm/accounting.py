@@ -358,13 +358,17 @@ def layer_activation_terms(
     policy: str = "elementwise",
     ulysses: int = 1,
     expert: int = 1,
+    context: bool = False,
 ) -> dict[str, float]:
-    """Bytes per device of one layer's stored activations, by tensor. `micro_batch` is per device
-    (P2's b); `tensor` is t; the LayerNorm/dropout/residual regions are split by t only under SP.
-    `ulysses` (context size under `all_to_all`, `seq_len` then being per rank): the attention core
-    holds the whole sequence (x ulysses) of 1/ulysses of the heads - the same bytes for Q, K, V and
-    the output, ulysses times more per head of score matrix, for ulysses times fewer heads - and an
-    O(s) kernel's output is kept twice (its own backward's copy, and the projection's input)."""
+    """Bytes per device of one layer's stored activations, by tensor. MLA (`context`: the sequence
+    is split over `context`, whose kernels take MLA's heads padded): its q, k, v at the sizes the
+    kernel runs, and its latents (`mla_costs.latent_terms`) but under SP, whose region keeps only its
+    input. `micro_batch` is per device (P2's b); `tensor` is t; the LayerNorm/dropout/residual
+    regions are split by t only under SP. `ulysses` (context size under `all_to_all`, `seq_len`
+    then being per rank): the attention core holds the whole sequence (x ulysses) of 1/ulysses of
+    the heads - the same bytes for Q, K, V and the output, ulysses times more per head of score
+    matrix, for ulysses times fewer heads - and an O(s) kernel's output is kept twice (its own
+    backward's copy, and the projection's input)."""
     e, s, b, t = dtype_bytes(m.dtype), seq_len, micro_batch, tensor
     d, n, k, hd, f = m.d_model, m.n_heads, m.kv_heads, m.dim_head, m.ffn
     r = t if sequence_parallel else 1  # split of the sequence-parallel regions
@@ -372,7 +376,7 @@ def layer_activation_terms(
     if policy in ("full", "offload", "dots"):
         terms = {"layer_input": e * s * b * d / r}
         if policy == "dots":
-            terms |= _dot_output_terms(m, s, b, t, r)
+            terms |= _dot_output_terms(m, s, b, t, r, sequence_parallel)
         return terms  # offload: the dot outputs live in host memory (see activation_memory)
 
     terms: dict[str, float] = {
@@ -382,6 +386,14 @@ def layer_activation_terms(
         "k": e * s * b * k * hd / t,
         "v": e * s * b * k * hd / t,
     }
+    pad = mla_costs.padded(m, m.attention == "explicit" and not context)
+    if m.mla:
+        qk, vd = mla_costs.core_sizes(m, not pad)
+        terms |= {"q": e * s * b * n * qk / t, "k": e * s * b * n * qk / t, "v": e * s * b * n * vd / t}
+        if not (sequence_parallel and t > 1):
+            terms |= mla_costs.latent_terms(m, e, s, b)
+        if pad:  # the kernel keeps its padded output, the projection the slice of it
+            terms["attn_out_padded"] = e * s * b * n * pad / t
     if m.attention != "explicit":  # flash/blockwise: Q, K, V, the output (below) and an fp32 lse per row
         terms["attn_logsumexp"] = 4 * s * b * n / t
         if ulysses > 1:  # its output in the heads layout too: the all-to-all's result feeds the projection
@@ -393,7 +405,7 @@ def layer_activation_terms(
         if dropout:
             terms["attn_dropout_mask"] = MASK_BYTES * heads * scores * b
             terms["attn_probs_dropped"] = e * heads * scores * b
-    terms["out_proj_input"] = e * s * b * n * hd / t
+    terms["out_proj_input"] = e * s * b * n * m.value_dim / t
     if dropout:
         terms["attn_out_dropout_mask"] = MASK_BYTES * s * b * d / r
     terms["norm2_input"] = e * s * b * d / r
@@ -412,13 +424,17 @@ def layer_activation_terms(
     return terms
 
 
-def _dot_output_terms(m: ModelConfig, s: int, b: int, t: int, r: int) -> dict[str, float]:
+def _dot_output_terms(m: ModelConfig, s: int, b: int, t: int, r: int, sp: bool = False) -> dict[str, float]:
     """The `dots` policy keeps the weight-matmul outputs the backward pass needs: Q, K, V, the
     attention-out projection (to rebuild the MLP's input) and the MLP's first matmul(s). The MLP-out
     projection's output is needed by nothing and is not kept. Under SP the attention-out product is
     kept as the partial sums before the reduce-scatter, full-sequence (r = 1 for that term)."""
     e, d, n, k, hd, f = dtype_bytes(m.dtype), m.d_model, m.n_heads, m.kv_heads, m.dim_head, m.ffn
     terms = {"q": e * s * b * n * hd / t, "k": e * s * b * k * hd / t, "v": e * s * b * k * hd / t}
+    if m.mla:  # the up-projections' outputs (q, the keys' no-RoPE part, v) and the down-projections'
+        terms |= {"k": e * s * b * n * m.qk_nope_head_dim / t, "v": e * s * b * n * m.value_dim / t}
+        if not (sp and t > 1):
+            terms["latents"] = e * s * b * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)
     terms["attn_out"] = e * s * b * d
     if m.family == "gpt":
         terms["fc1_out"] = e * s * b * f / t
@@ -541,10 +557,11 @@ def activation_memory(
     s = t.seq_len // par.context  # context parallelism: every stored tensor holds 1/c of the sequence
     ulysses = par.context if par.context_strategy == "all_to_all" else 1  # ... except Ulysses' scores
     kinds = layer_kinds(m)  # an MoE model with dense layers: their terms apart, the mean per layer
-    each = [layer_activation_terms(k, s, b, par.tensor, sp, policy, ulysses, par.expert) for k, _ in kinds]
+    split = par.context > 1
+    each = [layer_activation_terms(k, s, b, par.tensor, sp, policy, ulysses, par.expert, split) for k, _ in kinds]
     # offload: the dot outputs `dots` would keep live in pinned host memory instead
     r = par.tensor if sp else 1
-    host = [_dot_output_terms(k, s, b, par.tensor, r) if policy == "offload" else {} for k, _ in kinds]
+    host = [_dot_output_terms(k, s, b, par.tensor, r, sp) if policy == "offload" else {} for k, _ in kinds]
     mean = lambda terms: sum(n * sum(x.values()) for x, (_, n) in zip(terms, kinds, strict=True)) / m.n_layers
     per_layer, host_per_layer = each[0], host[0]
     layer_total = sum(per_layer.values()) if len(kinds) == 1 else mean(each)

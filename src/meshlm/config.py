@@ -36,11 +36,6 @@ class ConfigError(ValueError):
     """A configuration the user asked for cannot run; the message says why and what to change."""
 
 
-def yarn_mscale(factor: float, mscale: float) -> float:
-    """YaRN's attention temperature term: 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def cache_home() -> Path:
     """meshlm's cache directory: $MESHLM_CACHE, else ~/.cache/meshlm (prepared data, the CPU peak
     probe, compiled programs)."""
@@ -200,36 +195,6 @@ class ModelConfig:
         if self.mla:
             return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.d_model // self.n_heads
-
-    @property
-    def rope_args(self) -> tuple | None:
-        """RoPE's frequency scaling as `layers.rope_inv_freq` takes it: None, ("llama3", factor, low
-        freq factor, high freq factor, original length) or ("yarn", factor, beta_fast, beta_slow,
-        original length)."""
-        if self.rope_scaling == "llama3":
-            f = (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor)
-            return ("llama3", *f, self.rope_original_len)
-        if self.rope_scaling == "yarn":
-            return ("yarn", self.rope_factor, self.yarn_beta_fast, self.yarn_beta_slow, self.rope_original_len)
-        return None
-
-    @property
-    def rope_attention_factor(self) -> float:
-        """YaRN's scale of the rotated parts of q and k (1 otherwise)."""
-        if self.rope_scaling != "yarn":
-            return 1.0
-        if self.yarn_mscale and self.yarn_mscale_all_dim:
-            f = self.rope_factor
-            return yarn_mscale(f, self.yarn_mscale) / yarn_mscale(f, self.yarn_mscale_all_dim)
-        return yarn_mscale(self.rope_factor, 1.0)
-
-    @property
-    def softmax_mscale(self) -> float:
-        """The factor on the softmax scale 1/sqrt(dim_head): YaRN's mscale(factor, yarn_mscale_all_dim)^2
-        (DeepSeek-V3), else 1."""
-        if self.rope_scaling != "yarn" or not self.yarn_mscale_all_dim:
-            return 1.0
-        return yarn_mscale(self.rope_factor, self.yarn_mscale_all_dim) ** 2
 
     @property
     def mla(self) -> bool:

@@ -254,7 +254,8 @@ def deepseek_v3() -> RunConfig:
         mtp_depth=1,
         mtp_loss_coef=0.3,
     )
-    return _moe_recipe(model, ParallelConfig(data=32, expert=64), 15360, 4096)
+    mesh = dataclasses.replace(ParallelConfig(data=16, expert=64), tensor=2)  # 2048 devices, 15 rows each
+    return _moe_recipe(model, mesh, 15360, 4096)
 
 
 RECIPES: dict[str, Callable[[], RunConfig]] = {

@@ -141,7 +141,10 @@ def _plan_import(reader: st.Reader, cfg: ModelConfig, where: Path) -> tuple[list
             f"{where}/config.json says {cfg.n_layers} layers, but the weights hold layers "
             f"{sorted(present)[:5]}{'...' if len(present) > 5 else ''} ({len(present)} in all)"
         )
-    not_float = sorted(n for n in names if reader.tensors[n].dtype not in st.FLOATS and not IGNORED.search(n))
+    scales = {n for n in names if n.endswith(st.SCALE_SUFFIX) and n.removesuffix(st.SCALE_SUFFIX) in names}
+    names -= scales  # FP8 weights' block scales: read with their weights (`st.Reader.get`)
+    fp8 = {n for n in names if reader.tensors[n].dtype == st.FP8 and n + st.SCALE_SUFFIX in scales}
+    not_float = sorted(n for n in names - fp8 if reader.tensors[n].dtype not in st.FLOATS and not IGNORED.search(n))
     if not_float:
         raise ConfigError(
             f"{where}: tensors stored as integers or booleans (quantized weights?) are not supported: "
@@ -172,6 +175,16 @@ def _plan_import(reader: st.Reader, cfg: ModelConfig, where: Path) -> tuple[list
     return table, prefix
 
 
+def _fp8_block(root: Path) -> tuple[int, int]:
+    """The block of an FP8 checkpoint's scales (config.json's quantization_config.weight_block_size)."""
+    path = root / "config.json"
+    quant = (read_json(path).get("quantization_config") or {}) if path.is_file() else {}
+    block = quant.get("weight_block_size", [128, 128])
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(f"{path}: quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    return block[0], block[1]
+
+
 def load_params(hf_dir: str | Path, cfg: ModelConfig, shardings: dict) -> dict:
     """meshlm's fp32 parameter tree from a Hugging Face directory, each leaf built directly into
     `shardings` (a tree like the params, e.g. `train_state.param_shardings`)."""
@@ -180,7 +193,7 @@ def load_params(hf_dir: str | Path, cfg: ModelConfig, shardings: dict) -> dict:
     from meshlm.model.params import abstract_params, named_leaves, param_specs
 
     root = Path(hf_dir).expanduser()
-    reader = st.Reader(weight_files(root))
+    reader = st.Reader(weight_files(root), _fp8_block(root))
     try:
         table, prefix = _plan_import(reader, cfg, root)
         abstract = named_leaves(abstract_params(param_specs(cfg)))

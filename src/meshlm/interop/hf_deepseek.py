@@ -62,6 +62,13 @@ def model_fields(data: dict, f: Any, path: Path) -> dict:
     num_nextn_predict_layers; none where there are no weights to look at)."""
     for key, value in FIXED.items():
         f.require(key, (value,), value)
+    quant = data.get("quantization_config")
+    if quant is not None and (
+        not isinstance(quant, dict) or quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3"
+    ):
+        raise ConfigError(
+            f"{path}: quantization_config {quant!r}: meshlm reads FP8 E4M3 weights with block scales only"
+        )
     out: dict[str, Any] = dict(MODEL)
     for key, field, kind in FIELDS:
         if kind == "bool":

@@ -242,7 +242,7 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
             norm_eps=f.float("layer_norm_epsilon", 1e-5, 0.0, 1.0),
         )
     elif kind == hf_deepseek.KIND:
-        cfg = ModelConfig(**hf_deepseek.model_fields(data, f, path), **_rope(data, f, path))
+        cfg = ModelConfig(**hf_deepseek.model_fields(data, f, path), **_rope(data, f, path, yarn=True))
     elif kind in ("llama", *MOE_TYPES):
         f.require("hidden_act", ("silu",), "silu")
         if kind != "qwen3_moe":  # hf_moe checks Qwen3-MoE's
@@ -284,8 +284,9 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
     return cfg
 
 
-def _rope(data: dict, f: _Fields, path: Path) -> dict:
-    """RoPE settings from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
+def _rope(data: dict, f: _Fields, path: Path, yarn: bool = False) -> dict:
+    """RoPE settings from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`;
+    YaRN where `yarn` (DeepSeek-V3's; the Llama family's is not checked against transformers)."""
     params = data.get("rope_parameters")
     scaling = data.get("rope_scaling")
     for name, v in (("rope_parameters", params), ("rope_scaling", scaling)):
@@ -296,12 +297,11 @@ def _rope(data: dict, f: _Fields, path: Path) -> dict:
     kind = src.get("rope_type", src.get("type", "default"))
     if kind in (None, "default"):
         return {"rope_theta": theta}
-    if kind == "yarn":
+    if kind == "yarn" and yarn:
         return _yarn(src, f, theta, path)
     if kind != "llama3":
-        raise ConfigError(
-            f"{path}: RoPE type {kind!r} is not supported (meshlm implements 'default', 'llama3' and 'yarn')"
-        )
+        also = " and 'yarn' (DeepSeek-V3)" if not yarn else ""
+        raise ConfigError(f"{path}: RoPE type {kind!r} is not supported (meshlm implements 'default', 'llama3'{also})")
     out = {
         "rope_theta": theta,
         "rope_scaling": "llama3",

@@ -41,7 +41,10 @@ DTYPES: dict[str, np.dtype] = {
     "I8": np.dtype("i1"),
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("bool"),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),  # DeepSeek-V3's and Kimi K2's released weights
 }
+FP8 = "F8_E4M3"
+SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's per-block scales: `<name>_scale_inv`
 CODES = {v: k for k, v in DTYPES.items()}
 # The floating-point codes by the name torch, JAX and config files use (the dtypes weights are
 # imported from and exported to).
@@ -109,9 +112,11 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 
 
 class Reader:
-    """Tensors of one or more safetensors files by name, each a read-only memory-mapped view."""
+    """Tensors of one or more safetensors files by name, each a read-only memory-mapped view; an FP8
+    weight comes dequantised to float32 by its block scales (`fp8_block`: rows x columns per scale)."""
 
-    def __init__(self, files: Iterable[Path]):
+    def __init__(self, files: Iterable[Path], fp8_block: tuple[int, int] = (128, 128)):
+        self.fp8_block = fp8_block
         self.tensors: dict[str, TensorInfo] = {}
         self._maps: dict[Path, mmap.mmap] = {}
         for path in files:
@@ -127,13 +132,31 @@ class Reader:
             with info.file.open("rb") as f:
                 self._maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         buf = memoryview(self._maps[info.file])[info.start : info.end]
-        return np.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(info.shape)
+        x = np.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(info.shape)
+        if info.dtype != FP8:
+            return x
+        if name + SCALE_SUFFIX not in self.tensors:
+            raise ConfigError(f"FP8 tensor {name} in {info.file} has no {name + SCALE_SUFFIX} to dequantise it by")
+        return dequantize(x, self.get(name + SCALE_SUFFIX), self.fp8_block, name)
 
     def close(self) -> None:
         for m in self._maps.values():
             with contextlib.suppress(BufferError):  # a view is still alive: it closes when collected
                 m.close()
         self._maps.clear()
+
+
+def dequantize(x: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str = "") -> np.ndarray:
+    """An FP8 weight [rows, cols] in float32: each element times the scale of its block (DeepSeek-V3's
+    `weight_scale_inv`, [ceil(rows / block rows), ceil(cols / block cols)])."""
+    (r, c), want = block, tuple(-(-n // b) for n, b in zip(x.shape, block, strict=False))
+    if x.ndim != 2 or scale_inv.shape != want:
+        raise ConfigError(
+            f"{name}: FP8 scales of shape {list(scale_inv.shape)} do not tile a {list(x.shape)} weight "
+            f"in blocks of {r} x {c} (expected {list(want)})"
+        )
+    scales = np.repeat(np.repeat(scale_inv.astype(np.float32), r, 0), c, 1)[: x.shape[0], : x.shape[1]]
+    return x.astype(np.float32) * scales
 
 
 def write(

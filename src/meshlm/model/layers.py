@@ -284,7 +284,7 @@ _apply_keep_mask.defvjp(_mask_fwd, _mask_bwd)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None = None) -> jax.Array:
-    """[head_dim/2] fp32 rotary frequencies theta^(-2i/h), scaled by `scaling` (`ModelConfig.rope_args`).
+    """[head_dim/2] fp32 rotary frequencies theta^(-2i/h), scaled by `scaling` (`rotary.scaling`).
     ("llama3", factor, low_freq_factor, high_freq_factor, original_len): wavelengths above
     original_len/low_freq_factor are divided by `factor`, those below original_len/high_freq_factor
     kept, and those between blended linearly in original_len/wavelength. ("yarn", factor, beta_fast,

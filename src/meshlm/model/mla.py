@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
-from meshlm.model import layers
+from meshlm.model import layers, rotary
 from meshlm.model.mla_costs import padded  # noqa: F401 (the model's callers ask it here)
 from meshlm.parallel.collectives import column_parallel, row_parallel
 from meshlm.parallel.rules import constrain
@@ -70,13 +70,15 @@ def _projections(h, p: dict, cfg: ModelConfig, flat: bool):
 
 def _rotate(q_rope, k_rope, positions, cfg: ModelConfig):
     dim = cfg.qk_rope_head_dim
-    return layers.rotate((q_rope, k_rope), positions, dim, cfg.rope_theta, cfg.rope_args, cfg.rope_attention_factor)
+    return layers.rotate(
+        (q_rope, k_rope), positions, dim, cfg.rope_theta, rotary.scaling(cfg), rotary.attention_factor(cfg)
+    )
 
 
 def project(h_btd, *args, cfg: ModelConfig, context: bool = False, pad: int = 0):
     """q, k [b, t, n, e + p] and v [b, t, n, v_head_dim] (all padded with zeros to `pad` if > 0) from
     the normed stream; `args`: under context parallelism this rank's token positions, then the
-    weights `names` lists. q carries YaRN's softmax factor (`softmax_mscale`)."""
+    weights `names` lists. q carries YaRN's softmax factor (`rotary.softmax_factor`)."""
     positions = args[0] if context else None
     p = dict(zip(names(cfg), args[1 if context else 0 :], strict=True))
     flat = not context
@@ -85,7 +87,7 @@ def project(h_btd, *args, cfg: ModelConfig, context: bool = False, pad: int = 0)
     q_rope, k_rope = _rotate(q_rope, k_rope, positions, cfg)
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
-    scale = cfg.softmax_mscale
+    scale = rotary.softmax_factor(cfg)
     if pad > cfg.dim_head:  # zero query-key columns: keep the kernel's 1/sqrt(size) that of dim_head
         scale *= math.sqrt(pad / cfg.dim_head)
     if scale != 1.0:
@@ -123,7 +125,7 @@ def absorbed_attention(q_nope, q_rope, c_bs1r, r_bs1p, wk_b, wv_b, q_slots_t, st
     c, r = c_bs1r[:, :, 0], r_bs1p[:, :, 0]
     scores = jnp.einsum("btnr,bsr->bnts", q_lat, c.astype(f32))
     scores += jnp.einsum("btnp,bsp->bnts", q_rope, r, preferred_element_type=f32)
-    scores *= cfg.softmax_mscale / math.sqrt(cfg.dim_head)
+    scores *= rotary.softmax_factor(cfg) / math.sqrt(cfg.dim_head)
     slot, q_slot = jnp.arange(c.shape[1]), q_slots_t[None, :, None]
     allowed = (slot <= q_slot) & ((slot >= start_b[:, None, None]) | (slot == q_slot))
     probs = jax.nn.softmax(jnp.where(allowed[:, None], scores, -jnp.inf), axis=-1)

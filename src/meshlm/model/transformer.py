@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
-from meshlm.model import kernels, layers, mixed, mla, moe
+from meshlm.model import kernels, layers, mixed, mla, moe, rotary
 from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.params import param_specs
 from meshlm.parallel import remat
@@ -161,7 +161,9 @@ def _lora(p: dict, name: str, cfg: ModelConfig):
 
 def _rope_qk(q, k, positions, cfg: ModelConfig):
     """RoPE on q and k [b, t, heads, h] (`layers.rotate`)."""
-    return layers.rotate((q, k), positions, cfg.dim_head, cfg.rope_theta, cfg.rope_args)
+    return layers.rotate(
+        (q, k), positions, cfg.dim_head, cfg.rope_theta, rotary.scaling(cfg), rotary.attention_factor(cfg)
+    )
 
 
 def _qkv(h_btd, *args, cfg: ModelConfig, context: bool = False, terms: tuple[str, ...] = ()):

@@ -252,3 +252,40 @@ def test_lora_stores_no_more_than_full_fine_tuning(sp, devices):
     cfg = validate(dataclasses.replace(base, model=dataclasses.replace(base.model, lora_rank=8, lora_targets=targets)))
     ratio = _measure(cfg).activation_bytes / accounting.activation_memory(cfg)["total"]
     assert 0.9 < ratio <= 1.0
+
+
+MLA = dict(kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_kv_heads=0)
+MLA_CASES = [  # (policy, mesh, model changes)
+    ("elementwise", {}, dict(mtp_depth=1)),  # the latents before and after their norms, v of 32 beside q, k of 48
+    ("selective", dict(tensor=2, sp=True), {}),  # the SP region keeps no latent
+    ("dots", dict(tensor=2, sp=True), dict(mtp_depth=1)),  # the down-projections' outputs, SP or not
+    ("full", {}, dict(q_lora_rank=0, mtp_depth=1)),  # a module checkpointed as a layer
+    ("offload", dict(tensor=2), dict(mtp_depth=1)),  # the module's dot outputs in host memory too
+    ("elementwise", dict(context=2), dict(attention="blockwise")),  # v padded to 48, the padded output kept
+    ("elementwise", dict(expert=2, tensor=2, sp=True), dict(n_experts=4, first_k_dense=1, mtp_depth=1)),
+]
+
+
+@pytest.mark.parametrize("policy, mesh, model", MLA_CASES)
+def test_mla_and_mtp_formula_equals_measurement(policy, mesh, model, devices):
+    """MLA's terms (its latents replicated over `tensor`, q, k and v at the sizes the kernel runs,
+    the padded kernel output) and an MTP module's (a layer, the norms' and projection's inputs, its
+    logits and tokens): the formula equals the bytes the compiled program keeps, per device, on
+    every policy, with SP, context parallelism, and DeepSeek's MoE."""
+    sp = mesh.pop("sp", False) if "sp" in (mesh := dict(mesh)) else False
+    m = ModelConfig(family="llama", vocab_size=512, d_model=256, n_layers=2, n_heads=8, dtype="bfloat16", **MLA)
+    cfg = validate(
+        RunConfig(
+            model=dataclasses.replace(m, **model),
+            parallel=ParallelConfig(sequence_parallel=sp, **mesh),
+            remat=RematConfig(policy),
+            train=TrainConfig(global_batch=8, seq_len=256),
+        )
+    )
+    measured, f = _measure(cfg), accounting.activation_memory(cfg)
+    # an MTP module's MoE layer, run outside a scan, keeps one more [b, s] int32 of routing than the
+    # scanned layers (4 KiB of 38 MB here); the formula counts the scanned layer's
+    slack = 4 * 256 * 8 // cfg.parallel.batch_shards if cfg.model.moe and cfg.model.mtp_depth else 0
+    assert f["total"] <= measured.activation_bytes <= f["total"] + slack
+    assert measured.host_bytes == pytest.approx(f["host_total"], rel=1e-9, abs=1)
+    assert ("mtp_modules" in f["outside"]) == bool(cfg.model.mtp_depth)

@@ -376,7 +376,7 @@ def layer_activation_terms(
     if policy in ("full", "offload", "dots"):
         terms = {"layer_input": e * s * b * d / r}
         if policy == "dots":
-            terms |= _dot_output_terms(m, s, b, t, r, sequence_parallel)
+            terms |= _dot_output_terms(m, s, b, t, r)
         return terms  # offload: the dot outputs live in host memory (see activation_memory)
 
     terms: dict[str, float] = {
@@ -424,7 +424,7 @@ def layer_activation_terms(
     return terms
 
 
-def _dot_output_terms(m: ModelConfig, s: int, b: int, t: int, r: int, sp: bool = False) -> dict[str, float]:
+def _dot_output_terms(m: ModelConfig, s: int, b: int, t: int, r: int) -> dict[str, float]:
     """The `dots` policy keeps the weight-matmul outputs the backward pass needs: Q, K, V, the
     attention-out projection (to rebuild the MLP's input) and the MLP's first matmul(s). The MLP-out
     projection's output is needed by nothing and is not kept. Under SP the attention-out product is
@@ -433,8 +433,7 @@ def _dot_output_terms(m: ModelConfig, s: int, b: int, t: int, r: int, sp: bool =
     terms = {"q": e * s * b * n * hd / t, "k": e * s * b * k * hd / t, "v": e * s * b * k * hd / t}
     if m.mla:  # the up-projections' outputs (q, the keys' no-RoPE part, v) and the down-projections'
         terms |= {"k": e * s * b * n * m.qk_nope_head_dim / t, "v": e * s * b * n * m.value_dim / t}
-        if not (sp and t > 1):
-            terms["latents"] = e * s * b * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)
+        terms["latents"] = e * s * b * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)  # SP too
     terms["attn_out"] = e * s * b * d
     if m.family == "gpt":
         terms["fc1_out"] = e * s * b * f / t
@@ -561,7 +560,7 @@ def activation_memory(
     each = [layer_activation_terms(k, s, b, par.tensor, sp, policy, ulysses, par.expert, split) for k, _ in kinds]
     # offload: the dot outputs `dots` would keep live in pinned host memory instead
     r = par.tensor if sp else 1
-    host = [_dot_output_terms(k, s, b, par.tensor, r, sp) if policy == "offload" else {} for k, _ in kinds]
+    host = [_dot_output_terms(k, s, b, par.tensor, r) if policy == "offload" else {} for k, _ in kinds]
     mean = lambda terms: sum(n * sum(x.values()) for x, (_, n) in zip(terms, kinds, strict=True)) / m.n_layers
     per_layer, host_per_layer = each[0], host[0]
     layer_total = sum(per_layer.values()) if len(kinds) == 1 else mean(each)
@@ -579,6 +578,12 @@ def activation_memory(
         )
     else:
         outside = outside_activation_terms(m, s, b, par.tensor, sp, p)
+    e, mtp_host = dtype_bytes(m.dtype), 0.0
+    if m.mtp_depth:  # each module: a layer of the first kind, and its own tensors (offload: its projection's output)
+        mtp = mla_costs.mtp_module_terms(m, e, s, b, par.tensor, r, policy)
+        outside["mtp_modules"] = m.mtp_depth * (sum(each[0].values()) + sum(mtp.values()))
+        if policy == "offload":
+            mtp_host = m.mtp_depth * (sum(host[0].values()) + e * s * b * m.d_model / r)
     return {
         "per_layer": per_layer,
         "layer_total": layer_total,
@@ -586,6 +591,6 @@ def activation_memory(
         "outside": outside,
         "total": layers + sum(outside.values()),
         "host_per_layer": host_per_layer,
-        "host_total": held * (sum(host_per_layer.values()) if len(kinds) == 1 else mean(host)),
+        "host_total": held * (sum(host_per_layer.values()) if len(kinds) == 1 else mean(host)) + mtp_host,
         "dense_per_layer": each[1] if len(kinds) > 1 else {},
     }

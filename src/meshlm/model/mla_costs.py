@@ -1,6 +1,7 @@
 """Multi-head Latent Attention's costs as arithmetic on the config (no JAX): parameters, FLOPs,
 the head sizes its attention kernel runs, stored activations and the latent cache
-(`model/mla.py` is the model; `accounting` adds these to the rest of the layer)."""
+(`model/mla.py` is the model; `accounting` adds these to the rest of the layer); and what a
+multi-token-prediction module (`model/mtp.py`) keeps beside its layer."""
 
 from __future__ import annotations
 
@@ -58,3 +59,19 @@ def cache_values_per_token(m: ModelConfig) -> int:
     if m.mla:
         return m.kv_lora_rank + m.qk_rope_head_dim
     return m.kv_heads * (m.dim_head + m.value_dim)
+
+
+def mtp_module_terms(m: ModelConfig, e: int, s: int, b: int, t: int, r: int, policy: str) -> dict[str, float]:
+    """Bytes one device keeps per multi-token-prediction module beside its layer's terms under
+    `policy` (`r`: the residual stream's split, t under SP): the inputs of the post norm and of the
+    output layer, the fp32 logits (vocabulary split by t) and log-sum-exp, the targets and loss
+    mask; without a module checkpoint (elementwise, selective) also the embedding and h^{k-1} (their
+    norms' inputs), their projection's input [2d] and the tokens; under dots also the module's input
+    (its layer's input being the projection's output)."""
+    unit, row = e * s * b * m.d_model / r, 4 * s * b
+    terms = {"mtp_head_inputs": 2 * unit, "mtp_logits": 4 * s * b * m.vocab_size / t + row, "mtp_targets": 2 * row}
+    if policy in ("elementwise", "selective"):
+        terms |= {"mtp_norm_inputs": 2 * unit, "mtp_projection_input": 2 * unit, "mtp_tokens": row}
+    elif policy == "dots":
+        terms["mtp_input"] = unit
+    return terms

@@ -418,6 +418,8 @@ def test_default_job_exports_generates_and_evaluates_like_transformers(default_r
     orbax_warnings = [r.getMessage() for r in caplog.records if r.name == "absl" and r.levelno >= logging.WARNING]
     assert not orbax_warnings  # a read-only checkpoint (generate, eval) is no news to the user
     assert {"prefill_s", "first_decode_s", "decode_s", "decode_steps"} <= generated.keys()  # compile apart
+    m = model.cfg.model  # keys and values of every head and layer, float32
+    assert generated["cache_bytes_per_token"] == m.n_layers * 2 * m.n_heads * m.dim_head * 4
     ours = generated["completions"][0]
     want = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
     assert ours["tokens"] == want[: len(ours["tokens"])] and len(ours["tokens"]) == min(24, len(want))

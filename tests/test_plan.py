@@ -543,3 +543,18 @@ def test_context_parallelism_is_planned_inside_pipeline_stages():
         )
         assert time["pipeline bubble"] == pytest.approx(share * cell, rel=1e-12)
     assert planner.estimate(gathered, ACCELERATORS["h100"]).time[planner.EXCHANGE] > 0
+
+
+def test_deepseek_v3_plans_on_h800s_with_its_latent_cache_and_its_own_layout_beside():
+    """A DeepSeek-V3 layout on 2048 H800s (the layout `meshlm plan --recipe deepseek-v3 --devices 2048
+    --device h800` ranks first, docs/deepseek.md) fits 80 GiB; the report states the decoding cache
+    (61 x (512 + 64) bf16 values per token) and DeepSeek's own layout, which meshlm cannot run."""
+    cfg = recipes.get("deepseek-v3")
+    par = ParallelConfig(data=4, fsdp=64, tensor=8, sequence_parallel=True, shard_optimizer=True)
+    best = dataclasses.replace(cfg, parallel=par, remat=dataclasses.replace(cfg.remat, policy="full"))
+    best = dataclasses.replace(best, model=dataclasses.replace(cfg.model, attention="blockwise"))
+    plan = planner.estimate(best, ACCELERATORS["h800"])
+    assert not plan.rejected and plan.total_memory < 80 * 2**30 and 0.10 < plan.mfu < 0.30
+    assert plan_report.decoding_cache(cfg).startswith("decoding cache: 70,272 bytes per token (MLA's latent, 512 + 64")
+    assert "PP16 (DualPipe) x EP64" in plan_report.PUBLISHED["deepseek-v3"]
+    assert ACCELERATORS["h800"].intra_bw == 200e9 and ACCELERATORS["h800"].peak == ACCELERATORS["h100"].peak

@@ -295,6 +295,7 @@ class ParallelConfig:
     dcn_data: int = 1
     dcn_fsdp: int = 1
     dcn_context: int = 1
+    dcn_expert: int = 1
 
     @property
     def n_devices(self) -> int:
@@ -575,11 +576,6 @@ def parse_mesh(spec: str, dcn: bool = False) -> dict[str, int]:
     sizes, what = ({}, "--dcn") if dcn else (dict.fromkeys(MESH_AXES, 1), "mesh axis")
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, value = part.partition("=")
-        if dcn and name == "expert":
-            raise ConfigError(
-                "--dcn expert: the expert axis stays within a slice or node (its all_to_all runs in every MoE "
-                "layer); put data, fsdp, stage or context across slices"
-            )
         if dcn and name == "tensor":
             raise ConfigError(
                 "--dcn tensor: the tensor axis stays within a slice or node (its collectives run in every layer, "

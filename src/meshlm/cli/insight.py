@@ -160,8 +160,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dcn = [f"parallel.{k}={v}" for k, v in parse_mesh(args.dcn, dcn=True).items()] if args.dcn else []
     cfg = apply_overrides(recipes.get(args.recipe), [*args.overrides, *dcn])
     set_device_count(min(args.devices, 8) if args.verify else 1, explicit=True)
+    from meshlm.accounting import dtype_bytes
     from meshlm.insight import plan as planner
     from meshlm.insight import plan_report
+    from meshlm.model.mla_costs import cache_bytes_per_token
 
     device = ACCELERATORS[args.device]
     limit = device.memory if limit is None else limit
@@ -174,11 +176,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         extra = {"error": miss, "context_choice": why, "context_strategy_choice": strategy}
         extra |= {"optimizer_choice": optimizer, "expert_choice": experts}
+        extra |= {"cache_bytes_per_token": cache_bytes_per_token(cfg.model, dtype_bytes(cfg.model.dtype))}
+        extra |= {"published_layout": plan_report.PUBLISHED.get(args.recipe)}
         print(json.dumps(plan_report.to_json(plans, device, verified) | extra, indent=2))
         return 0 if feasible else EXIT_CONFIG
     for line in plan_report.format_plans(plans, args.top, device, limit):
         print(line)
-    for reason in (why, strategy, optimizer, experts):
+    for reason in (
+        why,
+        strategy,
+        optimizer,
+        experts,
+        plan_report.decoding_cache(cfg),
+        plan_report.PUBLISHED.get(args.recipe),
+    ):
         if reason:
             print(reason)
     if verified:

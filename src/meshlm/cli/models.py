@@ -109,7 +109,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         raise ConfigError("give at least one --prompt (or --prompt-file)")
     parallel = inference_mesh(args)
+    from meshlm.accounting import dtype_bytes
     from meshlm.inference import Generator, TextStream, load_model
+    from meshlm.model.mla_costs import cache_bytes_per_token
 
     model = load_model(args.run_dir, args.step, parallel)
     ids = [model.encode(p) for p in prompts]
@@ -132,7 +134,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         rows = zip(prompts, texts, out.tokens, strict=True)
         completions = [{"prompt": p, "completion": c, "tokens": t} for p, c, t in rows]
         timing = {k: getattr(out, k) for k in ("prefill_s", "first_decode_s", "decode_s", "decode_steps")}
-        print(json.dumps({"model": model.source, "completions": completions} | timing))
+        m = model.cfg.model  # the KV cache (MLA: the latent) per token, all layers, in the compute dtype
+        cache = {"cache_bytes_per_token": cache_bytes_per_token(m, dtype_bytes(m.dtype))}
+        print(json.dumps({"model": model.source, "completions": completions} | timing | cache))
         return 0
     if stream:
         print()

@@ -24,6 +24,7 @@ from meshlm.insight.plan import (
     device_peak,
     estimate,
 )
+from meshlm.model.mla_costs import cache_bytes_per_token
 from meshlm.model.moe_costs import expert_capacity, expert_kernel
 from meshlm.platform.hardware import Accelerator, matmul_precision
 
@@ -113,6 +114,24 @@ def explain_experts(plans: list[Plan], device: Accelerator) -> str | None:
             )
         )
     return "; ".join(said)
+
+
+# layouts the models' own authors trained them on, printed beside meshlm's plans
+PUBLISHED = {
+    "deepseek-v3": "DeepSeek-V3's own layout (V3 3.2): 2048 H800s, PP16 (DualPipe) x EP64 over 8 nodes x ZeRO-1 "
+    "data parallel, no tensor parallelism, FP8 GEMMs; meshlm cannot run it: MoE inside a pipeline is not built, "
+    "nor MTP in a pipeline, nor FP8 training",
+}
+
+
+def decoding_cache(cfg: RunConfig) -> str:
+    """The decoding cache per token (all layers, compute dtype): MLA's latent, else the KV heads'."""
+    m = cfg.model
+    size = cache_bytes_per_token(m, accounting.dtype_bytes(m.dtype))
+    what = (
+        f"MLA's latent, {m.kv_lora_rank} + {m.qk_rope_head_dim}" if m.mla else f"{m.kv_heads} KV heads' keys and values"
+    )
+    return f"decoding cache: {size:,} bytes per token ({what} values per layer, {m.dtype})"
 
 
 def explain_context_strategy(plans: list[Plan]) -> str | None:

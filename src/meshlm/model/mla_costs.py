@@ -61,6 +61,11 @@ def cache_values_per_token(m: ModelConfig) -> int:
     return m.kv_heads * (m.dim_head + m.value_dim)
 
 
+def cache_bytes_per_token(m: ModelConfig, itemsize: int) -> int:
+    """Bytes a decoding cache holds per token over all layers, at `itemsize` bytes a value."""
+    return m.n_layers * cache_values_per_token(m) * itemsize
+
+
 def mtp_module_terms(m: ModelConfig, e: int, s: int, b: int, t: int, r: int, policy: str) -> dict[str, float]:
     """Bytes one device keeps per multi-token-prediction module beside its layer's terms under
     `policy` (`r`: the residual stream's split, t under SP): the inputs of the post norm and of the

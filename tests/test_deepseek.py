@@ -135,6 +135,23 @@ def test_mla_mtp_moe_layouts_give_the_one_device_gradients(name, params, referen
     assert_same_as_one_device(grads(config(mesh, sp, policy, **model), params), reference(**model))
 
 
+DENSE = dict(n_experts=0, first_k_dense=0, router_score="softmax", router_bias=False, n_group=1, topk_group=1)
+DENSE |= dict(routed_scaling_factor=1.0, n_shared_experts=0, mtp_depth=0, n_layers=4)
+
+
+def test_mla_in_a_zb1_pipeline_gives_the_one_device_gradients():
+    """MLA (dense layers, no MTP: MoE and MTP refuse pipelines) on stage=2 x tensor=2 + SP with zb1,
+    whose weight pass runs each layer's tensor-parallel regions apart (1F1B and interleaved pass too)."""
+    params = _perturbed(param_specs(dataclasses.replace(MODEL, **DENSE)))
+    cfg = config(dict(stage=2, tensor=2), True, **DENSE)
+    par = dataclasses.replace(cfg.parallel, pipeline_schedule="zb1")
+    cfg = validate(dataclasses.replace(cfg, parallel=par, train=dataclasses.replace(cfg.train, microbatches=4)))
+    got, ref = grads(cfg, params), grads(config(**DENSE), params)
+    g, r = named_leaves(got["grads"]), named_leaves(ref["grads"])
+    assert max(float(np.linalg.norm(g[n] - r[n]) / np.linalg.norm(r[n])) for n in r) < RTOL
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=RTOL)
+
+
 def _np_rope(x, pos, inv_freq, factor):
     """Rotate-half RoPE in NumPy on x [..., t, h] at positions [t], times YaRN's factor."""
     ang = pos[:, None] * inv_freq[None]
@@ -474,3 +491,36 @@ def test_fp8_weights_are_dequantised_by_their_block_scales(hf_mtp, tmp_path, dev
     save_file(quantised | {name: quantised[name][:1]}, fp8 / "model.safetensors")
     with pytest.raises(ConfigError, match="do not tile"):
         hf.load_params(fp8, cfg, param_shardings(param_specs(cfg), layout))
+
+
+def test_meshlm_check_shrinks_mla_and_catches_a_doubled_latent_gradient(monkeypatch, devices):
+    """`meshlm check` on deepseek-tiny over tensor=2 + SP x expert=2 (MLA's ranks and head parts cut,
+    values still narrower than queries and keys) is equal to one device; a doubled gradient of the
+    replicated KV down-projection inside the tensor-parallel region (a psum too many) is caught on it."""
+    from meshlm.insight import check
+    from meshlm.model import mla as mla_model
+
+    cfg = recipes.get("deepseek-tiny")
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(expert=2, tensor=2, data=2, sequence_parallel=True))
+    result = check.run_check(validate(cfg))
+    assert result.equal, "\n".join(check.format_result(result))
+    small = check.shrink(cfg).model
+    assert small.mla and small.v_head_dim < small.dim_head and small.mtp_depth == 1
+    real = mla_model._projections
+
+    def doubled(w):
+        @jax.custom_vjp
+        def f(w):
+            return w
+
+        f.defvjp(lambda w: (w, None), lambda _, g: (2 * g,))
+        return f(w)
+
+    def buggy(h, p, cfg, flat):
+        if "tensor" in jax.sharding.get_abstract_mesh().manual_axes:
+            p = p | {"wkv_a": doubled(p["wkv_a"])}
+        return real(h, p, cfg, flat)
+
+    monkeypatch.setattr(mla_model, "_projections", buggy)
+    result = check.run_check(validate(cfg))
+    assert not result.equal and "layers/wkv_a" in result.mismatched

@@ -118,6 +118,12 @@ def shrink(cfg: RunConfig) -> RunConfig:
         max_seq_len=max(seq, m.max_seq_len) if m.family == "llama" else seq,
         scan_unroll=m.scan_unroll if m.scan_unroll < m.n_layers else layers,
     )
+    if m.mla:  # keys and values per query head; its ranks and head parts cut, values still not q/k-sized
+        h = CHECK_HEAD_DIM
+        ranks = dict(kv_lora_rank=h, q_lora_rank=h if m.q_lora_rank else 0, v_head_dim=h // 2)
+        model = dataclasses.replace(
+            model, n_kv_heads=0, head_dim=0, qk_nope_head_dim=h // 2, qk_rope_head_dim=h // 2, **ranks
+        )
     rows = CHECK_ROWS * t.microbatches * p.batch_shards
     train = dataclasses.replace(t, seq_len=seq, global_batch=rows, steps=max(t.steps, STEP))
     return dataclasses.replace(cfg, model=model, train=train)

@@ -116,12 +116,11 @@ def assert_same_as_one_device(got: dict, ref: dict) -> None:
 
 
 LAYOUTS = {  # name: (mesh, SP, policy, model changes)
-    "tensor2+sp x expert2": (dict(tensor=2, expert=2), True, "elementwise", {}),
+    "tensor2+sp x expert2, dots": (dict(tensor=2, expert=2), True, "dots", {}),
     "fsdp2 x expert2": (dict(fsdp=2, expert=2), False, "elementwise", {}),
     "context2 ring x tensor2": (dict(context=2, tensor=2), False, "elementwise", dict(attention="blockwise")),
     "context2 all_to_all x tensor2": (dict(context=2, tensor=2, context_strategy="all_to_all"), False, "full", {}),
     "tensor2 blockwise": (dict(tensor=2, data=2), False, "selective", dict(attention="blockwise")),
-    "tensor2+sp dots": (dict(tensor=2, data=2), True, "dots", {}),
 }
 
 
@@ -130,7 +129,7 @@ def test_mla_mtp_moe_layouts_give_the_one_device_gradients(name, params, referen
     """Every gradient leaf (MLA's down- and up-projections, the MoE layers, the MTP module), the loss,
     the gradient norm, the MTP loss and the expert load equal one device's: tensor parallelism over
     the heads with SP beside the expert axis, FSDP, both context strategies (the MTP targets shifted
-    in the original order), the blockwise kernel (values padded) and three remat policies."""
+    in the original order), the blockwise kernel (values padded) and four remat policies."""
     mesh, sp, policy, model = LAYOUTS[name]
     assert_same_as_one_device(grads(config(mesh, sp, policy, **model), params), reference(**model))
 

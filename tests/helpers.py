@@ -146,3 +146,33 @@ def logged_losses(run_dir) -> dict[int, float]:
         if "loss" in r:
             out[r["step"]] = r["loss"]
     return out
+
+
+# A small DeepSeek-V3 for `transformers.DeepseekV3Config` (tests/test_hf_moe.py, tests/test_deepseek.py): MLA with
+# q LoRA, a query-key head of 8 + 4, values of 6, YaRN (mscale_all_dim != mscale: both factors matter), a dense
+# first layer, sigmoid routing over 2 groups, a shared expert
+DEEPSEEK_HF = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_attention_heads=4,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    max_position_embeddings=64,
+    rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.7
+    )
+    | dict(rope_theta=100.0),
+    bos_token_id=1,
+    eos_token_id=2,
+)

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import loss_mask, random_batches
+from helpers import DEEPSEEK_HF, loss_mask, random_batches
 from meshlm import accounting, recipes
 from meshlm.config import ConfigError, ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
 from meshlm.model import mla, mla_costs
@@ -304,7 +304,7 @@ def _mtp_tensors(mtp_model, n_layers: int) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_mtp(tmp_path_factory):
-    """A random DeepSeek-V3 (2 layers, the first dense) with 2 MTP layers made by `transformers`' MtpModel,
+    """A random DeepSeek-V3 (2 layers, the first dense; YaRN) with 2 MTP layers made by `transformers`' MtpModel,
     every weight and router bias perturbed, saved as a released checkpoint is (MTP as layers 2 and 3)."""
     import json
 
@@ -312,29 +312,7 @@ def hf_mtp(tmp_path_factory):
     from transformers.modeling_layers import MtpModel
 
     torch.manual_seed(0)
-    c = transformers.DeepseekV3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=16,
-        kv_lora_rank=12,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        max_position_embeddings=64,
-        num_mtp_layers=2,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    c = transformers.DeepseekV3Config(**DEEPSEEK_HF, num_hidden_layers=2, num_mtp_layers=2)
     model = transformers.DeepseekV3ForCausalLM(c).eval()
     mtp_model = MtpModel(model, 2).eval()
     with torch.no_grad():

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import DEEPSEEK_HF
 from meshlm import inference
 from meshlm.config import ParallelConfig, RunConfig
 from meshlm.interop import hf, hf_tables
@@ -35,36 +36,9 @@ COMMON = dict(
 )
 
 
-# DeepSeek-V3: MLA with q LoRA, YaRN (mscale_all_dim != mscale: both factors matter), interleaved RoPE
-# rows, a dense first layer, sigmoid routing over 2 groups with a nonzero score-correction bias, a shared expert
-DEEPSEEK = dict(
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_hidden_layers=3,
-    n_shared_experts=1,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    first_k_dense_replace=1,
-    q_lora_rank=16,
-    kv_lora_rank=12,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=6,
-    max_position_embeddings=64,
-    rope_parameters=dict(
-        rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.7
-    )
-    | dict(rope_theta=100.0),
-)
-
-
 def _hf_model(name: str):
-    if name == "deepseek_v3":
-        own = ("num_key_value_heads", "rope_theta", "num_hidden_layers")
-        common = {k: v for k, v in COMMON.items() if k not in own}
-        return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK, **common))
+    if name == "deepseek_v3":  # 3 layers, the first dense
+        return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK_HF, num_hidden_layers=3))
     if name == "mixtral":
         c = transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **COMMON)
         return transformers.MixtralForCausalLM(c)

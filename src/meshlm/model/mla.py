@@ -133,6 +133,19 @@ def absorbed_attention(q_nope, q_rope, c_bs1r, r_bs1p, wk_b, wv_b, q_slots_t, st
     return jnp.einsum("btnr,rnh->btnh", o_lat, wv_b.astype(f32)).astype(q_nope.dtype)
 
 
+def write_cache(layout, kv, new: tuple, index, axes) -> tuple:
+    """A decoding step's write into a whole cache (K/V, or MLA's latent and RoPE key): the new tokens'
+    rows of layer `kv[2]` of the caches `kv[:2]` put at slots index.., in place (the caches are the
+    layer scan's carry: stacking each layer's as a scan output would copy all of it every step).
+    Returns (the whole caches, that layer's)."""
+    layer = kv[2]
+    whole = tuple(
+        constrain(layout, jax.lax.dynamic_update_slice(a, x[None].astype(a.dtype), (layer, 0, index, 0, 0)), axes)
+        for a, x in zip(kv[:2], new, strict=True)
+    )
+    return whole, tuple(jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False) for a in whole)
+
+
 LATENT_ACT = (ax.BATCH, ax.SEQ, None, None)  # [b, t, 1, r]: one shared "head", every tensor rank reads it
 
 
@@ -152,12 +165,7 @@ def attention_cached(h_btd, p: dict, cfg: ModelConfig, layout, axes: dict, resid
         residual,
         [(positions_bt, (ax.BATCH, ax.SEQ))],
     )
-    c_all, r_all, layer = kv
-    at = (layer, 0, cache.index, 0, 0)
-    c_all = constrain(layout, jax.lax.dynamic_update_slice(c_all, c[None].astype(c_all.dtype), at), CACHE_AXES)
-    r_all = constrain(layout, jax.lax.dynamic_update_slice(r_all, r[None].astype(r_all.dtype), at), CACHE_AXES)
-    c_layer = jax.lax.dynamic_index_in_dim(c_all, layer, 0, keepdims=False)
-    r_layer = jax.lax.dynamic_index_in_dim(r_all, layer, 0, keepdims=False)
+    (c_all, r_all), (c_layer, r_layer) = write_cache(layout, kv, (c, r), cache.index, CACHE_AXES)
     slots = cache.index + jnp.arange(h_btd.shape[1])
     a = absorbed_attention(q_nope, q_rope, c_layer, r_layer, p["wk_b"], p["wv_b"], slots, cache.start, cfg)
     a = constrain(layout, a, heads)

@@ -199,14 +199,7 @@ def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cac
     )
     if cfg.family == "llama":
         q, k = _rope_qk(q, k, positions_bt, cfg)
-    # The whole cache is the scan's carry, updated in place at (layer, :, index): stacking each
-    # layer's cache as a scan output instead would copy all of it on every decode step.
-    k_all, v_all, layer = kv
-    at = (layer, 0, cache.index, 0, 0)
-    k_all = constrain(layout, jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at), CACHE_AXES)
-    v_all = constrain(layout, jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at), CACHE_AXES)
-    k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
-    v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
+    (k_all, v_all), (k_layer, v_layer) = mla.write_cache(layout, kv, (k, v), cache.index, CACHE_AXES)
     slots = cache.index + jnp.arange(h_btd.shape[1])
     if prefill and cfg.attention != "explicit":  # among the prompt tokens only; padding is its own document
         real = jnp.broadcast_to((slots[None, :] >= cache.start[:, None]).astype(jnp.int32), h_btd.shape[:2])

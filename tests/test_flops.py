@@ -165,6 +165,24 @@ def test_mla_on_the_blockwise_kernel_runs_its_values_padded_to_the_query_key_siz
     assert hardware - accounting.hardware_flops_per_step(cfg) == padding > 0
 
 
+@pytest.mark.parametrize("policy", ["elementwise", "full"])
+def test_mtp_modules_run_their_counted_flops(policy):
+    """Two MTP modules on an MLA model: the program's GEMMs are exactly the hardware FLOPs, whose model
+    FLOPs add per module and token one layer, the [2d, d] projection and the output layer (x3 for the
+    backward), and `full` recomputes each module as it does a layer."""
+    cfg, lowered, compiled = _step_programs("mla", policy, mtp_depth=2)
+    plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp_depth=0))
+    m, t = cfg.model, cfg.train
+    layer = sum(accounting.layer_forward_flops_per_token(m, t.seq_len).values())
+    module = layer + 2 * 2 * m.d_model**2 + 2 * m.d_model * m.vocab_size
+    assert (
+        accounting.model_flops_per_step(cfg) - accounting.model_flops_per_step(plain)
+        == 3 * t.global_batch * t.seq_len * 2 * module
+    )
+    hardware = accounting.hardware_flops_per_step(cfg)
+    assert _lowered_dot_flops(lowered.as_text()) == hardware == hlo.dot_flops(compiled.as_text())
+
+
 @pytest.mark.parametrize("family, rate", [("gpt", 0.0), ("llama", 0.0), ("llama", 0.1)])
 def test_lora_runs_no_weight_gradient_gemms(family, rate):
     """LoRA (r=4 on every projection): the program's GEMM FLOPs are exactly the model FLOPs

@@ -16,7 +16,7 @@ from meshlm import accounting, recipes
 from meshlm.config import ConfigError, ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
 from meshlm.model import mla, mla_costs
 from meshlm.model.params import count_params, init_params, named_leaves, param_specs
-from meshlm.model.transformer import KVCache, _attention, forward
+from meshlm.model.transformer import _attention, forward
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.rules import reorder_sequence
 from meshlm.step import make_grad_step
@@ -120,7 +120,12 @@ LAYOUTS = {  # name: (mesh, SP, policy, model changes)
     "fsdp2 x expert2": (dict(fsdp=2, expert=2), False, "elementwise", {}),
     "context2 ring x tensor2": (dict(context=2, tensor=2), False, "elementwise", dict(attention="blockwise")),
     "context2 all_to_all x tensor2": (dict(context=2, tensor=2, context_strategy="all_to_all"), False, "full", {}),
-    "tensor2 blockwise": (dict(tensor=2, data=2), False, "selective", dict(attention="blockwise")),
+    "context2 all_gather x tensor2": (
+        dict(context=2, tensor=2, context_strategy="all_gather"),
+        False,
+        "selective",
+        dict(attention="blockwise"),
+    ),
 }
 
 
@@ -138,12 +143,14 @@ DENSE = dict(n_experts=0, first_k_dense=0, router_score="softmax", router_bias=F
 DENSE |= dict(routed_scaling_factor=1.0, n_shared_experts=0, mtp_depth=0, n_layers=4)
 
 
-def test_mla_in_a_zb1_pipeline_gives_the_one_device_gradients():
-    """MLA (dense layers, no MTP: MoE and MTP refuse pipelines) on stage=2 x tensor=2 + SP with zb1,
-    whose weight pass runs each layer's tensor-parallel regions apart (1F1B and interleaved pass too)."""
+@pytest.mark.parametrize("schedule", ["zb1", "interleaved"])
+def test_mla_in_a_pipeline_gives_the_one_device_gradients(schedule):
+    """MLA (dense layers, no MTP: MoE and MTP refuse pipelines) on stage=2 x tensor=2 + SP: zb1, whose
+    weight pass runs each layer's tensor-parallel regions apart, and interleaved (2 chunks a stage)."""
     params = _perturbed(param_specs(dataclasses.replace(MODEL, **DENSE)))
     cfg = config(dict(stage=2, tensor=2), True, **DENSE)
-    par = dataclasses.replace(cfg.parallel, pipeline_schedule="zb1")
+    virtual = 2 if schedule == "interleaved" else 1
+    par = dataclasses.replace(cfg.parallel, pipeline_schedule=schedule, virtual_stages=virtual)
     cfg = validate(dataclasses.replace(cfg, parallel=par, train=dataclasses.replace(cfg.train, microbatches=4)))
     got, ref = grads(cfg, params), grads(config(**DENSE), params)
     g, r = named_leaves(got["grads"]), named_leaves(ref["grads"])
@@ -177,7 +184,7 @@ def test_the_mla_attention_equals_numpy(params):
     per-head up-projections, YaRN's two factors, causal softmax, v_head_dim 6 != 12) equals a
     NumPy transcription of DeepSeek-V3 2.1, with the explicit and the blockwise kernel."""
     m = MODEL
-    p = {k: np.asarray(v[1], np.float64) for k, v in params["layers"].items()}  # the first MoE layer's attention
+    p = {k: np.asarray(v[1], np.float64) for k, v in params["layers"].items()}  # the second MoE layer's attention
     h = np.random.default_rng(0).normal(size=(2, 16, 32))
     E, P, R, n = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.n_heads
     fm = lambda f, mscale: 1.0 if f <= 1 else 0.1 * mscale * math.log(f) + 1
@@ -204,21 +211,25 @@ def test_the_mla_attention_equals_numpy(params):
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5, err_msg=kernel)
 
 
-@pytest.mark.parametrize("mesh", [{}, dict(tensor=2)])
-def test_latent_cache_decoding_equals_the_full_forward(params, mesh):
+@pytest.mark.parametrize("mesh, kernel", [({}, "explicit"), (dict(tensor=2), "blockwise")])
+def test_latent_cache_decoding_equals_the_full_forward(params, mesh, kernel):
     """Prefill 8 tokens, then 16 decode steps from the latent cache (c_kv and the rotated key, W_UK
     and W_UV absorbed): every step's logits equal the full forward's at that position, on one
-    device and over tensor=2; the cache holds kv_lora_rank + qk_rope_head_dim values per token and layer."""
-    cfg = MODEL
+    device and over tensor=2 (whose blockwise model prefills with its O(s) kernel, keys and values
+    expanded once). The generator's cache holds kv_lora_rank + qk_rope_head_dim values per token and
+    layer, the formula's."""
+    from meshlm import inference
+
+    cfg = dataclasses.replace(MODEL, attention=kernel)
     tok = np.random.default_rng(0).integers(0, 64, (2, 24)).astype(np.int32)
     full = np.asarray(forward(params, tok, cfg))
     layout = make_layout(ParallelConfig(**mesh), jax.devices()[: 2 if mesh else 1])
-    (rk, hk), (rv, hv) = mla.cache_rows(cfg)
-    assert (rk, hk, rv, hv) == (1, 12, 1, 4) and hk + hv == mla_costs.cache_values_per_token(cfg)
+    model = inference.Model(RunConfig(model=cfg, parallel=ParallelConfig(**mesh)), params, layout, None, 2, "", (2,))
+    cache = inference.Generator(model)._empty_cache(2, 24, np.zeros(2, np.int32))
+    assert cache.k.shape == (3, 2, 24, 1, 12) and cache.v.shape == (3, 2, 24, 1, 4)
+    assert cache.k.shape[-1] + cache.v.shape[-1] == mla_costs.cache_values_per_token(cfg)
     plain = dataclasses.replace(cfg, kv_lora_rank=0, q_lora_rank=0, mtp_depth=0)  # 4 heads of 8: keys and values
     assert mla_costs.cache_values_per_token(plain) == 4 * 2 * 8 == sum(h * w for h, w in mla.cache_rows(plain))
-    zeros = lambda h: jnp.zeros((3, 2, 24, 1, h), jnp.float32)
-    cache = KVCache(zeros(hk), zeros(hv), jnp.zeros((), jnp.int32), jnp.zeros((2,), jnp.int32))
     step = jax.jit(lambda p, t, c, pre: forward(p, t, cfg, layout, cache=c, prefill=pre), static_argnums=3)
     logits, cache = step(params, tok[:, :8], cache, True)
     errors = [np.abs(np.asarray(logits[:, 0]) - full[:, 7]).max()]
@@ -354,7 +365,9 @@ def test_mtp_layers_import_with_transformers_logits_and_the_papers_loss(hf_mtp, 
     """Importing the checkpoint finds its 2 MTP layers (config.json would say 1 even without any):
     each module's logits equal MtpModel's where both are defined, and the MTP losses of the train
     step equal a NumPy transcription of DeepSeek-V3 2.2 on those logits: L_k = -(1/T) sum over the
-    positions with a token k + 1 ahead of log P(t_{i+k+1}), on one device and on expert=2 x tensor=2."""
+    positions with a token k + 1 ahead of log P(t_{i+k+1}), over the positions a loss mask trains (shifted
+    by k: where the main loss trains i + k) and the main loss's token count, on one device and on
+    expert=2 x tensor=2."""
     from meshlm.interop import hf, hf_tables
     from meshlm.model import mtp
     from meshlm.train_state import param_shardings
@@ -365,7 +378,9 @@ def test_mtp_layers_import_with_transformers_logits_and_the_papers_loss(hf_mtp, 
     z = np.random.default_rng(0).integers(0, 64, (4, 17)).astype(np.int32)
     want = _hf_mtp_logits(model, mtp_model, z)
     run = validate(RunConfig(model=cfg, train=TrainConfig(global_batch=4, seq_len=16)))
-    batch = {"inputs": z[:, :-1], "targets": z[:, 1:]}
+    mask = loss_mask((4, 16))
+    batch = {"inputs": z[:, :-1], "targets": z[:, 1:], "mask": mask}
+    run = dataclasses.replace(run, data=dataclasses.replace(run.data, loss_mask=True))
     for mesh in ({}, dict(expert=2, tensor=2)):
         run = dataclasses.replace(run, parallel=ParallelConfig(**mesh))
         layout = make_layout(run.parallel, jax.devices()[: run.parallel.n_devices])
@@ -380,11 +395,11 @@ def test_mtp_layers_import_with_transformers_logits_and_the_papers_loss(hf_mtp, 
             np.testing.assert_allclose(np.asarray(g)[:, : w.shape[1]], w, atol=1e-4, err_msg=f"module {k + 1}")
         shardings = state_shardings(param_specs(cfg), layout, optax.sgd(1.0)).params
         losses = np.asarray(make_grad_step(run, layout, shardings)(params, batch, 0)["mtp_loss"])
-        for k, w in enumerate(want):  # module k + 1 at position i predicts z[i + k + 2], defined for i < T - k - 1
-            n = 16 - k - 1
+        for k, w in enumerate(want):  # module k + 1 at position i predicts z[i + k + 2], defined for i < T - k - 1,
+            n = 16 - k - 1  # and trained where the main loss trains position i + k + 1 (the mask's)
             logp = w[:, :n] - np.log(np.exp(w[:, :n]).sum(-1, keepdims=True))
-            ce = -np.take_along_axis(logp, z[:, k + 2 : k + 2 + n, None], -1).sum()
-            np.testing.assert_allclose(losses[k], ce / z[:, 1:].size, rtol=1e-5)
+            ce = -(np.take_along_axis(logp, z[:, k + 2 : k + 2 + n, None], -1)[..., 0] * mask[:, k + 1 :]).sum()
+            np.testing.assert_allclose(losses[k], ce / mask.sum(), rtol=1e-5)
 
 
 def test_mtp_layers_export_and_transformers_loads_them(hf_mtp, tmp_path, devices, monkeypatch):
@@ -477,12 +492,14 @@ def test_meshlm_check_shrinks_mla_and_catches_a_doubled_latent_gradient(monkeypa
     from meshlm.insight import check
     from meshlm.model import mla as mla_model
 
-    cfg = recipes.get("deepseek-tiny")
+    cfg = recipes.get("deepseek-tiny")  # blockwise: values padded to the query-key size in the check too
     cfg = dataclasses.replace(cfg, parallel=ParallelConfig(expert=2, tensor=2, data=2, sequence_parallel=True))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
     result = check.run_check(validate(cfg))
     assert result.equal, "\n".join(check.format_result(result))
     small = check.shrink(cfg).model
     assert small.mla and small.v_head_dim < small.dim_head and small.mtp_depth == 1
+    assert mla_costs.padded(small, False) == small.dim_head  # the padding path runs
     real = mla_model._projections
 
     def doubled(w):
@@ -501,3 +518,11 @@ def test_meshlm_check_shrinks_mla_and_catches_a_doubled_latent_gradient(monkeypa
     monkeypatch.setattr(mla_model, "_projections", buggy)
     result = check.run_check(validate(cfg))
     assert not result.equal and "layers/wkv_a" in result.mismatched
+
+
+def test_mtp_losses_are_charted():
+    """Each module's loss in a metrics record (`mtp_loss_<k>`) is a TensorBoard / W&B chart of its own."""
+    from meshlm.observe.sinks import chart_values
+
+    charts = chart_values({"step": 3, "loss": 2.0, "mtp_loss_1": 2.5, "mtp_loss_2": 3.0})
+    assert charts["train/mtp_loss_1"] == 2.5 and charts["train/mtp_loss_2"] == 3.0

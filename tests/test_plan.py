@@ -546,9 +546,11 @@ def test_context_parallelism_is_planned_inside_pipeline_stages():
 
 
 def test_deepseek_v3_plans_on_h800s_with_its_latent_cache_and_its_own_layout_beside():
-    """A DeepSeek-V3 layout on 2048 H800s (the layout `meshlm plan --recipe deepseek-v3 --devices 2048
-    --device h800` ranks first, docs/deepseek.md) fits 80 GiB; the report states the decoding cache
-    (61 x (512 + 64) bf16 values per token) and DeepSeek's own layout, which meshlm cannot run."""
+    """A DeepSeek-V3 layout on 2048 H800s (the one `meshlm plan --recipe deepseek-v3 --devices 2048
+    --device h800` ranked first on 2026-12-05, BENCHMARKS.md; enumerating all 2.1M layouts takes
+    minutes, so this prices that one) fits 80 GiB at a plausible roofline MFU; the report states the
+    decoding cache (61 x (512 + 64) bf16 values per token) and DeepSeek's own layout, which meshlm
+    cannot run."""
     cfg = recipes.get("deepseek-v3")
     par = ParallelConfig(data=4, fsdp=64, tensor=8, sequence_parallel=True, shard_optimizer=True)
     best = dataclasses.replace(cfg, parallel=par, remat=dataclasses.replace(cfg.remat, policy="full"))

@@ -311,6 +311,10 @@ def hardware_flops_per_step(cfg: RunConfig) -> int:
     `p2_eq8_flops`.)"""
     counted, executed = expert_slot_flops(cfg)  # MoE: every capacity slot or tile row runs, filled or not
     extra = (2 if cfg.model.lora_rank else 3) * (executed - counted)  # LoRA: the experts are frozen
+    m, t, tp = cfg.model, cfg.train, cfg.parallel.tensor  # MLA's down-projections run on every tensor rank
+    extra += (
+        3 * (tp - 1) * t.global_batch * t.seq_len * attention_layers(m) * m.mla * mla_costs.down_projection_flops(m)
+    )
     return model_flops_per_step(cfg) + recompute_flops_per_step(cfg) + _attention_kernel_flops_adjustment(cfg) + extra
 
 

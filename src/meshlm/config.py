@@ -96,7 +96,7 @@ class ModelConfig:
     # the softmax scale by mscale(factor, yarn_mscale_all_dim)^2 (mscale(f, m) = 0.1 m ln f + 1)
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 1.0
+    yarn_mscale: float = 1.0  # 0: unset (then the rotated parts get mscale(factor, 1))
     yarn_mscale_all_dim: float = 0.0
     # llama: share the token embedding with the output layer (Llama 3.2 1B/3B); gpt always ties (GPT-2)
     tie_embeddings: bool = False

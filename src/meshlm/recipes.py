@@ -214,8 +214,9 @@ def deepseek_tiny() -> RunConfig:
 def deepseek_v3() -> RunConfig:
     """DeepSeek-V3's shapes (its config.json; V3 2.1-2.2, 4.2): 61 layers (3 dense), h=7168, 128 heads,
     MLA (q rank 1536, KV latent 512, query-key heads 128 + 64, values 128), 256 routed experts of width
-    2048 + 1 shared, top-8 of 4 of 8 groups, sigmoid routing with the bias, routed scaling 2.5, YaRN
-    (factor 40 over 4096, mscale 1), vocabulary 129280, one MTP module: 671B parameters (37B active) and
+    2048 + 1 shared, top-8 of 4 of 8 groups, sigmoid routing with the bias, routed scaling 2.5,
+    vocabulary 129280, one MTP module (pre-training at 4K: no YaRN, which V3 added for its long-context
+    extension): 671B parameters (37B active) and
     11.6B more in the MTP module. Its pre-training batch: 15360 sequences of 4096. Planner-sized (bf16;
     V3 trained in FP8)."""
     model = ModelConfig(
@@ -228,11 +229,6 @@ def deepseek_v3() -> RunConfig:
         max_seq_len=4096,
         dtype="bfloat16",
         norm_eps=1e-6,
-        rope_scaling="yarn",
-        rope_factor=40.0,
-        rope_original_len=4096,
-        yarn_mscale=1.0,
-        yarn_mscale_all_dim=1.0,
         q_lora_rank=1536,
         kv_lora_rank=512,
         qk_nope_head_dim=128,

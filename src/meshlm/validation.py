@@ -110,8 +110,9 @@ def _validate_mla(m: ModelConfig) -> None:
     if m.mtp_depth:
         _need(m.family == "llama", "model.mtp_depth (multi-token prediction) is a llama-family option")
         _need(not m.lora_rank, "LoRA adapts the model's layers only: fine-tune an MTP model with model.mtp_depth=0")
+    _need(m.kv_lora_rank >= 0, "model.kv_lora_rank must be >= 0 (0: no MLA)")
     if not m.mla:
-        _need(m.kv_lora_rank == 0 and m.q_lora_rank == 0, "model.q_lora_rank needs MLA: set model.kv_lora_rank > 0")
+        _need(m.q_lora_rank == 0, "model.q_lora_rank needs MLA: set model.kv_lora_rank > 0")
         return
     _need(m.family == "llama", "MLA (model.kv_lora_rank > 0) is a llama-family option")
     _need(
@@ -148,9 +149,9 @@ def _validate_model(m: ModelConfig) -> None:
         _need(m.family == "llama", "model.rope_scaling applies to the llama family (gpt has learned positions)")
     if m.rope_scaling == "yarn":
         _need(
-            m.rope_factor >= 1 and m.rope_original_len > 0 and m.yarn_beta_fast > m.yarn_beta_slow > 0,
+            m.rope_factor >= 1 and m.rope_original_len > 0 and m.yarn_beta_fast >= m.yarn_beta_slow > 0,
             "model.rope_scaling=yarn needs rope_factor >= 1, rope_original_len > 0 and "
-            "yarn_beta_fast > yarn_beta_slow > 0",
+            "yarn_beta_fast >= yarn_beta_slow > 0",
         )
     _validate_mla(m)
     if m.rope_scaling == "llama3":

@@ -305,7 +305,7 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
     out = {ATTENTION: attention} if attention else {}
     out = {"compute": (accounting.hardware_flops_per_step(cfg) - _own_rate_flops(cfg, out)) / (n * peak)} | out
     if par.tensor > 1:
-        layers_here = m.n_layers / pipeline
+        layers_here = accounting.attention_layers(m) / pipeline  # with MTP's
         out["tensor-parallel collectives"] = (
             t.microbatches * layers_here * tp_layer_bytes(cfg) / _link(device, par.tensor)
         )

@@ -131,19 +131,29 @@ def _plan_import(reader: st.Reader, cfg: ModelConfig, where: Path) -> tuple[list
         m = pattern.match(name)
         return int(m.group(1)) if m else None
 
-    if cfg.mla:  # DeepSeek-V3's multi-token-prediction layers follow the model's (layers.{L}.*): read as
-        # many as the model has (model.mtp_depth), without their copies of the embedding and the output layer
-        names = {n for n in names if (layer_of(n) or 0) < cfg.n_layers + cfg.mtp_depth}
+    mtp = cfg.mtp_depth
+    if cfg.mla:  # DeepSeek-V3's multi-token-prediction layers follow the model's (layers.{L}.*, each with an
+        # eh_proj): the model's first mtp_depth read, the others not, nor their copies of the embedding and head
+        stored = hf_deepseek.mtp_layers_stored(names, cfg.n_layers)
+        unused = range(cfg.n_layers + mtp, cfg.n_layers + max(stored, mtp))
+        names = {n for n in names if layer_of(n) not in unused}
         names = {n for n in names if (layer_of(n) or 0) < cfg.n_layers or not n.endswith(hf_deepseek.SHARED_COPIES)}
+        if mtp > stored:
+            raise ConfigError(f"model.mtp_depth={mtp}, but the weights in {where} hold {stored} MTP layers")
     present = {i for n in names if (i := layer_of(n)) is not None}
-    if present != set(range(cfg.n_layers + (cfg.mtp_depth if cfg.mla else 0))):
+    if present != set(range(cfg.n_layers + mtp)):
         raise ConfigError(
             f"{where}/config.json says {cfg.n_layers} layers, but the weights hold layers "
             f"{sorted(present)[:5]}{'...' if len(present) > 5 else ''} ({len(present)} in all)"
         )
     scales = {n for n in names if n.endswith(st.SCALE_SUFFIX) and n.removesuffix(st.SCALE_SUFFIX) in names}
     names -= scales  # FP8 weights' block scales: read with their weights (`st.Reader.get`)
-    fp8 = {n for n in names if reader.tensors[n].dtype == st.FP8 and n + st.SCALE_SUFFIX in scales}
+    fp8 = {n for n in names if reader.tensors[n].dtype == st.FP8}
+    unscaled = sorted(n for n in fp8 if n + st.SCALE_SUFFIX not in scales)
+    if unscaled:
+        raise ConfigError(
+            f"{where}: FP8 tensors without their block scales (<name>_scale_inv): {', '.join(unscaled[:5])}"
+        )
     not_float = sorted(n for n in names - fp8 if reader.tensors[n].dtype not in st.FLOATS and not IGNORED.search(n))
     if not_float:
         raise ConfigError(

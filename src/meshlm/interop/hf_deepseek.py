@@ -1,7 +1,7 @@
-"""DeepSeek-V3 (`DeepseekV3ForCausalLM`; Kimi K2 and other models of the architecture) in Hugging
-Face's terms: MLA's tensors, dense first layers, sigmoid routing with `e_score_correction_bias`
-and shared experts, and its config.json - read and written from one declaration (`FIELDS`,
-`FIXED`), so a key cannot be added one way and missed the other.
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`, model_type deepseek_v3) in Hugging Face's terms: MLA's
+tensors, dense first layers, sigmoid routing with `e_score_correction_bias`, shared experts and the
+MTP layers, and its config.json: the keys that are model fields read and written from one table
+(`FIELDS`, `FIXED`), the few more transformers needs written beside them (`hf_fields`).
 
 RoPE: with `rope_interleave` (the released checkpoints' and transformers' default) the rotated
 query and key dimensions are stored as interleaved pairs (x0, x1), (x2, x3), ...; meshlm rotates
@@ -19,31 +19,33 @@ from meshlm.config import ConfigError, ModelConfig
 
 ARCH, KIND = "DeepseekV3ForCausalLM", "deepseek_v3"
 
-# (config.json key, ModelConfig field, kind): "int" (>= 1), "int0" (>= 0), "rank" (null or >= 1; null
-# is meshlm's 0), "float" (> 0), "bool". Import reads each; export writes each.
+# (config.json key, ModelConfig field, kind, transformers' DeepseekV3Config default): kinds "int" (>= 1),
+# "int0" (>= 0), "rank" (null or >= 1; null is meshlm's 0), "float" (> 0), "float0" (>= 0), "bool".
+# Import reads each (a missing key: transformers' default, as transformers reads it); export writes each.
 FIELDS = (
-    ("vocab_size", "vocab_size", "int"),
-    ("hidden_size", "d_model", "int"),
-    ("num_hidden_layers", "n_layers", "int"),
-    ("num_attention_heads", "n_heads", "int"),
-    ("intermediate_size", "d_ff", "int"),
-    ("moe_intermediate_size", "expert_d_ff", "int"),
-    ("n_routed_experts", "n_experts", "int"),
-    ("num_experts_per_tok", "experts_per_token", "int"),
-    ("n_shared_experts", "n_shared_experts", "int0"),
-    ("first_k_dense_replace", "first_k_dense", "int0"),
-    ("n_group", "n_group", "int"),
-    ("topk_group", "topk_group", "int"),
-    ("q_lora_rank", "q_lora_rank", "rank"),
-    ("kv_lora_rank", "kv_lora_rank", "int"),
-    ("qk_nope_head_dim", "qk_nope_head_dim", "int0"),
-    ("qk_rope_head_dim", "qk_rope_head_dim", "int"),
-    ("v_head_dim", "v_head_dim", "int"),
-    ("max_position_embeddings", "max_seq_len", "int"),
-    ("routed_scaling_factor", "routed_scaling_factor", "float"),
-    ("rms_norm_eps", "norm_eps", "float"),
-    ("norm_topk_prob", "router_renormalize", "bool"),
-    ("tie_word_embeddings", "tie_embeddings", "bool"),
+    ("vocab_size", "vocab_size", "int", 129280),
+    ("hidden_size", "d_model", "int", 7168),
+    ("num_hidden_layers", "n_layers", "int", 61),
+    ("num_attention_heads", "n_heads", "int", 128),
+    ("intermediate_size", "d_ff", "int", 18432),
+    ("moe_intermediate_size", "expert_d_ff", "int", 2048),
+    ("n_routed_experts", "n_experts", "int", 256),
+    ("num_experts_per_tok", "experts_per_token", "int", 8),
+    ("n_shared_experts", "n_shared_experts", "int0", 1),
+    ("first_k_dense_replace", "first_k_dense", "int0", 3),
+    ("n_group", "n_group", "int", 8),
+    ("topk_group", "topk_group", "int", 4),
+    ("q_lora_rank", "q_lora_rank", "rank", 1536),
+    ("kv_lora_rank", "kv_lora_rank", "int", 512),
+    ("qk_nope_head_dim", "qk_nope_head_dim", "int0", 128),
+    ("qk_rope_head_dim", "qk_rope_head_dim", "int", 64),
+    ("v_head_dim", "v_head_dim", "int", 128),
+    ("max_position_embeddings", "max_seq_len", "int", 4096),
+    ("routed_scaling_factor", "routed_scaling_factor", "float", 2.5),
+    ("rms_norm_eps", "norm_eps", "float", 1e-6),
+    ("norm_topk_prob", "router_renormalize", "bool", True),
+    ("tie_word_embeddings", "tie_embeddings", "bool", False),
+    ("aux_loss_alpha", "moe_seq_aux_loss_coef", "float0", 0.0),  # DeepSeek's own files (with seq_aux: true)
 )
 # config.json values meshlm computes only as written here (import requires them; export writes them)
 FIXED = {
@@ -51,9 +53,10 @@ FIXED = {
     "attention_bias": False,
     "scoring_func": "sigmoid",  # older DeepSeek config.json files name the routing; transformers assumes it
     "topk_method": "noaux_tc",
+    "seq_aux": True,  # aux_loss_alpha weighs the sequence-wise balance loss
 }
 # the ModelConfig fields every DeepSeek-V3 model has (the architecture's, not its config.json's)
-MODEL = {"family": "llama", "router_score": "sigmoid", "router_bias": True, "moe_aux_loss_coef": 0.0}
+MODEL = {"family": "llama", "router_score": "sigmoid", "router_bias": True}
 
 
 def model_fields(data: dict, f: Any, path: Path) -> dict:
@@ -69,16 +72,16 @@ def model_fields(data: dict, f: Any, path: Path) -> dict:
         raise ConfigError(
             f"{path}: quantization_config {quant!r}: meshlm reads FP8 E4M3 weights with block scales only"
         )
-    out: dict[str, Any] = dict(MODEL)
-    for key, field, kind in FIELDS:
+    out: dict[str, Any] = dict(MODEL) | {"moe_aux_loss_coef": 0.0}  # no Switch loss: the bias balances
+    for key, field, kind, default in FIELDS:
         if kind == "bool":
-            out[field] = f.flag(key, False)
-        elif kind == "float":
-            out[field] = f.float(key, None, 1e-30)
+            out[field] = f.flag(key, default)
+        elif kind.startswith("float"):
+            out[field] = f.float(key, default, 0.0 if kind == "float0" else 1e-30)
         elif kind == "rank":
-            out[field] = 0 if data.get(key) is None else f.int(key)
+            out[field] = 0 if key in data and data[key] is None else f.int(key, default)
         else:
-            out[field] = f.int(key, None, 0 if kind == "int0" else 1)
+            out[field] = f.int(key, default, 0 if kind == "int0" else 1)
     declared = f.int("num_nextn_predict_layers", 0, 0)
     out["mtp_depth"] = min(declared, mtp_layers_stored(_tensor_names(path.parent), out["n_layers"]))
     if out["first_k_dense"] > out["n_layers"]:
@@ -102,15 +105,16 @@ def hf_fields(cfg: ModelConfig) -> dict:
         raise ConfigError("this MLA model is not a DeepSeek-V3 and cannot be exported as one: " + "; ".join(problems))
     out: dict[str, Any] = {"architectures": [ARCH], "model_type": KIND, **FIXED}
     resolved = {"d_ff": cfg.ffn, "expert_d_ff": cfg.expert_ffn}  # 0 in the config: the default width
-    for key, field, kind in FIELDS:
+    for key, field, kind, _ in FIELDS:
         value = resolved.get(field, getattr(cfg, field))
         out[key] = None if kind == "rank" and value == 0 else value
+    # what transformers needs beside them: MLA's per-head keys (import ignores it, as transformers does),
+    # the RoPE row order export writes (import reads either, `hf.py`), the MTP layers written
+    # (import counts the stored ones, `mtp_layers_stored`)
     return out | {
         "num_key_value_heads": cfg.n_heads,
         "rope_interleave": True,
         "num_nextn_predict_layers": cfg.mtp_depth,
-        "aux_loss_alpha": cfg.moe_seq_aux_loss_coef,
-        "seq_aux": True,
     }
 
 

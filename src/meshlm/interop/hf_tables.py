@@ -120,7 +120,7 @@ def rules(cfg: ModelConfig, interleaved: bool = True) -> list[Rule]:
     stacks = [("layers", cfg.moe, cfg.moe_layer_ids if cfg.dense_layer_ids else None)]
     if cfg.dense_layer_ids:  # an MoE model's dense layers, stacked apart
         stacks.append(("dense_layers", False, cfg.dense_layer_ids))
-    if cfg.mtp_depth:  # DeepSeek-V3's multi-token-prediction modules: the layers after the model's
+    if cfg.mtp_depth and cfg.mla:  # DeepSeek-V3's multi-token-prediction modules: the layers after the model's
         stacks.append(("mtp", cfg.moe, tuple(range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth))))
         out += [dataclasses.replace(r, layers=stacks[-1][2]) for r in hf_deepseek.mtp_rules(cfg, m, Rule)]
     for stack, moe, ids in stacks:
@@ -321,6 +321,8 @@ def _yarn(src: dict, f: _Fields, theta: float, path: Path) -> dict:
     """YaRN's settings (`ModelConfig.rope_scaling` "yarn"); an explicit attention_factor is refused."""
     if src.get("attention_factor") is not None:
         raise ConfigError(f"{path}: YaRN's attention_factor is derived from mscale and mscale_all_dim in meshlm")
+    if src.get("truncate", True) is not True:
+        raise ConfigError(f"{path}: YaRN with truncate={src['truncate']!r}: meshlm rounds the ramp's ends (true)")
     original = src.get("original_max_position_embeddings")
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
         raise ConfigError(f"{path}: original_max_position_embeddings must be a positive integer, got {original!r}")
@@ -331,7 +333,7 @@ def _yarn(src: dict, f: _Fields, theta: float, path: Path) -> dict:
         "rope_original_len": original,
         "yarn_beta_fast": f.float("beta_fast", 32.0, 1e-9, data=src),
         "yarn_beta_slow": f.float("beta_slow", 1.0, 1e-9, data=src),
-        "yarn_mscale": f.float("mscale", 1.0, 0.0, data=src),
+        "yarn_mscale": f.float("mscale", 0.0, 0.0, data=src),  # missing: unset (transformers' None), not 1
         "yarn_mscale_all_dim": f.float("mscale_all_dim", 0.0, 0.0, data=src),
     }
 
@@ -403,6 +405,11 @@ def hf_config(cfg: ModelConfig, bos: int | None, eos: int | None, dtype: str, ma
     }
     if cfg.mla:
         return hf_deepseek.hf_fields(cfg) | common
+    if cfg.mtp_depth or cfg.rope_scaling == "yarn":
+        raise ConfigError(
+            "multi-token prediction and YaRN export only as DeepSeek-V3 (an MLA model); for a Llama-family "
+            "checkpoint set model.mtp_depth=0 (the modules are dropped) and keep RoPE default or llama3"
+        )
     if (cfg.qk_norm or cfg.qkv_bias or cfg.shared_ffn) and not cfg.moe:
         raise ConfigError("a dense llama-family model with q/k norms, QKV biases or shared experts has no export")
     out = {

@@ -41,7 +41,7 @@ DTYPES: dict[str, np.dtype] = {
     "I8": np.dtype("i1"),
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("bool"),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),  # DeepSeek-V3's and Kimi K2's released weights
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),  # DeepSeek-V3's released weights
 }
 FP8 = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's per-block scales: `<name>_scale_inv`

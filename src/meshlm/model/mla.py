@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
 from meshlm.model import layers, rotary
-from meshlm.model.mla_costs import padded  # noqa: F401 (the model's callers ask it here)
+from meshlm.model.blockwise import blockwise_attention
+from meshlm.model.mla_costs import padded
 from meshlm.parallel.collectives import column_parallel, row_parallel
 from meshlm.parallel.rules import constrain
 
@@ -90,12 +91,16 @@ def project(h_btd, *args, cfg: ModelConfig, context: bool = False, pad: int = 0)
     scale = rotary.softmax_factor(cfg)
     if pad > cfg.dim_head:  # zero query-key columns: keep the kernel's 1/sqrt(size) that of dim_head
         scale *= math.sqrt(pad / cfg.dim_head)
-    if scale != 1.0:
-        q = q * jnp.asarray(scale, q.dtype)
-    if pad:
-        widen = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, pad - x.shape[-1])])
-        q, k, v = widen(q), widen(k), widen(v)
-    return q, k, v
+    if scale != 1.0:  # in fp32: a bf16 factor would move the softmax's temperature (1.8739 -> 1.875)
+        q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    return _widened((q, k, v), pad)
+
+
+def _widened(qkv: tuple, pad: int) -> tuple:
+    """q, k, v with zero columns up to `pad` (0: as they are)."""
+    if not pad:
+        return qkv
+    return tuple(jnp.pad(x, [(0, 0)] * 3 + [(0, pad - x.shape[-1])]) for x in qkv)
 
 
 def cache_rows(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -149,10 +154,12 @@ def write_cache(layout, kv, new: tuple, index, axes) -> tuple:
 LATENT_ACT = (ax.BATCH, ax.SEQ, None, None)  # [b, t, 1, r]: one shared "head", every tensor rank reads it
 
 
-def attention_cached(h_btd, p: dict, cfg: ModelConfig, layout, axes: dict, residual, kv, cache, positions_bt):
+def attention_cached(h_btd, p: dict, cfg: ModelConfig, layout, axes: dict, residual, kv, cache, positions_bt, prefill):
     """`transformer._attention_cached` for MLA: the new tokens' latents written at slots
     index..index+t-1 of layer `kv[2]` of the whole latent cache `kv[:2]` (c_kv, RoPE(k_r)), then
-    absorbed attention over the valid slots. Returns (output, (whole c_kv, whole k_r))."""
+    absorbed attention over the valid slots; a prompt (`prefill`) of a blockwise or fused model
+    attends among its tokens with the O(s) kernel instead, its keys and values expanded once.
+    Returns (output, (whole c_kv, whole k_r))."""
     heads = (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None)
     ws = names(cfg)
     q_nope, q_rope, c, r = column_parallel(
@@ -167,6 +174,14 @@ def attention_cached(h_btd, p: dict, cfg: ModelConfig, layout, axes: dict, resid
     )
     (c_all, r_all), (c_layer, r_layer) = write_cache(layout, kv, (c, r), cache.index, CACHE_AXES)
     slots = cache.index + jnp.arange(h_btd.shape[1])
-    a = absorbed_attention(q_nope, q_rope, c_layer, r_layer, p["wk_b"], p["wv_b"], slots, cache.start, cfg)
+    if prefill and cfg.attention != "explicit":  # padding is its own document
+        k_nope, v = (jnp.einsum("btr,rnh->btnh", c[:, :, 0], w) for w in (p["wk_b"], p["wv_b"]))
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(r, (*k_nope.shape[:3], r.shape[-1]))], axis=-1)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1).astype(jnp.float32) * rotary.softmax_factor(cfg)
+        q, k, v = (constrain(layout, x, heads) for x in _widened((q.astype(k.dtype), k, v), padded(cfg, False)))
+        real = jnp.broadcast_to((slots[None, :] >= cache.start[:, None]).astype(jnp.int32), h_btd.shape[:2])
+        a = blockwise_attention(q, k, v, real, block=cfg.attention_block)[..., : cfg.value_dim]
+    else:
+        a = absorbed_attention(q_nope, q_rope, c_layer, r_layer, p["wk_b"], p["wv_b"], slots, cache.start, cfg)
     a = constrain(layout, a, heads)
     return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], heads, axes["wo"], residual), (c_all, r_all)

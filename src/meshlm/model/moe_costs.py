@@ -124,7 +124,7 @@ def expert_exchange_bytes(cfg: RunConfig) -> float:
     else:
         n = par.expert * b * s * m.experts_per_token
         per_layer = (6 if again else 4) * n * m.d_model * e + (2 if again else 1) * n * 4
-    return t.microbatches * len(m.moe_layer_ids) * per_layer * (par.expert - 1) / par.expert
+    return t.microbatches * len(m.moe_stat_layer_ids) * per_layer * (par.expert - 1) / par.expert  # MTP's too
 
 
 def _bytes(m: ModelConfig) -> int:

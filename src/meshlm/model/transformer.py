@@ -185,7 +185,7 @@ def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cac
     of layer `kv[2]` of the whole cache `kv[:2]`, then every query attends to the valid slots up
     to its own. Returns (output, (whole k, whole v))."""
     if cfg.mla:
-        return mla.attention_cached(h_btd, p, cfg, layout, weight_axes(cfg), RESIDUAL, kv, cache, positions_bt)
+        return mla.attention_cached(h_btd, p, cfg, layout, weight_axes(cfg), RESIDUAL, kv, cache, positions_bt, prefill)
     names, terms = _qkv_names(cfg), _lora_terms(h_btd, p, None, "btd,dnh->btnh", _QKV_TERMS, cfg, layout)
     q, k, v = column_parallel(
         layout,

@@ -51,5 +51,5 @@ def context_comm_bytes(cfg: RunConfig) -> dict[str, float]:
     else:
         per_layer_fwd = (c - 1) * kv
         per_layer_bwd = (c - 1) * kv + (c if par.context_strategy == "ring" else c - 1) * dkv
-    n = m.n_layers * t.microbatches
+    n = (m.n_layers + m.mtp_depth) * t.microbatches  # the MTP modules' layers attend too
     return {"forward": n * forwards * per_layer_fwd, "backward": n * per_layer_bwd}

@@ -82,8 +82,9 @@ ACCELERATORS: dict[str, Accelerator] = {
         _nvidia("h100-pcie", ("NVIDIA H100 PCIe",), 80, (1513, 756), 51, (64, 50), "H100 PCIe datasheet"),
         _nvidia("h100-nvl", ("NVIDIA H100 NVL",), 94, (1671, 835), 60, (300, 50), "H100 NVL datasheet"),
         _nvidia("h200", ("NVIDIA H200",), 141, (1979, 989), 67, (450, 50), "H200 SXM datasheet"),
-        # H800: the H100 SXM's compute with NVLink cut to 400 GB/s (200 per direction); IB at 50 GB/s per GPU
-        _nvidia("h800", ("NVIDIA H800", "NVIDIA H800 80GB HBM3"), 80, (1979, 989), 67, (200, 50), "DeepSeek-V3 3.1"),
+        # H800: the H100 SXM's compute with NVLink cut to 400 GB/s (NVIDIA's H800 spec; 200 per direction);
+        # InfiniBand 50 GB/s per GPU (DeepSeek-V3 3.2.2, which measured NVLink at 160 GB/s)
+        _nvidia("h800", ("NVIDIA H800", "NVIDIA H800 80GB HBM3"), 80, (1979, 989), 67, (200, 50), "H800 SXM spec"),
         _tpu("tpu-v4", ("TPU v4",), 32, 275, 300, 4096, "Cloud TPU v4 docs"),
         _tpu("tpu-v5e", ("TPU v5 lite", "TPU v5e"), 16, 197, 200, 256, "Cloud TPU v5e docs"),
         _tpu("tpu-v5p", ("TPU v5p", "TPU v5"), 95, 459, 600, 8960, "Cloud TPU v5p docs"),

@@ -20,7 +20,7 @@ from meshlm.config import EXIT_CONFIG, EXIT_MISMATCH, apply_overrides
 from meshlm.insight import check, compat
 from meshlm.parallel import collectives, context, pipeline
 
-FUZZ_BUDGET_S = 15.0  # of the suite's time, per run (2-3 rows; the matrix test checks every pair)
+FUZZ_BUDGET_S = 10.0  # of the suite's time, per run (2-3 rows; the matrix test checks every pair)
 
 
 def _cfg(family: str, *sets: str):

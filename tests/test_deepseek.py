@@ -486,14 +486,15 @@ def test_fp8_weights_are_dequantised_by_their_block_scales(hf_mtp, tmp_path, dev
 
 
 def test_meshlm_check_shrinks_mla_and_catches_a_doubled_latent_gradient(monkeypatch, devices):
-    """`meshlm check` on deepseek-tiny over tensor=2 + SP x expert=2 (MLA's ranks and head parts cut,
-    values still narrower than queries and keys) is equal to one device; a doubled gradient of the
-    replicated KV down-projection inside the tensor-parallel region (a psum too many) is caught on it."""
+    """`meshlm check` on deepseek-tiny (blockwise) over tensor=2 + SP x data=2 (MLA's ranks and head
+    parts cut, values still narrower than queries and keys: the padding path) is equal to one device;
+    a doubled gradient of the replicated KV down-projection inside the tensor-parallel region (a psum
+    too many) is caught on it. (Expert layouts: `test_mla_mtp_moe_layouts_give_the_one_device_gradients`.)"""
     from meshlm.insight import check
     from meshlm.model import mla as mla_model
 
     cfg = recipes.get("deepseek-tiny")  # blockwise: values padded to the query-key size in the check too
-    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(expert=2, tensor=2, data=2, sequence_parallel=True))
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(tensor=2, data=2, sequence_parallel=True))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
     result = check.run_check(validate(cfg))
     assert result.equal, "\n".join(check.format_result(result))

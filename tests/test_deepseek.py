@@ -527,3 +527,35 @@ def test_mtp_losses_are_charted():
 
     charts = chart_values({"step": 3, "loss": 2.0, "mtp_loss_1": 2.5, "mtp_loss_2": 3.0})
     assert charts["train/mtp_loss_1"] == 2.5 and charts["train/mtp_loss_2"] == 3.0
+
+
+def test_an_mtp_run_resumes_on_another_layout_with_the_same_losses(corpus_dir, tmp_path):
+    """An MLA + MoE + MTP run stopped after 2 of 4 steps on expert=2 and resumed on tensor=2 + SP x
+    data=2 logs the losses of the run that never stopped (to the cross-layout tolerance), the MTP
+    module's included: `mtp_loss_1` in metrics.jsonl at every step, and the router's bias restored."""
+    import json
+
+    from helpers import logged_losses
+    from meshlm.config import CheckpointConfig, DataConfig
+    from meshlm.trainer import train
+
+    def run_cfg(mesh: dict, sp: bool = False) -> RunConfig:
+        cfg = config(mesh, sp, vocab_size=320, router_bias_rate=1e-2)
+        data = DataConfig(paths=(str(corpus_dir),), cache_dir=str(tmp_path / "cache"))
+        train_cfg = dataclasses.replace(cfg.train, steps=4, log_every=1, eval_every=0)
+        return validate(dataclasses.replace(cfg, data=data, train=train_cfg, checkpoint=CheckpointConfig(every=2)))
+
+    train(run_cfg(dict(expert=2)), tmp_path / "ref", quiet=True)
+    train(run_cfg(dict(expert=2)), tmp_path / "a", quiet=True, stop_after=2)
+    train(run_cfg(dict(tensor=2, data=2), sp=True), tmp_path / "a", quiet=True)
+    records = {}
+    for run in ("ref", "a"):
+        for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if "mtp_loss_1" in r:
+                records.setdefault(run, {})[r["step"]] = (r["loss"], r["mtp_loss_1"])
+    assert sorted(records["a"]) == sorted(records["ref"]) == [1, 2, 3, 4]
+    np.testing.assert_allclose(
+        [records["a"][s] for s in range(1, 5)], [records["ref"][s] for s in range(1, 5)], rtol=1e-5
+    )
+    assert logged_losses(tmp_path / "a").keys() == logged_losses(tmp_path / "ref").keys()

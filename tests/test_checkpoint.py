@@ -223,11 +223,13 @@ def test_trainer_falls_back_past_a_corrupt_checkpoint(corpus_dir, tmp_path):
     assert logged_losses(tmp_path / "a") == logged_losses(tmp_path / "ref")
     assert len(list((tmp_path / "a" / "checkpoints.corrupt").iterdir())) == 1
     # every checkpoint unreadable: a clear error, nothing started from scratch behind the user's back
-    for s in (tmp_path / "a" / "checkpoints").iterdir():
-        if s.name.isdigit():
-            shutil.rmtree(s / "meta")
+    steps = [s for s in (tmp_path / "a" / "checkpoints").iterdir() if s.name.isdigit()]
+    for s in steps:
+        shutil.rmtree(s / "meta")
     with pytest.raises(TrainingError, match="no readable checkpoint left"):
         train(cfg, tmp_path / "a", quiet=True)
+    # each set aside, the redone step 6 beside the first one (in the same second too: no name clash)
+    assert len(list((tmp_path / "a" / "checkpoints.corrupt").iterdir())) == 1 + len(steps)
 
 
 @pytest.mark.slow

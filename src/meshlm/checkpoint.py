@@ -250,7 +250,12 @@ class Checkpointer:
 
     def _quarantine(self, step: int, reason: str) -> None:
         src = self.directory / str(step)
-        dst = self.directory.with_name(self.directory.name + ".corrupt") / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside = self.directory.with_name(self.directory.name + ".corrupt")
+        dst = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        for n in range(1, 1000):  # the same step set aside twice in one second (a redone step corrupt again)
+            if not dst.exists():
+                break
+            dst = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
         self.log(f"checkpoint {src} is unusable ({reason}); moved to {dst}, falling back to the previous one")
         if src.exists():
             dst.parent.mkdir(parents=True, exist_ok=True)

@@ -73,9 +73,7 @@ def _modules(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout, key, re
         return llama_block(h, block, depth_key, cfg, layout, remat_policy, segments)
 
     module = remat.wrap_layer(module, remat_policy)
-    h = norm(
-        x_btd, cast_layer({"n": params["final_norm"]}, jnp.dtype(cfg.dtype))["n"]
-    )  # h^0: normed, as the head sees it
+    h = norm(x_btd, params["final_norm"])  # h^0: normed, as the output layer sees it
     for k in range(1, cfg.mtp_depth + 1):
         p = cast_layer(jax.tree.map(lambda a, k=k: a[k - 1], params["mtp"]), jnp.dtype(cfg.dtype))
         tokens, goal, valid = targets(batch["targets"], batch.get("mask"), segments, k, layout)

@@ -253,13 +253,37 @@ def test_fused_picks_cudnn_pallas_or_splash_by_device_and_blockwise_elsewhere(tm
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or a[0])
     for kind in ("pallas-gpu", "splash"):
         monkeypatch.setattr(
-            kernels, f"{kind.replace('-gpu', '_gpu')}_attention", lambda *a, kind=kind, **kw: calls.append(kind) or a[0]
+            kernels,
+            f"{kind.replace('-gpu', '_gpu')}_attention",
+            lambda *a, kind=kind, **kw: calls.append((kind, kw["block"])) or a[0],
         )
     q, k, v, _ = _qkv(16)
     for kind in ("cudnn", "pallas-gpu", "splash"):
         monkeypatch.setattr(kernels, "fused_implementation", lambda *a, kind=kind: (kind, ""))
         kernels.fused_attention(q.astype(jnp.bfloat16), k, v)
-    assert calls == [{"is_causal": True, "implementation": "cudnn"}, "pallas-gpu", "splash"]
+    # splash runs blocks of at least SPLASH_BLOCK rows (measured on a TPU v5e: BENCHMARKS.md)
+    assert calls == [{"is_causal": True, "implementation": "cudnn"}, ("pallas-gpu", 128), ("splash", 512)]
+
+
+def test_splash_blocks_stop_at_the_padded_rows(monkeypatch):
+    """`splash_attention_at` with 512-row blocks on fewer rows (interpret mode): the query and key
+    blocks shrink to their padded lengths apart (128 queries at offset 256 of 384 keys, 200 queries
+    at 128), with documents: explicit attention's rows."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+    sizes, block_sizes = [], splash.BlockSizes
+    monkeypatch.setattr(
+        splash, "BlockSizes", lambda **kw: sizes.append((kw["block_q"], kw["block_kv"])) or block_sizes(**kw)
+    )
+    s = 384
+    q, k, v, _ = _qkv(s, seed=6)
+    seg = _segments(s)
+    want = layers.causal_attention(q, k, v, seg)
+    for offset, t in ((256, 128), (128, 200)):
+        rows = slice(offset, offset + t)
+        got = kernels.splash_attention_at(q[:, rows], k, v, seg[:, rows], seg, offset, block=512, interpret=True)
+        np.testing.assert_allclose(got, want[:, rows], atol=2e-6, rtol=0)
+    assert sizes == [(128, 384), (256, 384)]
 
 
 @pytest.mark.parametrize("kernel, t, block", [("pallas_gpu", 40, 16), ("splash", 300, 128)])

@@ -482,9 +482,9 @@ def test_attention_runs_at_its_kernels_rate_and_unmeasured_kernels_say_so(capsys
     assert plan.time["attention core"] == pytest.approx(core / (8 * peak * 0.50), rel=1e-12)
     assert plan.time["compute"] == pytest.approx((accounting.hardware_flops_per_step(cfg) - core) / (8 * peak))
     # a kernel at an offset under all_gather re-runs its forward in backward (checkpointed): two more
-    # passes priced, splash at 50% of peak, Pallas GPU at 35%
+    # passes priced, splash at 34% of peak (measured on a TPU v5e), Pallas GPU at 35%
     flops = accounting.attention_core_flops(gathered) + accounting.attention_forward_flops(gathered)
-    for device, fraction in ((tpu, 0.50), (h100, 0.35)):
+    for device, fraction in ((tpu, 0.34), (h100, 0.35)):
         seconds = planner.estimate(gathered, device).time["attention core"]
         assert seconds == pytest.approx(flops / (8 * planner.device_peak(device, gathered) * fraction), rel=1e-12)
     # Pallas GPU with documents: a discarded chunk of rows and one earlier chunk twice per chunk, 3/4 more at c=2

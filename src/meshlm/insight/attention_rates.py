@@ -10,8 +10,8 @@ calibration (P2 Table 4) measured Megatron's whole layer, attention inside - the
 reproduction of P2 Table 5 rests on it.
 
 `MEASURED` lists the (kernel, device) pairs meshlm itself has run and timed (add one with the
-figures from `benchmarks/gpu.sh` in BENCHMARKS.md). It is empty: no accelerator has been lent to
-this project yet, so every plan row says "unmeasured".
+figures from `benchmarks/tpu.sh` or `benchmarks/gpu.sh` in BENCHMARKS.md): the three TPU kernels on
+a TPU v5e; their rates stand for every TPU generation, "unmeasured" on the others. No GPU yet.
 """
 
 from __future__ import annotations
@@ -46,14 +46,19 @@ RATES: dict[tuple[str, str], KernelRate] = {
     ("pallas-gpu", "hopper"): KernelRate(
         0.35, "FlashAttention-3 paper: FlashAttention-2-style kernels (no wgmma, no TMA; Triton's) reach 35% of H100"
     ),
-    ("splash", "tpu"): KernelRate(0.50, "assumption: no published fraction of TPU peak; FlashAttention-2's low end"),
+    # measured on one TPU v5e (BENCHMARKS.md, "First accelerator"), b=4 s=4096 h=128 GQA, forward + backward
+    ("splash", "tpu"): KernelRate(0.34, "measured on a TPU v5e at h=128, 512-row blocks (14% at h=64)"),
+    ("blockwise", "tpu"): KernelRate(0.063, "measured on a TPU v5e at h=128, 128-row blocks (4.0% at h=64)"),
+    ("explicit", "tpu"): KernelRate(0.136, "measured on a TPU v5e at h=128 (10% at h=64)"),
     ("blockwise", "any"): KernelRate(
         0.25, "assumption: XLA-compiled 128-wide tiles, no fused kernel; FlashAttention-1's low end (25%)"
     ),
 }
 
-# (kernel, device name) pairs meshlm has run and timed (benchmarks/gpu.sh); none yet.
-MEASURED: frozenset[tuple[str, str]] = frozenset()
+# (kernel, device name) pairs meshlm has run and timed (benchmarks/tpu.sh, benchmarks/gpu.sh)
+MEASURED: frozenset[tuple[str, str]] = frozenset(
+    {("splash", "tpu-v5e"), ("blockwise", "tpu-v5e"), ("explicit", "tpu-v5e")}
+)
 
 
 @dataclass(frozen=True)

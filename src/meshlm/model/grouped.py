@@ -26,7 +26,11 @@ worst-case buffer [X, n, d] (any device may receive all n of another's assignmen
 rows, where capacity buffers dropless send E/k x), all_to_all's it with the local expert ids, runs
 its experts over the X n received rows (the tile loop skips the empty steps), and sends the rows
 back. `ragged_all_to_all`, which would send only the routed rows, is not used: XLA:CPU does not
-implement it, so nothing here could test it.
+implement it, so the suite could not test it (on one TPU v5e chip it compiled and ran a self-exchange).
+
+On a TPU v5e (benchmarks/tpu.sh), megablox and ragged_dot gave moe-tiny's raw gradients to 1.5e-6 of
+the tiled kernel's on the host CPU; at Qwen3-30B-A3B's expert shapes ragged_dot ran 1.5x megablox's
+tiling here, both at 20-30% of dense GEMMs' rate (BENCHMARKS.md, "First accelerator").
 """
 
 from __future__ import annotations

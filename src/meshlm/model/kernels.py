@@ -41,6 +41,10 @@ from meshlm.parallel.rules import Layout
 
 PAD_DOCUMENT = -1  # the segment id of padding rows (real documents are numbered from 0)
 LANES = 128  # the TPU vector width: splash tiles keys in multiples of it
+# splash's smallest block under `model.attention=fused` (`model.attention_block` sizes the CPU's blockwise
+# tiles): on a TPU v5e, forward + backward at 512 ran 4.7x (h=64, s=2048) and 5.7x (h=128, s=4096) faster
+# than at 128, and a gpt-125m step 2.6x (BENCHMARKS.md, "TPU v5e"); capped by the padded sequence
+SPLASH_BLOCK = 512
 
 
 def fused_implementation(dtype: str, head_dim: int, document_mask: bool, device=None) -> tuple[str, str]:
@@ -97,7 +101,9 @@ def fused_at_offset(dtype: str, head_dim: int, document_mask: bool, block: int):
     name, _ = offset_kernel(kind)
     if name is None:
         return None
-    return partial(splash_attention_at if name == "splash" else pallas_gpu_attention_at, block=block)
+    if name == "splash":
+        return partial(splash_attention_at, block=max(block, SPLASH_BLOCK))
+    return partial(pallas_gpu_attention_at, block=block)
 
 
 def fused_attention(
@@ -118,7 +124,9 @@ def fused_attention(
     if kind == "cudnn":
         return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, implementation="cudnn")
     if kind in ("pallas-gpu", "splash"):
-        fn = partial(pallas_gpu_attention if kind == "pallas-gpu" else splash_attention, block=block)
+        fn = partial(pallas_gpu_attention, block=block)
+        if kind == "splash":
+            fn = partial(splash_attention, block=max(block, SPLASH_BLOCK))
         return sharded(layout, heads, fn)(q_btnh, k_bskh, v_bskh, segment_ids_bt)
     return blockwise_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, block=block)
 
@@ -346,14 +354,20 @@ def splash_attention_at(
     s, kv = k_bskh.shape[1:3]
     g = n // kv
     size = -(-block // LANES) * LANES  # splash's key blocks are whole multiples of the TPU's 128 lanes
-    tq, tk = -(-t // size) * size, -(-s // size) * size
+    size_q, size_k = (min(size, -(-n // LANES) * LANES) for n in (t, s))  # no block past the padded rows
+    tq, tk = -(-t // size_q) * size_q, -(-s // size_k) * size_k
     seg_k = jnp.zeros((b, s), jnp.int32) if seg_k_bs is None else seg_k_bs.astype(jnp.int32)
     seg_k = _pad_rows(seg_k, tk, PAD_DOCUMENT)
     seg_q = jnp.zeros((b, t), jnp.int32) if seg_q_bt is None else seg_q_bt.astype(jnp.int32)
     seg_q = jnp.concatenate([seg_q, jnp.broadcast_to(seg_k[:, :1], (b, tq - t))], 1)
     mask = masks.MultiHeadMask([masks.CausalMask((tq, tk), offset=offset) for _ in range(g)])
     sizes = splash.BlockSizes(
-        block_q=size, block_kv=size, block_q_dkv=size, block_kv_dkv=size, block_q_dq=size, block_kv_dq=size
+        block_q=size_q,
+        block_kv=size_k,
+        block_q_dkv=size_q,
+        block_kv_dkv=size_k,
+        block_q_dq=size_q,
+        block_kv_dq=size_k,
     )
     kernel = splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
     q = (_pad_rows(q_btnh, tq) / math.sqrt(h)).astype(q_btnh.dtype).reshape(b, tq, kv, g, h).transpose(0, 2, 3, 1, 4)

@@ -139,23 +139,32 @@ def test_mla_mtp_moe_layouts_give_the_one_device_gradients(name, params, referen
     assert_same_as_one_device(grads(config(mesh, sp, policy, **model), params), reference(**model))
 
 
-DENSE = dict(n_experts=0, first_k_dense=0, router_score="softmax", router_bias=False, n_group=1, topk_group=1)
-DENSE |= dict(routed_scaling_factor=1.0, n_shared_experts=0, mtp_depth=0, n_layers=4)
+# every layer MoE (a pipeline refuses dense layers beside MoE ones), no MTP (refused in pipelines),
+# DeepSeek-V3's router with both balance losses on
+PIPELINED = dict(first_k_dense=0, mtp_depth=0, n_layers=4, moe_aux_loss_coef=1e-2, moe_seq_aux_loss_coef=1e-2)
 
 
 @pytest.mark.parametrize("schedule", ["zb1", "interleaved"])
-def test_mla_in_a_pipeline_gives_the_one_device_gradients(schedule):
-    """MLA (dense layers, no MTP: MoE and MTP refuse pipelines) on stage=2 x tensor=2 + SP: zb1, whose
-    weight pass runs each layer's tensor-parallel regions apart, and interleaved (2 chunks a stage)."""
-    params = _perturbed(param_specs(dataclasses.replace(MODEL, **DENSE)))
-    cfg = config(dict(stage=2, tensor=2), True, **DENSE)
+def test_mla_moe_in_a_pipeline_gives_the_one_device_gradients(schedule):
+    """MLA with MoE layers (sigmoid scores, the router bias choosing, groups, routed scaling, the pooled
+    and sequence-wise balance losses) on stage=2 x expert=2 x tensor=2 + SP with 4 microbatches: zb1,
+    whose weight pass runs each layer's tensor-parallel regions apart, and interleaved (2 chunks a
+    stage). Gradients, loss, router losses and the exact expert counts (the bias update's input) equal
+    one device's."""
+    params = _perturbed(param_specs(dataclasses.replace(MODEL, **PIPELINED)))
+    cfg = config(dict(stage=2, tensor=2, expert=2), True, **PIPELINED)
     virtual = 2 if schedule == "interleaved" else 1
     par = dataclasses.replace(cfg.parallel, pipeline_schedule=schedule, virtual_stages=virtual)
-    cfg = validate(dataclasses.replace(cfg, parallel=par, train=dataclasses.replace(cfg.train, microbatches=4)))
-    got, ref = grads(cfg, params), grads(config(**DENSE), params)
+    with_micro = lambda c: validate(dataclasses.replace(c, train=dataclasses.replace(c.train, microbatches=4)))
+    got, ref = (
+        grads(with_micro(dataclasses.replace(cfg, parallel=par)), params),
+        grads(with_micro(config(**PIPELINED)), params),
+    )
     g, r = named_leaves(got["grads"]), named_leaves(ref["grads"])
-    assert max(float(np.linalg.norm(g[n] - r[n]) / np.linalg.norm(r[n])) for n in r) < RTOL
-    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=RTOL)
+    assert max(float(np.linalg.norm(g[n] - r[n]) / max(np.linalg.norm(r[n]), 1e-6)) for n in r) < RTOL
+    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss"):
+        np.testing.assert_allclose(got[key], ref[key], rtol=RTOL, err_msg=key)
+    np.testing.assert_array_equal(got["expert_counts"], ref["expert_counts"])
 
 
 def _np_rope(x, pos, inv_freq, factor):

@@ -3,6 +3,7 @@ layout against one device (dropless and with drops), a training run's router met
 metrics.jsonl / TensorBoard / the report, checkpoints across layouts, and the configs it refuses."""
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -277,6 +278,53 @@ def test_dropless_kernels_give_the_one_device_gradients(name, params, reference)
     assert_same_as_one_device(got, reference(0.0))
 
 
+# MoE inside pipelines: name -> (mesh, schedule, SP, capacity factor, remat policy); 2 microbatches
+PIPELINES = {
+    "stage2_expert2_tensor2 1f1b, NaN bubbles": (dict(stage=2, expert=2, tensor=2), "1f1b", False, 0.0, "elementwise"),
+    "stage2_expert2_tensor2+sp zb1 capacity 1, full": (dict(stage=2, expert=2, tensor=2), "zb1", True, 1.0, "full"),
+    "stage2_data2_expert2 gpipe capacity 1": (dict(stage=2, data=2, expert=2), "gpipe", False, 1.0, "elementwise"),
+}
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_moe_inside_pipelines_gives_the_one_device_gradients(name, params, reference, monkeypatch):
+    """Each stage's MoE layers route their rows, the router losses' gradients come from each chunk's
+    share given the microbatch's counts over every stage (riding with the activations and back with
+    the cotangents), and the metrics from every layer's statistics: raw gradients, loss, norm, router
+    losses, drops and loads equal one device's with the same 2 microbatches - with the expert
+    exchange inside a stage, zb1's split backward, drops, and idle stages that send NaN."""
+    from meshlm import step
+    from meshlm.parallel import pipeline
+
+    mesh, schedule, sp, factor, policy = PIPELINES[name]
+    if "NaN" in name:  # every empty slot and idle send NaN: none of it may reach a gradient or metric
+        monkeypatch.setattr(
+            step, "pipeline_gradients", functools.partial(pipeline.pipeline_gradients, idle_fill=jnp.nan)
+        )
+    cfg = moe_config(mesh, sp, factor, policy, microbatches=2)
+    cfg = validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_schedule=schedule)))
+    assert_same_as_one_device(got := grads(cfg, params), reference(factor, 2))
+    np.testing.assert_array_equal(got["expert_counts"], reference(factor, 2)["expert_counts"])
+
+
+def test_a_pipeline_without_the_other_stages_counts_is_caught(params, reference, monkeypatch):
+    """The comparison above fails when a stage's router-loss gradient uses its own layers' counts
+    (no total riding through the pipeline) instead of the microbatch's over all stages."""
+    from meshlm.parallel import pipeline
+
+    monkeypatch.setattr(pipeline._Stage, "moe_tick", _own_counts_only(pipeline._Stage.moe_tick))
+    cfg = moe_config(dict(stage=2), microbatches=2)
+    with pytest.raises(AssertionError, match="w_router"):
+        assert_same_as_one_device(grads(cfg, params), reference(0.0, 2))
+
+
+def _own_counts_only(moe_tick):
+    def tick(self, c, r, stats, send_act, got_moe_grad):
+        return moe_tick(self, c | {"act": jnp.zeros_like(c["act"])}, r, stats, send_act, got_moe_grad)
+
+    return tick
+
+
 def test_the_tile_loop_skips_the_steps_past_the_routed_rows():
     """16 assignments, 2 per expert, each padded to a 128-row tile: 1,024 used rows (2 steps of 4 x
     128) in a buffer of 4 steps. The other 2 steps are skipped: their rows, ones here, come out
@@ -406,6 +454,7 @@ def test_the_grouped_cpu_kernel_runs_at_most_1_25x_the_routed_flops():
     routed = 16 * 128 * 2 * one_row
     experts = hlo.executed_dot_flops(text) - 3 * 2 * 16 * 128 * m.d_model * m.n_experts  # less the router's
     assert moe_costs.expert_kernel(m, 16, 128) == "tiled" and moe_costs.grouped_rows(4096, 8) == 5120
+    assert moe_costs.expert_kernel(m, 16, 128, platform="tpu") == "ragged_dot"  # 1.5x megablox on a v5e
     assert experts == 3 * 5120 * one_row and experts <= 1.25 * 3 * routed
     assert hlo.dot_flops(text) < 3 * routed / 2  # the loop body's text holds one step of 512 rows
 
@@ -452,7 +501,7 @@ def test_dropless_moe_under_context_parallelism_equals_one_device(context_refere
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(parallel=ParallelConfig(stage=2)), "pipeline"),
+        (dict(parallel=ParallelConfig(stage=2), model=dict(first_k_dense=1)), "which a pipeline's stages"),
         (dict(parallel=ParallelConfig(context=2)), "a finite capacity is shared by one whole sequence"),
         (dict(parallel=ParallelConfig(expert=3)), "model.n_experts=8 is not divisible by mesh axis 'expert'"),
         (dict(model=dict(experts_per_token=9)), "experts_per_token=9"),

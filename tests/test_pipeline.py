@@ -364,7 +364,7 @@ def test_bubbles_are_inert(params):
 
     @jax.jit
     def run(p, batch):
-        g, loss, count = pipeline.pipeline_gradients(p, batch, dropout_key(cfg, STEP), cfg, layout, split, jnp.nan)
+        g, loss, count, _ = pipeline.pipeline_gradients(p, batch, dropout_key(cfg, STEP), cfg, layout, split, jnp.nan)
         return jax.tree.map(lambda x: x / count, g), loss / count
 
     g, loss = jax.device_get(run(jax.device_put(params["gpt"], shardings), batch_for(cfg)))

@@ -8,6 +8,7 @@ This module holds checks only, no training logic.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -51,6 +52,13 @@ FINAL_EXITS = {
     EXIT_NONFINITE: "a non-finite step (it would recur)",
     EXIT_MISMATCH: "a layout that differs from one device (meshlm check)",
 }
+
+
+@functools.cache
+def _layer_kinds(n_layers: int, first_k_dense: int, step: int, dense: tuple[int, ...]) -> tuple[tuple, tuple]:
+    """(MoE layer ids, dense layer ids) of an MoE model, cached: the planner asks a million times a search."""
+    moe = tuple(i for i in range(n_layers) if i >= first_k_dense and (i + 1) % step == 0 and i not in dense)
+    return moe, tuple(i for i in range(n_layers) if i not in moe)
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,7 @@ class ModelConfig:
     expert_capacity_factor: float = 0.0
     # the routed experts' GEMMs (docs/moe.md): `buffers` (batched over capacity buffers: dropless runs
     # E/k x the routed FLOPs), or grouped over the routed assignments (dropless only): `tiled` (CPU),
-    # `ragged_dot` (GPU), `megablox` (TPU; interpret mode elsewhere); `auto`: buffers with a finite
+    # `ragged_dot` (GPU, TPU), `megablox` (TPU; interpret mode elsewhere); `auto`: buffers with a finite
     # capacity, else the device's grouped kernel (buffers where they would run fewer rows)
     moe_kernel: Literal["auto", "buffers", "tiled", "ragged_dot", "megablox"] = "auto"
     # layers whose MLP stays a dense SwiGLU of width d_ff in an MoE model: the first `first_k_dense`
@@ -230,10 +238,10 @@ class ModelConfig:
         """The layers whose MLP is the MoE layer (all of an MoE model's but its dense layers)."""
         if not self.moe:
             return ()
-        step, dense = max(self.moe_layer_step, 1), set(self.dense_layers)
-        return tuple(
-            i for i in range(self.n_layers) if i >= self.first_k_dense and (i + 1) % step == 0 and i not in dense
-        )
+        return self._kinds()[0]
+
+    def _kinds(self) -> tuple[tuple, tuple]:
+        return _layer_kinds(self.n_layers, self.first_k_dense, max(self.moe_layer_step, 1), tuple(self.dense_layers))
 
     @property
     def moe_stat_layer_ids(self) -> tuple[int, ...]:
@@ -244,8 +252,9 @@ class ModelConfig:
     @property
     def dense_layer_ids(self) -> tuple[int, ...]:
         """An MoE model's layers with a dense SwiGLU (stacked apart, as params["dense_layers"])."""
-        moe = set(self.moe_layer_ids)
-        return tuple(i for i in range(self.n_layers) if i not in moe) if self.moe else ()
+        if not self.moe:
+            return ()
+        return self._kinds()[1]
 
     @property
     def shared_ffn(self) -> int:

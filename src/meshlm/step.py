@@ -26,7 +26,7 @@ from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model import mtp
 from meshlm.model.loss import cross_entropy_sum
-from meshlm.model.moe import MOE_METRICS, SUMMED_METRICS, moe_losses, update_router_bias, without_capacity
+from meshlm.model.moe import MOE_METRICS, moe_losses, over_microbatches, update_router_bias, without_capacity
 from meshlm.model.params import param_specs, partition, trainable_mask
 from meshlm.model.transformer import forward
 from meshlm.optim import lr_schedule
@@ -127,10 +127,10 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
     k = cfg.train.microbatches
     if layout.stage_size > 1:  # the microbatches flow through the pipeline's stages instead
         split = lambda b, m: _split_microbatches(b, m, layout)
-        grads, loss_sum, count = pipeline_gradients(params, batch, key, cfg, layout, split)
+        grads, loss_sum, count, moe_metrics = pipeline_gradients(params, batch, key, cfg, layout, split)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         denom = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
-        return jax.tree.map(lambda g: g / denom, grads), loss_sum / denom, count, {}
+        return jax.tree.map(lambda g: g / denom, grads), loss_sum / denom, count, moe_metrics
     # LoRA: only the trainable leaves are differentiated, so the frozen weights' gradients (their
     # d_in x d_out GEMMs) are never computed; they are zeros (constants) in the returned tree
     mask = trainable_mask(param_specs(cfg.model))
@@ -153,7 +153,7 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         micro = _split_microbatches(batch, k, layout)
         (grads, loss_sum, count), per_micro = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
-        moe_metrics = {k: (jnp.sum if k in SUMMED_METRICS else jnp.mean)(a, 0) for k, a in per_micro.items()}
+        moe_metrics = over_microbatches(per_micro)
     denom = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
     if "mtp_loss_sum" in moe_metrics:  # each module's loss, DeepSeek-V3's L_k
         moe_metrics["mtp_loss"] = moe_metrics.pop("mtp_loss_sum") / denom

@@ -220,9 +220,10 @@ def _validate_moe(cfg: RunConfig) -> None:
     if m.shared_ffn:
         _divides(m.shared_ffn, "model.shared_expert_d_ff", p.tensor, "tensor")
     _need(
-        p.stage == 1,
-        "Mixture of Experts does not compose with pipeline parallelism yet (parallel.stage > 1); use the "
-        "expert, data, fsdp and tensor axes (docs/moe.md)",
+        p.stage == 1 or not m.dense_layer_ids,
+        "an MoE model with dense layers (model.first_k_dense, moe_layer_step or dense_layers) keeps them in a "
+        "stack of their own, which a pipeline's stages (parallel.stage > 1) do not split yet; train it with "
+        "the expert, data, fsdp, tensor and context axes, or make every layer MoE (docs/moe.md)",
     )
     _need(
         p.context == 1 or m.expert_capacity_factor == 0,

@@ -535,10 +535,10 @@ def enumerate_plans(
 
 def _meshes(cfg: RunConfig, n_devices: int) -> list[dict[str, int]]:
     """Every factorisation of the device count over the mesh axes (context inside pipeline stages
-    too); pipelines only over stage counts that split the layers. MoE models: `expert` over the
-    sizes that divide the experts, no pipelines, context only dropless (validation's rules)."""
+    too); pipelines only over stage counts that split the layers. MoE: `expert` over the sizes that
+    divide the experts, pipelines if every layer is MoE, context only dropless (validation's rules)."""
     m, out = cfg.model, []
-    for stage in (p for p in _divisors(n_devices) if m.n_layers % p == 0 and (p == 1 or not m.moe)):
+    for stage in (p for p in _divisors(n_devices) if m.n_layers % p == 0 and (p == 1 or not m.dense_layer_ids)):
         for tensor in _divisors(n_devices // stage):
             rest = n_devices // stage // tensor
             experts = [e for e in _divisors(rest) if m.n_experts % e == 0] if m.moe else [1]
@@ -563,16 +563,14 @@ def _schedules(cfg: RunConfig, stages: int) -> list[tuple[str, int]]:
     by validation, with the reason."""
     if stages == 1:
         return [("1f1b", 1)]
-    layers = cfg.model.n_layers
-    interleaved = [("interleaved", v) for v in range(2, MAX_INTERLEAVE + 1) if layers % (stages * v) == 0]
+    interleaved = [("interleaved", v) for v in range(2, MAX_INTERLEAVE + 1) if cfg.model.n_layers % (stages * v) == 0]
     return [("1f1b", 1), ("zb1", 1), *interleaved]
 
 
 def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
     """The configs `enumerate_plans` weighs, unvalidated: mesh factorisations x attention kernel x
     SP x pipeline schedule x remat policy x microbatch count."""
-    # explicit attention stores (causal blocks of) the s x s scores: offer the blockwise kernel next
-    # to it (CP needs it)
+    # explicit attention stores (causal blocks of) the s x s scores: offer blockwise next to it (CP needs it)
     kernels = ("explicit", "blockwise") if cfg.model.attention == "explicit" else (cfg.model.attention,)
     for sizes in _meshes(cfg, n_devices):
         # the three context strategies (all_to_all, where the heads divide, runs any kernel; the others blockwise)
@@ -581,6 +579,8 @@ def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
             if sizes["context"] > 1 and kernel == "explicit" and strategy != "all_to_all":
                 continue
             model = dataclasses.replace(cfg.model, attention=kernel)
+            # the O(s) kernels store no scores: `selective` runs as `elementwise` (one row for both)
+            pols = policies if kernel == "explicit" else tuple(p for p in policies if p != "selective") or policies
             for sp, (schedule, v) in itertools.product(
                 (False, True) if sizes["tensor"] > 1 else (False,), _schedules(cfg, sizes["stage"])
             ):
@@ -594,7 +594,7 @@ def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
                 )
                 # ZeRO-1 where the weights are replicated over data or context (fsdp shards the moments already)
                 zero1 = (False, True) if sizes["data"] * sizes["context"] > 1 else (False,)
-                for policy, k, shard in itertools.product(policies, _divisors(cfg.train.global_batch), zero1):
+                for policy, k, shard in itertools.product(pols, _divisors(cfg.train.global_batch), zero1):
                     train = dataclasses.replace(cfg.train, microbatches=k)
                     run = dataclasses.replace(par, shard_optimizer=shard)
                     yield dataclasses.replace(cfg, model=model, parallel=run, remat=RematConfig(policy), train=train)

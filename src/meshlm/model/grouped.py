@@ -13,11 +13,11 @@ row start_e + (its rank among e's assignments, in token order).
   GEMMs; steps past the last used tile are skipped (`lax.cond`). Its custom VJP runs the same loop
   backward, recomputing silu(gate) x up from the kept gate and up, and adding each tile's weight
   gradient (fp32) into its expert's.
-- `ragged_dot` (GPU): `jax.lax.ragged_dot` over the padded groups. Whether XLA:GPU lowers it to a
-  grouped GEMM is unverified here (no GPU has run it); XLA:CPU lowers it to a dense dot over every
-  group, so on CPU it is a reference only.
-- `megablox` (TPU): JAX's Pallas `gmm` (MaxText's kernel), in interpret mode off TPU (tested so).
-  Its rows past the groups are left unwritten: they are zeroed here.
+- `ragged_dot` (GPU, and TPU, where it ran 1.5x megablox): `jax.lax.ragged_dot` over the padded
+  groups. Whether XLA:GPU lowers it to a grouped GEMM is unverified here (no GPU has run it);
+  XLA:CPU lowers it to a dense dot over every group, so on CPU it is a reference only.
+- `megablox` (TPU, when asked): JAX's Pallas `gmm` (MaxText's kernel), in interpret mode off TPU
+  (tested so). Its rows past the groups are left unwritten: they are zeroed here.
 Each kernel keeps the tiles' input, gate and up for the backward pass and recomputes the rest (the
 ragged_dot and megablox paths by a checkpoint that saves those two by name).
 

@@ -319,6 +319,35 @@ def without_capacity(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, expert_capacity_factor=0.0) if cfg.moe else cfg
 
 
+def router_objective_share(
+    stats: RouterStats, counts_total: jax.Array, count: jax.Array, cfg: ModelConfig, rows: int
+) -> jax.Array:
+    """One group of a microbatch's MoE layers and rows (a pipeline chunk on one device) - its share
+    of the objective's router term count x (aux_coef x aux + z_coef x z + seq_coef x seq)
+    (`step.objective_sum`, `moe_losses`). `counts_total` [E]: the microbatch's assignments per
+    expert over all its MoE layers and rows, which fix the load-balancing loss's f (counts carry no
+    gradient, so f is a constant of the step's gradient too); `rows`: the microbatch's rows. Every
+    layer routes every token (counts are taken before drops), so each layer's tokens are the total's
+    1/L. The shares of all chunks and rows sum to the router term; the gradient of a chunk's share
+    with respect to its statistics is the cotangent a pipeline's backward feeds the chunk."""
+    k, E, L = cfg.experts_per_token, cfg.n_experts, len(cfg.moe_layer_ids)
+    pairs = jnp.sum(counts_total) / k  # (token, layer) pairs of the microbatch
+    f = jax.lax.stop_gradient(counts_total / pairs)
+    aux = E * jnp.sum(f * stats.prob_sum.sum(axis=(0, 1))) / pairs
+    z = stats.z_sum.sum() / (pairs / L) / L
+    share = cfg.moe_aux_loss_coef * aux + cfg.moe_z_loss_coef * z
+    if cfg.moe_seq_aux_loss_coef:
+        row_tokens = stats.counts.sum(axis=-1, keepdims=True) / k
+        seq = jnp.sum(E / k * stats.counts * stats.prob_sum / jnp.square(row_tokens)) / (L * rows)
+        share += cfg.moe_seq_aux_loss_coef * seq
+    return count * share
+
+
+def over_microbatches(per_micro: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """A step's MoE metrics from each microbatch's [k, ...]: summed (`SUMMED_METRICS`) or averaged."""
+    return {k: (jnp.sum if k in SUMMED_METRICS else jnp.mean)(a, 0) for k, a in per_micro.items()}
+
+
 def moe_losses(stats: RouterStats, cfg: ModelConfig) -> dict[str, jax.Array]:
     """From the per-layer, per-row statistics [L, b, ...] of one microbatch: the load-balancing loss
     (Switch/GShard) in `transformers`' form (`load_balancing_loss_func`), pooled over the layers:

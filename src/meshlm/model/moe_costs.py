@@ -11,7 +11,9 @@ from meshlm.config import ModelConfig, RunConfig
 
 TILE = 128  # grouped rows per tile: each expert's group is padded to a multiple (the padding runs)
 CHUNK = 4  # tiles per step of the CPU kernel's loop: 512 rows (tuned at moe-tiny's shapes, BENCHMARKS.md)
-DEVICE_KERNEL = {"cpu": "tiled", "gpu": "ragged_dot", "tpu": "megablox"}  # `model.moe_kernel=auto`, dropless
+# `model.moe_kernel=auto`, dropless. TPU: ragged_dot ran 1.5x megablox at Qwen3-30B-A3B's expert shapes on
+# a v5e (45.3 vs 30.1 TFLOP/s, benchmarks/tpu.sh; BENCHMARKS.md "First accelerator")
+DEVICE_KERNEL = {"cpu": "tiled", "gpu": "ragged_dot", "tpu": "ragged_dot"}
 
 
 def expert_capacity(cfg: ModelConfig, t: int) -> int:
@@ -108,7 +110,8 @@ def moe_terms(m: ModelConfig, s: int, b: int, t: int, sequence_parallel: bool, e
 
 
 def expert_exchange_bytes(cfg: RunConfig) -> float:
-    """Bytes one device sends per step in MoE's all_to_alls over `expert`: per layer and microbatch,
+    """Bytes one device sends per step in MoE's all_to_alls over `expert`: per layer (of its pipeline
+    stage) and microbatch,
     out to the experts' devices and back, forward and again (as cotangents) backward, and once more
     forward where the policy recomputes the layer (`full`) or the experts (`dots`, `offload`);
     (X-1)/X of it leaves the device. Capacity buffers move [E, b, C, d]; the grouped exchange its
@@ -124,7 +127,8 @@ def expert_exchange_bytes(cfg: RunConfig) -> float:
     else:
         n = par.expert * b * s * m.experts_per_token
         per_layer = (6 if again else 4) * n * m.d_model * e + (2 if again else 1) * n * 4
-    return t.microbatches * len(m.moe_stat_layer_ids) * per_layer * (par.expert - 1) / par.expert  # MTP's too
+    layers = len(m.moe_stat_layer_ids) / par.stage  # MTP's too; a pipeline stage's share
+    return t.microbatches * layers * per_layer * (par.expert - 1) / par.expert
 
 
 def _bytes(m: ModelConfig) -> int:

@@ -57,6 +57,7 @@ accumulation loop of `step.gradients` does, so a pipelined step equals the unpip
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -66,11 +67,12 @@ from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
 from meshlm.config import RunConfig
+from meshlm.model import moe
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.params import param_specs
 from meshlm.model.transformer import RESIDUAL, embed, logits, region_shapes, run_layers, weight_gradients
 from meshlm.parallel.collectives import region_weight_spec
-from meshlm.parallel.rules import Layout, constrain
+from meshlm.parallel.rules import Layout, constrain, part_names
 from meshlm.parallel.schedules import Schedule, build, runs_unbranched, tables
 
 AXIS = "stage"
@@ -103,10 +105,18 @@ def _slots(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, fill: float, host
 
 
 def _kept(layout: Layout, axes) -> NamedSharding:
-    """The layout a weight keeps inside the pipeline: its `tensor` split (and `stage` on the stacked
-    layer axis, logical LAYERS); the fsdp split and the embeddings' stage split are gathered."""
-    spec = region_weight_spec(layout, axes)
+    """The layout a weight keeps inside the pipeline: its `tensor` and `expert` splits (and `stage`
+    on the stacked layer axis, logical LAYERS); the fsdp split and the embeddings' stage split are
+    gathered."""
+    spec = region_weight_spec(layout, axes, ("expert", "tensor"))
     return NamedSharding(layout.mesh, P(AXIS, *spec[1:]) if axes[0] == ax.LAYERS else spec)
+
+
+def _region_spec(layout: Layout, axes) -> P:
+    """A stacked weight [p, v, L/(pv), ...] (logical `axes`) entering the stage region, which is manual over `stage`
+    and the batch axes: split over `stage`, and an MoE expert weight over `expert` (a batch axis
+    too), so that each device holds its own experts, as the MoE region inside a layer expects."""
+    return P(AXIS, None, None, *region_weight_spec(layout, axes[3:], ("expert",)))
 
 
 def _put(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -123,9 +133,10 @@ class _Stage:
     shapes, the chunk weights of this stage, the residuals' structure) and the phases as methods.
     Built inside the `shard_map` body, so `stage` is this device's stage index."""
 
-    def __init__(self, cfg: RunConfig, layout: Layout, tab, local, top, micro, key, idle_fill: float):
+    def __init__(self, cfg: RunConfig, layout: Layout, tab, local, top, micro, key, idle_fill: float, tokens=None):
         self.cfg, self.layout, self.tab, self.idle_fill = cfg, layout, tab, idle_fill
         self.local, self.top, self.micro, self.key = local, top, micro, key
+        self.moe, self.tokens = cfg.model.moe, tokens  # MoE: each microbatch's counted tokens [m]
         self.p, self.m = cfg.parallel.stage, cfg.train.microbatches
         self.per_chunk = cfg.model.n_layers // (self.p * cfg.parallel.virtual_stages)
         self.dtype = jnp.dtype(cfg.model.dtype)
@@ -190,9 +201,10 @@ class _Stage:
         return cross_entropy_sum(out, mb["targets"], mb.get("mask"))
 
     def vjp_parts(self, w, x, k, ids, seg):
-        """The chunk's output, its vjp, which residuals are the chunk's weights themselves (index
-        into w's leaves, else None: those are not stashed but taken again in B), and (zb1) the
-        regions' inputs its weight pass needs; the vjp then also gives the regions' output gradients."""
+        """The chunk's output and its MoE layers' RouterStats (None without), their vjp (a function
+        of both cotangents), which residuals are the chunk's weights themselves (index into w's
+        leaves, else None: those are not stashed but taken again in B), and (zb1) the regions'
+        inputs its weight pass needs; the vjp then also gives the regions' output gradients."""
         run = partial(run_layers, layer_ids=ids, cfg=self.cfg.model, layout=self.layout, key=k, segment_ids=seg)
         run = partial(run, remat_policy=self.cfg.remat.policy)
         # held constant: frozen weights, and (zb1) the regions' weights, whose gradients come from W
@@ -200,13 +212,17 @@ class _Stage:
         other = {n: a for n, a in w.items() if n not in held}
         if self.split:
             taps = [jnp.zeros(a.shape, a.dtype) for a in self.w_grads]
-            f = lambda wo, x, t: run(x, {**wo, **held}, taps=t)
-            y, vjp_fn, (_, inputs) = jax.vjp(f, other, x, taps, has_aux=True)
+
+            def f(wo, x, t):
+                y, (stats, inputs) = run(x, {**wo, **held}, taps=t)
+                return (y, stats), inputs
+
+            (y, stats), vjp_fn, inputs = jax.vjp(f, other, x, taps, has_aux=True)
         else:
-            (y, vjp_fn), inputs = jax.vjp(lambda wo, x: run(x, {**wo, **held})[0], other, x), []
+            ((y, stats), vjp_fn), inputs = jax.vjp(lambda wo, x: run(x, {**wo, **held}), other, x), []
         w_leaves = jax.tree.leaves(w)
         where = tuple(next((j for j, q in enumerate(w_leaves) if q is r), None) for r in jax.tree.leaves(vjp_fn))
-        return y, vjp_fn, where, inputs
+        return y, stats, vjp_fn, where, inputs
 
     def _probe_residuals(self) -> None:
         """Trace one chunk's vjp abstractly: the residuals' structure, which are weights, where each lives."""
@@ -214,13 +230,14 @@ class _Stage:
 
         def residuals(w, x):
             mb, k, ids = self.context(0, 0)
-            _, vjp_fn, probe["where"], _ = self.vjp_parts(w, x, k, ids, mb.get("segment_ids"))
+            _, stats, vjp_fn, probe["where"], _ = self.vjp_parts(w, x, k, ids, mb.get("segment_ids"))
             probe["host"] = [jax.typeof(r).memory_space == jax.memory.Space.Host for r in jax.tree.leaves(vjp_fn)]
-            return vjp_fn
+            return vjp_fn, stats
 
         w0 = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], self.dtype), self.local)
         x0 = jax.ShapeDtypeStruct(self.x_shape, self.dtype)
-        leaves, self.treedef = jax.tree.flatten(jax.eval_shape(residuals, w0, x0))
+        vjp_shape, self.stats_shape = jax.eval_shape(residuals, w0, x0)
+        leaves, self.treedef = jax.tree.flatten(vjp_shape)
         self.where = probe["where"]
         kinds = zip(leaves, self.where, probe["host"], strict=True)
         self.stashed = [(leaf, host) for leaf, j, host in kinds if j is None]
@@ -252,15 +269,28 @@ class _Stage:
             return jax.lax.cond(on, run, idle)
         return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(), idle())
 
-    def backward(self, r, res, dy, g_layers, g_top):
+    def stats_cotangent(self, micro_i, moe_in):
+        """MoE: the cotangent of a chunk's RouterStats, the gradient of its share of the router
+        losses (`moe.router_objective_share`) given `moe_in` = (the stats, the microbatch's
+        assignments per expert over all its layers and rows); None without MoE."""
+        if moe_in is None:
+            return None
+        stats, total = moe_in
+        rows = self.cfg.train.global_batch // self.m
+        share = lambda st: moe.router_objective_share(st, total, _take(self.tokens, micro_i), self.cfg.model, rows)
+        return jax.grad(share)(stats)
+
+    def backward(self, r, res, dy, g_layers, g_top, moe_in=None):
         """B(i, c), or nothing when the cell has no backward: (the accumulated chunk weight
         gradients and embedding gradients with this backward's added, the cotangent to send to the
         previous stage, zb1's region output gradients for W - a filler for the spare weight slot
-        when idle). Accumulated inside the branches, so no tick adds zeros."""
+        when idle). Accumulated inside the branches, so no tick adds zeros. MoE: `moe_in` gives
+        the cotangent of the chunk's router statistics (`stats_cotangent`)."""
 
         def run():
             mb, k, _ = self.context(r["b_micro"], r["b_chunk"])
-            dw, dx, *taps = self.rebuilt_vjp(res, r["b_chunk"])(self.resid(dy))
+            cot = (self.resid(dy), self.stats_cotangent(r["b_micro"], moe_in))
+            dw, dx, *taps = self.rebuilt_vjp(res, r["b_chunk"])(cot)
             lc = r["b_chunk"]
             acc = self.accumulate(g_layers, lc, dw)
             out_taps = [g.astype(a.dtype) for g, a in zip(taps[0], self.w_grads, strict=True)] if taps else []
@@ -295,8 +325,9 @@ class _Stage:
     def forward(self, r, x_in, res_keep, g_top):
         """F(i, c), or nothing: (residuals to stash, activation to send, the loss's cotangent to
         file, the accumulated head gradients with this forward's added, loss, token count, zb1's
-        region inputs for W - a filler for the spare weight slot when idle). `res_keep` is what an
-        idle forward writes back into the stash slot."""
+        region inputs for W - a filler for the spare weight slot when idle, the chunk's RouterStats
+        or a filler, None without MoE). `res_keep` is what an idle forward writes back into the
+        stash slot."""
         zero = jnp.zeros((), jnp.float32)
 
         def run():
@@ -305,7 +336,7 @@ class _Stage:
             # both branches of every cond state their outputs' layout (XLA requires them equal)
             x = jax.lax.cond(first, lambda: self.resid(self.embed(self.top, mb, k)), lambda: self.resid(x_in))
             w = self.chunk_weights(r["f_chunk"])
-            y, vjp_fn, w_where, inputs = self.vjp_parts(w, x, k, ids, mb.get("segment_ids"))
+            y, stats, vjp_fn, w_where, inputs = self.vjp_parts(w, x, k, ids, mb.get("segment_ids"))
             inputs = [a.astype(b.dtype) for a, b in zip(inputs, self.w_inputs, strict=True)] if self.split else []
 
             def with_loss():
@@ -318,10 +349,12 @@ class _Stage:
             no_loss = lambda: (self.filled(), self.top_layout(g_top), zero, zero)
             dy, top, ls, cnt = jax.lax.cond(last, with_loss, no_loss)
             send = jnp.where(last, self.filled(), self.resid(y.astype(self.dtype)))
-            return self.stash_of(vjp_fn, w_where), send, dy, top, ls, cnt, inputs
+            return self.stash_of(vjp_fn, w_where), send, dy, top, ls, cnt, inputs, stats
 
         def idle():
-            return res_keep, self.filled(), self.filled(), self.top_layout(g_top), zero, zero, self.spare(self.w_inputs)
+            stats = jax.tree.map(lambda a: _slots((), a, self.idle_fill), self.stats_shape)
+            filled = self.filled()
+            return res_keep, filled, filled, self.top_layout(g_top), zero, zero, self.spare(self.w_inputs), stats
 
         return self.phase(r["f"], run, idle)
 
@@ -340,6 +373,40 @@ class _Stage:
             "g_top": jax.tree.map(jnp.zeros_like, self.top) if self.top_trained else {},
             "loss": jnp.zeros((), jnp.float32),
             "count": jnp.zeros((), jnp.float32),
+            # MoE: the counts riding with the activations and cotangents, and each (microbatch,
+            # chunk)'s RouterStats (row m: what idle forwards write)
+            "moe": self.moe_carry() if self.moe else None,
+        }
+
+    def moe_carry(self) -> dict:
+        counts = jax.ShapeDtypeStruct((self.cfg.model.n_experts,), jnp.float32)
+        v = self.cfg.parallel.virtual_stages
+        return {
+            "act": _slots((self.tab.act_slots,), counts, self.idle_fill),
+            "grad": _slots((self.tab.grad_slots,), counts, self.idle_fill),
+            "stats": jax.tree.map(lambda a: _slots((self.m + 1, v), a, self.idle_fill), self.stats_shape),
+        }
+
+    def moe_tick(self, c: dict, r: dict, stats, send_act, got_moe_grad) -> tuple:
+        """MoE's part of a tick after the forward: the forward's counts (those that arrived with its
+        input plus its chunk's, on this device's rows) go right with its activation; summed over
+        the batch axes they are the microbatch's total on the last chunk, filed with the loss's
+        cotangent; its stats are kept for its backward and the metrics. (the activation received,
+        the new MoE carry)."""
+        arrived = _take(c["act"], r["act_read"])
+        counts = jnp.where(r["f_first"].astype(bool), 0.0, arrived) + stats.counts.sum(axis=(0, 1))
+        batch_axes = manual_batch_axes(self.layout)
+        total = jax.lax.psum(counts, batch_axes) if batch_axes else counts
+        got_act, got_counts = jax.lax.ppermute((send_act, counts), AXIS, [(j, (j + 1) % self.p) for j in range(self.p)])
+        i = jnp.where(r["f"].astype(bool), r["f_micro"], self.m)
+        put = lambda buf, a: jax.lax.dynamic_update_slice(
+            buf, a[None, None].astype(buf.dtype), (i, r["f_chunk"], *(0,) * a.ndim)
+        )
+        grad = _put(_put(c["grad"], r["grad_write"], total), r["recv_grad"], got_moe_grad)
+        return got_act, {
+            "act": _put(c["act"], r["recv_act"], got_counts),
+            "grad": grad,
+            "stats": jax.tree.map(put, c["stats"], stats),
         }
 
     def tick(self, c: dict, row: dict):
@@ -351,6 +418,10 @@ class _Stage:
         are entered by every device on every tick, outside any branch (idle stages send a filler
         that lands in a spare slot)."""
         r = {k: _take(a, self.stage) for k, a in row.items()}
+        moe_c, moe_b = c["moe"], None
+        if self.moe:  # the backward's chunk stats and the microbatch's total counts
+            at = lambda a: _take(_take(a, r["b_micro"]), r["b_chunk"])
+            moe_b = (jax.tree.map(at, moe_c["stats"]), _take(moe_c["grad"], r["grad_read"]))
         # the previous tick's forward's region inputs are written first: every write to the weight
         # slots then precedes the weight passes' reads (inside their branches), and XLA need not
         # copy the whole buffer to keep the old value for a read that a later write would clobber
@@ -358,14 +429,21 @@ class _Stage:
         w_in = [_put(buf, slot, a) for buf, a in zip(c["w_in"], inputs, strict=True)]
         res_b = [_take(buf, r["b_stash"]) for buf in c["stash"]]
         g_layers, g_top, send_grad, taps = self.backward(
-            r, res_b, _take(c["grad"], r["grad_read"]), c["g_layers"], c["g_top"]
+            r, res_b, _take(c["grad"], r["grad_read"]), c["g_layers"], c["g_top"], moe_b
         )
         w_grad = [_put(buf, r["b_wslot"], g) for buf, g in zip(c["w_grad"], taps, strict=True)]
         g_layers = self.weight_pass(r, "w1", w_in, w_grad, g_layers)
-        got_grad = jax.lax.ppermute(send_grad, AXIS, [(j, (j - 1) % self.p) for j in range(self.p)])
+        left = [(j, (j - 1) % self.p) for j in range(self.p)]
+        if self.moe:  # the microbatch's total counts go back with the cotangent
+            got_grad, got_moe_grad = jax.lax.ppermute((send_grad, moe_b[1]), AXIS, left)
+        else:
+            got_grad = jax.lax.ppermute(send_grad, AXIS, left)
         g_layers = self.weight_pass(r, "w2", w_in, w_grad, g_layers)
-        res, send_act, dy, g_top, ls, cnt, inputs = self.forward(r, _take(c["act"], r["act_read"]), res_b, g_top)
-        got_act = jax.lax.ppermute(send_act, AXIS, [(j, (j + 1) % self.p) for j in range(self.p)])
+        res, send_act, dy, g_top, ls, cnt, inputs, stats = self.forward(r, _take(c["act"], r["act_read"]), res_b, g_top)
+        if self.moe:
+            got_act, moe_c = self.moe_tick(moe_c, r, stats, send_act, got_moe_grad)
+        else:
+            got_act = jax.lax.ppermute(send_act, AXIS, [(j, (j + 1) % self.p) for j in range(self.p)])
         grad = _put(c["grad"], r["grad_write"], dy)
         return {
             "act": _put(c["act"], r["recv_act"], got_act),
@@ -378,6 +456,7 @@ class _Stage:
             "g_top": g_top,
             "loss": c["loss"] + ls,
             "count": c["count"] + cnt,
+            "moe": moe_c,
         }, None
 
 
@@ -396,8 +475,10 @@ def pipeline_gradients(
     split_microbatches,
     idle_fill: float = 0.0,
 ):
-    """(summed gradients, summed token loss, token count) of one global batch through the
-    pipeline, as `step.gradients` computes them without one (before its division by the count).
+    """(summed gradients, summed token loss, token count, MoE metrics) of one global batch through
+    the pipeline, as `step.gradients` computes them without one (before its division by the count).
+    MoE: the router losses' gradients come from each chunk's share (`_Stage.stats_cotangent`), and
+    the metrics from every layer's RouterStats of every microbatch, as `step.gradients` has them.
 
     `split_microbatches(batch, m)` gives [m, b/m, ...] arrays. `idle_fill` is what idle stages
     send and what empty slots hold (tests fill them with NaN to show that bubbles are inert)."""
@@ -415,9 +496,8 @@ def pipeline_gradients(
     # embeddings and output layer, stored split over fsdp x stage (1/p of them and their optimizer
     # state per device), over both. Only the stage split of the layers and the tensor splits remain.
     keep = lambda w, axes: jax.lax.with_sharding_constraint(w, _kept(layout, axes))
-    stacked = {
-        n: keep(regroup(w), (ax.LAYERS, None, None, *specs["layers"][n].axes[1:])) for n, w in params["layers"].items()
-    }
+    stacked_axes = {n: (ax.LAYERS, None, None, *specs["layers"][n].axes[1:]) for n in params["layers"]}
+    stacked = {n: keep(regroup(w), stacked_axes[n]) for n, w in params["layers"].items()}
     top = {n: keep(w, specs[n].axes) for n, w in params.items() if n != "layers"}
     micro = split_microbatches(batch, m)
 
@@ -425,27 +505,34 @@ def pipeline_gradients(
     # through the whole tick loop, and they are summed over the batch axes once, after it.
     batch_axes = manual_batch_axes(layout)
 
-    def body(stacked, top, micro, key_arr=None):
+    in_layers = {n: _region_spec(layout, a) for n, a in stacked_axes.items()}
+    # each leaf's gradient is summed over the batch axes that do not split it (experts: data x fsdp)
+    reduce_over = {n: tuple(a for a in batch_axes if a not in _named(s)) for n, s in in_layers.items()}
+    tokens = _microbatch_tokens(micro)
+    trained = [n for n, spec in specs["layers"].items() if spec.trainable]
+
+    def body(stacked, top, micro, tokens, key_arr=None):
         local = jax.tree.map(lambda w: w[0], stacked)  # [v, L/(pv), ...]
-        stage = _Stage(cfg, layout, tab, local, top, micro, key_arr, idle_fill)
+        stage = _Stage(cfg, layout, tab, local, top, micro, key_arr, idle_fill, tokens)
         rows = jax.tree.map(jnp.asarray, tab.rows)
         c, _ = jax.lax.scan(stage.tick, stage.carry(), rows)
-        over_batch = lambda t: jax.lax.psum(t, batch_axes)
         total = lambda t: jax.lax.psum(t, (AXIS, *batch_axes))
-        g_layers = jax.tree.map(lambda g: over_batch(g)[None], c["g_layers"])
-        return g_layers, jax.tree.map(total, c["g_top"]), total(c["loss"]), total(c["count"])
+        g_layers = {n: jax.lax.psum(g, reduce_over[n])[None] for n, g in c["g_layers"].items()}
+        out = g_layers, jax.tree.map(total, c["g_top"]), total(c["loss"]), total(c["count"])
+        return (*out, jax.tree.map(lambda a: a[None, :m], c["moe"]["stats"])) if cfg.model.moe else (*out, None)
 
-    args = (stacked, top, micro) + ((key,) if key is not None else ())
+    args = (stacked, top, micro, tokens) + ((key,) if key is not None else ())
     rows_split = P(None, batch_axes or None)  # every microbatch array is [m, b, ...]
+    stats_split = P(AXIS, None, None, None, batch_axes or None) if cfg.model.moe else None  # [p, m, v, L/(pv), b, ...]
     region = jax.shard_map(
         body,
         mesh=layout.mesh,
-        in_specs=(P(AXIS), P(), rows_split) + ((P(),) if key is not None else ()),
-        out_specs=(P(AXIS), P(), P(), P()),
+        in_specs=({n: in_layers[n] for n in stacked}, P(), rows_split, P()) + ((P(),) if key is not None else ()),
+        out_specs=({n: in_layers[n] for n in trained}, P(), P(), P(), stats_split),
         axis_names={AXIS, *batch_axes},
         check_vma=False,
     )
-    g_layers, g_top, loss_sum, count = region(*args)
+    g_layers, g_top, loss_sum, count, stats = region(*args)
 
     def ungroup(g):  # [p, v, L/(pv), ...] -> [L, ...]
         return jnp.swapaxes(g, 0, 1).reshape(cfg.model.n_layers, *g.shape[3:])
@@ -453,4 +540,26 @@ def pipeline_gradients(
     # frozen leaves (LoRA's base): zeros, constants in the returned tree, as `step.gradients` gives them
     layers = {n: ungroup(g_layers[n]) if n in g_layers else jnp.zeros_like(w) for n, w in params["layers"].items()}
     top = {n: g_top.get(n, jnp.zeros_like(w)) for n, w in params.items() if n != "layers"}
-    return {"layers": layers, **top}, loss_sum, count
+    return {"layers": layers, **top}, loss_sum, count, _moe_metrics(stats, cfg, m)
+
+
+def _moe_metrics(stats, cfg: RunConfig, m: int) -> dict:
+    """The step's MoE metrics from every stage's RouterStats [p, m, v, L/(pv), b, ...], put in layer
+    order [m, L, b, ...] (layer (c p + s) L/(pv) + j), as `step.gradients` computes them; {} dense."""
+    if stats is None:
+        return {}
+    layer_major = lambda a: jnp.moveaxis(a, 0, 2).reshape(m, cfg.model.n_layers, *a.shape[4:])
+    per_micro = jax.vmap(lambda st: moe.moe_losses(st, cfg.model))(jax.tree.map(layer_major, stats))
+    return moe.over_microbatches(per_micro)
+
+
+def _named(spec: P) -> set[str]:
+    return {a for part in spec for a in part_names(part)}
+
+
+def _microbatch_tokens(micro: dict) -> jax.Array:
+    """[m] the counted tokens of each microbatch (the loss's; MoE's router losses weigh by them)."""
+    if "mask" in micro:
+        return jnp.sum(micro["mask"].astype(jnp.float32), axis=tuple(range(1, micro["mask"].ndim)))
+    m, *rest = micro["targets"].shape
+    return jnp.full((m,), float(math.prod(rest)), jnp.float32)

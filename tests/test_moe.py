@@ -313,9 +313,10 @@ def test_a_pipeline_without_the_other_stages_counts_is_caught(params, reference,
     from meshlm.parallel import pipeline
 
     monkeypatch.setattr(pipeline._Stage, "moe_tick", _own_counts_only(pipeline._Stage.moe_tick))
-    cfg = moe_config(dict(stage=2), microbatches=2)
-    with pytest.raises(AssertionError, match="w_router"):
-        assert_same_as_one_device(grads(cfg, params), reference(0.0, 2))
+    got, ref = grads(moe_config(dict(stage=2), microbatches=2), params), reference(0.0, 2)
+    g, r = named_leaves(got["grads"]), named_leaves(ref["grads"])
+    error = lambda n: float(np.linalg.norm(g[n] - r[n]) / np.linalg.norm(r[n]))
+    assert error("layers/w_router") > 100 * RTOL and error("layers/wq") < RTOL  # the router's gradient only
 
 
 def _own_counts_only(moe_tick):

@@ -402,6 +402,7 @@ def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
     )
     plans = planner.enumerate_plans(cfg, 64, ACCELERATORS["h100"], policies=("elementwise",))  # a lower bound
     assert any(p.cfg.parallel.expert > 1 and not p.rejected for p in plans)
+    assert {p.cfg.parallel.pipeline_schedule for p in plans} == {"1f1b", "interleaved"}  # zb1's price flatters MoE
     said = plan_report.explain_experts(plans, h100)
     assert "grouped GEMMs (ragged_dot on gpu)" in said and "unverified" in said
     assert next(p for p in plans if not p.rejected).mfu > 0.40  # 21.2% over E/k x capacity buffers
@@ -561,5 +562,8 @@ def test_deepseek_v3_plans_on_h800s_with_its_latent_cache_and_its_own_layout_bes
     plan = planner.estimate(best, ACCELERATORS["h800"])
     assert not plan.rejected and plan.total_memory < 80 * 2**30 and 0.10 < plan.mfu < 0.30
     assert plan_report.decoding_cache(cfg).startswith("decoding cache: 70,272 bytes per token (MLA's latent, 512 + 64")
+    # 48 layers x 4 KV heads x (key + value) x 128 x 2 bytes
+    want = "decoding cache: 98,304 bytes per token (keys and values of 4 KV heads, 1024 values per layer, bfloat16)"
+    assert plan_report.decoding_cache(recipes.get("qwen3-30b-a3b")) == want
     assert "PP16 (DualPipe) x EP64" in plan_report.PUBLISHED["deepseek-v3"]
     assert ACCELERATORS["h800"].intra_bw == 200e9 and ACCELERATORS["h800"].peak == ACCELERATORS["h100"].peak

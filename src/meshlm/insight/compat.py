@@ -21,6 +21,7 @@ Imports no JAX at module level: `main` sets the simulated device count first.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import random
@@ -132,20 +133,25 @@ def _pairs(row: dict) -> set:
 
 def runs(row: dict) -> bool:
     """Whether config validation accepts the row (no JAX): the rows it refuses are listed as such."""
+    return _runs(tuple(row.items()))
+
+
+@functools.cache
+def _runs(items: tuple) -> bool:
     try:
-        validate(config_for(row))
+        validate(config_for(dict(items)))
     except ConfigError:
         return False
     return True
 
 
 def _cover(rows: list[dict], pairs: set) -> list[dict]:
-    """Greedy: each next row is the one covering the most of `pairs` not yet covered."""
-    chosen, uncovered = [], set(pairs)
+    """Greedy: each next row is the one covering the most of `pairs` not yet covered (the first such)."""
+    chosen, uncovered, row_pairs = [], set(pairs), [_pairs(r) for r in rows]
     while uncovered:
-        best = max(rows, key=lambda r: len(_pairs(r) & uncovered))
-        chosen.append(best)
-        uncovered -= _pairs(best)
+        best = max(range(len(rows)), key=lambda i: len(row_pairs[i] & uncovered))
+        chosen.append(rows[best])
+        uncovered -= row_pairs[best]
     return chosen
 
 
@@ -155,10 +161,13 @@ def all_pairs(seed: int = 0) -> list[dict]:
     ties broken by a seeded shuffle)."""
     rows = list(all_rows())
     random.Random(seed).shuffle(rows)
-    valid = [r for r in rows if runs(r)]
+    ok = [runs(r) for r in rows]
+    valid, refused = (
+        [r for r, v in zip(rows, ok, strict=True) if v],
+        [r for r, v in zip(rows, ok, strict=True) if not v],
+    )
     checked_pairs = set().union(*(_pairs(r) for r in valid))
     refused_pairs = set().union(*(_pairs(r) for r in rows)) - checked_pairs
-    refused = [r for r in rows if r not in valid]
     return _cover(valid, checked_pairs) + _cover(refused, refused_pairs)
 
 

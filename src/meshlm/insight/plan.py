@@ -556,15 +556,15 @@ MAX_INTERLEAVE = 4  # virtual stages the planner tries (P2 ran 175B and 530B wit
 
 def _schedules(cfg: RunConfig, stages: int) -> list[tuple[str, int]]:
     """The pipeline schedules weighed for `stages`: 1F1B, zb1 (a third of 1F1B's bubble when B and W
-    each cost a forward and m >= 2p - 1, for its weight slots' memory), and interleaved with v = 2 .. MAX_INTERLEAVE
-    chunks per stage where the layers split into p v chunks. GPipe is not: in lockstep it takes
-    1F1B's time (both lose (p-1)/m) and holds m microbatches in flight, never fewer than 1F1B's
-    min(2p - 1, m); the microbatch counts interleaving refuses (not a multiple of p) are refused
-    by validation, with the reason."""
+    each cost a forward and m >= 2p - 1, for its weight slots' memory; not for MoE, whose W defers the
+    attention's weights only, so that price would flatter it), and interleaved with v = 2 .. MAX_INTERLEAVE
+    chunks per stage where the layers split into p v chunks. GPipe is not: in lockstep it takes 1F1B's
+    time (both lose (p-1)/m) and holds m microbatches in flight, never fewer than 1F1B's min(2p - 1, m);
+    the microbatch counts interleaving refuses (not a multiple of p) are refused by validation."""
     if stages == 1:
         return [("1f1b", 1)]
     interleaved = [("interleaved", v) for v in range(2, MAX_INTERLEAVE + 1) if cfg.model.n_layers % (stages * v) == 0]
-    return [("1f1b", 1), ("zb1", 1), *interleaved]
+    return [("1f1b", 1), *([] if cfg.model.moe else [("zb1", 1)]), *interleaved]
 
 
 def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):

@@ -24,7 +24,7 @@ from meshlm.insight.plan import (
     device_peak,
     estimate,
 )
-from meshlm.model.mla_costs import cache_bytes_per_token
+from meshlm.model.mla_costs import cache_bytes_per_token, cache_values_per_token
 from meshlm.model.moe_costs import expert_capacity, expert_kernel
 from meshlm.platform.hardware import Accelerator, matmul_precision
 
@@ -119,8 +119,8 @@ def explain_experts(plans: list[Plan], device: Accelerator) -> str | None:
 # layouts the models' own authors trained them on, printed beside meshlm's plans
 PUBLISHED = {
     "deepseek-v3": "DeepSeek-V3's own layout (V3 3.2): 2048 H800s, PP16 (DualPipe) x EP64 over 8 nodes x ZeRO-1 "
-    "data parallel, no tensor parallelism, FP8 GEMMs; meshlm cannot run it: MoE inside a pipeline is not built, "
-    "nor MTP in a pipeline, nor FP8 training",
+    "data parallel, no tensor parallelism, FP8 GEMMs; meshlm cannot run it: a pipeline over a model with "
+    "dense layers (V3's first 3) is refused, and so are MTP in a pipeline and FP8 training",
 }
 
 
@@ -129,9 +129,11 @@ def decoding_cache(cfg: RunConfig) -> str:
     m = cfg.model
     size = cache_bytes_per_token(m, accounting.dtype_bytes(m.dtype))
     what = (
-        f"MLA's latent, {m.kv_lora_rank} + {m.qk_rope_head_dim}" if m.mla else f"{m.kv_heads} KV heads' keys and values"
+        f"MLA's latent, {m.kv_lora_rank} + {m.qk_rope_head_dim} values"
+        if m.mla
+        else f"keys and values of {m.kv_heads} KV heads, {cache_values_per_token(m)} values"
     )
-    return f"decoding cache: {size:,} bytes per token ({what} values per layer, {m.dtype})"
+    return f"decoding cache: {size:,} bytes per token ({what} per layer, {m.dtype})"
 
 
 def explain_context_strategy(plans: list[Plan]) -> str | None:

@@ -316,7 +316,8 @@ def test_a_pipeline_without_the_other_stages_counts_is_caught(params, reference,
     got, ref = grads(moe_config(dict(stage=2), microbatches=2), params), reference(0.0, 2)
     g, r = named_leaves(got["grads"]), named_leaves(ref["grads"])
     error = lambda n: float(np.linalg.norm(g[n] - r[n]) / np.linalg.norm(r[n]))
-    assert error("layers/w_router") > 100 * RTOL and error("layers/wq") < RTOL  # the router's gradient only
+    # the router's gradient most (0.64 measured); the others through the router's input (wq: 1.5e-3)
+    assert error("layers/w_router") > 0.1 and error("layers/wq") < error("layers/w_router") / 100
 
 
 def _own_counts_only(moe_tick):

@@ -180,10 +180,11 @@ def test_wandb_falls_back_to_offline_when_unreachable(tmp_path, monkeypatch):
 
 
 def test_wandb_is_never_imported_unless_asked(monkeypatch, tmp_path):
+    """Nor PyTorch, which tensorboardX imports when it can (installed here): 2.5-5 s of every run's start-up."""
     code = (
         "import sys, pathlib; import meshlm.cli, meshlm.trainer, meshlm.observe.sinks as s; from meshlm.config import "
         "MetricsConfig; s.open_sinks(MetricsConfig(), pathlib.Path(sys.argv[1]), 0, {}); "
-        "assert 'wandb' not in sys.modules"
+        "assert 'wandb' not in sys.modules and 'torch' not in sys.modules, 'imported'"
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True)
     from meshlm.config import ConfigError, MetricsConfig

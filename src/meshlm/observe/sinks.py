@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 from typing import Protocol
 
@@ -62,9 +63,25 @@ def chart_values(record: dict) -> dict[str, float]:
     return out
 
 
+def _summary_writer() -> type:
+    """tensorboardX's SummaryWriter, imported without PyTorch: tensorboardX imports torch when it is
+    installed (only to accept its tensors; meshlm passes floats and strings), which made every run's
+    start-up 2.5-5 s longer wherever torch is installed beside meshlm."""
+    if "torch" in sys.modules:  # imported already: nothing to save
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX handles
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoardSink:
     def __init__(self, run_dir: Path, start_step: int):
-        from tensorboardX import SummaryWriter
+        SummaryWriter = _summary_writer()
 
         # purge_step: points after the checkpoint this attempt starts from, left by an interrupted
         # attempt (also one that never checkpointed: start 0), are dropped by TensorBoard

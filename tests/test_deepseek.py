@@ -539,12 +539,12 @@ def test_mtp_losses_are_charted():
 
 
 def test_an_mtp_run_resumes_on_another_layout_with_the_same_losses(corpus_dir, tmp_path):
-    """An MLA + MoE + MTP run stopped after 2 of 4 steps on expert=2 and resumed on tensor=2 + SP x
-    data=2 logs the losses of the run that never stopped (to the cross-layout tolerance), the MTP
+    """An MLA + MoE + MTP run on expert=2, cut back to its step-2 checkpoint and resumed on tensor=2 +
+    SP x data=2, logs steps 3-4 with the losses of the run that never stopped (to the cross-layout tolerance), the MTP
     module's included: `mtp_loss_1` in metrics.jsonl at every step, and the router's bias restored."""
     import json
+    import shutil
 
-    from helpers import logged_losses
     from meshlm.config import CheckpointConfig, DataConfig
     from meshlm.trainer import train
 
@@ -555,16 +555,15 @@ def test_an_mtp_run_resumes_on_another_layout_with_the_same_losses(corpus_dir, t
         return validate(dataclasses.replace(cfg, data=data, train=train_cfg, checkpoint=CheckpointConfig(every=2)))
 
     train(run_cfg(dict(expert=2)), tmp_path / "ref", quiet=True)
-    train(run_cfg(dict(expert=2)), tmp_path / "a", quiet=True, stop_after=2)
+    # the run as stopped after step 2 (one compile fewer than training it again): the reference's
+    # directory without its last checkpoint; the resumed run logs steps 3-4 again after a resume marker
+    shutil.copytree(tmp_path / "ref", tmp_path / "a")
+    shutil.rmtree(tmp_path / "a" / "checkpoints" / "4")
     train(run_cfg(dict(tensor=2, data=2), sp=True), tmp_path / "a", quiet=True)
-    records = {}
-    for run in ("ref", "a"):
-        for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines():
-            r = json.loads(line)
-            if "mtp_loss_1" in r:
-                records.setdefault(run, {})[r["step"]] = (r["loss"], r["mtp_loss_1"])
-    assert sorted(records["a"]) == sorted(records["ref"]) == [1, 2, 3, 4]
-    np.testing.assert_allclose(
-        [records["a"][s] for s in range(1, 5)], [records["ref"][s] for s in range(1, 5)], rtol=1e-5
-    )
-    assert logged_losses(tmp_path / "a").keys() == logged_losses(tmp_path / "ref").keys()
+    lines = lambda run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    events = lines("a")
+    resumed = events[events.index({"event": "resume", "step": 2}) + 1 :]  # what the resumed run logged
+    got = {r["step"]: (r["loss"], r["mtp_loss_1"]) for r in resumed if "mtp_loss_1" in r}
+    want = {r["step"]: (r["loss"], r["mtp_loss_1"]) for r in lines("ref") if "mtp_loss_1" in r}
+    assert sorted(got) == [3, 4] and sorted(want) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in (3, 4)], [want[s] for s in (3, 4)], rtol=1e-5)

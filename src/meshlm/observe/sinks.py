@@ -71,7 +71,9 @@ def _summary_writer() -> type:
         from tensorboardX import SummaryWriter
 
         return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX handles
+    # `import torch` raises ImportError, which tensorboardX handles. Process-wide for the import's
+    # duration only (at start-up, in the main thread; a torch imported later loads as usual).
+    sys.modules["torch"] = None
     try:
         from tensorboardX import SummaryWriter
     finally:

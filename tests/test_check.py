@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import pytest
 
 from meshlm.cli import main
-from meshlm.config import EXIT_CONFIG, EXIT_MISMATCH, apply_overrides
+from meshlm.config import apply_overrides
+from meshlm.exits import EXIT_CONFIG, EXIT_MISMATCH
 from meshlm.insight import check, compat
 from meshlm.parallel import collectives, context, pipeline
 

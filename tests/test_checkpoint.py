@@ -2,6 +2,7 @@
 retention, corrupt/half-written fallback, shape mismatch, init-from and preemption."""
 
 import dataclasses
+import json
 import random
 import shutil
 import signal
@@ -15,7 +16,7 @@ import pytest
 
 from helpers import build, logged_losses, random_batches, subprocess_env, tiny_config
 from meshlm import train_loop
-from meshlm.checkpoint import Checkpointer
+from meshlm.checkpoint import Checkpointer, CheckpointSpace
 from meshlm.config import CheckpointConfig, ConfigError, DataConfig
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import make_train_step
@@ -254,6 +255,49 @@ def test_signal_saves_a_final_checkpoint_and_resume_finishes(corpus_dir, tmp_pat
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert f"resumed from {run / 'checkpoints'}/{saved_step}" in r.stdout and "done: 400 steps" in r.stdout
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """mount(name, size) -> a tmpfs of that size under tmp_path (unmounted afterwards); the test is
+    skipped, saying why, where this process may not mount one (it needs root or CAP_SYS_ADMIN)."""
+    mounted = []
+
+    def mount(name: str, size: str):
+        path = tmp_path / name
+        path.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {r.stderr.decode().strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Orbax's threads, after the error
+def test_a_full_disk_ends_with_a_clear_error_and_no_corrupt_checkpoint(corpus_dir, tmp_path, small_tmpfs, capsys):
+    """Real full file systems: the checkpoint directory on a 2.5 MB tmpfs (one 1.5 MB checkpoint
+    fits, a second does not) and the in-memory copies on a 100 kB one. The copies turn themselves
+    off with a warning and training goes on; the disk save that does not fit stops the run with
+    CheckpointSpace (exit 5 from the CLI, which `meshlm launch` does not retry), naming the step and
+    the committed steps. Given room, the same command resumes from the committed step (restored
+    and checksummed: not corrupt) and finishes."""
+    disk, shm = small_tmpfs("disk", "2500k"), small_tmpfs("shm", "100k")
+    ck = dict(every=2, dir=str(disk / "ckpt"), local_every=1, local_dir=str(shm))
+    cfg = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=2), steps=8, **ck)
+    with pytest.raises(CheckpointSpace, match=r"while saving step 4: .* committed checkpoints \[2\] are intact"):
+        train(cfg, tmp_path / "run")
+    out = capsys.readouterr().out
+    assert "in-memory checkpoints turned off at step 1: OSError: [Errno 28] No space left on device" in out
+    assert not any(shm.iterdir())  # the copies' files are gone, their space given back
+    subprocess.run(["mount", "-o", "remount,size=20m", "tmpfs", str(disk)], check=True)
+    assert train(cfg, tmp_path / "run", quiet=True).final_step == 8
+    resumed = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {"event": "resume", "step": 2} in resumed
 
 
 def test_checkpoint_saves_and_the_end_of_a_run_beat_the_heartbeat(corpus_dir, tmp_path, monkeypatch):

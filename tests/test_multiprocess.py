@@ -1,9 +1,11 @@
 """Multi-process runs on JAX's distributed runtime (gloo on CPU), launched and supervised by
-`meshlm launch`: equal to one process, restart after SIGKILL and after a hang, clear errors."""
+`meshlm launch`: equal to one process, restart after SIGKILL and after a hang (from in-memory
+copies, a replaced process's from its peer), clear errors."""
 
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,12 +16,14 @@ import numpy as np
 import pytest
 
 from helpers import logged_losses, subprocess_env
+from meshlm import local_checkpoint as lc
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, from_dict
 from meshlm.data.prepare import write_dataset
 from meshlm.data.units import Unit
 from meshlm.launch.supervisor import free_port
 from meshlm.model.params import named_leaves
+from meshlm.observe.run_report import write_report
 from meshlm.parallel.mesh import make_layout
 from meshlm.train_state import abstract_state, setup
 
@@ -60,16 +64,16 @@ def _env():
     return subprocess_env()
 
 
-def _launch_cmd(train_args, *options):
+def _launch_cmd(train_args, *options, processes=2):
     return [
         sys.executable,
         "-m",
         "meshlm",
         "launch",
         "--processes",
-        "2",
+        str(processes),
         "--devices-per-process",
-        "4",
+        str(8 // processes),
         *options,
         "--",
         *train_args,
@@ -153,33 +157,64 @@ def _wait_for_step(run, process: int, step: int, proc, timeout=300) -> int:
     raise AssertionError(f"process {process} never reached step {step}")
 
 
-@pytest.mark.parametrize("failure", ["sigkill", "hang"])
-def test_failed_worker_is_restarted_and_the_run_matches(reference, dataset, tmp_path, failure):
+@pytest.mark.parametrize("failure", ["replaced", "hang"])
+def test_failed_worker_recovers_from_the_in_memory_copies_and_the_run_matches(reference, dataset, tmp_path, failure):
+    """In-memory checkpoints every step and no disk checkpoint before the end (checkpoint.every
+    above the run's steps).
+    "replaced", on 4 processes x 2 devices (tensor=4 spans two processes): process 2 is frozen, its
+    host's copies (its tmpfs store) are wiped and it is SIGKILLed; the restarted group takes step S
+    from the others' own copies and from the copy of process 2's shards that process 3 holds, sent
+    back over the ring. Its losses follow the 2-process run within gloo's summation order (1e-5).
+    "hang", on the reference's 2 processes: a SIGSTOP, seen by the heartbeat; both processes
+    restore their own copies, and every loss and final tensor equals the uninterrupted run's bit
+    for bit. Either way at most one step is lost."""
     ref_run, _ = reference
-    run = tmp_path / "run"
+    run, processes, victim = tmp_path / "run", (4 if failure == "replaced" else 2), 2 if failure == "replaced" else 1
     # 20 s: the resumed attempt must not be read as hung on a busy 2-core host (CI runs two workers)
     options = ["--max-restarts", "2", "--hang-timeout", "20"]
+    args = [*_train_args(dataset, run), "--set", "checkpoint.every=100", "--set", "checkpoint.local_every=1"]
     proc = subprocess.Popen(
-        _launch_cmd(_train_args(dataset, run), *options),
+        _launch_cmd(args, *options, processes=processes),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=_env(),
     )
-    pid = _wait_for_step(run, 1, 5, proc)
-    os.kill(pid, signal.SIGKILL if failure == "sigkill" else signal.SIGSTOP)
+    pid = _wait_for_step(run, victim, 5, proc)
+    os.kill(pid, signal.SIGSTOP)
+    store = lc.store_dir(lc.default_root(), run, lc.run_id(run, first=False))
+    successor = store / f"process-{(victim + 1) % processes}"
+    assert (store / f"process-{victim}" / "own").is_dir() and (successor / f"held-{victim}").is_dir()
+    if failure == "replaced":
+        shutil.rmtree(store / f"process-{victim}")
+        os.kill(pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
-    expected = "process 1 killed by SIGKILL" if failure == "sigkill" else "hung (no progress for > 20s)"
+    expected = f"process {victim} killed by SIGKILL" if failure == "replaced" else "hung (no progress for > 20s)"
     assert expected in out and "attempt 2: ok" in out
-    assert "resumed from" in out
+    peer = f" (process {victim} from its peer's copy)" if failure == "replaced" else ""
+    assert f"{peer}; no disk checkpoint" in out and "resumed from the in-memory copies of step" in out, out[-4000:]
+    (event,) = [r for r in _records(run) if r.get("event") == "recovered"]
+    assert event["source"] == "memory" and event["lost_steps"] <= 1 and event["recovery_s"] > 0
+    assert event["resumed_at"] >= 5 and event["step"] == event["resumed_at"] + 1
+    assert not store.exists()  # a finished run drops its copies
+    report = write_report(run, out=tmp_path / "report").read_text()
+    lost, at = event["lost_steps"], event["resumed_at"]
+    assert f"| recoveries | 1, {lost} step(s) lost in all: step {at} from memory, {lost} lost" in report
     # losses of every step (the resumed attempt's, where steps ran twice) and final parameters
-    assert logged_losses(run) == logged_losses(ref_run)
-    step, params = _final_state(run)
-    ref_step, ref_params = _final_state(ref_run)
-    assert step == ref_step == STEPS
-    for k in ref_params:
-        np.testing.assert_array_equal(params[k], ref_params[k], err_msg=k)
+    got, want = logged_losses(run), logged_losses(ref_run)
+    (step, params), (ref_step, ref_params) = _final_state(run), _final_state(ref_run)
+    assert step == ref_step == STEPS and sorted(got) == sorted(want)
+    if failure == "hang":
+        assert got == want
+        for k in ref_params:
+            np.testing.assert_array_equal(params[k], ref_params[k], err_msg=k)
+    else:
+        np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-5)
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_restarts_run_out_with_a_summary(dataset, tmp_path):
@@ -377,8 +412,6 @@ def stopped_at_6(dataset, tmp_path_factory):
 
 
 def _copy_run(src: Path, dst: Path) -> Path:
-    import shutil
-
     shutil.copytree(src, dst)
     return dst
 

@@ -23,6 +23,7 @@ aside (`<dir>.corrupt/`, never deleted) and the previous good step is used inste
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import time
@@ -47,6 +48,17 @@ class CheckpointError(RuntimeError):
     """No readable checkpoint where one was asked for (`--init-from` a directory whose steps all
     fail to restore), or, in a multi-process run, a step this process alone could not read (moved
     aside; restart the group). A path with no checkpoint at all is a ConfigError."""
+
+
+class CheckpointSpace(CheckpointError):
+    """The checkpoint directory ran out of space during a save. Nothing was committed for that
+    step (Orbax writes into a temporary directory that no restore lists); the committed steps are
+    intact. Final for `meshlm launch`: a restart would fill the disk again."""
+
+
+def _out_of_space(e: BaseException) -> bool:
+    text = f"{e}"
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in text
 
 
 class ChecksumMismatch(ValueError):
@@ -185,17 +197,37 @@ class Checkpointer:
         tensors = describe({"params": params, "opt_state": state.opt_state})  # one pass, one compile
         counters = {"skipped": int(jax.device_get(state.skipped)), "streak": int(jax.device_get(state.streak))}
         meta = meta | counters | {"step": step, "saved_at": time.time(), "tensors": tensors}
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params),
-                opt_state=ocp.args.StandardSave(state.opt_state),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        )
+        with self._space(step):
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(params),
+                    opt_state=ocp.args.StandardSave(state.opt_state),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
         self.last_saved = step
         return step
+
+    @contextlib.contextmanager
+    def _space(self, step: int | None):
+        """A full disk, seen by a save or by the wait for an asynchronous one, as one clear error."""
+        try:
+            yield
+        except Exception as e:
+            if not _out_of_space(e):
+                raise
+            committed = sorted(self.manager.all_steps())
+            # an asynchronous save fails when the next save (or the wait) looks at it: name that step
+            pending = self.last_saved is not None and self.last_saved not in committed
+            failed = self.last_saved if pending or step is None else step
+            at = f" while saving step {failed}" if failed is not None else ""
+            raise CheckpointSpace(
+                f"no space left on the device of {self.directory}{at}: that step was not committed (its "
+                f"temporary directory is never restored); committed checkpoints {committed} are intact. Free "
+                "space, lower checkpoint.keep or set checkpoint.dir elsewhere, then rerun to resume"
+            ) from e
 
     def save_params(self, params: dict, meta: dict, step: int = 0) -> int:
         """A weights-only checkpoint (`meshlm convert --from-hf`): what `--init-from`, `generate`,
@@ -233,11 +265,14 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every started save is committed."""
-        self.manager.wait_until_finished()
+        with self._space(None):
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
     # ---------------------------------------------------------------------------- restore
 

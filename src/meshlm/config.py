@@ -43,17 +43,6 @@ def cache_home() -> Path:
     return Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshlm"))
 
 
-# Exit statuses of `meshlm` that `meshlm launch` never retries (a restart would fail the same way):
-EXIT_CONFIG = 2  # a ConfigError: bad input
-EXIT_NONFINITE = 3  # a non-finite step stopped training (train.on_nonfinite); the last good state is saved
-EXIT_MISMATCH = 4  # `meshlm check` / `train --check`: the layout's gradients differ from one device's
-FINAL_EXITS = {
-    EXIT_CONFIG: "a configuration error",
-    EXIT_NONFINITE: "a non-finite step (it would recur)",
-    EXIT_MISMATCH: "a layout that differs from one device (meshlm check)",
-}
-
-
 @functools.cache
 def _layer_kinds(n_layers: int, first_k_dense: int, step: int, dense: tuple[int, ...]) -> tuple[tuple, tuple]:
     """(MoE layer ids, dense layer ids) of an MoE model, cached: the planner asks a million times a search."""
@@ -452,7 +441,8 @@ class CheckpointConfig:
 
     Saved every `every` steps (0: only at the end and on SIGTERM/SIGINT), asynchronously unless
     `async_save` is off. Retention: the latest `keep`, plus every step divisible by `keep_every`
-    (0: none). `resume` picks up the latest good checkpoint of the run directory.
+    (0: none). `resume` picks up the latest good checkpoint of the run directory. In-memory copies
+    every `local_every` steps (0: off), on a tmpfs and a peer process: `local_checkpoint`.
     """
 
     every: int = 100
@@ -461,6 +451,8 @@ class CheckpointConfig:
     async_save: bool = True
     resume: bool = True
     dir: str = ""  # empty = <run_dir>/checkpoints
+    local_every: int = 0
+    local_dir: str = ""  # empty = /dev/shm (the temporary directory where there is none)
 
 
 @dataclass(frozen=True)

@@ -52,12 +52,15 @@ def copy_side_files(init_from: str | None, run_dir: Path) -> None:
             shutil.copyfile(root / name, run_dir / name)
 
 
-def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from, log) -> TrainState:
-    """Resume from the run's own latest good checkpoint, else `init_from`'s weights, else fresh.
+def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from, log, local=None) -> TrainState:
+    """Resume from the run's in-memory copies (`local`, when they are at least as new as the disk's),
+    else its own latest good checkpoint, else `init_from`'s weights, else fresh.
     A LoRA run's checkpoints hold its adapters only: `identity["base"]` (the meta every save
     carries) is set here to where its frozen base comes from, with the base's checksums."""
     if cfg.checkpoint.resume:
-        restored = _resume(cfg, ckpt, abstract, identity, log)
+        restored = _from_memory(ckpt, abstract, identity, log, local) if local is not None else None
+        if restored is None:
+            restored = _resume(cfg, ckpt, abstract, identity, log)
         if restored is not None:
             return restored
     elif ckpt.steps():  # starting over must not mix with (or silently skip saving over) another run's steps
@@ -73,6 +76,22 @@ def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from,
         sums = checksums(lora.without_adapters(state.params))
         identity["base"] = {"source": source, "seed": cfg.train.seed, "checksums": sums}
     return state
+
+
+def _from_memory(ckpt, abstract, identity, log, local) -> TrainState | None:
+    """The in-memory copies' newest common step (`local_checkpoint`), when not older than the disk's."""
+    steps = ckpt.steps()
+    restored = local.restore(abstract, steps[-1] if steps else None)
+    if restored is None:
+        return None
+    meta = restored.meta
+    check_tokenizer(meta, identity, f"the in-memory copy of step {restored.step}")
+    if meta.get("base"):
+        identity["base"] = meta["base"]
+    peers = f" (process {', '.join(map(str, restored.from_peer))} from its peer's copy)" if restored.from_peer else ""
+    disk = f"; the disk's newest is step {steps[-1]}" if steps else "; no disk checkpoint"
+    log.print(f"resumed from the in-memory copies of step {restored.step}{peers}{disk}")
+    return restored.state
 
 
 def _resume(cfg, ckpt, abstract, identity, log) -> TrainState | None:

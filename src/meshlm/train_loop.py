@@ -70,7 +70,8 @@ class Preempted(RuntimeError):
 
 class Heartbeat:
     """Tells a supervisor (`meshlm launch`) that this process makes progress: the file named by
-    $MESHLM_HEARTBEAT gets "step time pid", at most once a second after steps; forced around the
+    $MESHLM_HEARTBEAT gets "step time pid", at most every 0.1 s after steps (the launcher reads the
+    step a failed group had reached from it); forced around the
     phases that are not steps (evaluation, checkpoint saves, the end of the run), so that a
     supervisor's --hang-timeout bounds each phase alone."""
 
@@ -79,7 +80,7 @@ class Heartbeat:
 
     def beat(self, step: int, force: bool = False) -> None:
         now = time.time()
-        if self.path and (force or now - self.last >= 1.0):
+        if self.path and (force or now - self.last >= 0.1):
             Path(self.path).write_text(f"{step} {now:.3f} {os.getpid()}\n")
             self.last = now
 
@@ -206,6 +207,8 @@ class StepLoop:
         self.t_last: float | None = None  # start of the rate window (after the step that ended it)
         self.step_last = 0
         self.paused_s = 0.0  # the length of the latest pause (evaluation or checkpoint save)
+        self.local = None  # in-memory checkpoints (local_checkpoint.LocalCheckpoints), when on
+        self.resumed_from = "start"  # where the first state came from: start, disk or memory
 
     def run(self, state, start, train_loader, val_loader, ckpt, identity, stop_after, stop):
         tc, every = self.cfg.train, self.cfg.checkpoint.every
@@ -227,10 +230,12 @@ class StepLoop:
             if step == start:  # warm-up: throughput is measured from the end of the first step
                 jax.block_until_ready(metrics)
                 self.t_last, self.step_last = _clock(), n
+                self._report_recovery(n, start)
             logged = n % tc.log_every == 0 or last
             evaluated = tc.eval_every and (n % tc.eval_every == 0 or last)
             saving = every and n % every == 0 and not last
-            if logged or evaluated or saving or n == end:  # sync points: read every pending step
+            copying = self.local is not None and self.local.due(n) and not last
+            if logged or evaluated or saving or copying or n == end:  # sync points: read every pending step
                 m = self._settle(state, pending, ckpt, identity)
                 pending = []
             if logged:
@@ -247,6 +252,8 @@ class StepLoop:
                 with self._pause(n):
                     ckpt.save(state, identity)  # returns once the arrays are off the devices
                 self.log.log({"step": n, "checkpoint_save_s": self.paused_s})
+            if copying:  # in-memory copies count as training time: their cost shows in the rate
+                self.local.save(state, identity)
             self.heartbeat.beat(n, force=step == start)
             if jax.process_count() == 1 or logged:
                 self.stopped_by = _any_process(stop.signum)
@@ -262,6 +269,29 @@ class StepLoop:
             "mfu": self.mfu,
         }
         return state, result
+
+    def _report_recovery(self, n: int, start: int) -> None:
+        """After the first step of a group that `meshlm launch` restarted ($MESHLM_FAULT: when it
+        saw the failure and the step the group had reached): the steps lost and the time from the
+        failure to this step, in metrics.jsonl (an "event": "recovered" record) and on the console."""
+        fault = os.environ.get("MESHLM_FAULT", "").split()
+        if len(fault) != 2:
+            return
+        took, lost = time.time() - float(fault[0]), max(0, int(fault[1]) - start)
+        source = {"memory": "the in-memory copies", "disk": "the disk checkpoint"}.get(self.resumed_from, "step 0")
+        self.log.log(
+            {
+                "event": "recovered",
+                "step": n,
+                "resumed_at": start,
+                "source": self.resumed_from,
+                "lost_steps": lost,
+                "recovery_s": round(took, 3),
+            }
+        )
+        self.log.print(
+            f"recovered {took:.1f}s after the failure: resumed at step {start} from {source}; {lost} step(s) lost"
+        )
 
     def _log(self, n: int, m: dict) -> None:
         """The record of logged step n (its metrics `m`), with the rate over the steps since the last."""

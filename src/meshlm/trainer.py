@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from meshlm import accounting
+from meshlm import accounting, local_checkpoint
 from meshlm.checkpoint import Checkpointer
 from meshlm.config import RunConfig
 from meshlm.data import mixture
@@ -119,6 +119,8 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         if first:
             write_json(run_dir / "run.json", s.run_info)
         return None
+    if first and cfg.checkpoint.local_every:
+        local_checkpoint.run_id(run_dir, first)  # before the data barrier: the others read it after
     loaders, data = _data(cfg, s, log, run_dir, init_from, first)
     identity = {
         "code_version": code_version(),
@@ -128,10 +130,13 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         "data_position": "batch n = f(train.seed, n): the step is the position",
     }
     ckpt = Checkpointer(checkpoint_dir(cfg, run_dir), cfg.checkpoint, log=log.print)
+    local = _local_copies(cfg, run_dir, log)
     try:
-        state = restore_or_init(cfg, ckpt, s.abstract, s.specs, s.layout, s.tx, identity, init_from, log)
+        state = restore_or_init(cfg, ckpt, s.abstract, s.specs, s.layout, s.tx, identity, init_from, log, local)
         start = int(state.step)
         loop = _start_loop(cfg, s, log, run_dir, profiler, start, first)
+        loop.local = local
+        loop.resumed_from = "start" if not start else "memory" if local and local.restored else "disk"
         try:
             state, result = loop.run(state, start, *loaders, ckpt, identity, stop_after, stop)
         finally:
@@ -144,6 +149,8 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
         ckpt.close()
     if loop.stopped_by is not None:
         raise Preempted(loop.stopped_by, int(state.step), ckpt.directory)
+    if local is not None and result["final_step"] >= cfg.train.steps:
+        local.delete()  # the run is done: its final state is on disk
     entropy = data.meta["train_unigram_entropy"]
     result = RunResult(**result, unigram_entropy=entropy, compile_s=s.compile_s, run_dir=run_dir)
     _report_end(cfg, log, result, entropy)
@@ -206,6 +213,18 @@ def _compile(cfg: RunConfig, log: MetricsLogger) -> _Setup:
         "processes": jax.process_count(),
     }
     return _Setup(layout, specs, tx, shardings, abstract, step_fn, compile_s, report, peak, run_info)
+
+
+def _local_copies(cfg: RunConfig, run_dir: Path, log: MetricsLogger) -> local_checkpoint.LocalCheckpoints | None:
+    """This run's in-memory checkpoints (checkpoint.local_every > 0), in its store on this host."""
+    c = cfg.checkpoint
+    if not c.local_every:
+        return None
+    root = Path(c.local_dir).expanduser() if c.local_dir else local_checkpoint.default_root()
+    directory = local_checkpoint.store_dir(root, run_dir, local_checkpoint.run_id(run_dir, False))
+    peer = ", a copy on the next process" if jax.process_count() > 1 else ""
+    log.print(f"in-memory checkpoints every {c.local_every} step(s) in {directory}{peer}")
+    return local_checkpoint.LocalCheckpoints(directory, c.local_every, log=log.print)
 
 
 def _barrier(name: str) -> None:

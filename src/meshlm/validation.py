@@ -345,7 +345,10 @@ def _validate_run(cfg: RunConfig) -> None:
     )
     cfg.data.mixture_sources()  # each entry WEIGHT:PATH
     c = cfg.checkpoint
-    _need(c.every >= 0 and c.keep_every >= 0, "checkpoint.every and checkpoint.keep_every must be >= 0")
+    _need(
+        c.every >= 0 and c.keep_every >= 0 and c.local_every >= 0,
+        "checkpoint.every, checkpoint.keep_every and checkpoint.local_every must be >= 0",
+    )
     _need(c.keep >= 1, "checkpoint.keep must be >= 1 (the latest checkpoint is always kept)")
     o = cfg.optim
     _need(o.lr > 0 and 0 <= o.min_lr_ratio <= 1 and o.warmup_steps >= 0, "optim: lr>0, 0<=min_lr_ratio<=1, warmup>=0")

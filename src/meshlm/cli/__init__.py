@@ -18,7 +18,8 @@ import sys
 
 from meshlm.cli import data, insight, models, train
 from meshlm.cli.common import EXIT_TRAINING
-from meshlm.config import EXIT_CONFIG, EXIT_NONFINITE, ConfigError
+from meshlm.config import ConfigError
+from meshlm.exits import EXIT_CONFIG, EXIT_NO_SPACE, EXIT_NONFINITE
 
 FAMILIES = (train, insight, models, data)
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _exit_code(e: Exception, command: str) -> int | None:
     """The exit status of a known failure (printing its message), None for an unexpected one."""
-    from meshlm.checkpoint import CheckpointError
+    from meshlm.checkpoint import CheckpointError, CheckpointSpace
     from meshlm.train_loop import NonFiniteStep, Preempted, TrainingError
 
     if isinstance(e, Preempted):
@@ -72,6 +73,9 @@ def _exit_code(e: Exception, command: str) -> int | None:
     if isinstance(e, NonFiniteStep):
         print(f"meshlm: training stopped: {e}", file=sys.stderr)
         return EXIT_NONFINITE
+    if isinstance(e, CheckpointSpace):
+        print(f"meshlm: training stopped: {e}", file=sys.stderr)
+        return EXIT_NO_SPACE
     if isinstance(e, (TrainingError, CheckpointError)):
         what = "training stopped" if command in ("train", "launch") else "error"
         print(f"meshlm: {what}: {e}", file=sys.stderr)

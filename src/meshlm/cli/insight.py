@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from meshlm.cli.common import add_run_args, mib, parse_bytes, prepare, set_device_count
-from meshlm.config import EXIT_CONFIG, EXIT_MISMATCH, ConfigError, apply_overrides, parse_mesh
+from meshlm.config import ConfigError, apply_overrides, parse_mesh
+from meshlm.exits import EXIT_CONFIG, EXIT_MISMATCH
 from meshlm.platform.hardware import ACCELERATORS  # a jax-free table
 
 

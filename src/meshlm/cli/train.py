@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from meshlm.cli.common import add_run_args, prepare, resolve_config
-from meshlm.config import EXIT_MISMATCH, ConfigError
+from meshlm.config import ConfigError
+from meshlm.exits import EXIT_MISMATCH
 
 
 def add_parsers(sub) -> dict:

@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshlm.config import FINAL_EXITS, ConfigError, RunConfig
+from meshlm.config import ConfigError, RunConfig
+from meshlm.exits import FINAL_EXITS
 from meshlm.platform import xla_flags
 
 
@@ -137,6 +138,7 @@ class Supervisor:
     startup_timeout: float = 900.0
     attempts: list[Attempt] = field(default_factory=list)
     stop_signal: int | None = None
+    fault: str | None = None  # "time step": when the last failure was seen, the step the group had reached
 
     def __post_init__(self):
         self.lock = threading.Lock()
@@ -165,8 +167,17 @@ class Supervisor:
         for i in range(self.processes):
             cmd = worker_command(self.train_args, self.devices_per_process, coordinator, self.processes, i)
             on_line = lambda line, i=i: self.say(f"[{i}] {line}")
-            workers.append(LocalWorker(cmd, host_env(worker_vars(beats[i])), on_line))
+            extra = worker_vars(beats[i]) | ({"MESHLM_FAULT": self.fault} if self.fault else {})
+            workers.append(LocalWorker(cmd, host_env(extra), on_line))
         return workers
+
+    def _reached(self) -> int:
+        """The newest step any process's heartbeat reported (0 before any)."""
+        steps = [0]
+        for beat in self._heartbeats():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                steps.append(int(beat.read_text().split()[0]))
+        return max(steps)
 
     def _check(self, workers: list, started: float) -> str | None:
         """None while the group is healthy and running; else why it ended ('ok' on success)."""
@@ -238,6 +249,7 @@ class Supervisor:
             if outcome == "ok":
                 self._summary()
                 return 0
+            self.fault = f"{time.time():.3f} {self._reached()}"  # the restarted group reports its recovery
             self.say(f"[launch] attempt {attempt.number} failed: {outcome}; stopping the other processes")
             self._stop_all(workers)
             codes = [w.poll() for w in workers]
@@ -249,7 +261,8 @@ class Supervisor:
             if len(self.attempts) > self.max_restarts:
                 self._summary()
                 return 1
-            self.say("[launch] restarting the group from the latest good checkpoint")
+            reached = self.fault.split()[1]
+            self.say(f"[launch] restarting the group (it had reached step {reached}) from the latest good checkpoint")
 
     def _summary(self) -> None:
         self.say(f"[launch] summary ({len(self.attempts)} attempts, --max-restarts {self.max_restarts}):")

@@ -1,8 +1,9 @@
 """`meshlm report RUN_DIR`: a one-page summary of a run with its curves, from what the run wrote.
 
 Reads `metrics.jsonl` (a `resume` record drops what the interrupted attempt logged after the
-checkpoint it resumed from), `config.json` and `run.json` (the startup report), so it works on a finished run, one
-still running, one that was interrupted, and a multi-process run (process 0 wrote the files).
+checkpoint it resumed from; a `recovered` record, what a restart after a failure cost),
+`config.json` and `run.json` (the startup report), so it works on a finished run, one still
+running, one that was interrupted, and a multi-process run (process 0 wrote the files).
 Writes `<out>/report.md` and PNGs (default out: `<run_dir>/report`). `compare` overlays other runs'
 curves, labelled by their directory names.
 
@@ -34,6 +35,7 @@ class Run:
     steps: dict[int, dict] = field(default_factory=dict)  # step -> logged record (loss, lr, ...)
     val: dict[int, float] = field(default_factory=dict)
     skipped: list[int] = field(default_factory=list)
+    recoveries: list[dict] = field(default_factory=list)  # "recovered" records of restarted groups
 
     @property
     def name(self) -> str:
@@ -64,6 +66,8 @@ def read_run(directory: str | Path) -> Run:
             run.steps = {k: v for k, v in run.steps.items() if k <= r["step"]}
             run.val = {k: v for k, v in run.val.items() if k <= r["step"]}
             run.skipped = [k for k in run.skipped if k <= r["step"]]
+        elif r.get("event") == "recovered":
+            run.recoveries.append(r)
         elif r.get("event") == "skipped":
             run.skipped.append(r["step"])
         elif "loss" in r and "event" not in r:
@@ -211,6 +215,13 @@ def _summary(run: Run) -> list[str]:
         f"| compile | {info.get('compile_s', float('nan')):.1f} s"
         f"{' (persistent cache hit)' if info.get('compile_cache_hit') else ''} |",
     ]
+    if run.recoveries:  # failures survived by `meshlm launch`: where each resumed from, what it cost
+        lost = sum(r["lost_steps"] for r in run.recoveries)
+        each = "; ".join(
+            f"step {r['resumed_at']} from {r['source']}, {r['lost_steps']} lost, {r['recovery_s']:.1f} s"
+            for r in run.recoveries
+        )
+        lines.append(f"| recoveries | {len(run.recoveries)}, {lost} step(s) lost in all: {each} |")
     if "moe_aux_loss" in last:  # Mixture of Experts: the router's health at the last logged step
         lines.append(
             f"| MoE router (last logged) | aux loss {_num(last['moe_aux_loss'])} ({m.experts_per_token} when "

@@ -5,9 +5,11 @@ and the built-in corpus. A faulted run is SIGKILLed in process 1 once its heartb
 `--kill-at`; the launcher restarts the group, which resumes from the disk checkpoint
 (`checkpoint.every`) or from the in-memory copies (`checkpoint.local_every=1`), and logs a
 `recovered` record: the steps lost and the time from the failure to the first step after it.
-"Back at the step reached" adds the lost steps redone at the run's median step time. Uninterrupted
+"Back at the step reached" is estimated, not measured: that time plus the lost steps redone at the
+run's median step time. Uninterrupted
 runs with and without the copies give their cost per step (median step time over logged
-intervals). Rounds alternate the variants; the table gives medians over rounds.
+intervals; every run logs every step, so each step is a sync point in both). Rounds alternate the
+variants; the table gives medians over rounds.
 
     python benchmarks/recovery.py [--steps 80 --every 20 --kill-at 37 --rounds 2] [--write]
 """
@@ -90,7 +92,7 @@ def main() -> None:
         f"steps; medians over {args.rounds} rounds. In-memory copy: {copy_bytes / 2**20:.1f} MiB per process (and as "
         "much held for its peer).",
         "",
-        "| resumed from | steps lost | failure -> next step (s) | back at the step reached (s) |",
+        "| resumed from | steps lost | failure -> next step (s) | back at the step reached (s, estimated) |",
         "|---|---:|---:|---:|",
     ]
     for source, runs in faults.items():

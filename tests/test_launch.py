@@ -54,6 +54,31 @@ def test_plan_launch_checks_the_train_command(tmp_path):
     launch_plan(["train", "--mesh", "data=4"], 2, None)  # real accelerators: the processes decide
 
 
+def test_an_elastic_group_shrinks_its_batch_axes_only_and_keeps_the_global_batch():
+    from meshlm.cli.train import _train_command
+    from meshlm.launch import elastic
+
+    base = ["train", "--mesh", "data=4,tensor=2", "--dcn", "data=4", "--set", "train.global_batch=16"]
+    _, cfg = _train_command(base)
+    n, small = elastic.largest(cfg, processes=4, capacity=3, least=1)  # 3 would cut data to 3: not whole
+    assert n == 2 and (small.parallel.data, small.parallel.tensor, small.parallel.dcn_data) == (2, 2, 2)
+    assert small.train.microbatches == 2 and small.train.global_batch == 16
+    command = elastic.command(base, small)
+    assert command == [
+        "train",
+        *["--set", "train.global_batch=16", "--mesh", "data=2,tensor=2", "--dcn", "data=2"],
+        *["--set", "train.microbatches=2"],
+    ]
+    assert _train_command(command)[1] == small  # the command runs exactly the shrunk config
+    _, fsdp = _train_command(["train", "--mesh", "fsdp=4,tensor=2"])
+    assert elastic.largest(fsdp, 4, 2, 2)[1].parallel.fsdp == 2
+    # a tensor or stage group cannot lose a member; the reasons are given per size tried
+    _, model_only = _train_command(["train", "--mesh", "tensor=8"])
+    reason = elastic.largest(model_only, 4, 2, 1)
+    assert reason.startswith("2 processes: data=1 does not shrink by 4/2") and "1 processes" in reason
+    assert "fewer than --min-processes 3" in elastic.largest(cfg, 4, 2, 3)
+
+
 def test_worker_command_and_exit_descriptions():
     cmd = worker_command(["train", "--steps", "3"], 4, "127.0.0.1:5", 2, 1)
     assert cmd[3:] == [

@@ -58,7 +58,8 @@ class CheckpointSpace(CheckpointError):
 
 def _out_of_space(e: BaseException) -> bool:
     text = f"{e}"
-    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in text
+    full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return full or "No space left on device" in text or "Disk quota exceeded" in text
 
 
 class ChecksumMismatch(ValueError):
@@ -224,9 +225,9 @@ class Checkpointer:
             failed = self.last_saved if pending or step is None else step
             at = f" while saving step {failed}" if failed is not None else ""
             raise CheckpointSpace(
-                f"no space left on the device of {self.directory}{at}: that step was not committed (its "
-                f"temporary directory is never restored); committed checkpoints {committed} are intact. Free "
-                "space, lower checkpoint.keep or set checkpoint.dir elsewhere, then rerun to resume"
+                f"no space left (or over quota) on the device of {self.directory}{at}: that step was not "
+                f"committed (its temporary directory is never restored); committed checkpoints {committed} are "
+                "intact. Free space, lower checkpoint.keep or set checkpoint.dir elsewhere, then rerun to resume"
             ) from e
 
     def save_params(self, params: dict, meta: dict, step: int = 0) -> int:
@@ -270,7 +271,8 @@ class Checkpointer:
 
     def close(self) -> None:
         try:
-            self.wait()
+            with self._space(None):
+                self.manager.wait_until_finished()
         finally:
             self.manager.close()
 

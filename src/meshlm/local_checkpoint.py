@@ -5,24 +5,32 @@ its peer.
 Every `local_every` steps each process writes the shards of the train state it holds (its
 addressable shards, one copy of each distinct index) into one file on a local tmpfs (`/dev/shm` by
 default: it outlives the process, and JAX cannot re-initialise its runtime inside a process, so a
-restart is a new process). The same bytes go to the next process in a ring (process i holds
-process i-1's copy) through one XLA collective (`ppermute` over a one-device-per-process mesh, in
-chunks), and the peer writes them beside its own. Each file carries a blake2b digest of its
+restart is a new process). The same bytes go to a peer process on another host where there is
+one (process i + s in a ring, s the smallest shift that leaves every host; s = 1 when all share
+one host) through one XLA collective (`ppermute` over a one-device-per-process mesh, in chunks),
+and the peer writes them beside its own. Each file carries a blake2b digest of its
 bytes and the layout it was cut for (the mesh, every leaf's shape, dtype and sharding), so a copy
 is used only by the same layout and only when intact.
 
-On a restart every process reports the steps it holds (its own and its predecessor's); the group
-takes the newest step of which every process has a copy, its own or at its successor, when that
-is not older than the newest disk checkpoint. Processes whose own copy is missing (a replaced
-host, a wiped tmpfs) receive it back from their successor by the same collective. Anything else
-(a changed layout or process count, a copy that fails its digest on any process, no common step)
-falls back to the disk checkpoint, which stays the only persistent one.
+The copies are for restarts after a failure: `resume` consults them only when `meshlm launch`
+restarts a group ($MESHLM_FAULT) and drops them on every other start, and a run that ends in
+order (finished, stopped, preempted, halted) drops them too. On such a restart every process
+reports the steps it holds (its own and its predecessor's) and the disk's newest step; the group
+takes the newest step of which every process has a copy, its own or at its peer, when that is not
+older than the newest disk checkpoint any process sees, and deletes every other copy. Processes
+whose own copy is missing (a replaced host, a wiped tmpfs) receive it back from their peer by the
+same collective. Anything else (a changed layout or process count, a copy that fails its digest
+on any process, no common step) falls back to the disk checkpoint, the only persistent one.
 
-Why not Orbax's emergency managers: both (`emergency.checkpoint_manager` and `emergency.p2p`)
-find a lost process's shards in another data-parallel replica and restore by broadcast, so they
-need at least two replicas holding the same shards: they cannot serve FSDP or ZeRO-1 over the
-data axis, nor a layout whose processes hold distinct shards (tensor or stage across processes).
-A ring copy serves every layout, at the price of a second copy of each process's shards.
+Why not Orbax's emergency managers: two of them (`emergency.checkpoint_manager` and
+`emergency.p2p`) find a lost process's shards in another data-parallel replica and restore by
+broadcast, so they need at least two replicas holding the same shards: they cannot serve FSDP or
+ZeRO-1 over the data axis, nor a layout whose processes hold distinct shards (tensor or stage
+across processes); the third (`replicator_checkpoint_manager`) leaves the replication to a service
+outside the job (GKE's multi-tier checkpointing) and says not to use it without approval. A ring
+copy serves every layout, at the price of a second copy of each process's shards. Copies are found
+by process index: a process that restarts on another host (a scheduler that places the group
+anew) finds none, and the group uses the disk.
 
 Retention: the newest own copy and the newest held copy; the previous own copy is deleted only
 once the new one has reached the peer, so at a failure there is always one step of which both
@@ -35,6 +43,8 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
+import socket
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -156,11 +166,43 @@ def rebuild(header: dict, body: memoryview, abstract: Any) -> Any:
 
 
 def _allgather(values: list[int]) -> np.ndarray:
-    """(process count, len(values)) int64: every process's `values`."""
+    """(process count, len(values)) int64: every process's `values`. Each travels as two int32
+    words: JAX moves int64 as int32 unless x64 is on, which would wrap lengths of 2 GiB and more."""
     from jax.experimental import multihost_utils
 
-    got = multihost_utils.process_allgather(np.asarray(values, np.int64))
-    return np.asarray(got).reshape(jax.process_count(), len(values))
+    words = _words(values)
+    got = np.asarray(multihost_utils.process_allgather(words)).reshape(jax.process_count(), -1)
+    return _unwords(got)
+
+
+def _words(values: list[int]) -> np.ndarray:
+    v = np.asarray(values, np.int64)
+    return np.stack([v >> 31, v & 0x7FFFFFFF], axis=-1).astype(np.int32).reshape(-1)
+
+
+def _unwords(words: np.ndarray) -> np.ndarray:
+    w = words.astype(np.int64).reshape(words.shape[0], -1, 2)
+    return (w[..., 0] << 31) | w[..., 1]
+
+
+def peer_shift(hosts: list[int]) -> int:
+    """The smallest ring shift that sends every process's copy to another host (1 if none does)."""
+    n = len(hosts)
+    return next((s for s in range(1, n) if all(hosts[i] != hosts[(i + s) % n] for i in range(n))), 1)
+
+
+def choose(table: np.ndarray, k: int, shift: int) -> tuple[int | None, list[int]]:
+    """From every process's report (row j: its own steps, k of them, then the steps it holds for
+    process j - shift, k of them, then the newest disk step it sees; -1 = none): the newest step
+    of which every process has a copy, its own or at its peer, not older than any process's disk
+    step, and the processes that need theirs sent back; (None, []) when there is none."""
+    n = len(table)
+    owns = [set(table[j, :k].tolist()) - {-1} for j in range(n)]
+    helds = [set(table[(j + shift) % n, k : 2 * k].tolist()) - {-1} for j in range(n)]
+    disk = int(table[:, 2 * k].max())
+    common = set.intersection(*(owns[j] | helds[j] for j in range(n)))
+    step = max((s for s in common if s >= disk), default=None)
+    return step, [] if step is None else [j for j in range(n) if step not in owns[j]]
 
 
 @dataclass
@@ -189,13 +231,15 @@ class Ring:
 
     def shift(self, blob: bytes, length: int, shift: int) -> bytes:
         """Send `blob` (padded to `length`, the largest any process sends) to process i + `shift`;
-        returns the `length` bytes process i - `shift` sent. Every process calls it."""
-        size = min(CHUNK, max(1, length))
+        returns the `length` bytes process i - `shift` sent. Every process calls it. Chunks are
+        powers of two up to CHUNK, so a copy whose header grows by a digit compiles nothing new."""
+        size = min(CHUNK, 1 << max(0, length - 1).bit_length())
         sharding = NamedSharding(self.mesh, PartitionSpec("process"))
         received = bytearray()
+        view = memoryview(blob)
         for start in range(0, max(1, length), size):
             part = np.zeros((1, size), np.uint8)
-            piece = blob[start : start + size]
+            piece = view[start : start + size]
             part[0, : len(piece)] = np.frombuffer(piece, np.uint8)
             local = jax.device_put(part, self.device)
             x = jax.make_array_from_single_device_arrays((jax.process_count(), size), sharding, [local])
@@ -226,25 +270,33 @@ def _steps(directory: Path) -> dict[int, Path]:
     return {int(p.stem): p for p in directory.glob("*.ckpt") if p.stem.isdigit()}
 
 
+def _host_id() -> int:
+    return int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=4).digest(), "little") >> 1
+
+
 @dataclass
 class Restored:
     state: Any
     meta: dict
     step: int
-    from_peer: list[int]  # processes whose state came from their successor's copy
+    from_peer: list[int]  # processes whose state came from their peer's copy
 
 
 class LocalCheckpoints:
-    """This process's in-memory copies of one run (`directory`: the run's store on this host)."""
+    """This process's in-memory copies of one run (`directory`: the run's store on this host).
+    Made on every process at once (it asks the others for their hosts)."""
 
     def __init__(self, directory: Path, every: int, log=print):
         self.every, self.log = every, log
         self.process, self.processes = jax.process_index(), jax.process_count()
         self.home = directory / f"process-{self.process}"
         self.own = self.home / "own"
-        self.peer = (self.process - 1) % self.processes  # whose copy this process holds
-        self.held = self.home / f"held-{self.peer}"
         self.ring = Ring() if self.processes > 1 else None
+        hosts = _allgather([_host_id()])[:, 0].tolist() if self.ring else [0]
+        self.shift = peer_shift(hosts)
+        self.peer = (self.process - self.shift) % self.processes  # whose copy this process holds
+        self.successor = (self.process + self.shift) % self.processes  # who holds this process's
+        self.held = self.home / f"held-{self.peer}"
         self.disabled: str | None = None
         self.restored: Restored | None = None  # what `restore` returned
 
@@ -252,22 +304,25 @@ class LocalCheckpoints:
         return bool(self.every) and self.disabled is None and n % self.every == 0
 
     def save(self, state: Any, meta: dict) -> None:
-        """Write this process's shards, send them to the successor and keep its predecessor's. A
-        failed write (a full tmpfs) on any process turns the copies off for the rest of the run,
-        on every process (the exchange is a collective), with a warning, and deletes them (the space
-        goes back to the tmpfs): training goes on."""
+        """Write this process's shards, send them to its peer and keep its predecessor's. A failure
+        on any process (a full tmpfs, no memory for the copy) turns the copies off for the rest of
+        the run on every process (the exchange is a collective), with a warning, and deletes them
+        (the space goes back to the tmpfs): training goes on."""
         step = int(jax.device_get(state.step))
-        blob = encode(state, meta | {"step": step}, layout_fingerprint(state))
-        error = self._try(lambda: _write(self.own / f"{step}.ckpt", blob))
+        blob, error = b"", None
+        try:
+            blob = encode(state, meta | {"step": step}, layout_fingerprint(state))
+            _write(self.own / f"{step}.ckpt", blob)
+        except Exception as e:  # every process must reach the exchange below, whatever failed here
+            error = f"{type(e).__name__}: {e}"
         if self.ring is not None:
             lengths = _allgather([len(blob), error is not None])
-            received = self.ring.shift(blob, int(lengths[:, 0].max()), 1)
-            pred_len = int(lengths[self.peer, 0])
-            error = error or self._try(lambda: _write(self.held / f"{step}.ckpt", received[:pred_len]))
+            received = self.ring.shift(blob, int(lengths[:, 0].max()), self.shift)
+            if error is None:
+                error = self._try(lambda: _write(self.held / f"{step}.ckpt", received[: int(lengths[self.peer, 0])]))
             failed = _allgather([error is not None])[:, 0] + lengths[:, 1]
             if failed.any():
-                who = [int(i) for i in np.flatnonzero(failed)]
-                self.disabled = error or f"a write failed on process(es) {who}"
+                self.disabled = error or f"a copy failed on process(es) {np.flatnonzero(failed).tolist()}"
         elif error:
             self.disabled = error
         if self.disabled:
@@ -275,7 +330,7 @@ class LocalCheckpoints:
                 f"warning: in-memory checkpoints turned off at step {step}: {self.disabled}; their files are "
                 "deleted, and the disk checkpoints (checkpoint.every) still protect the run"
             )
-            self.delete()
+            self.discard()
             return
         self._prune(step)
 
@@ -286,21 +341,25 @@ class LocalCheckpoints:
         except OSError as e:
             return f"{type(e).__name__}: {e}"
 
-    def _prune(self, keep: int) -> None:
-        for directory in (self.own, self.held):
+    def _prune(self, keep: int | None) -> None:
+        """Delete every copy of this process but step `keep`'s (all of them for None)."""
+        for directory in [self.own, *self.home.glob("held-*")]:
             for step, path in _steps(directory).items():
                 if step != keep:
                     path.unlink(missing_ok=True)
             for tmp in directory.glob("*.tmp"):
                 tmp.unlink(missing_ok=True)
 
-    def delete(self) -> None:
-        """Drop this process's copies (the run finished: its disk checkpoint is the final state)."""
-        import shutil
-
+    def discard(self) -> None:
+        """Drop this process's copies (and the run's store once no process has any left)."""
         shutil.rmtree(self.home, ignore_errors=True)
         with contextlib.suppress(OSError):
-            self.home.parent.rmdir()  # the run's store, once every process has emptied its part
+            self.home.parent.rmdir()
+
+    def delete(self) -> None:
+        """Drop this process's copies (the run ended in order: the disk has its state); process 0
+        drops the run's whole store (with the parts of processes a shrunk group lost)."""
+        shutil.rmtree(self.home.parent if self.process == 0 else self.home, ignore_errors=True)
 
     # --------------------------------------------------------------------------- restore
 
@@ -321,43 +380,42 @@ class LocalCheckpoints:
         return out
 
     def restore(self, abstract: Any, disk_step: int | None) -> Restored | None:
-        """The newest step of which every process has a copy (its own, or at its successor), when
-        not older than `disk_step`; None otherwise. Every process calls it (collectives)."""
-        self.restored = self._restore(abstract, disk_step) if self.every else None
+        """The newest step of which every process has a copy (its own, or at its peer), when not
+        older than the disk's newest; None otherwise. Every other copy is deleted. Every process
+        calls it (collectives)."""
+        self.restored = self._restore(abstract, -1 if disk_step is None else disk_step) if self.every else None
+        self._prune(None if self.restored is None else self.restored.step)
         return self.restored
 
-    def _restore(self, abstract: Any, disk_step: int | None) -> Restored | None:
+    def _restore(self, abstract: Any, disk_step: int) -> Restored | None:
         fingerprint = layout_fingerprint(abstract)
         own, held = self._usable(self.own, fingerprint), self._usable(self.held, fingerprint)
         if self.ring is None:
-            for step in sorted((s for s in own if disk_step is None or s >= disk_step), reverse=True):
-                with contextlib.suppress(ValueError, KeyError):
+            for step in sorted((s for s in own if s >= disk_step), reverse=True):
+                with contextlib.suppress(Exception):
                     return self._load(own[step].read_bytes(), abstract, step, [])
                 self.log(f"the in-memory copy of step {step} failed its digest; not used")
             return None
         k = 4
-        mine = [*sorted(own, reverse=True)[:k], *[-1] * k][:k] + [*sorted(held, reverse=True)[:k], *[-1] * k][:k]
-        table = _allgather(mine)
-        n = self.processes
-        owns = [set(table[j, :k]) - {-1} for j in range(n)]
-        helds = [set(table[(j + 1) % n, k:]) - {-1} for j in range(n)]  # j's copy at its successor
-        common = set.intersection(*(owns[j] | helds[j] for j in range(n)))
-        step = max((s for s in common if disk_step is None or s >= disk_step), default=None)
+        pad = lambda steps: [*sorted(steps, reverse=True)[:k], *[-1] * k][:k]
+        step, needy = choose(_allgather([*pad(own), *pad(held), disk_step]), k, self.shift)
         if step is None:
             return None
-        needy = [j for j in range(n) if step not in owns[j]]
-        blob = own[step].read_bytes() if step in own else b""
-        if needy:  # successors send back the copies they hold
-            send = held[step].read_bytes() if self.peer in needy else b""
+        restored, blob = None, b""
+        with contextlib.suppress(Exception):
+            blob = own[step].read_bytes() if step in own else b""
+        if needy:  # peers send back the copies they hold
+            send = b""
+            with contextlib.suppress(Exception):
+                send = held[step].read_bytes() if self.peer in needy else b""
             lengths = _allgather([len(send)])
-            back = self.ring.shift(send, int(lengths[:, 0].max()), -1)
+            back = self.ring.shift(send, int(lengths[:, 0].max()), -self.shift)
             if self.process in needy:
-                blob = back[: int(lengths[(self.process + 1) % n, 0])]
-        restored = None
-        with contextlib.suppress(ValueError, KeyError):
+                blob = back[: int(lengths[self.successor, 0])]
+        with contextlib.suppress(Exception):  # anything that fails here fails for the group below
             restored = self._load(blob, abstract, step, needy)
         if not _allgather([restored is not None])[:, 0].all():
-            self.log(f"in-memory copies of step {step} failed their digest on some process; using the disk")
+            self.log(f"the in-memory copies of step {step} could not be used on every process; using the disk")
             return None
         if self.process in needy:  # this host's own copy again, for the next failure
             self._try(lambda: _write(self.own / f"{step}.ckpt", blob))

@@ -6,6 +6,7 @@ reported)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from,
     A LoRA run's checkpoints hold its adapters only: `identity["base"]` (the meta every save
     carries) is set here to where its frozen base comes from, with the base's checksums."""
     if cfg.checkpoint.resume:
-        restored = _from_memory(ckpt, abstract, identity, log, local) if local is not None else None
+        restored = _from_memory(cfg, ckpt, abstract, identity, log, local) if local is not None else None
         if restored is None:
             restored = _resume(cfg, ckpt, abstract, identity, log)
         if restored is not None:
@@ -78,8 +79,13 @@ def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from,
     return state
 
 
-def _from_memory(ckpt, abstract, identity, log, local) -> TrainState | None:
-    """The in-memory copies' newest common step (`local_checkpoint`), when not older than the disk's."""
+def _from_memory(cfg, ckpt, abstract, identity, log, local) -> TrainState | None:
+    """The in-memory copies' newest common step (`local_checkpoint`), when not older than the
+    disk's; only when `meshlm launch` restarts a group after a failure ($MESHLM_FAULT): any other
+    start (by hand, a regrow, after a preemption) uses the disk and drops the copies."""
+    if not os.environ.get("MESHLM_FAULT"):
+        local.discard()
+        return None
     steps = ckpt.steps()
     restored = local.restore(abstract, steps[-1] if steps else None)
     if restored is None:
@@ -91,7 +97,17 @@ def _from_memory(ckpt, abstract, identity, log, local) -> TrainState | None:
     peers = f" (process {', '.join(map(str, restored.from_peer))} from its peer's copy)" if restored.from_peer else ""
     disk = f"; the disk's newest is step {steps[-1]}" if steps else "; no disk checkpoint"
     log.print(f"resumed from the in-memory copies of step {restored.step}{peers}{disk}")
+    _report_differences(meta, cfg, identity, log)
     return restored.state
+
+
+def _report_differences(meta: dict, cfg, identity: dict, log) -> None:
+    """What a resumed run changed: config fields, and the data (batches will not repeat)."""
+    changes = config_changes(meta.get("config", {}), cfg)
+    if changes:
+        log.print("  config differs from the checkpoint's: " + "; ".join(changes))
+    if meta.get("data_fingerprint") != identity["data_fingerprint"]:
+        log.print("  warning: the training data differs from the checkpoint's; batches will not repeat")
 
 
 def _resume(cfg, ckpt, abstract, identity, log) -> TrainState | None:
@@ -112,11 +128,7 @@ def _resume(cfg, ckpt, abstract, identity, log) -> TrainState | None:
         identity["base"] = meta["base"]
         log.print(f"  LoRA adapters on the frozen base {meta['base']['source']} (checksums equal)")
     log.print(f"resumed from {ckpt.directory}/{meta['step']} (saved by meshlm {meta['code_version']})")
-    changes = config_changes(meta.get("config", {}), cfg)
-    if changes:
-        log.print("  config differs from the checkpoint's: " + "; ".join(changes))
-    if meta.get("data_fingerprint") != identity["data_fingerprint"]:
-        log.print("  warning: the training data differs from the checkpoint's; batches will not repeat")
+    _report_differences(meta, cfg, identity, log)
     return state
 
 

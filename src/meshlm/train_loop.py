@@ -253,7 +253,8 @@ class StepLoop:
                     ckpt.save(state, identity)  # returns once the arrays are off the devices
                 self.log.log({"step": n, "checkpoint_save_s": self.paused_s})
             if copying:  # in-memory copies count as training time: their cost shows in the rate
-                self.local.save(state, identity)
+                with self.heartbeat.phase(n):
+                    self.local.save(state, identity)
             self.heartbeat.beat(n, force=step == start)
             if jax.process_count() == 1 or logged:
                 self.stopped_by = _any_process(stop.signum)

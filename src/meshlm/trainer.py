@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,12 +146,20 @@ def _train(cfg, run_dir, log, dry_run, init_from, stop_after, stop) -> RunResult
             ckpt.save(state, identity)  # the final state (a no-op if this step was just saved)
         with loop.heartbeat.phase(result["final_step"]):
             ckpt.wait()
+    except NonFiniteStep:
+        if local is not None:
+            local.delete()  # an orderly end: the disk holds the last good state
+        raise
     finally:
-        ckpt.close()
+        if sys.exc_info()[0] is None:
+            ckpt.close()
+        else:  # a failed close must not hide the error on its way out
+            with contextlib.suppress(Exception):
+                ckpt.close()
+    if local is not None:
+        local.delete()  # done, stopped or preempted in order: the disk holds the state
     if loop.stopped_by is not None:
         raise Preempted(loop.stopped_by, int(state.step), ckpt.directory)
-    if local is not None and result["final_step"] >= cfg.train.steps:
-        local.delete()  # the run is done: its final state is on disk
     entropy = data.meta["train_unigram_entropy"]
     result = RunResult(**result, unigram_entropy=entropy, compile_s=s.compile_s, run_dir=run_dir)
     _report_end(cfg, log, result, entropy)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from meshlm.cli.common import add_run_args, prepare, resolve_config
-from meshlm.config import ConfigError
+from meshlm.config import ConfigError, RunConfig
 from meshlm.exits import EXIT_MISMATCH
 
 
@@ -30,6 +30,21 @@ def add_parsers(sub) -> dict:
     launch.add_argument("--hang-timeout", type=float, default=600, help="seconds without progress = hung")
     launch.add_argument("--startup-timeout", type=float, default=900, help="seconds allowed before the first step")
     launch.add_argument("--ray", metavar="ADDRESS", help="place one process per node of this Ray cluster")
+    launch.add_argument(
+        "--min-processes",
+        type=int,
+        help="elastic: when lost processes are not replaced within --replace-timeout, continue on as few as "
+        "this many (a smaller data or fsdp axis, more microbatches), and regrow when capacity returns",
+    )
+    launch.add_argument("--replace-timeout", type=float, default=300, help="seconds to wait for lost processes")
+    launch.add_argument(
+        "--capacity-cmd",
+        metavar="CMD",
+        help="elastic: a shell command printing how many processes can run now (e.g. healthy nodes)",
+    )
+    launch.add_argument(
+        "--capacity-poll", type=float, default=5.0, help="elastic: seconds between capacity checks while shrunk"
+    )
     return {"train": cmd_train, "launch": cmd_launch}
 
 
@@ -139,27 +154,36 @@ def _compile_cache(on: bool) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the train step, not small helpers
 
 
-def launch_plan(train_args: list[str], processes: int, devices_per_process: int | None) -> tuple[list[str], Path]:
-    """Parse the train command `meshlm launch` will run and check it against the group size."""
-    from meshlm.launch.supervisor import plan_launch
-
+def _train_command(train_args: list[str]) -> tuple[argparse.Namespace, RunConfig]:
     if not train_args or train_args[0] != "train":
         raise ConfigError("meshlm launch runs a train command: meshlm launch --processes N -- train [options]")
     parser = argparse.ArgumentParser(prog="meshlm")
     add_train_args(parser.add_subparsers(dest="command", required=True).add_parser("train"))
     parsed = parser.parse_args(train_args)
-    return plan_launch(
-        train_args, resolve_config(parsed), parsed.run_dir, parsed.recipe, processes, devices_per_process
-    )
+    return parsed, resolve_config(parsed)
+
+
+def launch_plan(train_args: list[str], processes: int, devices_per_process: int | None) -> tuple[list[str], Path]:
+    """Parse the train command `meshlm launch` will run and check it against the group size."""
+    from meshlm.launch.supervisor import plan_launch
+
+    parsed, cfg = _train_command(train_args)
+    return plan_launch(train_args, cfg, parsed.run_dir, parsed.recipe, processes, devices_per_process)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from meshlm.launch.supervisor import Supervisor
 
     train_args, run_dir = launch_plan(args.train_args, args.processes, args.devices_per_process)
-    if args.max_restarts < 0 or args.hang_timeout <= 0:
-        raise ConfigError("--max-restarts must be >= 0 and --hang-timeout > 0")
+    if args.max_restarts < 0 or args.hang_timeout <= 0 or args.replace_timeout < 0:
+        raise ConfigError("--max-restarts and --replace-timeout must be >= 0 and --hang-timeout > 0")
     options = dict(max_restarts=args.max_restarts, hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout)
+    if args.min_processes is not None:
+        if not 1 <= args.min_processes <= args.processes:
+            raise ConfigError(f"--min-processes must be between 1 and --processes {args.processes}")
+        options |= dict(min_processes=args.min_processes, replace_timeout=args.replace_timeout)
+        options |= dict(capacity_cmd=args.capacity_cmd, capacity_poll=args.capacity_poll)
+        options["cfg"] = _train_command(train_args)[1]
     if args.ray:
         from meshlm.launch.ray_cluster import RaySupervisor
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from meshlm.config import ConfigError
-from meshlm.launch.supervisor import Supervisor, host_env, worker_command, worker_vars
+from meshlm.launch.supervisor import Supervisor, host_env, worker_command
 
 
 def _ray():
@@ -170,6 +170,6 @@ class RaySupervisor(Supervisor):
         workers = []
         for i, actor in enumerate(self.actors):
             cmd = worker_command(self.train_args, self.devices_per_process, coordinator, self.processes, i)
-            ray.get(actor.start.remote(cmd[1:], worker_vars(beats[i]), os.getcwd()))
+            ray.get(actor.start.remote(cmd[1:], self._worker_vars(beats[i]), os.getcwd()))
             workers.append(RayWorker(actor, lambda line, i=i: self.say(f"[{i}] {line}")))
         return workers

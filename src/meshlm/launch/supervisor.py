@@ -29,6 +29,7 @@ from pathlib import Path
 
 from meshlm.config import ConfigError, RunConfig
 from meshlm.exits import FINAL_EXITS
+from meshlm.launch import elastic
 from meshlm.platform import xla_flags
 
 
@@ -139,8 +140,16 @@ class Supervisor:
     attempts: list[Attempt] = field(default_factory=list)
     stop_signal: int | None = None
     fault: str | None = None  # "time step": when the last failure was seen, the step the group had reached
+    # elastic (`--min-processes`): shrink when lost processes are not replaced in time, regrow after
+    min_processes: int | None = None
+    replace_timeout: float = 300.0
+    capacity_cmd: str | None = None  # prints how many processes can run now (None: always all of them)
+    cfg: RunConfig | None = None  # the train command's config: the layout to shrink
+    capacity_poll: float = 5.0  # seconds between capacity checks while the group runs shrunk
 
     def __post_init__(self):
+        self.full = (self.processes, list(self.train_args))  # the group as asked for
+        self.regrows = 0
         self.lock = threading.Lock()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_file = open(self.run_dir / "launch.log", "a")  # noqa: SIM115 (closed in run())
@@ -167,9 +176,12 @@ class Supervisor:
         for i in range(self.processes):
             cmd = worker_command(self.train_args, self.devices_per_process, coordinator, self.processes, i)
             on_line = lambda line, i=i: self.say(f"[{i}] {line}")
-            extra = worker_vars(beats[i]) | ({"MESHLM_FAULT": self.fault} if self.fault else {})
-            workers.append(LocalWorker(cmd, host_env(extra), on_line))
+            workers.append(LocalWorker(cmd, host_env(self._worker_vars(beats[i])), on_line))
         return workers
+
+    def _worker_vars(self, heartbeat: Path) -> dict[str, str]:
+        """A worker's environment additions; after a failure, when it was seen and the step reached."""
+        return worker_vars(heartbeat) | ({"MESHLM_FAULT": self.fault} if self.fault else {})
 
     def _reached(self) -> int:
         """The newest step any process's heartbeat reported (0 before any)."""
@@ -234,22 +246,21 @@ class Supervisor:
             self.attempts.append(attempt)
             started = time.time()
             workers = self._start(attempt)
-            outcome = None
-            while outcome is None:
-                time.sleep(0.2)
-                if self.stop_signal is not None:  # forward: every process checkpoints and exits
-                    name = signal.Signals(self.stop_signal).name
-                    self.say(f"[launch] {name}: asking every process to checkpoint and stop")
-                    self._stop_all(workers, signal.SIGTERM, grace=300)
-                    attempt.outcome, attempt.seconds = f"stopped by {name}", time.time() - started
-                    self._summary()
-                    return 128 + self.stop_signal
-                outcome = self._check(workers, started)
+            outcome = self._watch(workers, started)
             attempt.outcome, attempt.seconds = outcome, time.time() - started
+            if self.stop_signal is not None:
+                self._summary()
+                return 128 + self.stop_signal
             if outcome == "ok":
                 self._summary()
                 return 0
-            self.fault = f"{time.time():.3f} {self._reached()}"  # the restarted group reports its recovery
+            if outcome.startswith("stopped to regrow"):  # checkpointed: not a failure, nothing lost
+                self.regrows += 1
+                self.fault, (self.processes, self.train_args) = None, self.full
+                continue
+            reached = self._reached()  # the restarted group reports its recovery from this failure...
+            if self.fault is None or reached:  # ...or from the one before, if this attempt made no step
+                self.fault = f"{time.time():.3f} {reached}"
             self.say(f"[launch] attempt {attempt.number} failed: {outcome}; stopping the other processes")
             self._stop_all(workers)
             codes = [w.poll() for w in workers]
@@ -258,11 +269,83 @@ class Supervisor:
                 self.say(f"[launch] {FINAL_EXITS[final[0]]} is not retried")
                 self._summary()
                 return final[0]
-            if len(self.attempts) > self.max_restarts:
+            if len(self.attempts) - self.regrows > self.max_restarts or not self._resize():
                 self._summary()
-                return 1
+                return 1 if self.stop_signal is None else 128 + self.stop_signal
             reached = self.fault.split()[1]
             self.say(f"[launch] restarting the group (it had reached step {reached}) from the latest good checkpoint")
+
+    def _watch(self, workers: list, started: float) -> str:
+        """Poll the running group until it ends: why it ended ('ok' on success). A SIGTERM/SIGINT to
+        the launcher is forwarded (every process checkpoints); a shrunk group whose full capacity is
+        back is stopped the same way, to restart at full size."""
+        polled = time.time()
+        while True:
+            time.sleep(0.2)
+            if self.stop_signal is not None:  # forward: every process checkpoints and exits
+                name = signal.Signals(self.stop_signal).name
+                self.say(f"[launch] {name}: asking every process to checkpoint and stop")
+                self._stop_all(workers, signal.SIGTERM, grace=300)
+                return f"stopped by {name}"
+            outcome = self._check(workers, started)
+            if outcome is not None:
+                return outcome
+            if self.processes < self.full[0] and time.time() - polled > self.capacity_poll:
+                polled = time.time()
+                if self._capacity() >= self.full[0]:
+                    self.say(
+                        f"[launch] capacity for {self.full[0]} processes is back: every process checkpoints, "
+                        "and the group restarts at full size"
+                    )
+                    self._stop_all(workers, signal.SIGTERM, grace=300)
+                    return f"stopped to regrow to {self.full[0]} processes"
+
+    def _capacity(self) -> int:
+        """How many processes can run now: --capacity-cmd's number (the full group without one)."""
+        if not self.capacity_cmd:
+            return self.full[0]
+        try:
+            r = subprocess.run(self.capacity_cmd, shell=True, capture_output=True, text=True, timeout=60)
+            return int(r.stdout.split()[0])
+        except (subprocess.SubprocessError, ValueError, IndexError) as e:
+            self.say(f"[launch] --capacity-cmd gave no number ({type(e).__name__}); assuming the current group")
+            return self.processes
+
+    def _resize(self) -> bool:
+        """Before a restart: wait up to --replace-timeout for the full group's capacity; without it,
+        shrink to the largest group the layout allows (`elastic`). A layout that cannot shrink waits
+        another --replace-timeout for capacity. False: give up (the reason was said)."""
+        full, args = self.full
+        if self.min_processes is None or self.min_processes >= full:
+            return True
+        for wait in ("replace", "refused"):
+            deadline = time.time() + self.replace_timeout
+            capacity = self._capacity()
+            while capacity < full and time.time() < deadline and self.stop_signal is None:
+                time.sleep(1.0)
+                capacity = self._capacity()
+            if capacity >= full:
+                self.processes, self.train_args = full, args
+                return True
+            if self.stop_signal is not None:
+                return False
+            if wait == "refused":
+                self.say(f"[launch] capacity for {full} processes did not come back: giving up")
+                return False
+            got = elastic.largest(self.cfg, full, capacity, self.min_processes)
+            if isinstance(got, str):
+                self.say(f"[launch] cannot shrink to {capacity} processes: {got}; waiting for capacity")
+                continue
+            n, cfg = got
+            p, was = cfg.parallel, self.cfg.train.microbatches
+            self.say(
+                f"[launch] {full - n} process(es) not replaced within --replace-timeout {self.replace_timeout:g}s: "
+                f"continuing on {n} processes, mesh {p.describe(' x ')}, microbatches {was} -> "
+                f"{cfg.train.microbatches} (the global batch is unchanged)"
+            )
+            self.processes, self.train_args = n, elastic.command(args, cfg)
+            return True
+        return False
 
     def _summary(self) -> None:
         self.say(f"[launch] summary ({len(self.attempts)} attempts, --max-restarts {self.max_restarts}):")

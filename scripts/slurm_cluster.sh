@@ -15,7 +15,11 @@ install() {
         echo "slurm_cluster: slurm-wlm is not installed and this is not root on a Debian-like system" >&2
         return 1
     fi
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null
+    local get="apt-get install -y -q --no-install-recommends slurm-wlm munge"
+    # without package lists (a fresh image) the install fails at once: fetch them, then try again
+    DEBIAN_FRONTEND=noninteractive $get >/dev/null 2>&1 || {
+        apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $get >/dev/null
+    }
 }
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }

@@ -63,13 +63,24 @@ def test_an_elastic_group_shrinks_its_batch_axes_only_and_keeps_the_global_batch
     n, small = elastic.largest(cfg, processes=4, capacity=3, least=1)  # 3 would cut data to 3: not whole
     assert n == 2 and (small.parallel.data, small.parallel.tensor, small.parallel.dcn_data) == (2, 2, 2)
     assert small.train.microbatches == 2 and small.train.global_batch == 16
-    command = elastic.command(base, small)
-    assert command == [
+    command = elastic.command([*base, "--set", "parallel.dcn_data=4"], small)
+    assert command[:7] == [
         "train",
-        *["--set", "train.global_batch=16", "--mesh", "data=2,tensor=2", "--dcn", "data=2"],
-        *["--set", "train.microbatches=2"],
+        "--set",
+        "train.global_batch=16",
+        "--set",
+        "parallel.dcn_data=4",
+        "--mesh",
+        "data=2,tensor=2",
     ]
-    assert _train_command(command)[1] == small  # the command runs exactly the shrunk config
+    assert "--dcn" not in command and command[-2:] == ["--set", "train.microbatches=2"]
+    assert _train_command(command)[1] == small  # exactly the shrunk config: the user's own dcn set is replaced
+    # --dcn keeps as many processes per slice: an uncut axis's split makes the cut go to the other axis
+    _, split = _train_command(["train", "--mesh", "data=2,fsdp=4", "--dcn", "fsdp=4"])
+    n, small = elastic.largest(split, 4, 2, 2)
+    assert (small.parallel.data, small.parallel.fsdp, small.parallel.dcn_fsdp) == (2, 2, 2)
+    _, staged = _train_command(["train", "--mesh", "stage=2,data=2", "--dcn", "stage=2"])
+    assert "data=1: --dcn would leave 2 slice(s) for 2 processes" in elastic.largest(staged, 4, 2, 2)
     _, fsdp = _train_command(["train", "--mesh", "fsdp=4,tensor=2"])
     assert elastic.largest(fsdp, 4, 2, 2)[1].parallel.fsdp == 2
     # a tensor or stage group cannot lose a member; the reasons are given per size tried
@@ -143,6 +154,52 @@ def test_config_errors_and_non_finite_stops_are_not_retried(monkeypatch, tmp_pat
     assert sup.run() == code
     assert len(sup.attempts) == 1
     assert "is not retried" in (tmp_path / "launch.log").read_text()
+
+
+@pytest.mark.parametrize("clean_stop", [True, False])
+def test_the_supervisor_shrinks_then_regrows_and_a_regrow_is_not_a_restart(monkeypatch, tmp_path, clean_stop):
+    """Fake workers, real supervision: process 1 of 2 fails and capacity is 1, so after
+    --replace-timeout the group continues on 1 process (data=2 -> 1, 2 microbatches); that worker
+    reports capacity 2 back, the supervisor stops it with SIGTERM and restarts on 2 processes, which
+    finish. A worker that does not stop cleanly on the regrow's SIGTERM is a failure like any other
+    (with --max-restarts 1, restarts run out)."""
+    import sys
+
+    from meshlm.cli.train import _train_command
+    from meshlm.launch import supervisor as launch
+
+    capacity, commands = tmp_path / "capacity", []
+    capacity.write_text("1")
+    on_term = 143 if clean_stop else 1
+
+    def worker(train_args, devices, coordinator, n, i):
+        commands.append((n, train_args))
+        if n == 1:  # the shrunk group: capacity comes back while it runs
+            code = f"signal.signal(signal.SIGTERM, lambda *a: sys.exit({on_term})); "
+            code += f"pathlib.Path({str(capacity)!r}).write_text('2'); time.sleep(60)"
+        else:  # the first full group fails in process 1 (process 0 waits to be stopped); the regrown one finishes
+            first = len(commands) <= 2
+            code = f"time.sleep(60 if {first and i == 0} else 0.2); sys.exit({int(first and i == 1)})"
+        return [sys.executable, "-c", "import pathlib, signal, sys, time; " + code]
+
+    monkeypatch.setattr(launch, "worker_command", worker)
+    args = ["train", "--mesh", "data=2"]
+    sup = launch.Supervisor(
+        args, 2, 1, tmp_path, max_restarts=1, min_processes=1, replace_timeout=0.5,
+        capacity_cmd=f"cat {capacity}", cfg=_train_command(args)[1], capacity_poll=0.1,
+    )  # fmt: skip
+    code = sup.run()
+    log = (tmp_path / "launch.log").read_text()
+    assert "continuing on 1 processes, mesh data=1 x fsdp=1 x tensor=1, microbatches 1 -> 2" in log
+    assert [n for n, _ in commands] == ([2, 2, 1, 2, 2] if clean_stop else [2, 2, 1])
+    shrunk = _train_command(commands[2][1])[1]
+    assert (shrunk.parallel.data, shrunk.train.microbatches) == (1, 2)
+    if clean_stop:
+        assert code == 0 and sup.regrows == 1 and commands[-1][1] == args
+        assert [a.outcome for a in sup.attempts][1:] == ["stopped to regrow to 2 processes", "ok"]
+    else:
+        assert code == 1 and sup.regrows == 0
+        assert sup.attempts[1].outcome == "process 0 exited with code 1 while stopping to regrow"
 
 
 def test_workers_get_the_users_xla_flags_without_a_device_count(monkeypatch):

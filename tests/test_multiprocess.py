@@ -204,12 +204,13 @@ def test_four_processes_survive_a_replaced_host_then_shrink_and_regrow(dataset, 
     Every loss is one device's within 1e-5 (the layouts sum the batch's rows in other orders)."""
     run, capacity = tmp_path / "run", tmp_path / "capacity"
     capacity.write_text("4")
-    train_args = [*_train_args(dataset, run, steps=30, mesh="data=4,tensor=2"), "--set", "model.dropout=0"]
+    train_args = [*_train_args(dataset, run, steps=40, mesh="data=4,tensor=2"), "--set", "model.dropout=0"]
     train_args += ["--set", "checkpoint.local_every=1"]
     options = ["--max-restarts", "3", "--hang-timeout", "30", "--min-processes", "2", "--replace-timeout", "2"]
-    options += ["--capacity-cmd", f"cat {capacity}", "--capacity-poll", "0.5"]
+    options += ["--capacity-cmd", f"cat {capacity}", "--capacity-poll", "0.2"]
     proc = _popen(_launch_cmd(train_args, *options, processes=4))
     first = random.randint(4, 7)  # the first failure's step
+    print(f"first failure at step {first}")
     pid = _wait_for_step(run, 2, first, proc)
     first_three = _pid(run, 3)  # before the kill: the launcher clears the heartbeats when it restarts
     os.kill(pid, signal.SIGSTOP)
@@ -232,8 +233,9 @@ def test_four_processes_survive_a_replaced_host_then_shrink_and_regrow(dataset, 
     assert [e["source"] for e in events] == ["memory", "disk"], f"first failure at step {first}"
     # a heartbeat names a step once it is dispatched: its copy may not have been made when the kill came
     assert events[0]["lost_steps"] <= 1 and events[0]["resumed_at"] >= first - 1
+    assert not lc.store_dir(lc.default_root(), run, lc.run_id(run, first=False)).exists()  # dropped at the end
     one = tmp_path / "one"
-    one_device = [*_train_args(dataset, one, steps=30, mesh="data=1"), "--set", "model.dropout=0"]
+    one_device = [*_train_args(dataset, one, steps=40, mesh="data=1"), "--set", "model.dropout=0"]
     r = subprocess.run(
         [sys.executable, "-m", "meshlm", *one_device],
         capture_output=True,
@@ -243,7 +245,7 @@ def test_four_processes_survive_a_replaced_host_then_shrink_and_regrow(dataset, 
     )
     assert r.returncode == 0, r.stderr[-2000:]
     got, want = logged_losses(run), logged_losses(one)
-    assert sorted(got) == sorted(want) == list(range(1, 31))
+    assert sorted(got) == sorted(want) == list(range(1, 41))
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-5)
 
 
@@ -252,7 +254,12 @@ def _popen(cmd) -> subprocess.Popen:
 
 
 def _pid(run: Path, process: int) -> int:
-    return int((run / ".heartbeat" / f"process-{process}").read_text().split()[2])
+    for _ in range(100):  # a heartbeat being rewritten reads empty for a moment
+        parts = (run / ".heartbeat" / f"process-{process}").read_text().split()
+        if len(parts) == 3:
+            return int(parts[2])
+        time.sleep(0.01)
+    raise AssertionError(f"process {process}'s heartbeat stays unreadable")
 
 
 def _records(run: Path) -> list[dict]:
@@ -511,6 +518,7 @@ def slurm(tmp_path_factory):
     state = tmp_path_factory.mktemp("slurm")
     r = subprocess.run(["bash", str(script), "start", str(state)], capture_output=True, text=True, timeout=120)
     if r.returncode:
+        subprocess.run(["bash", str(script), "stop", str(state)], capture_output=True, timeout=60)
         pytest.skip(f"no single-node SLURM cluster here: {r.stderr.strip()[-400:]}")
     yield _env() | {"SLURM_CONF": str(state / "slurm.conf")}
     subprocess.run(["bash", str(script), "stop", str(state)], capture_output=True, timeout=60)
@@ -532,10 +540,12 @@ def test_a_slurm_job_equals_the_launched_run_and_survives_a_requeue(reference, d
     script.write_text(SLURM_JOB.format(out=out, python=sys.executable, args=" ".join(args)))
     submit = ["sbatch", "--parsable", str(script)]
     job = subprocess.run(submit, capture_output=True, text=True, env=slurm, check=True).stdout.strip()
-    deadline = time.time() + 300
+    deadline = time.time() + 600
     while len(logged_losses(run) if (run / "metrics.jsonl").exists() else {}) < 4:
-        assert time.time() < deadline and _job_state(job, slurm) in ("PENDING", "RUNNING"), out.read_text()[-3000:]
+        state = _job_state(job, slurm)  # UNKNOWN: scontrol did not answer this time
+        assert time.time() < deadline and state in ("PENDING", "CONFIGURING", "RUNNING", "UNKNOWN"), state
         time.sleep(0.2)
+    assert len(logged_losses(run)) < STEPS, "the job finished before the requeue: too fast to test it"
     subprocess.run(["scontrol", "requeue", job], env=slurm, check=True, timeout=60)
     while (state := _job_state(job, slurm)) != "COMPLETED":
         assert time.time() < deadline and state not in ("FAILED", "CANCELLED", "TIMEOUT"), out.read_text()[-3000:]

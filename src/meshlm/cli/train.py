@@ -181,6 +181,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.min_processes is not None:
         if not 1 <= args.min_processes <= args.processes:
             raise ConfigError(f"--min-processes must be between 1 and --processes {args.processes}")
+        if not args.capacity_cmd or args.ray:
+            raise ConfigError(
+                "--min-processes (elastic) runs with the local launcher and needs --capacity-cmd: the command "
+                "that says how many processes can run (this machine can always restart all of them)"
+            )
         options |= dict(min_processes=args.min_processes, replace_timeout=args.replace_timeout)
         options |= dict(capacity_cmd=args.capacity_cmd, capacity_poll=args.capacity_poll)
         options["cfg"] = _train_command(train_args)[1]

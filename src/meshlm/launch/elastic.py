@@ -13,6 +13,7 @@ fewer processes.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, RunConfig
@@ -43,6 +44,10 @@ def shrunk(cfg: RunConfig, processes: int, to: int) -> RunConfig | str:
         candidate = dataclasses.replace(
             cfg, parallel=dataclasses.replace(p, **changes), train=dataclasses.replace(tc, microbatches=micro)
         )
+        slices, before = math.prod(candidate.parallel.dcn.values()), math.prod(p.dcn.values())
+        if before > 1 and slices * processes != before * to:  # as many processes per slice or node as before
+            reasons.append(f"{axis}={new}: --dcn would leave {slices} slice(s) for {to} processes")
+            continue
         try:
             return validate(candidate)
         except ConfigError as e:
@@ -78,6 +83,7 @@ def command(train_args: list[str], cfg: RunConfig) -> list[str]:
         out.append(arg)
     p = cfg.parallel
     mesh = ",".join(f"{a}={getattr(p, a)}" for a in MESH_AXES if getattr(p, a) > 1) or "data=1"
-    dcn = ",".join(f"{a}={w}" for a, w in p.dcn.items() if w > 1)
-    micro = ["--set", f"train.microbatches={cfg.train.microbatches}"]
-    return [*out, "--mesh", mesh, *(["--dcn", dcn] if dcn else []), *micro]
+    # every split, 1 included: a user's own --set of one must not survive
+    sets = [f"parallel.dcn_{a}={w}" for a, w in p.dcn.items() if hasattr(p, f"dcn_{a}")]
+    sets.append(f"train.microbatches={cfg.train.microbatches}")
+    return [*out, "--mesh", mesh, *[x for kv in sets for x in ("--set", kv)]]

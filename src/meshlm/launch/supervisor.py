@@ -298,6 +298,10 @@ class Supervisor:
                         "and the group restarts at full size"
                     )
                     self._stop_all(workers, signal.SIGTERM, grace=300)
+                    stopped = (0, 128 + signal.SIGTERM, -signal.SIGTERM)  # checkpointed and stopped
+                    failed = [(i, w.poll()) for i, w in enumerate(workers) if w.poll() not in stopped]
+                    if failed:  # not a clean stop: a failure like any other
+                        return f"process {failed[0][0]} {describe_exit(failed[0][1])} while stopping to regrow"
                     return f"stopped to regrow to {self.full[0]} processes"
 
     def _capacity(self) -> int:
@@ -305,7 +309,7 @@ class Supervisor:
         if not self.capacity_cmd:
             return self.full[0]
         try:
-            r = subprocess.run(self.capacity_cmd, shell=True, capture_output=True, text=True, timeout=60)
+            r = subprocess.run(self.capacity_cmd, shell=True, capture_output=True, text=True, timeout=10)
             return int(r.stdout.split()[0])
         except (subprocess.SubprocessError, ValueError, IndexError) as e:
             self.say(f"[launch] --capacity-cmd gave no number ({type(e).__name__}); assuming the current group")
@@ -313,39 +317,48 @@ class Supervisor:
 
     def _resize(self) -> bool:
         """Before a restart: wait up to --replace-timeout for the full group's capacity; without it,
-        shrink to the largest group the layout allows (`elastic`). A layout that cannot shrink waits
-        another --replace-timeout for capacity. False: give up (the reason was said)."""
+        shrink to the largest group the layout allows (`elastic`), retried on every capacity check
+        for another --replace-timeout when none fits yet. False: give up (the reason was said)."""
         full, args = self.full
         if self.min_processes is None or self.min_processes >= full:
-            return True
-        for wait in ("replace", "refused"):
-            deadline = time.time() + self.replace_timeout
-            capacity = self._capacity()
-            while capacity < full and time.time() < deadline and self.stop_signal is None:
-                time.sleep(1.0)
-                capacity = self._capacity()
-            if capacity >= full:
-                self.processes, self.train_args = full, args
-                return True
-            if self.stop_signal is not None:
-                return False
-            if wait == "refused":
-                self.say(f"[launch] capacity for {full} processes did not come back: giving up")
-                return False
+            return self.stop_signal is None
+        capacity = self._wait_for(lambda c: c >= full)
+        said = None
+        deadline = time.time() + self.replace_timeout
+        while self.stop_signal is None and capacity < full:
             got = elastic.largest(self.cfg, full, capacity, self.min_processes)
-            if isinstance(got, str):
+            if not isinstance(got, str):
+                self._shrink(*got)
+                return True
+            if got != said:
                 self.say(f"[launch] cannot shrink to {capacity} processes: {got}; waiting for capacity")
-                continue
-            n, cfg = got
-            p, was = cfg.parallel, self.cfg.train.microbatches
-            self.say(
-                f"[launch] {full - n} process(es) not replaced within --replace-timeout {self.replace_timeout:g}s: "
-                f"continuing on {n} processes, mesh {p.describe(' x ')}, microbatches {was} -> "
-                f"{cfg.train.microbatches} (the global batch is unchanged)"
-            )
-            self.processes, self.train_args = n, elastic.command(args, cfg)
-            return True
-        return False
+                said = got
+            if time.time() > deadline:
+                self.say(f"[launch] no group of at least --min-processes {self.min_processes} fits: giving up")
+                return False
+            time.sleep(1.0)
+            capacity = self._capacity()
+        self.processes, self.train_args = full, args
+        return self.stop_signal is None
+
+    def _wait_for(self, enough) -> int:
+        """The capacity once `enough(capacity)`, or after --replace-timeout (or a stop signal)."""
+        deadline = time.time() + self.replace_timeout
+        capacity = self._capacity()
+        while not enough(capacity) and time.time() < deadline and self.stop_signal is None:
+            time.sleep(1.0)
+            capacity = self._capacity()
+        return capacity
+
+    def _shrink(self, n: int, cfg: RunConfig) -> None:
+        full, args = self.full
+        p, was = cfg.parallel, self.cfg.train.microbatches
+        self.say(
+            f"[launch] {full - n} process(es) not replaced within --replace-timeout {self.replace_timeout:g}s: "
+            f"continuing on {n} processes, mesh {p.describe(' x ')}, microbatches {was} -> "
+            f"{cfg.train.microbatches} (the global batch is unchanged)"
+        )
+        self.processes, self.train_args = n, elastic.command(args, cfg)
 
     def _summary(self) -> None:
         self.say(f"[launch] summary ({len(self.attempts)} attempts, --max-restarts {self.max_restarts}):")

@@ -266,6 +266,33 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_a_worker_killed_during_a_checkpoint_save_resumes_from_the_last_committed_step(reference, dataset, tmp_path):
+    """Process 1 is SIGKILLed the moment Orbax's temporary directory of a save after step 3
+    appears (the save of step 6 or 9 in flight, never committed: the commit waits for every
+    process). The restarted group resumes from the last committed step, the half-written one is
+    never listed, and every loss and final tensor equals the uninterrupted run's bit for bit."""
+    run = tmp_path / "run"
+    proc = _popen(_launch_cmd(_train_args(dataset, run), "--max-restarts", "2"))
+    _wait_for_step(run, 1, 1, proc)
+    deadline, saving = time.time() + 300, None
+    while saving is None:
+        assert time.time() < deadline and proc.poll() is None
+        names = os.listdir(run / "checkpoints") if (run / "checkpoints").is_dir() else []
+        saving = next((n for n in names if "tmp" in n and not n.startswith(("0.", "3."))), None)
+        time.sleep(0.002)
+    os.kill(_pid(run, 1), signal.SIGKILL)
+    killed_at = int(saving.split(".")[0])
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "process 1 killed by SIGKILL" in out, out[-4000:]
+    resumed = int(out.split(f"resumed from {run / 'checkpoints'}/")[1].split()[0])
+    assert resumed == killed_at - 3, f"killed while saving step {killed_at}, resumed from {resumed}"
+    assert logged_losses(run) == logged_losses(reference[0])
+    (step, got), (_, want) = _final_state(run), _final_state(reference[0])
+    assert step == STEPS
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
 def test_restarts_run_out_with_a_summary(dataset, tmp_path):
     """Every attempt's workers crash (exit 1) at start-up: one restart, then exit 1 with a summary."""
     hook = tmp_path / "hook"

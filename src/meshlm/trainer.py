@@ -231,7 +231,7 @@ def _local_copies(cfg: RunConfig, run_dir: Path, log: MetricsLogger) -> local_ch
         return None
     root = Path(c.local_dir).expanduser() if c.local_dir else local_checkpoint.default_root()
     directory = local_checkpoint.store_dir(root, run_dir, local_checkpoint.run_id(run_dir, False))
-    peer = ", a copy on the next process" if jax.process_count() > 1 else ""
+    peer = ", a copy on a peer process" if jax.process_count() > 1 else ""
     log.print(f"in-memory checkpoints every {c.local_every} step(s) in {directory}{peer}")
     return local_checkpoint.LocalCheckpoints(directory, c.local_every, log=log.print)
 

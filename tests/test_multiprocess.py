@@ -111,15 +111,7 @@ def test_two_processes_equal_one_process(reference, dataset, tmp_path):
         assert f"[{i}] verdict: equal to one device" in out, out[-3000:]
     assert (run / "launch.log").read_text().count("[launch]") >= 2
     single = tmp_path / "single"
-    r = subprocess.run(
-        [sys.executable, "-m", "meshlm", *_train_args(dataset, single), "--devices", "8"],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    two, one = logged_losses(run), logged_losses(single)
+    two, one = logged_losses(run), _losses_of_one_process([*_train_args(dataset, single), "--devices", "8"])
     assert sorted(two) == list(range(1, STEPS + 1)) == sorted(one)
     # the same program on the same mesh; only the order of gloo's floating-point sums differs
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-5)
@@ -239,19 +231,19 @@ def test_four_processes_survive_a_replaced_host_then_shrink_and_regrow(dataset, 
     # a heartbeat names a step once it is dispatched: its copy may not have been made when the kill came
     assert events[0]["lost_steps"] <= 1 and events[0]["resumed_at"] >= first - 1
     assert not lc.store_dir(lc.default_root(), run, lc.run_id(run, first=False)).exists()  # dropped at the end
-    one = tmp_path / "one"
-    one_device = [*_train_args(dataset, one, steps=40, mesh="data=1"), "--set", "model.dropout=0"]
-    r = subprocess.run(
-        [sys.executable, "-m", "meshlm", *one_device],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    got, want = logged_losses(run), logged_losses(one)
+    one_device = [*_train_args(dataset, tmp_path / "one", steps=40, mesh="data=1"), "--set", "model.dropout=0"]
+    got, want = logged_losses(run), _losses_of_one_process(one_device)
     assert sorted(got) == sorted(want) == list(range(1, 41))
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-5)
+
+
+def _losses_of_one_process(train_args: list[str]) -> dict[int, float]:
+    """`meshlm <train_args>` as one process (no launcher): its logged losses by step."""
+    r = subprocess.run(
+        [sys.executable, "-m", "meshlm", *train_args], capture_output=True, text=True, env=_env(), timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return logged_losses(Path(train_args[train_args.index("--run-dir") + 1]))
 
 
 def _popen(cmd) -> subprocess.Popen:

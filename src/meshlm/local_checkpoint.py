@@ -71,9 +71,7 @@ def run_id(run_dir: Path, first: bool) -> str:
     deleted and made again, or a copy of one, never meets the old run's in-memory copies."""
     path = run_dir / ".run-id"
     if first and not path.exists():
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(uuid.uuid4().hex)
-        os.replace(tmp, path)
+        _write(path, uuid.uuid4().hex.encode())
     return path.read_text().strip()
 
 

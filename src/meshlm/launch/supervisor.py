@@ -322,7 +322,11 @@ class Supervisor:
         full, args = self.full
         if self.min_processes is None or self.min_processes >= full:
             return self.stop_signal is None
-        capacity = self._wait_for(lambda c: c >= full)
+        deadline = time.time() + self.replace_timeout  # first, for the lost processes to come back
+        capacity = self._capacity()
+        while capacity < full and time.time() < deadline and self.stop_signal is None:
+            time.sleep(1.0)
+            capacity = self._capacity()
         said = None
         deadline = time.time() + self.replace_timeout
         while self.stop_signal is None and capacity < full:
@@ -340,15 +344,6 @@ class Supervisor:
             capacity = self._capacity()
         self.processes, self.train_args = full, args
         return self.stop_signal is None
-
-    def _wait_for(self, enough) -> int:
-        """The capacity once `enough(capacity)`, or after --replace-timeout (or a stop signal)."""
-        deadline = time.time() + self.replace_timeout
-        capacity = self._capacity()
-        while not enough(capacity) and time.time() < deadline and self.stop_signal is None:
-            time.sleep(1.0)
-            capacity = self._capacity()
-        return capacity
 
     def _shrink(self, n: int, cfg: RunConfig) -> None:
         full, args = self.full

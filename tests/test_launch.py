@@ -137,11 +137,16 @@ def test_rendezvous_listens_on_the_coordinator_address_only(monkeypatch):
     assert bound == ["127.0.0.1"]
 
 
-@pytest.mark.parametrize("code", [2, 3, 4])
+@pytest.mark.parametrize("code", [2, 3, 4, 5])
 def test_config_errors_and_non_finite_stops_are_not_retried(monkeypatch, tmp_path, code):
-    """Exit 2 (bad config), 3 (a non-finite step stopped training) and 4 (`train --check` found the
-    layout differs from one device) would recur on a restart: the supervisor stops the group and
-    passes the code on after one attempt."""
+    """Exit 2 (bad config), 3 (a non-finite step stopped training), 4 (`train --check` found the
+    layout differs from one device) and 5 (a full checkpoint directory, which the CLI maps
+    CheckpointSpace to) would recur on a restart: the supervisor stops the group and passes the
+    code on after one attempt."""
+    from meshlm.checkpoint import CheckpointSpace
+    from meshlm.cli import _exit_code
+
+    assert _exit_code(CheckpointSpace("full"), "train") == 5
     import sys
 
     from meshlm.launch import supervisor as launch

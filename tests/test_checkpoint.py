@@ -252,6 +252,8 @@ def test_signal_saves_a_final_checkpoint_and_resume_finishes(corpus_dir, tmp_pat
     saved_step = int(err.split("saved a checkpoint at step ")[1].split()[0])
     assert 3 <= saved_step < 400 and (run / "checkpoints" / str(saved_step)).is_dir()
     assert max(logged_losses(run)) == saved_step  # stopped right after the step it was on
+    if sig == signal.SIGINT:  # the same checkpoint either way: one resume is enough to prove it resumes
+        return
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert f"resumed from {run / 'checkpoints'}/{saved_step}" in r.stdout and "done: 400 steps" in r.stdout

@@ -40,11 +40,16 @@ SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb1": 1}
 def config(family: str, mesh: dict | None = None, schedule: str = "1f1b", *, policy="elementwise", **data) -> RunConfig:
     """The tiny model with 8 layers, batch 8 in 4 microbatches (gpt: dropout 0.1 everywhere)."""
     cfg = tiny_config(family, n_layers=LAYERS, microbatches=MICRO)
+    schedule, _, ticks = schedule.partition(":")  # "zb1:single": one action per tick
     par = dataclasses.replace(
-        cfg.parallel, **(mesh or {}), pipeline_schedule=schedule, virtual_stages=SCHEDULES[schedule]
+        cfg.parallel,
+        **(mesh or {}),
+        pipeline_schedule=schedule,
+        virtual_stages=SCHEDULES[schedule],
+        pipeline_ticks=ticks or "paired",
     )
     if par.stage == 1:
-        par = dataclasses.replace(par, pipeline_schedule="1f1b", virtual_stages=1)
+        par = dataclasses.replace(par, pipeline_schedule="1f1b", virtual_stages=1, pipeline_ticks="paired")
     return validate(
         dataclasses.replace(cfg, parallel=par, remat=RematConfig(policy), data=dataclasses.replace(cfg.data, **data))
     )
@@ -153,11 +158,17 @@ def run_tables(schedule, tab) -> None:
         assert tab.weight_slots == max(max(schedule.pending_weights(s)) for s in range(p)) + 1
 
 
-@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1)])
+@pytest.mark.parametrize(
+    "name, v, ticks",
+    [
+        *[("gpipe", 1, "paired"), ("1f1b", 1, "paired"), ("interleaved", 2, "paired"), ("zb1", 1, "paired")],
+        *[("1f1b", 1, "single"), ("zb1", 1, "single")],
+    ],
+)
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("factor", [1, 2, 4])
-def test_tables_route_every_value(name, v, p, factor):
-    schedule = build(name, p, p * factor, v)
+def test_tables_route_every_value(name, v, ticks, p, factor):
+    schedule = build(name, p, p * factor, v, ticks)
     run_tables(schedule, tables(schedule))
 
 
@@ -186,10 +197,10 @@ CASES = [
     ("gpt", "1f1b", "stage2_tensor2_data2+sp", "selective", False),
     ("gpt", "interleaved", "stage2_tensor2_data2+sp", "dots", False),
     ("gpt", "gpipe", "stage4_tensor2", "full", False),
-    ("gpt", "1f1b", "stage4_tensor2", "elementwise", False),
+    ("gpt", "1f1b:single", "stage4_tensor2", "elementwise", False),
     ("gpt", "interleaved", "stage4_tensor2", "offload", False),
     ("llama", "gpipe", "stage2_tensor2_data2+sp", "elementwise", True),
-    ("llama", "1f1b", "stage2_tensor2_data2+sp", "elementwise", False),
+    ("llama", "zb1:single", "stage2_tensor2_data2+sp", "elementwise", True),
     ("llama", "interleaved", "stage2_tensor2_data2+sp", "selective", True),
     ("llama", "gpipe", "stage4_tensor2", "dots", False),
     ("llama", "1f1b", "stage4_tensor2", "elementwise", True),
@@ -219,7 +230,7 @@ def test_fsdp_inside_the_pipeline(params):
     [
         ("all_gather", dict(stage=2, context=2, tensor=2), "1f1b"),
         ("all_to_all", dict(stage=2, data=2, context=2), "1f1b"),
-        ("ring", dict(stage=2, context=2, tensor=2), "1f1b"),
+        ("ring", dict(stage=2, context=2, tensor=2), "1f1b:single"),
         ("ring", dict(stage=2, context=2, tensor=2), "zb1"),
     ],
 )
@@ -229,13 +240,14 @@ def test_context_parallelism_inside_the_stages(strategy, mesh, schedule, params)
     ring on stage=2 x context=2 x tensor=2 (the ring's phases run unbranched: `_Stage.phase`), or
     Ulysses' tokens-for-heads exchange on stage=2 x data=2 x context=2 (the batch axis manual in the
     stage, so the dropout bits take both a row offset and original positions), inside each pipeline
-    stage (regions nested in the stage's), with 1F1B and (ring) zb1's split backward; the raw
-    gradients are one device's with the same kernel, dropout bits and all."""
+    stage (regions nested in the stage's), with 1F1B (the ring: with single ticks) and (ring) zb1's
+    split backward; the raw gradients are one device's with the same kernel, dropout bits and all."""
 
     def blockwise(mesh):
         cfg = config("gpt")
         model = dataclasses.replace(cfg.model, attention="blockwise", attention_block=8)
-        piped = dict(pipeline_schedule=schedule) if mesh else {}
+        name, _, ticks = schedule.partition(":")
+        piped = dict(pipeline_schedule=name, pipeline_ticks=ticks or "paired") if mesh else {}
         par = dataclasses.replace(cfg.parallel, **mesh, **piped, context_strategy=strategy)
         return validate(dataclasses.replace(cfg, model=model, parallel=par))
 
@@ -245,12 +257,11 @@ def test_context_parallelism_inside_the_stages(strategy, mesh, schedule, params)
 
 def test_a_bf16_pipeline_with_sp(params):
     """bf16 (weights cast per chunk, activations, sends and stash in bf16) on stage=2 x data=2 x
-    tensor=2 + SP, llama: loss within 1e-4 and every gradient leaf within 3% (norm-relative) of one
-    bf16 device's - bf16 rounds differently in another reduction order (observed: 1.9% at most,
-    on w_down, wq and wk)."""
+    tensor=2 + SP, llama, zb1 with single ticks: loss within 1e-4 and every gradient leaf within 3%
+    (norm-relative) of one bf16 device's - bf16 rounds differently in another reduction order."""
 
     def bf16(mesh):
-        cfg = config("llama")
+        cfg = config("llama", schedule="zb1:single")
         model = dataclasses.replace(cfg.model, dtype="bfloat16")
         return validate(dataclasses.replace(cfg, model=model, parallel=dataclasses.replace(cfg.parallel, **mesh)))
 
@@ -382,11 +393,10 @@ def test_sgd_steps_equal_one_device(params):
 # ----------------------------------------------------------------------------- memory
 
 
-def compiled_temp_bytes(schedule: str, m: int, p: int = 4) -> tuple[int, RunConfig]:
+def compiled_temp_bytes(schedule: str, m: int, p: int = 4, ticks: str = "paired") -> tuple[int, RunConfig]:
     """XLA's temp bytes per device of the compiled gradient step at microbatch size 2 (llama, s=32)."""
-    cfg = tiny_config(
-        "llama", dict(stage=p, pipeline_schedule=schedule), n_layers=LAYERS, global_batch=2 * m, microbatches=m
-    )
+    mesh = dict(stage=p, pipeline_schedule=schedule, pipeline_ticks=ticks)
+    cfg = tiny_config("llama", mesh, n_layers=LAYERS, global_batch=2 * m, microbatches=m)
     layout = make_layout(cfg.parallel, jax.devices()[:p])
     shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), param_specs(cfg.model))
@@ -402,7 +412,7 @@ def test_stage_zero_memory_follows_the_formula():
     GPipe keeps every microbatch's residuals until its backward: each costs stage 0 its L/p layers'
     activations plus the loss cotangent waiting for it - within 5%. 1F1B keeps at most 2p - 1 in
     flight (the paired table's warm-up + 1): flat in m from there, in the compiled program and in
-    the formula."""
+    the formula; single ticks (Megatron's p) save what the formula says."""
     gpipe = {m: compiled_temp_bytes("gpipe", m) for m in (4, 8)}
     formula = {m: accounting.activation_memory(cfg)["total"] for m, (_, cfg) in gpipe.items()}
     per_layer = accounting.activation_memory(gpipe[4][1])["layer_total"]
@@ -420,6 +430,15 @@ def test_stage_zero_memory_follows_the_formula():
     extra = accounting.activation_memory(cfg)["total"] - flat[8]
     assert extra > 0.2 * one_f_one_b[8][0]
     assert zb1 - one_f_one_b[8][0] == pytest.approx(extra, rel=0.03)
+    # single ticks: Megatron's p = 4 in flight on stage 0 instead of 2p - 1 = 7 (zb1: and p + 1
+    # weight slots instead of 2p): what the compiled program saves is what the formula says, within 3%
+    for name, paired_bytes, paired_cfg in (("1f1b", *one_f_one_b[8]), ("zb1", zb1, cfg)):
+        single, single_cfg = compiled_temp_bytes(name, 8, ticks="single")
+        formula = {n: accounting.activation_memory(c) for n, c in (("paired", paired_cfg), ("single", single_cfg))}
+        assert formula["single"]["layers"] == 4 / 7 * formula["paired"]["layers"]
+        saved = formula["paired"]["total"] - formula["single"]["total"]
+        assert saved > 0.2 * paired_bytes
+        assert paired_bytes - single == pytest.approx(saved, rel=0.03), name
 
 
 def test_embeddings_are_stored_split_over_the_stages(monkeypatch):
@@ -525,6 +544,7 @@ def test_train_moves_between_pipelined_and_unpipelined_meshes(corpus_dir, tmp_pa
         "virtual_stages": 1,
         "microbatches": 2,
         "ticks": 5,
+        "pipeline_ticks": "paired",
         "bubble_fraction": None,
         "peak_in_flight": [2, 1],
         "peak_pending_weight_passes": [2, 2],

@@ -1,5 +1,6 @@
 """Pipeline schedules as tables (pure Python): invariants, tick counts, lockstep bubbles and the
-microbatches each stage keeps in flight, for GPipe, 1F1B and interleaved 1F1B (paired cells)."""
+microbatches each stage keeps in flight, for GPipe, 1F1B, interleaved 1F1B and zb1 (paired cells),
+and 1F1B and zb1 with one action per tick (Megatron's in-flight counts)."""
 
 import dataclasses
 
@@ -103,6 +104,45 @@ def test_zero_bubble(p, m):
         assert s.bubble_fraction == pytest.approx(one.bubble_fraction / 3) == pytest.approx((p - 1) / (3 * m))
 
 
+@pytest.mark.parametrize("p, m", GRID)
+def test_single_ticks_keep_megatrons_in_flight_counts(p, m):
+    """pipeline_ticks=single: one action per tick, so a hop takes one action's time and stage s keeps
+    Megatron's min(p - s, m) microbatches in flight under 1F1B - and under zb1, whose forwards whose
+    W has not run stay within 1F1B's peak min(p, m) (ZB-H1's bound, pending weight passes inside it).
+    A tick lasts its slowest stage's action: 1F1B p f + (2m + p - 2) b for b >= f (Megatron's
+    (m + p - 1)(f + b) at b = f, more than paired ticks' once b > f); zb1 with F, B and W of one
+    cost ZB-H1's bubble (p - 1)/(3m) for every m >= p (paired zb1 needs m >= 2p - 1 for it)."""
+    one, zb = build("1f1b", p, m, ticks="single"), build("zb1", p, m, ticks="single")
+    want = [min(p - s, m) for s in range(p)]
+    assert [one.peak_in_flight(s) for s in range(p)] == [zb.peak_in_flight(s) for s in range(p)] == want
+    assert first_stage_in_flight("1f1b", p, m, 1, "single") == first_stage_in_flight("zb1", p, m, 1, "single") == p
+    assert max(max(zb.pending_weights(s)) for s in range(p)) == min(p, m)
+    assert tables(one).stash_slots == tables(zb).stash_slots == p and tables(zb).weight_slots == p + 1
+    assert all(len(c) <= 1 for row in one.table + zb.table for c in row)
+    assert all(one.in_flight(s)[-1] == zb.pending_weights(s)[-1] == 0 for s in range(p))  # drained
+    for r in (1.0, 2.0, 3.0):
+        assert one.lockstep_time(1.0, r) == p + (2 * m + p - 2) * r
+        assert one.lockstep_time(1.0, r) >= build("1f1b", p, m).lockstep_time(1.0, r)
+    assert one.lockstep_time(1.0, 1.0) == 2 * (m + p - 1)
+    assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m))
+    assert zb.bubble_fraction <= build("zb1", p, m).bubble_fraction + 1e-12
+    # unbranched (the ring inside the stages): every tick runs a backward and a forward
+    assert one.lockstep_time(1.0, 2.0, unbranched=True) == one.ticks * 3.0
+
+
+def test_single_ticks_pictures():
+    """Megatron's 1F1B: p - s - 1 warm-up forwards, then a forward and a backward in turn; zb1
+    fills the bubbles with weight passes (ZB-H1, Qi et al. Figure 3)."""
+    assert build("1f1b", 2, 3, ticks="single").picture().splitlines() == [
+        "stage 0: F0 F1 .  B0 F2 B1 .  B2",
+        "stage 1: .  F0 B0 F1 B1 F2 B2 .",
+    ]
+    assert build("zb1", 2, 3, ticks="single").picture().splitlines() == [
+        "stage 0: F0 F1 .  B0 W0 F2 B1 W1 B2 W2",
+        "stage 1: .  F0 B0 F1 B1 W0 F2 B2 W1 W2",
+    ]
+
+
 def test_1f1b_memory_is_flat_in_m_and_gpipe_grows():
     assert [build("1f1b", 4, m).peak_in_flight(0) for m in (4, 8, 16, 32)] == [4, 7, 7, 7]
     assert [build("gpipe", 4, m).peak_in_flight(0) for m in (4, 8, 16, 32)] == [4, 8, 16, 32]
@@ -160,6 +200,12 @@ def test_the_validator_catches_broken_tables():
         with pytest.raises(ScheduleError, match=message):
             validate(broken(edit))
     validate(good)
+    single = build("1f1b", 4, 8, ticks="single")  # a paired cell in a single-tick table
+    t = [list(r) for r in single.table]
+    i = find(t, 3, lambda c: Action("B", 0, 3) in c)
+    t[i][3], t[i + 1][3] = cell(*t[i][3], *t[i + 1][3]), ()
+    with pytest.raises(ScheduleError, match="a single tick holds one action"):
+        validate(dataclasses.replace(single, table=tuple(tuple(r) for r in t)))
 
 
 def test_the_validator_catches_broken_zero_bubble_tables():
@@ -216,6 +262,9 @@ def test_a_deadlocking_order_is_refused(monkeypatch):
         (("interleaved", 4, 6, 2), "train.microbatches=6 is not a multiple of stage=4"),
         (("zero-bubble", 4, 8, 1), "unknown pipeline schedule"),
         (("1f1b", 4, 0, 1), "must be >= 1"),
+        (("interleaved", 4, 8, 2, None, "single"), "keeps Megatron's count with paired ticks already"),
+        (("gpipe", 4, 8, 1, None, "single"), "runs 1f1b or zb1"),
+        (("1f1b", 4, 8, 1, None, "half"), "unknown parallel.pipeline_ticks='half'"),
     ],
 )
 def test_schedules_that_cannot_run_are_refused(args, message):

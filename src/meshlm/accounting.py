@@ -13,14 +13,13 @@ projections, SwiGLU has three d x d_ff matrices instead of two.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from meshlm.config import ModelConfig, RunConfig
 from meshlm.model import mla_costs
 from meshlm.model.lora import lora_param_count, recompute_flops_per_token
 from meshlm.model.moe_costs import expert_slot_flops, moe_terms
 from meshlm.parallel.context_costs import context_block_pairs, context_comm_bytes  # noqa: F401 (their home here)
-from meshlm.parallel.schedules import build, first_stage_in_flight, megatron_in_flight, tables
+from meshlm.parallel.schedules import built_tables, first_stage_in_flight, megatron_in_flight
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -483,7 +482,7 @@ def pipeline_in_flight(cfg: RunConfig, pipeline: int | None = None, interleave: 
     if pipeline is None:
         if par.stage == 1:
             return 1
-        return first_stage_in_flight(par.pipeline_schedule, par.stage, micro, par.virtual_stages)
+        return first_stage_in_flight(par.pipeline_schedule, par.stage, micro, par.virtual_stages, par.pipeline_ticks)
     if pipeline == 1:
         return 1
     # Megatron's asynchronous schedules; P2's Eq. 5 assumes a full pipeline (more microbatches than stages)
@@ -505,7 +504,8 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
     input (`activation_memory` leaves `REGION_INPUTS` out of its layers' term). (Pipelines refuse
     MoE models.)"""
     m, par, t = cfg.model, cfg.parallel, cfg.train
-    act_slots, grad_slots, weight_slots = _slots(par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages)
+    tab = built_tables(par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages, par.pipeline_ticks)
+    act_slots, grad_slots, weight_slots = tab.act_slots, tab.grad_slots, tab.weight_slots
     b = t.global_batch // t.microbatches // par.batch_shards
     r = par.tensor if par.sequence_parallel else 1
     e = dtype_bytes(m.dtype)
@@ -526,12 +526,6 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
         terms["weight_pass_region_inputs"] = (weight_slots + 1) * per_chunk * inputs  # + the one waiting
         terms["weight_pass_output_gradients"] = weight_slots * per_chunk * grads
     return terms
-
-
-@functools.lru_cache(maxsize=256)
-def _slots(name: str, stages: int, microbatches: int, virtual: int) -> tuple[int, int, int]:
-    tab = tables(build(name, stages, microbatches, virtual))
-    return tab.act_slots, tab.grad_slots, tab.weight_slots
 
 
 def activation_memory(

@@ -30,6 +30,7 @@ OnNonFinite = Literal["stop", "skip"]
 # (a test keeps the two equal), so validating a config imports no JAX.
 ContextStrategy = Literal["all_gather", "ring", "all_to_all"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1"]
+PipelineTicks = Literal["paired", "single"]
 RematPolicy = Literal["elementwise", "selective", "full", "dots", "offload"]
 
 
@@ -282,6 +283,9 @@ class ParallelConfig:
     context_load_balance: bool = True
     pipeline_schedule: PipelineSchedule = "1f1b"
     virtual_stages: int = 1  # model chunks per stage (interleaved schedule)
+    # `paired`: a tick pairs a backward with a forward (the textbook bubble in lockstep, 2(p-s)-1 in
+    # flight); `single`: one action per tick, Megatron's p - s in flight (1f1b, zb1; docs/pipeline.md)
+    pipeline_ticks: PipelineTicks = "paired"
     # ZeRO stage 1 (Megatron's distributed optimizer): Adam's moments sharded over the data-parallel
     # axes the weights are replicated on (data, context; fsdp where a weight does not use it), the
     # weights left replicated; each device updates its shard, the new weights are all-gathered

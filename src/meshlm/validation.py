@@ -261,12 +261,13 @@ def _validate_parallel(cfg: RunConfig) -> None:
         _divides(t.seq_len, "train.seq_len", p.tensor, "tensor")
     if p.context > 1:
         _validate_context(cfg)
-    if p.stage > 1 or p.virtual_stages > 1:
+    if p.stage > 1 or p.virtual_stages > 1 or p.pipeline_ticks != "paired":
         from meshlm.parallel.schedules import ScheduleError, check_sizes  # plain Python, no JAX
 
         _need(p.stage > 1, f"parallel.virtual_stages={p.virtual_stages} needs a pipeline (parallel.stage > 1)")
+        _need(p.stage > 1, f"parallel.pipeline_ticks={p.pipeline_ticks} needs a pipeline (parallel.stage > 1)")
         try:
-            check_sizes(p.pipeline_schedule, p.stage, t.microbatches, p.virtual_stages, m.n_layers)
+            check_sizes(p.pipeline_schedule, p.stage, t.microbatches, p.virtual_stages, m.n_layers, p.pipeline_ticks)
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
 

@@ -108,7 +108,8 @@ def _pipeline_note(cfg) -> str:
     per = m.n_layers // (par.stage * par.virtual_stages)
     held = accounting.pipeline_in_flight(cfg)
     return (
-        f"pipeline: {par.pipeline_schedule}, {par.stage} stages x {par.virtual_stages} chunks of {per} layers, "
+        f"pipeline: {par.pipeline_schedule} ({par.pipeline_ticks} ticks), {par.stage} stages x "
+        f"{par.virtual_stages} chunks of {per} layers, "
         f"{cfg.train.microbatches} microbatches; stage 0 (the largest) holds {held} microbatch-chunks' stored "
         f"activations = {held * per} layers' worth, plus its buffers (formula = stage 0). Not measured here "
         "(the measurement is an unpipelined program); tests/test_pipeline.py checks stage 0 against the "

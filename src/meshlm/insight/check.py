@@ -290,6 +290,7 @@ def _describe(cfg: RunConfig) -> str:
         parts.append(f"context {p.context_strategy}" + ("" if p.context_load_balance else " unbalanced"))
     if p.stage > 1:
         parts.append(p.pipeline_schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""))
+        parts[-1] += " single ticks" if p.pipeline_ticks == "single" else ""
     parts += [m.attention, f"remat {cfg.remat.policy}", m.dtype]
     if cfg.train.microbatches > 1:
         parts.append(f"{cfg.train.microbatches} microbatches")

@@ -36,12 +36,11 @@ from meshlm import axes as ax
 from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ContextStrategy, ParallelConfig, RematConfig, RunConfig
 from meshlm.insight.attention_rates import attention_kernel
+from meshlm.insight.pipeline_costs import pipeline_overhead, pipeline_schedules, pipeline_send_bytes
 from meshlm.model.moe_costs import expert_exchange_bytes
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel import rules
 from meshlm.parallel.mesh import abstract_layout
-from meshlm.parallel.schedules import Schedule, runs_unbranched
-from meshlm.parallel.schedules import build as build_schedule
 from meshlm.platform.hardware import Accelerator, matmul_precision, peak_for
 from meshlm.validation import validate
 
@@ -88,6 +87,7 @@ class Plan:
         pp = f" pipe={self.pipeline}" if self.pipeline > 1 and p.stage == 1 else ""
         if p.stage > 1:
             pp = f" {p.pipeline_schedule}" + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else "")
+            pp += " single-ticks" if p.pipeline_ticks == "single" else ""
         cp = f" {p.context_strategy}" if p.context > 1 else ""
         kernel = " blockwise" if self.cfg.model.attention == "blockwise" else ""
         zero = " ZeRO-1" if p.shard_optimizer else ""
@@ -110,6 +110,7 @@ def zero1_params(cfg: RunConfig) -> float:
 # is keyed by its sharding fields: SP, the context strategy, the pipeline schedule and ZeRO-1 do
 # not change a parameter's sharding (checked over the candidates for GPT-3 175B and Mixtral).
 _SAME = ("sequence_parallel", "context_strategy", "context_load_balance", "pipeline_schedule", "virtual_stages")
+_SAME += ("pipeline_ticks",)
 _MESH_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.name not in (*_SAME, "shard_optimizer"))
 
 
@@ -461,44 +462,6 @@ def calibrated_time(
     return out
 
 
-def pipeline_send_bytes(cfg: RunConfig, interleave: int = 1) -> float:
-    """Bytes one device sends per step between pipeline stages. Megatron (an explicit `pipeline`):
-    an activation forward and a cotangent backward per microbatch and chunk, 1/t of each
-    (scatter-gather). meshlm's executor (`parallel.stage`): both directions on every tick, idle ones
-    included (a filler), each device its own copy of the [b, s, d] activation (1/t under SP)."""
-    m, par, t = cfg.model, cfg.parallel, cfg.train
-    b = t.global_batch // t.microbatches // par.batch_shards
-    activation = t.seq_len * b * m.d_model * accounting.dtype_bytes(m.dtype)
-    if par.stage > 1:
-        ticks = _schedule(par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages).ticks
-        return 2 * ticks * activation / (par.tensor if par.sequence_parallel else 1)
-    return 2 * t.microbatches * interleave * activation / par.tensor
-
-
-def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> float:
-    """Time a pipeline adds, as a fraction of a stage's work. Megatron's asynchronous schedules (an
-    explicit `pipeline`): the bubble (p-1)/(v m). meshlm's executor (`parallel.stage`) runs in
-    lockstep, every tick as long as its slowest cell: the schedule table's lockstep overhead,
-    which for GPipe, 1F1B and interleaved is the textbook bubble whatever a backward costs against
-    a forward (1F1B's and interleaved's steady ticks pair one with the other), and for zb1 a third
-    of 1F1B's with its B and W a forward each and m >= 2p - 1 (`Schedule.bubble_fraction`). With
-    the ring inside the stages every tick runs a backward and a forward (`Schedule.executed_bubble`)."""
-    par, micro = cfg.parallel, cfg.train.microbatches
-    if par.stage == 1:
-        return (pipeline - 1) / (interleave * micro)
-    return _bubble(par.pipeline_schedule, par.stage, micro, par.virtual_stages, runs_unbranched(par))
-
-
-@functools.lru_cache(maxsize=256)
-def _schedule(name: str, stages: int, micro: int, virtual: int) -> Schedule:
-    return build_schedule(name, stages, micro, virtual)
-
-
-@functools.lru_cache(maxsize=512)
-def _bubble(name: str, stages: int, micro: int, virtual: int, unbranched: bool) -> float:
-    return _schedule(name, stages, micro, virtual).executed_bubble(unbranched)
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -511,15 +474,27 @@ def enumerate_plans(
     policies: tuple[str, ...] = ("elementwise", "selective", "full"),
 ) -> list[Plan]:
     """Every layout x SP x policy x microbatch count, feasible ones first (fastest first), then the
-    rejected ones with their reason."""
-    plans = []
+    rejected ones with their reason. 1F1B with single ticks is weighed only where paired ticks do
+    not fit but would without their activations: it is never faster
+    (`pipeline_costs.pipeline_overhead`), only smaller, and only in activations."""
+    plans, no_single = [], set()  # paired 1F1B configs whose single-tick twin cannot help
+    limit = device.memory if memory_limit is None else memory_limit
     for c in _candidates(cfg, n_devices, policies):
+        par = c.parallel
+        one_f_one_b = par.stage > 1 and par.pipeline_schedule == "1f1b"
+        paired = dataclasses.replace(c, parallel=dataclasses.replace(par, pipeline_ticks="paired"))
+        if one_f_one_b and par.pipeline_ticks == "single" and paired in no_single:
+            continue
         try:
             validate(c)
         except ConfigError as err:
             plans.append(Plan(c, rejected=str(err).split(";")[0]))
             continue
-        plans.append(estimate(c, device, memory_limit))
+        plan = estimate(c, device, memory_limit)
+        plans.append(plan)
+        floor = plan.total_memory - plan.memory["activations"]  # what single ticks cannot shrink
+        if one_f_one_b and par.pipeline_ticks == "paired" and (not plan.rejected or floor > limit):
+            no_single.add(c)
     # fastest first (calibrated where the device kind has rates, else roofline); equal times prefer
     # fewer microbatches (bigger GEMMs), then less memory
     plans.sort(
@@ -551,22 +526,6 @@ def _meshes(cfg: RunConfig, n_devices: int) -> list[dict[str, int]]:
     return out
 
 
-MAX_INTERLEAVE = 4  # virtual stages the planner tries (P2 ran 175B and 530B with 3)
-
-
-def _schedules(cfg: RunConfig, stages: int) -> list[tuple[str, int]]:
-    """The pipeline schedules weighed for `stages`: 1F1B, zb1 (a third of 1F1B's bubble when B and W
-    each cost a forward and m >= 2p - 1, for its weight slots' memory; not for MoE, whose W defers the
-    attention's weights only, so that price would flatter it), and interleaved with v = 2 .. MAX_INTERLEAVE
-    chunks per stage where the layers split into p v chunks. GPipe is not: in lockstep it takes 1F1B's
-    time (both lose (p-1)/m) and holds m microbatches in flight, never fewer than 1F1B's min(2p - 1, m);
-    the microbatch counts interleaving refuses (not a multiple of p) are refused by validation."""
-    if stages == 1:
-        return [("1f1b", 1)]
-    interleaved = [("interleaved", v) for v in range(2, MAX_INTERLEAVE + 1) if cfg.model.n_layers % (stages * v) == 0]
-    return [("1f1b", 1), *([] if cfg.model.moe else [("zb1", 1)]), *interleaved]
-
-
 def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
     """The configs `enumerate_plans` weighs, unvalidated: mesh factorisations x attention kernel x
     SP x pipeline schedule x remat policy x microbatch count."""
@@ -581,8 +540,8 @@ def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
             model = dataclasses.replace(cfg.model, attention=kernel)
             # the O(s) kernels store no scores: `selective` runs as `elementwise` (one row for both)
             pols = policies if kernel == "explicit" else tuple(p for p in policies if p != "selective") or policies
-            for sp, (schedule, v) in itertools.product(
-                (False, True) if sizes["tensor"] > 1 else (False,), _schedules(cfg, sizes["stage"])
+            for sp, (schedule, v, ticks) in itertools.product(
+                (False, True) if sizes["tensor"] > 1 else (False,), pipeline_schedules(cfg, sizes["stage"])
             ):
                 par = dataclasses.replace(
                     cfg.parallel,
@@ -590,6 +549,7 @@ def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
                     sequence_parallel=sp,
                     pipeline_schedule=schedule,
                     virtual_stages=v,
+                    pipeline_ticks=ticks,
                     context_strategy=strategy,
                 )
                 # ZeRO-1 where the weights are replicated over data or context (fsdp shards the moments already)

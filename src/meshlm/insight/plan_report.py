@@ -274,6 +274,7 @@ def to_json(plans: list[Plan], device: Accelerator, verified: str | None = None)
             "shard_optimizer": par.shard_optimizer,
             "offload_state": p.cfg.optim.offload_state,
             "pipeline_schedule": par.pipeline_schedule if par.stage > 1 else None,
+            "pipeline_ticks": par.pipeline_ticks if par.stage > 1 else None,
             "context_strategy": par.context_strategy if par.context > 1 else None,
             "attention": p.cfg.model.attention,
             "attention_kernel": dataclasses.asdict(attention_kernel(p.cfg, device)),

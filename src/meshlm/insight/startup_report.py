@@ -108,6 +108,7 @@ def _pipeline(cfg: RunConfig) -> dict | None:
     schedule, unbranched = schedule_for(cfg), runs_unbranched(par)  # B and F on every stage at every tick
     return {
         "schedule": par.pipeline_schedule,
+        "pipeline_ticks": par.pipeline_ticks,  # paired: a backward and a forward; single: one action
         "stages": par.stage,
         "virtual_stages": par.virtual_stages,
         "microbatches": cfg.train.microbatches,
@@ -191,7 +192,7 @@ def format_report(r: dict[str, Any]) -> list[str]:
         chunks = f" x {p['virtual_stages']} chunks each" if p["virtual_stages"] > 1 else ""
         lines.append(
             f"pipeline: {p['schedule']} over {p['stages']} stages{chunks}, {p['microbatches']} microbatches in "
-            f"{p['ticks']} ticks, bubble {p['bubble_fraction']:.1%} of the busy time"
+            f"{p['ticks']} {p['pipeline_ticks']} ticks, bubble {p['bubble_fraction']:.1%} of the busy time"
             + (
                 " (the ring inside the stages: every backward and forward runs at every tick)"
                 if p["unbranched"]

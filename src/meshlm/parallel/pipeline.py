@@ -80,7 +80,7 @@ AXIS = "stage"
 
 def schedule_for(cfg: RunConfig) -> Schedule:
     par = cfg.parallel
-    return build(par.pipeline_schedule, par.stage, cfg.train.microbatches, par.virtual_stages)
+    return build(par.pipeline_schedule, par.stage, cfg.train.microbatches, par.virtual_stages, par.pipeline_ticks)
 
 
 def _slots(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, fill: float, host: bool = False) -> jax.Array:
@@ -434,12 +434,14 @@ class _Stage:
         w_grad = [_put(buf, r["b_wslot"], g) for buf, g in zip(c["w_grad"], taps, strict=True)]
         g_layers = self.weight_pass(r, "w1", w_in, w_grad, g_layers)
         left = [(j, (j - 1) % self.p) for j in range(self.p)]
-        if self.moe:  # the microbatch's total counts go back with the cotangent
-            got_grad, got_moe_grad = jax.lax.ppermute((send_grad, moe_b[1]), AXIS, left)
-        else:
-            got_grad = jax.lax.ppermute(send_grad, AXIS, left)
+        # the microbatch's total counts (MoE) go back with the cotangent
+        send_left = lambda: jax.lax.ppermute((send_grad, moe_b[1] if self.moe else None), AXIS, left)
+        if not self.tab.single:  # paired ticks: the cotangent leaves before the forward runs
+            got_grad, got_moe_grad = send_left()
         g_layers = self.weight_pass(r, "w2", w_in, w_grad, g_layers)
         res, send_act, dy, g_top, ls, cnt, inputs, stats = self.forward(r, _take(c["act"], r["act_read"]), res_b, g_top)
+        if self.tab.single:  # one action per tick: every stage computes, then both sends
+            got_grad, got_moe_grad = send_left()
         if self.moe:
             got_act, moe_c = self.moe_tick(moe_c, r, stats, send_act, got_moe_grad)
         else:

@@ -42,6 +42,7 @@ min(2(p-s-1) + (v-1)p + 1, m v) for 1F1B (v = 1) and interleaved).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
@@ -50,6 +51,7 @@ import numpy as np
 
 Kind = Literal["F", "B", "W"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+TICKS = ("paired", "single")  # what a tick holds: a backward paired with a forward, or one action
 
 
 class ScheduleError(ValueError):
@@ -102,6 +104,7 @@ class Schedule:
     microbatches: int  # m
     virtual: int  # v
     table: tuple[tuple[Cell, ...], ...]  # [tick][stage] -> the cell (empty: idle)
+    single: bool = False  # one action per cell, both sends at the tick's end (`single_ticks`)
 
     @property
     def ticks(self) -> int:
@@ -127,6 +130,11 @@ class Schedule:
         table puts them: ticks x (f + b) without them."""
         w = backward / 2 if weight is None else weight
         cost = {"F": forward, "B": backward - w if self.splits_backward else backward, "W": w}
+        if self.single:  # one segment per tick: the slowest stage's action (unbranched: B and F everywhere)
+            always = forward + cost["B"] if unbranched else 0.0
+            skip = {"B", "F"} if unbranched else set()
+            slowest = lambda row: max(sum(cost[a.kind] for a in c if a.kind not in skip) for c in row)
+            return sum(always + slowest(row) for row in self.table)
         forced = ({"B"}, {"F"}) if unbranched else (set(), set())
         total = 0.0
         for row in self.table:
@@ -188,10 +196,20 @@ class Schedule:
         return "\n".join(lines)
 
 
-def check_sizes(name: str, stages: int, microbatches: int, virtual: int = 1, layers: int | None = None) -> None:
+def check_sizes(
+    name: str, stages: int, microbatches: int, virtual: int = 1, layers: int | None = None, ticks: str = "paired"
+) -> None:
     """The combinations a schedule cannot run, as a ScheduleError naming what to change."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown pipeline schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    if ticks not in TICKS:
+        raise ScheduleError(f"unknown parallel.pipeline_ticks={ticks!r}; choose from {', '.join(TICKS)}")
+    if ticks == "single" and name not in ("1f1b", "zb1"):
+        raise ScheduleError(
+            f"parallel.pipeline_ticks=single runs 1f1b or zb1 (Megatron's in-flight counts); {name} keeps "
+            + ("Megatron's count with paired ticks already" if name == "interleaved" else "every microbatch in flight")
+            + ": use pipeline_ticks=paired"
+        )
     if stages < 1 or microbatches < 1 or virtual < 1:
         raise ScheduleError("pipeline stages, microbatches and virtual stages must be >= 1")
     if name != "interleaved" and virtual != 1:
@@ -207,12 +225,15 @@ def check_sizes(name: str, stages: int, microbatches: int, virtual: int = 1, lay
         )
 
 
-def first_stage_in_flight(name: str, stages: int, microbatches: int, virtual: int = 1) -> int:
+def first_stage_in_flight(name: str, stages: int, microbatches: int, virtual: int = 1, ticks: str = "paired") -> int:
     """Stage 0's peak microbatch-chunks in flight (the most of any stage), in closed form - what
     `Schedule.peak_in_flight(0)` counts on the table (tests keep the two equal): GPipe m; 1F1B and
-    interleaved the paired warm-up + 1 = 2(p-1) + (v-1)p + 1, at most m v."""
+    interleaved the paired warm-up + 1 = 2(p-1) + (v-1)p + 1, at most m v; single ticks (1F1B,
+    zb1) Megatron's min(p, m)."""
     if name == "gpipe":
         return microbatches
+    if ticks == "single":
+        return min(stages, microbatches)
     return _warm_up(0, stages, microbatches, virtual)  # the warm-up forwards, then each pair frees one
 
 
@@ -290,9 +311,54 @@ def _dependency(action: Action, stages: int, chunks: int) -> Action | None:
     return Action("B", action.microbatch, action.chunk + 1)
 
 
-def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
-    """Simulate the per-stage orders in lockstep into a table (see module); validated."""
-    check_sizes(name, stages, microbatches, virtual)
+def single_ticks(name: str, stages: int, microbatches: int) -> list[tuple[Cell, ...]]:
+    """1F1B and zb1 with one action per cell (`pipeline_ticks=single`): a result sent at a tick's end
+    is used at the next, so a hop takes one action's time, as in Megatron's asynchronous 1F1B, and
+    stage s keeps Megatron's p - s microbatches in flight. Built by list scheduling: at every tick
+    each stage runs a ready forward while it holds fewer than p - s activations (zb1: and fewer
+    than p forwards whose W has not run - ZB-H1's bound, 1F1B's peak with the pending weight passes
+    counted inside it), else a ready backward (B), else its oldest pending W (zb1), else idles. 1F1B
+    costs Megatron's (m + p - 1)(f + b) only when f = b (a tick lasts the slowest stage's action);
+    zb1 with F, B and W of equal cost has ZB-H1's bubble, (p-1)/(3m) (tested)."""
+    p, m, split = stages, microbatches, name == "zb1"
+    ran: dict[Action, int] = {}
+    forwards, backwards, weights = [0] * p, [0] * p, [[] for _ in range(p)]
+    table: list[tuple[Cell, ...]] = []
+    while any(backwards[s] < m or weights[s] for s in range(p)):
+        t, row = len(table), []
+        for s in range(p):
+            f, b = Action("F", forwards[s], s), Action("B", backwards[s], s)
+            weighed = backwards[s] - len(weights[s])  # forwards whose W has run (1F1B: whose backward has)
+            room = forwards[s] - backwards[s] < p - s and (not split or forwards[s] - weighed < p)
+            if forwards[s] < m and room and (s == 0 or ran.get(Action("F", f.microbatch, s - 1), t) < t):
+                row.append((f,))
+            elif backwards[s] < forwards[s] and ran.get(_dependency(b, p, p), t) < t:
+                row.append((b,))
+            else:
+                row.append(tuple(weights[s][:1]))
+        if not any(row):
+            raise ScheduleError(f"{name} (p={p}, m={m}, single ticks) deadlocks at tick {t}")
+        for s, c in enumerate(row):
+            for a in c:
+                ran[a] = t
+                forwards[s] += a.kind == "F"
+                if a.kind == "B":
+                    backwards[s] += 1
+                    weights[s] += [Action("W", a.microbatch, s)] if split else []
+                if a.kind == "W":
+                    weights[s].pop(0)
+        table.append(tuple(row))
+    return table
+
+
+def build(name: str, stages: int, microbatches: int, virtual: int = 1, ticks: str = "paired") -> Schedule:
+    """Simulate the per-stage orders in lockstep into a table (see module), or list-schedule one
+    action per tick (`single_ticks`); validated."""
+    check_sizes(name, stages, microbatches, virtual, ticks=ticks)
+    if ticks == "single":
+        schedule = Schedule(name, stages, microbatches, virtual, tuple(single_ticks(name, stages, microbatches)), True)
+        validate(schedule)
+        return schedule
     p, chunks = stages, stages * virtual
     queues = orders(name, stages, microbatches, virtual)
     done: dict[Action, int] = {}  # action -> tick it ran
@@ -318,6 +384,17 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedu
     return schedule
 
 
+@functools.lru_cache(maxsize=512)
+def built(name: str, stages: int, microbatches: int, virtual: int = 1, ticks: str = "paired") -> Schedule:
+    """`build`, remembered: the planner and the memory formula weigh the same few tables many times."""
+    return build(name, stages, microbatches, virtual, ticks)
+
+
+@functools.lru_cache(maxsize=512)
+def built_tables(name: str, stages: int, microbatches: int, virtual: int = 1, ticks: str = "paired") -> Tables:
+    return tables(built(name, stages, microbatches, virtual, ticks))
+
+
 def validate(schedule: Schedule) -> None:
     """Check a table's invariants independently of how it was built (ScheduleError if broken)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual
@@ -328,6 +405,8 @@ def validate(schedule: Schedule) -> None:
             raise ScheduleError(f"tick {tick} has {len(row)} stages, not {p}")
         for stage, c in enumerate(row):
             kinds = "".join(a.kind for a in c)
+            if schedule.single and len(c) > 1:
+                raise ScheduleError(f"tick {tick} stage {stage}: {kinds} - a single tick holds one action")
             if kinds not in _CELL_KINDS or ("W" in kinds and schedule.name != "zb1"):
                 allowed = "at most one backward, then one forward" + (
                     ", with up to two W" if schedule.name == "zb1" else ""
@@ -383,6 +462,7 @@ class Tables:
     weight_slots: int  # zb1: region inputs and output gradients of pending weight passes (peak + 1 spare)
     act_slots: int  # activations arrived, not yet forwarded (+1 spare slot for idle sends)
     grad_slots: int  # cotangents arrived (or made by the loss), not yet backwarded (+1 spare)
+    single: bool = False  # one action per tick: both sends at its end (`Schedule.single`)
 
 
 def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
@@ -484,15 +564,17 @@ def tables(schedule: Schedule) -> Tables:
                 r["f_stash"] = r.get("b_stash", 0)
             for k, val in r.items():
                 rows[k][t, s] = int(val)
-    return Tables(rows, n_stash, n_weight + 1 if w_read else 0, n_act + 1, n_grad + 1)
+    return Tables(rows, n_stash, n_weight + 1 if w_read else 0, n_act + 1, n_grad + 1, schedule.single)
 
 
 def pictures(stages: int = 4, microbatches: int = 8) -> str:
     """The pictures of docs/pipeline.md: each schedule at p = 4, m = 8 (interleaved with v = 2)."""
     parts = []
     named = [("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"), ("interleaved", 2, "Interleaved 1F1B, v = 2")]
-    for name, v, title in [*named, ("zb1", 1, "Zero bubble (ZB-H1)")]:
-        s = build(name, stages, microbatches, v)
+    named += [("zb1", 1, "Zero bubble (ZB-H1)")]
+    single = [("1f1b", 1, "1F1B, single ticks"), ("zb1", 1, "Zero bubble (ZB-H1), single ticks")]
+    for (name, v, title), ticks in [(n, "paired") for n in named] + [(n, "single") for n in single]:
+        s = build(name, stages, microbatches, v, ticks)
         peaks = ", ".join(str(s.peak_in_flight(i)) for i in range(stages))
         sizes = f"p = {stages}, m = {microbatches}" + (f", v = {v}" if v > 1 else "")
         head = f"### {title} ({sizes}): {s.ticks} ticks, bubble {s.bubble_fraction:.4g}, in flight per stage {peaks}"

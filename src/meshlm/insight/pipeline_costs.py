@@ -1,0 +1,84 @@
+"""What a pipeline adds to a step, for the planner (`insight.plan`): its idle time as a fraction of
+a stage's work, the bytes its sends carry, and the schedules weighed for a layout. Pure arithmetic
+on the config and the schedule tables (`parallel.schedules`); nothing is compiled."""
+
+from __future__ import annotations
+
+import functools
+
+from meshlm import accounting
+from meshlm.config import RunConfig
+from meshlm.parallel.schedules import built as _schedule
+from meshlm.parallel.schedules import runs_unbranched
+
+
+def pipeline_send_bytes(cfg: RunConfig, interleave: int = 1) -> float:
+    """Bytes one device sends per step between pipeline stages. Megatron (an explicit `pipeline`):
+    an activation forward and a cotangent backward per microbatch and chunk, 1/t of each
+    (scatter-gather). meshlm's executor (`parallel.stage`): both directions on every tick, idle ones
+    included (a filler), each device its own copy of the [b, s, d] activation (1/t under SP)."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    b = t.global_batch // t.microbatches // par.batch_shards
+    activation = t.seq_len * b * m.d_model * accounting.dtype_bytes(m.dtype)
+    if par.stage > 1:
+        shape = (par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages, par.pipeline_ticks)
+        ticks = _schedule(*shape).ticks
+        return 2 * ticks * activation / (par.tensor if par.sequence_parallel else 1)
+    return 2 * t.microbatches * interleave * activation / par.tensor
+
+
+def backward_over_forward(cfg: RunConfig) -> float:
+    """What the layers' backward costs against their forward under the run's remat policy: 2 (the
+    two gradient GEMMs per forward one) plus what the policy recomputes over the layers' forward
+    FLOPs (the output layer is left out: it runs once, on the last stage) - 2 with nothing
+    recomputed, 3 with `full`."""
+    m, t = cfg.model, cfg.train
+    logits = 2 * t.global_batch * t.seq_len * m.d_model * m.vocab_size
+    layers = accounting.forward_flops_per_step(cfg) - logits
+    return 2.0 + accounting.recompute_flops_per_step(cfg) / layers
+
+
+def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> float:
+    """Time a pipeline adds, as a fraction of a stage's work. Megatron's asynchronous schedules (an
+    explicit `pipeline`): the bubble (p-1)/(v m). meshlm's executor (`parallel.stage`) runs in
+    lockstep, every tick as long as its slowest cell: the schedule table's lockstep overhead with
+    the policy's backward/forward ratio (`backward_over_forward`; zb1's W a forward's GEMMs). Paired
+    GPipe, 1F1B and interleaved lose the textbook bubble whatever that ratio (a steady tick pairs a
+    forward with a backward); zb1 a third of 1F1B's with B and W a forward each and m >= 2p - 1.
+    Single ticks (`pipeline_ticks=single`) last their slowest stage's action: 1F1B p f + (2m + p -
+    2) b, zb1 ZB-H1's bubble when F, B and W cost the same. With the ring inside the stages every
+    tick runs a backward and a forward (`Schedule.lockstep_time`'s `unbranched`)."""
+    par, micro = cfg.parallel, cfg.train.microbatches
+    if par.stage == 1:
+        return (pipeline - 1) / (interleave * micro)
+    ratio = round(backward_over_forward(cfg), 3)  # a few distinct values: the cache below stays small
+    shape = (par.pipeline_schedule, par.stage, micro, par.virtual_stages, par.pipeline_ticks)
+    return _overhead(*shape, ratio, runs_unbranched(par))
+
+
+@functools.lru_cache(maxsize=2048)
+def _overhead(name: str, stages: int, micro: int, virtual: int, ticks: str, ratio: float, unbranched: bool) -> float:
+    schedule = _schedule(name, stages, micro, virtual, ticks)
+    return schedule.lockstep_overhead(ratio, 1.0 if schedule.splits_backward else None, unbranched)
+
+
+MAX_INTERLEAVE = 4  # virtual stages the planner tries (P2 ran 175B and 530B with 3)
+
+
+def pipeline_schedules(cfg: RunConfig, stages: int) -> list[tuple[str, int, str]]:
+    """The pipeline schedules weighed for `stages`, as (schedule, virtual stages, ticks): 1F1B and zb1
+    with paired and with single ticks (paired: the textbook bubble, 2(p-s)-1 in flight; single:
+    Megatron's p - s, slower in lockstep when a backward outweighs a forward), zb1 (a third of
+    1F1B's bubble when B and W each cost a forward and m >= 2p - 1, for its weight slots' memory;
+    not for MoE, whose W defers the attention's weights only, so that price would flatter it), and
+    interleaved with v = 2 .. MAX_INTERLEAVE chunks per stage where the layers split into p v
+    chunks. GPipe is not: in lockstep it takes 1F1B's time (both lose (p-1)/m) and holds m
+    microbatches in flight, never fewer than 1F1B's; the microbatch counts interleaving refuses
+    (not a multiple of p) are refused by validation."""
+    if stages == 1:
+        return [("1f1b", 1, "paired")]
+    interleaved = [
+        ("interleaved", v, "paired") for v in range(2, MAX_INTERLEAVE + 1) if cfg.model.n_layers % (stages * v) == 0
+    ]
+    flat = [("1f1b", 1)] + ([] if cfg.model.moe else [("zb1", 1)])
+    return [(name, v, ticks) for name, v in flat for ticks in ("paired", "single")] + interleaved

@@ -19,7 +19,7 @@ from meshlm.model import mla_costs
 from meshlm.model.lora import lora_param_count, recompute_flops_per_token
 from meshlm.model.moe_costs import expert_slot_flops, moe_terms
 from meshlm.parallel.context_costs import context_block_pairs, context_comm_bytes  # noqa: F401 (their home here)
-from meshlm.parallel.schedules import built_tables, first_stage_in_flight, megatron_in_flight
+from meshlm.parallel.schedules import first_stage_in_flight, megatron_in_flight, slot_counts
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -504,8 +504,8 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
     input (`activation_memory` leaves `REGION_INPUTS` out of its layers' term). (Pipelines refuse
     MoE models.)"""
     m, par, t = cfg.model, cfg.parallel, cfg.train
-    tab = built_tables(par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages, par.pipeline_ticks)
-    act_slots, grad_slots, weight_slots = tab.act_slots, tab.grad_slots, tab.weight_slots
+    shape = (par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages, par.pipeline_ticks)
+    act_slots, grad_slots, weight_slots = slot_counts(*shape)
     b = t.global_batch // t.microbatches // par.batch_shards
     r = par.tensor if par.sequence_parallel else 1
     e = dtype_bytes(m.dtype)

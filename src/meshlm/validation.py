@@ -264,8 +264,9 @@ def _validate_parallel(cfg: RunConfig) -> None:
     if p.stage > 1 or p.virtual_stages > 1 or p.pipeline_ticks != "paired":
         from meshlm.parallel.schedules import ScheduleError, check_sizes  # plain Python, no JAX
 
-        _need(p.stage > 1, f"parallel.virtual_stages={p.virtual_stages} needs a pipeline (parallel.stage > 1)")
-        _need(p.stage > 1, f"parallel.pipeline_ticks={p.pipeline_ticks} needs a pipeline (parallel.stage > 1)")
+        no_pipeline = "needs a pipeline (parallel.stage > 1)"
+        _need(p.stage > 1 or p.virtual_stages == 1, f"parallel.virtual_stages={p.virtual_stages} {no_pipeline}")
+        _need(p.stage > 1, f"parallel.pipeline_ticks={p.pipeline_ticks} {no_pipeline}")
         try:
             check_sizes(p.pipeline_schedule, p.stage, t.microbatches, p.virtual_stages, m.n_layers, p.pipeline_ticks)
         except ScheduleError as e:

@@ -4,6 +4,7 @@ on the config and the schedule tables (`parallel.schedules`); nothing is compile
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from meshlm import accounting
@@ -29,13 +30,15 @@ def pipeline_send_bytes(cfg: RunConfig, interleave: int = 1) -> float:
 
 def backward_over_forward(cfg: RunConfig) -> float:
     """What the layers' backward costs against their forward under the run's remat policy: 2 (the
-    two gradient GEMMs per forward one) plus what the policy recomputes over the layers' forward
+    two gradient GEMMs per forward one; 1 with LoRA, whose frozen weights get no weight gradient
+    and whose adapters' GEMMs are small) plus what the policy recomputes over the layers' forward
     FLOPs (the output layer is left out: it runs once, on the last stage) - 2 with nothing
-    recomputed, 3 with `full`."""
+    recomputed, about 3 with `full`."""
     m, t = cfg.model, cfg.train
-    logits = 2 * t.global_batch * t.seq_len * m.d_model * m.vocab_size
-    layers = accounting.forward_flops_per_step(cfg) - logits
-    return 2.0 + accounting.recompute_flops_per_step(cfg) / layers
+    logits = 2 * t.global_batch * t.seq_len * m.d_model * m.vocab_size * (1 + m.mtp_depth)
+    dense = dataclasses.replace(cfg, model=dataclasses.replace(m, lora_rank=0))  # every forward GEMM once
+    layers = accounting.forward_flops_per_step(dense) - logits
+    return (1.0 if m.lora_rank else 2.0) + accounting.recompute_flops_per_step(cfg) / layers
 
 
 def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> float:
@@ -67,8 +70,9 @@ MAX_INTERLEAVE = 4  # virtual stages the planner tries (P2 ran 175B and 530B wit
 
 def pipeline_schedules(cfg: RunConfig, stages: int) -> list[tuple[str, int, str]]:
     """The pipeline schedules weighed for `stages`, as (schedule, virtual stages, ticks): 1F1B and zb1
-    with paired and with single ticks (paired: the textbook bubble, 2(p-s)-1 in flight; single:
-    Megatron's p - s, slower in lockstep when a backward outweighs a forward), zb1 (a third of
+    with paired and with single ticks (paired: 2(p-s)-1 in flight; single: Megatron's p - s, 1F1B
+    slower in lockstep when a backward outweighs a forward), paired before single (`enumerate_plans`
+    prunes single-tick 1F1B by its paired twin's plan), zb1 (a third of
     1F1B's bubble when B and W each cost a forward and m >= 2p - 1, for its weight slots' memory;
     not for MoE, whose W defers the attention's weights only, so that price would flatter it), and
     interleaved with v = 2 .. MAX_INTERLEAVE chunks per stage where the layers split into p v

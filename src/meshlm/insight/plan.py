@@ -476,7 +476,7 @@ def enumerate_plans(
     """Every layout x SP x policy x microbatch count, feasible ones first (fastest first), then the
     rejected ones with their reason. 1F1B with single ticks is weighed only where paired ticks do
     not fit but would without their activations: it is never faster
-    (`pipeline_costs.pipeline_overhead`), only smaller, and only in activations."""
+    (`pipeline_costs.pipeline_overhead`: (m - 1)(b - f) more, more sends), and it saves activations only."""
     plans, no_single = [], set()  # paired 1F1B configs whose single-tick twin cannot help
     limit = device.memory if memory_limit is None else memory_limit
     for c in _candidates(cfg, n_devices, policies):
@@ -489,6 +489,8 @@ def enumerate_plans(
             validate(c)
         except ConfigError as err:
             plans.append(Plan(c, rejected=str(err).split(";")[0]))
+            if one_f_one_b:  # its single-tick twin fails the same way
+                no_single.add(c)
             continue
         plan = estimate(c, device, memory_limit)
         plans.append(plan)

@@ -17,6 +17,7 @@ import jax
 from meshlm import accounting
 from meshlm.config import RunConfig
 from meshlm.insight.memory import device_bytes
+from meshlm.insight.pipeline_costs import pipeline_overhead
 from meshlm.model import kernels
 from meshlm.model.params import named_leaves, param_specs, trainable_mask
 from meshlm.parallel.pipeline import schedule_for
@@ -113,7 +114,7 @@ def _pipeline(cfg: RunConfig) -> dict | None:
         "virtual_stages": par.virtual_stages,
         "microbatches": cfg.train.microbatches,
         "ticks": schedule.ticks,
-        "bubble_fraction": schedule.executed_bubble(unbranched),
+        "bubble_fraction": pipeline_overhead(cfg, par.stage),  # the planner's: the policy's backward/forward
         "unbranched": unbranched,  # (the ring inside the stages)
         "peak_in_flight": [schedule.peak_in_flight(s) for s in range(par.stage)],
         "peak_pending_weight_passes": [max(schedule.pending_weights(s)) for s in range(par.stage)],

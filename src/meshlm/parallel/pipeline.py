@@ -11,7 +11,9 @@ inside each stage (GSPMD plus the tensor-parallel and context regions, which nes
 the axes the stage left automatic).
 
 Each tick (`_Stage.tick`) every device runs its cell's backward phase, sends the cotangent to the
-previous stage, runs its forward phase, sends the activation to the next stage:
+previous stage, runs its forward phase, sends the activation to the next stage. With single ticks
+(`parallel.pipeline_ticks=single`: one action per cell, Megatron's in-flight counts) both sends
+come at the tick's end, after whichever action the stage ran:
 
 - backward B(i, c): the stashed residuals and the arrived cotangent give the chunk's weight
   gradients and its input cotangent (on the first chunk: back through the embedding);
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +129,25 @@ def _put(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 
 def _take(buf: jax.Array, slot: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
+
+
+class Carry(NamedTuple):
+    """What the tick loop carries from one tick to the next (`_Stage.carry`, `_Stage.tick`). The slot
+    buffers are sized and addressed by the schedule's tables (`schedules.tables`: a slot's lifetime in
+    quarter ticks, `schedules.QUARTERS`); the last slot of each inbox and of the weight slots is a
+    spare that idle phases write."""
+
+    act: jax.Array  # [act_slots, b, s, d]: activations arrived, not yet forwarded
+    grad: jax.Array  # [grad_slots, b, s, d]: cotangents arrived (or made by the loss), not yet backwarded
+    stash: list  # per residual leaf the forward keeps: [stash_slots, ...], one slot per microbatch-chunk in flight
+    w_in: list  # zb1: per region input: [weight_slots, L/(pv), ...], the forwards' inputs for W
+    w_grad: list  # zb1: per region output: [weight_slots, L/(pv), ...], B's output gradients for W
+    w_in_next: tuple | None  # zb1: (slot, region inputs) of the last forward, written at the next tick's start
+    g_layers: dict  # the stage's chunk weight gradients [v, L/(pv), ...], accumulated in the phases
+    g_top: dict  # the embeddings' and output layer's gradients (stage 0 and the last chunk's stage)
+    loss: jax.Array  # summed token loss of the microbatches whose last chunk ran here
+    count: jax.Array  # their counted tokens
+    moe: dict | None  # MoE: the counts riding with the messages and every microbatch-chunk's RouterStats
 
 
 class _Stage:
@@ -358,25 +380,24 @@ class _Stage:
 
         return self.phase(r["f"], run, idle)
 
-    def carry(self) -> dict:
+    def carry(self) -> Carry:
         x = jax.ShapeDtypeStruct(self.x_shape, self.dtype)
         inbox = lambda n: constrain(self.layout, _slots((n,), x, self.idle_fill), (None, *RESIDUAL))
-        return {
-            "act": inbox(self.tab.act_slots),
-            "grad": inbox(self.tab.grad_slots),
-            "stash": [_slots((self.tab.stash_slots,), leaf, self.idle_fill, host) for leaf, host in self.stashed],
-            "w_in": [_slots((self.tab.weight_slots,), a, self.idle_fill) for a in self.w_inputs] if self.split else [],
-            "w_grad": [_slots((self.tab.weight_slots,), a, self.idle_fill) for a in self.w_grads] if self.split else [],
-            # zb1: the last forward's region inputs and their slot, written at the next tick's start
-            "w_in_next": (jnp.int32(self.tab.weight_slots - 1), self.spare(self.w_inputs)) if self.split else None,
-            "g_layers": {n: jnp.zeros_like(w) for n, w in self.local.items() if n in self.trained},
-            "g_top": jax.tree.map(jnp.zeros_like, self.top) if self.top_trained else {},
-            "loss": jnp.zeros((), jnp.float32),
-            "count": jnp.zeros((), jnp.float32),
-            # MoE: the counts riding with the activations and cotangents, and each (microbatch,
-            # chunk)'s RouterStats (row m: what idle forwards write)
-            "moe": self.moe_carry() if self.moe else None,
-        }
+        weight_slots = lambda like: [_slots((self.tab.weight_slots,), a, self.idle_fill) for a in like]
+        return Carry(
+            act=inbox(self.tab.act_slots),
+            grad=inbox(self.tab.grad_slots),
+            stash=[_slots((self.tab.stash_slots,), leaf, self.idle_fill, host) for leaf, host in self.stashed],
+            w_in=weight_slots(self.w_inputs) if self.split else [],
+            w_grad=weight_slots(self.w_grads) if self.split else [],
+            w_in_next=(jnp.int32(self.tab.weight_slots - 1), self.spare(self.w_inputs)) if self.split else None,
+            g_layers={n: jnp.zeros_like(w) for n, w in self.local.items() if n in self.trained},
+            g_top=jax.tree.map(jnp.zeros_like, self.top) if self.top_trained else {},
+            loss=jnp.zeros((), jnp.float32),
+            count=jnp.zeros((), jnp.float32),
+            # MoE: each (microbatch, chunk)'s RouterStats (row m: what idle forwards write)
+            moe=self.moe_carry() if self.moe else None,
+        )
 
     def moe_carry(self) -> dict:
         counts = jax.ShapeDtypeStruct((self.cfg.model.n_experts,), jnp.float32)
@@ -409,29 +430,30 @@ class _Stage:
             "stats": jax.tree.map(put, c["stats"], stats),
         }
 
-    def tick(self, c: dict, row: dict):
+    def tick(self, c: Carry, row: dict) -> tuple[Carry, None]:
         """One tick: the cell's backward, (zb1) its first weight pass, its cotangent sent left,
-        (zb1) the second weight pass, the cell's forward, its activation sent right. Slot buffers
+        (zb1) the second weight pass, the cell's forward, its activation sent right (single ticks:
+        both sends after the forward phase, so no stage waits on a neighbour mid-tick). Slot buffers
         are read before a phase and written after it, so XLA updates them in place instead of
         copying them through a conditional; the gradient accumulators pass through the phases
         (aliased: the compiled loop copies none of them, unless the phases run unbranched). Sends
         are entered by every device on every tick, outside any branch (idle stages send a filler
         that lands in a spare slot)."""
         r = {k: _take(a, self.stage) for k, a in row.items()}
-        moe_c, moe_b = c["moe"], None
+        moe_c, moe_b = c.moe, None
         if self.moe:  # the backward's chunk stats and the microbatch's total counts
             at = lambda a: _take(_take(a, r["b_micro"]), r["b_chunk"])
             moe_b = (jax.tree.map(at, moe_c["stats"]), _take(moe_c["grad"], r["grad_read"]))
         # the previous tick's forward's region inputs are written first: every write to the weight
         # slots then precedes the weight passes' reads (inside their branches), and XLA need not
         # copy the whole buffer to keep the old value for a read that a later write would clobber
-        slot, inputs = c["w_in_next"] or (None, [])
-        w_in = [_put(buf, slot, a) for buf, a in zip(c["w_in"], inputs, strict=True)]
-        res_b = [_take(buf, r["b_stash"]) for buf in c["stash"]]
+        slot, inputs = c.w_in_next or (None, [])
+        w_in = [_put(buf, slot, a) for buf, a in zip(c.w_in, inputs, strict=True)]
+        res_b = [_take(buf, r["b_stash"]) for buf in c.stash]
         g_layers, g_top, send_grad, taps = self.backward(
-            r, res_b, _take(c["grad"], r["grad_read"]), c["g_layers"], c["g_top"], moe_b
+            r, res_b, _take(c.grad, r["grad_read"]), c.g_layers, c.g_top, moe_b
         )
-        w_grad = [_put(buf, r["b_wslot"], g) for buf, g in zip(c["w_grad"], taps, strict=True)]
+        w_grad = [_put(buf, r["b_wslot"], g) for buf, g in zip(c.w_grad, taps, strict=True)]
         g_layers = self.weight_pass(r, "w1", w_in, w_grad, g_layers)
         left = [(j, (j - 1) % self.p) for j in range(self.p)]
         # the microbatch's total counts (MoE) go back with the cotangent
@@ -439,27 +461,30 @@ class _Stage:
         if not self.tab.single:  # paired ticks: the cotangent leaves before the forward runs
             got_grad, got_moe_grad = send_left()
         g_layers = self.weight_pass(r, "w2", w_in, w_grad, g_layers)
-        res, send_act, dy, g_top, ls, cnt, inputs, stats = self.forward(r, _take(c["act"], r["act_read"]), res_b, g_top)
+        res, send_act, dy, g_top, ls, cnt, inputs, stats = self.forward(r, _take(c.act, r["act_read"]), res_b, g_top)
         if self.tab.single:  # one action per tick: every stage computes, then both sends
+            # the barrier makes the cotangent's send wait for the forward (XLA may otherwise issue it
+            # as soon as the backward is done, and a stage would wait on its neighbour mid-tick)
+            send_grad, send_act = jax.lax.optimization_barrier((send_grad, send_act))
             got_grad, got_moe_grad = send_left()
         if self.moe:
             got_act, moe_c = self.moe_tick(moe_c, r, stats, send_act, got_moe_grad)
         else:
             got_act = jax.lax.ppermute(send_act, AXIS, [(j, (j + 1) % self.p) for j in range(self.p)])
-        grad = _put(c["grad"], r["grad_write"], dy)
-        return {
-            "act": _put(c["act"], r["recv_act"], got_act),
-            "grad": _put(grad, r["recv_grad"], got_grad),
-            "stash": [_put(buf, r["f_stash"], leaf) for buf, leaf in zip(c["stash"], res, strict=True)],
-            "w_in": w_in,
-            "w_in_next": (r["f_wslot"], inputs) if self.split else None,
-            "w_grad": w_grad,
-            "g_layers": g_layers,
-            "g_top": g_top,
-            "loss": c["loss"] + ls,
-            "count": c["count"] + cnt,
-            "moe": moe_c,
-        }, None
+        grad = _put(c.grad, r["grad_write"], dy)
+        return Carry(
+            act=_put(c.act, r["recv_act"], got_act),
+            grad=_put(grad, r["recv_grad"], got_grad),
+            stash=[_put(buf, r["f_stash"], leaf) for buf, leaf in zip(c.stash, res, strict=True)],
+            w_in=w_in,
+            w_in_next=(r["f_wslot"], inputs) if self.split else None,
+            w_grad=w_grad,
+            g_layers=g_layers,
+            g_top=g_top,
+            loss=c.loss + ls,
+            count=c.count + cnt,
+            moe=moe_c,
+        ), None
 
 
 def manual_batch_axes(layout: Layout) -> tuple[str, ...]:
@@ -519,9 +544,9 @@ def pipeline_gradients(
         rows = jax.tree.map(jnp.asarray, tab.rows)
         c, _ = jax.lax.scan(stage.tick, stage.carry(), rows)
         total = lambda t: jax.lax.psum(t, (AXIS, *batch_axes))
-        g_layers = {n: jax.lax.psum(g, reduce_over[n])[None] for n, g in c["g_layers"].items()}
-        out = g_layers, jax.tree.map(total, c["g_top"]), total(c["loss"]), total(c["count"])
-        return (*out, jax.tree.map(lambda a: a[None, :m], c["moe"]["stats"])) if cfg.model.moe else (*out, None)
+        g_layers = {n: jax.lax.psum(g, reduce_over[n])[None] for n, g in c.g_layers.items()}
+        out = g_layers, jax.tree.map(total, c.g_top), total(c.loss), total(c.count)
+        return (*out, jax.tree.map(lambda a: a[None, :m], c.moe["stats"])) if cfg.model.moe else (*out, None)
 
     args = (stacked, top, micro, tokens) + ((key,) if key is not None else ())
     rows_split = P(None, batch_axes or None)  # every microbatch array is [m, b, ...]

@@ -18,16 +18,15 @@ Each schedule is a per-stage *order* of cells:
   2(p-s-1) + (v-1)p + 1 warm-up forwards, paired the same way (Megatron runs every forward
   first when m = p; the pairs need not);
 - zb1 (ZB-H1, Qi et al. 2023, in lockstep): 1F1B's cells with each backward's W in the same
-  cell (second segment, before the forward), except 2s of them on stage s, run two per tick where
-  it would idle at the end (`_weight_passes`); its bubble is (p-1)(max(f, w) + b - 2w) for
-  m >= 2p - 1 and w <= b - w: a third of 1F1B's when F, B and W cost the same (less saved with
-  fewer microbatches), for the same activations in flight plus the pending weight passes' slots.
-Because a steady tick holds a forward *and* a backward, every tick where any stage is in its
-steady state costs f + b, and the lockstep time is exactly (m v + p - 1)(f + b), GPipe's: the
-textbook bubble, `lockstep_overhead` == (p-1)/m for 1F1B and (p-1)/(v m) interleaved, for every
-backward/forward ratio (tested). The price of pairing: a backward's cotangent comes back
-one tick per hop, so stage 0 holds 2p - 1 microbatches in flight under 1F1B (Megatron's
-interleaved warm-up at v = 1) rather than asynchronous 1F1B's p.
+  cell, except 2s of them on stage s, run where it would idle at the end (`_weight_passes`).
+A steady tick holds a forward *and* a backward, so the lockstep time is (m v + p - 1)(f + b), the
+textbook bubble for every backward/forward ratio (tested); the price of pairing is that a
+cotangent comes back one tick per hop, so stage 0 holds 2p - 1 microbatches in flight under 1F1B.
+
+With single ticks (`pipeline_ticks=single`, 1F1B and zb1) a cell holds one action and both sends
+come at the tick's end, so a hop takes one action's time and stage s keeps Megatron's p - s
+microbatches in flight (zb1: ZB-H1's bound); `single_ticks` list-schedules those tables, and a
+tick then lasts as long as its slowest stage's action (`Schedule.lockstep_time`).
 
 `build` turns the orders into a table by simulation: at every tick each stage runs its next cell
 if every action in it depends only on actions finished at earlier ticks, else idles. `validate`
@@ -36,8 +35,7 @@ a forward before its backward, every dependency one tick earlier, at most one ac
 per cell. A schedule whose orders cannot finish (a deadlock) is refused when built.
 
 Derived numbers (`Schedule`): ticks, lockstep time and overhead (the bubble), and the peak number
-of microbatch-chunks in flight per stage (whose residuals must be kept: m for GPipe,
-min(2(p-s-1) + (v-1)p + 1, m v) for 1F1B (v = 1) and interleaved).
+of microbatch-chunks in flight per stage (docs/pipeline.md has the table of all of them).
 """
 
 from __future__ import annotations
@@ -127,7 +125,8 @@ class Schedule:
         m(f + b) + (p-1)(max(f, w) + b - 2w) when w <= b - w (ZB-H1's bubble), tested.
         `unbranched` (`runs_unbranched`): every stage runs its backward (B) in the first segment and
         its forward in the second at every tick, busy or not; zb1's weight passes stay where the
-        table puts them: ticks x (f + b) without them."""
+        table puts them: ticks x (f + b) without them. Single ticks (`single`) have one segment:
+        each lasts its slowest stage's action (unbranched: f + B + the slowest W)."""
         w = backward / 2 if weight is None else weight
         cost = {"F": forward, "B": backward - w if self.splits_backward else backward, "W": w}
         if self.single:  # one segment per tick: the slowest stage's action (unbranched: B and F everywhere)
@@ -384,15 +383,17 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 1, ticks: st
     return schedule
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=256)
 def built(name: str, stages: int, microbatches: int, virtual: int = 1, ticks: str = "paired") -> Schedule:
     """`build`, remembered: the planner and the memory formula weigh the same few tables many times."""
     return build(name, stages, microbatches, virtual, ticks)
 
 
-@functools.lru_cache(maxsize=512)
-def built_tables(name: str, stages: int, microbatches: int, virtual: int = 1, ticks: str = "paired") -> Tables:
-    return tables(built(name, stages, microbatches, virtual, ticks))
+@functools.lru_cache(maxsize=1024)
+def slot_counts(name: str, stages: int, microbatches: int, virtual: int = 1, ticks: str = "paired") -> tuple:
+    """(activation inbox, cotangent inbox, weight) slots of the schedule's `tables`, remembered."""
+    tab = tables(built(name, stages, microbatches, virtual, ticks))
+    return tab.act_slots, tab.grad_slots, tab.weight_slots
 
 
 def validate(schedule: Schedule) -> None:
@@ -490,10 +491,20 @@ ROWS += ("f", "f_micro", "f_chunk", "f_first", "f_last", "f_stash", "act_read", 
 ROWS += ("b_wslot", "f_wslot", "w1", "w1_chunk", "w1_slot", "w2", "w2_chunk", "w2_slot")
 
 
+# A tick's parts in the order the executor runs them (`pipeline._Stage.tick`), as the quarter ticks
+# `tables` times every slot's write and read by (4 t + the part), stated here once for both modules:
+# the backward reads its residuals and cotangent (and a first-segment W its weight slot); the forward
+# reads its input (a second-segment W, before it, its weight slot); the forward writes its residuals,
+# the loss's cotangent and zb1's region inputs; the receives file what the sends brought.
+QUARTERS = {"backward": 0, "forward_read": 1, "forward_write": 2, "receive": 3}
+
+
+def _quarter(tick: int, part: str) -> int:
+    return 4 * tick + QUARTERS[part]
+
+
 def tables(schedule: Schedule) -> Tables:
-    """The per-tick actions and slots of every stage. Times are quarter ticks: 4t is tick t's
-    backward (it reads its residuals and cotangent), 4t+1 the forward's read of its input, 4t+2
-    the forward's writes (its residuals, the loss's cotangent), 4t+3 the end (receives) - so a
+    """The per-tick actions and slots of every stage. Times are quarter ticks (`QUARTERS`), so a
     slot freed by a tick's backward takes that tick's forward. The inboxes have a spare last
     slot: a receive of nothing real (an idle neighbour's filler) and a forward that makes no loss
     cotangent write there. The stash has none: a tick without a forward writes back the slot its
@@ -512,18 +523,19 @@ def tables(schedule: Schedule) -> Tables:
     for t, row in enumerate(schedule.table):
         for c_ in row:
             for a, seg in ((a, k) for k, part in enumerate(segments(c_)) for a in part if a.kind == "W"):
-                w_read[a.microbatch, a.chunk] = 4 * t + seg
+                w_read[a.microbatch, a.chunk] = _quarter(t, ("backward", "forward_read")[seg])
     stash, act, grad, weight = ([[] for _ in range(p)] for _ in range(4))
     for i in range(m):
         for c in range(chunks):
             s, tf, tb = c % p, when["F", i, c], when["B", i, c]
-            stash[s].append((4 * tf + 2, 4 * tb, (i, c)))
+            stash[s].append((_quarter(tf, "forward_write"), _quarter(tb, "backward"), (i, c)))
             if (i, c) in w_read:
-                weight[s].append((4 * tf + 2, w_read[i, c], (i, c)))
+                weight[s].append((_quarter(tf, "forward_write"), w_read[i, c], (i, c)))
             if c > 0:
-                act[s].append((4 * when["F", i, c - 1] + 3, 4 * tf + 1, (i, c)))
-            written = 4 * tf + 2 if c == chunks - 1 else 4 * when["B", i, c + 1] + 3
-            grad[s].append((written, 4 * tb, (i, c)))
+                act[s].append((_quarter(when["F", i, c - 1], "receive"), _quarter(tf, "forward_read"), (i, c)))
+            last = c == chunks - 1  # the loss's cotangent, written by the forward; else received
+            written = _quarter(tf, "forward_write") if last else _quarter(when["B", i, c + 1], "receive")
+            grad[s].append((written, _quarter(tb, "backward"), (i, c)))
     coloured = [[_colour(lists[s]) for s in range(p)] for lists in (stash, act, grad, weight)]
     n_stash, n_act, n_grad, n_weight = (max(1, max(n for _, n in col)) for col in coloured)
     rows = {k: np.zeros((schedule.ticks, p), np.int32) for k in ROWS}

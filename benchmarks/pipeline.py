@@ -1,14 +1,14 @@
 """Pipeline parallelism on CPU (simulated devices): step time against the bubble, where the
 executor's time goes, compile time against m and p.
 
-1. Step time vs m at p = 4 for 1F1B, interleaved 1F1B (v = 2), zb1 and GPipe, and 1F1B and zb1 with
-   single ticks (Megatron's in-flight counts): a llama of d=256,
+1. Step time vs m at p = 4 for 1F1B, interleaved 1F1B (v = 2), zb1 and GPipe, and 1F1B, zb1 and
+   ZB-V with single ticks (Megatron's in-flight counts): a llama of d=256,
    8 layers, fp32, s=256, 2 sequences per microbatch, m = 8 and 16 microbatches (so the batch
    grows with m), next to the schedule's ticks and lockstep bubble (p-1)/(v m), and one device
    accumulating the same microbatches. Untimed rounds until the host heap stops growing, then
    alternating rounds, medians. 2 cores under 4 simulated
    devices: an idle stage's core goes to the busy ones, so a bubble shows only in part.
-2. Where the time goes at m = 16 (1F1B and zb1 against one device): one profiled step each
+2. Where the time goes at m = 16 (1F1B, zb1 and zb1 with single ticks against one device): one profiled step each
    (`jax.profiler`), the device threads' time per microbatch by kind of XLA op - the chunk's
    compute, the stash and inbox slots, sends (collective-permute, which includes waiting for the
    slowest stage), buffer fills, the embeddings' gather. Thread time, summed over devices: 4
@@ -72,6 +72,7 @@ def variants(m: int) -> dict[str, RunConfig]:
         "gpipe stage=4": config(m, dict(stage=4), "gpipe"),
         "1f1b stage=4 single ticks": config(m, dict(stage=4), "1f1b", ticks="single"),
         "zb1 stage=4 single ticks": config(m, dict(stage=4), "zb1", ticks="single"),
+        "zbv stage=4 v=2 single ticks": config(m, dict(stage=4), "zbv", 2, ticks="single"),
     }
 
 
@@ -145,6 +146,7 @@ def thread_ms(cfg: RunConfig) -> dict[str, float]:
 def tick_rows(m: int = 16) -> list[str]:
     one = thread_ms(config(m, {}))
     piped = {name: config(m, dict(stage=4), name) for name in ("1f1b", "zb1")}
+    piped["zb1 single-tick"] = config(m, dict(stage=4), "zb1", ticks="single")
     ticks = {name: schedule_for(cfg).ticks for name, cfg in piped.items()}
     ms = {name: thread_ms(cfg) for name, cfg in piped.items()}
     head = " | ".join(f"{n} stage=4 ({ticks[n]} ticks), same | {n} added per tick" for n in piped)

@@ -224,6 +224,9 @@ def test_config_errors():
     validate(piped)  # 1F1B
     with pytest.raises(ConfigError, match="zb1 with LoRA"):
         validate(apply_overrides(piped, ["parallel.pipeline_schedule=zb1"]))
+    zbv = ["parallel.pipeline_schedule=zbv", "parallel.virtual_stages=2", "parallel.pipeline_ticks=single"]
+    with pytest.raises(ConfigError, match="zbv with LoRA"):
+        validate(apply_overrides(piped, zbv))
     # the names: finetune.lora_* set the model's LoRA fields (the adapters are parameters)
     got = apply_overrides(cfg, ["finetune.lora_rank=8", "finetune.lora_dropout=0.1", "finetune.lora_targets=wq,wv"])
     assert (got.model.lora_rank, got.model.lora_dropout, got.model.lora_targets) == (8, 0.1, ("wq", "wv"))

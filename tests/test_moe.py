@@ -504,6 +504,10 @@ def test_dropless_moe_under_context_parallelism_equals_one_device(context_refere
     "change, message",
     [
         (dict(parallel=ParallelConfig(stage=2), model=dict(first_k_dense=1)), "which a pipeline's stages"),
+        (
+            dict(parallel=ParallelConfig(stage=2, pipeline_schedule="zbv", virtual_stages=2, pipeline_ticks="single")),
+            "zbv with an MoE model is not built",
+        ),
         (dict(parallel=ParallelConfig(context=2)), "a finite capacity is shared by one whole sequence"),
         (dict(parallel=ParallelConfig(expert=3)), "model.n_experts=8 is not divisible by mesh axis 'expert'"),
         (dict(model=dict(experts_per_token=9)), "experts_per_token=9"),

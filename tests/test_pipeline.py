@@ -22,7 +22,8 @@ from meshlm.config import ConfigError, DataConfig, RematConfig, RunConfig
 from meshlm.model.params import init_params, param_specs
 from meshlm.parallel import pipeline
 from meshlm.parallel.mesh import make_layout
-from meshlm.parallel.schedules import build, segments, tables
+from meshlm.parallel.schedules import build, segments
+from meshlm.parallel.slots import tables
 from meshlm.step import _split_microbatches, abstract_batch, dropout_key, make_grad_step
 from meshlm.train_state import state_shardings
 from meshlm.validation import validate
@@ -34,7 +35,7 @@ LAYOUTS = {
     "stage2_tensor2_data2+sp": dict(stage=2, tensor=2, data=2, sequence_parallel=True),
     "stage4_tensor2": dict(stage=4, tensor=2),
 }
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb1": 1}
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb1": 1, "zbv": 2}
 
 
 def config(family: str, mesh: dict | None = None, schedule: str = "1f1b", *, policy="elementwise", **data) -> RunConfig:
@@ -87,8 +88,26 @@ def run_tables(schedule, tab) -> None:
     read must find exactly the microbatch-chunk its action needs, written by the action that made
     it, in the executor's order within a tick (backward, first weight pass, second weight pass,
     forward, then the receives). zb1's weight slots hold a forward's region inputs ("x"), to which
-    B adds the output gradients ("x+g"), until the weight pass reads them."""
+    B adds the output gradients ("x+g"), until the weight pass reads them. ZB-V: stage s holds
+    chunks s and 2p - 1 - s, and a message goes to whichever stage holds the chunk that needs it -
+    the next or the previous one, each over its own receive row, or its own stage."""
     p, chunks, r = schedule.stages, schedule.stages * schedule.virtual, tab.rows
+    v_shape = schedule.name == "zbv"
+    # the local chunk's global index, and where a message to chunk c lands (written out here, not
+    # taken from the executor's tables): stage, receive row, the sender's flag row if any
+    glob = lambda local, s: (s if local == 0 else 2 * p - 1 - s) if v_shape else local * p + s
+    where = lambda c: c % p if not v_shape or c < p else 2 * p - 1 - c
+
+    def lands(kind: str, s: int, c: int) -> tuple[int, str, str | None]:  # "y" of chunk c, "dy" for chunk c
+        to = where(c + 1 if kind == "y" else c)
+        if not v_shape:
+            return (to, "recv_act", None) if kind == "y" else (to, "recv_grad", None)
+        if to == s:
+            return to, "keep_act" if kind == "y" else "keep_grad", None
+        if kind == "y":
+            return (to, "recv_act", None) if to == s + 1 else (to, "recv_act_r", "send_left_act")
+        return (to, "recv_grad", None) if to == s - 1 else (to, "recv_grad_l", "send_right_grad")
+
     act = [dict() for _ in range(p)]
     grad = [dict() for _ in range(p)]
     stash = [dict() for _ in range(p)]
@@ -103,7 +122,7 @@ def run_tables(schedule, tab) -> None:
             assert (at("w1", t, s), at("w2", t, s)) == (len(ws) == 2, len(ws) >= 1)
             if "B" in cell:
                 i, c = cell["B"].microbatch, cell["B"].chunk
-                assert (at("b_micro", t, s), at("b_chunk", t, s) * p + s, at("b_first", t, s)) == (i, c, c == 0)
+                assert (at("b_micro", t, s), glob(at("b_chunk", t, s), s), at("b_first", t, s)) == (i, c, c == 0)
                 assert stash[s].pop(at("b_stash", t, s)) == ("res", i, c)
                 assert grad[s].pop(at("grad_read", t, s)) == ("dy", i, c)
                 if schedule.splits_backward:
@@ -114,11 +133,11 @@ def run_tables(schedule, tab) -> None:
             elif schedule.splits_backward:  # an idle B writes its filler to the spare weight slot
                 assert at("b_wslot", t, s) == tab.weight_slots - 1
             for a, w in zip(ws, ["w1", "w2"][2 - len(ws) :], strict=True):
-                assert at(f"{w}_chunk", t, s) * p + s == a.chunk
+                assert glob(at(f"{w}_chunk", t, s), s) == a.chunk
                 assert weight[s].pop(at(f"{w}_slot", t, s)) == ("x+g", a.microbatch, a.chunk)
             if "F" in cell:
                 i, c = cell["F"].microbatch, cell["F"].chunk
-                assert (at("f_micro", t, s), at("f_chunk", t, s) * p + s) == (i, c)
+                assert (at("f_micro", t, s), glob(at("f_chunk", t, s), s)) == (i, c)
                 assert (at("f_first", t, s), at("f_last", t, s)) == (c == 0, c == chunks - 1)
                 if c > 0:
                     assert act[s].pop(at("act_read", t, s)) == ("y", i, c - 1)
@@ -137,17 +156,26 @@ def run_tables(schedule, tab) -> None:
                 assert at("f_stash", t, s) == at("b_stash", t, s)
                 assert not schedule.splits_backward or at("f_wslot", t, s) == tab.weight_slots - 1
                 assert at("grad_write", t, s) == tab.grad_slots - 1
+        arriving = {}  # (stage, receive row) -> the message
+        for s in range(p):
+            for msg in (send_act[s], send_grad[s]):
+                if msg is not None:
+                    to, row, flag = lands(msg[0], s, msg[2])
+                    arriving[to, row] = msg
+                    assert flag is None or at(flag, t, s) == 1, (t, s, flag)
+            for flag in ("send_left_act", "send_right_grad"):  # set only where the message goes that way
+                sent = [m for m in (send_act[s], send_grad[s]) if m is not None]
+                assert at(flag, t, s) == any(lands(m[0], s, m[2])[2] == flag for m in sent), (t, s, flag)
+        rows = [("recv_act", act), ("recv_act_r", act), ("keep_act", act)]
+        rows += [("recv_grad", grad), ("recv_grad_l", grad), ("keep_grad", grad)]
         for s in range(p):  # end of tick: what was sent lands where the receiver's row says
-            got_a, got_g = send_act[(s - 1) % p], send_grad[(s + 1) % p]
-            slot_a, slot_g = at("recv_act", t, s), at("recv_grad", t, s)
-            assert (got_a is None) == (slot_a == tab.act_slots - 1), (t, s)
-            assert (got_g is None) == (slot_g == tab.grad_slots - 1), (t, s)
-            if got_a is not None:
-                assert slot_a not in act[s]
-                act[s][slot_a] = got_a
-            if got_g is not None:
-                assert slot_g not in grad[s]
-                grad[s][slot_g] = got_g
+            for row, buf in rows:
+                got, slot_ = arriving.get((s, row)), at(row, t, s)
+                spare = (tab.act_slots if buf is act else tab.grad_slots) - 1
+                assert (got is None) == (slot_ == spare), (t, s, row)
+                if got is not None:
+                    assert slot_ not in buf[s]
+                    buf[s][slot_] = got
             for buf, n in ((act[s], tab.act_slots), (grad[s], tab.grad_slots)):
                 assert all(0 <= k < n - 1 for k in buf)  # never the spare slot
             assert all(0 <= k < tab.stash_slots for k in stash[s])
@@ -162,7 +190,7 @@ def run_tables(schedule, tab) -> None:
     "name, v, ticks",
     [
         *[("gpipe", 1, "paired"), ("1f1b", 1, "paired"), ("interleaved", 2, "paired"), ("zb1", 1, "paired")],
-        *[("1f1b", 1, "single"), ("zb1", 1, "single")],
+        *[("1f1b", 1, "single"), ("zb1", 1, "single"), ("zbv", 2, "single")],
     ],
 )
 @pytest.mark.parametrize("p", [2, 4, 8])
@@ -209,6 +237,8 @@ CASES = [
     ("llama", "interleaved", "stage4_tensor2", "elementwise", False),
     ("gpt", "zb1", "stage2_tensor2_data2+sp", "selective", False),
     ("llama", "zb1", "stage4_tensor2", "elementwise", True),
+    ("gpt", "zbv:single", "stage4_tensor2", "selective", False),
+    ("llama", "zbv:single", "stage2_tensor2_data2+sp", "elementwise", True),
 ]
 
 
@@ -397,7 +427,7 @@ def test_sgd_steps_equal_one_device(params):
 
 def compiled_temp_bytes(schedule: str, m: int, p: int = 4, ticks: str = "paired") -> tuple[int, RunConfig]:
     """XLA's temp bytes per device of the compiled gradient step at microbatch size 2 (llama, s=32)."""
-    mesh = dict(stage=p, pipeline_schedule=schedule, pipeline_ticks=ticks)
+    mesh = dict(stage=p, pipeline_schedule=schedule, pipeline_ticks=ticks, virtual_stages=SCHEDULES[schedule])
     cfg = tiny_config("llama", mesh, n_layers=LAYERS, global_batch=2 * m, microbatches=m)
     layout = make_layout(cfg.parallel, jax.devices()[:p])
     shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
@@ -434,7 +464,8 @@ def test_stage_zero_memory_follows_the_formula():
     assert zb1 - one_f_one_b[8][0] == pytest.approx(extra, rel=0.03)
     # single ticks: Megatron's p = 4 in flight on stage 0 instead of 2p - 1 = 7 (zb1: and p + 1
     # weight slots instead of 2p): what the compiled program saves is what the formula says, within 3%
-    for name, paired_bytes, paired_cfg in (("1f1b", *one_f_one_b[8]), ("zb1", zb1, cfg)):
+    # ZB-V: 2p = 8 chunks of one layer in flight, as many weight slots (+ a spare), against paired zb1
+    for name, paired_bytes, paired_cfg in (("1f1b", *one_f_one_b[8]), ("zb1", zb1, cfg), ("zbv", zb1, cfg)):
         single, single_cfg = compiled_temp_bytes(name, 8, ticks="single")
         formula = {n: accounting.activation_memory(c) for n, c in (("paired", paired_cfg), ("single", single_cfg))}
         assert formula["single"]["layers"] == pytest.approx(4 / 7 * formula["paired"]["layers"])

@@ -15,9 +15,9 @@ from meshlm.parallel.schedules import (
     first_stage_in_flight,
     orders,
     segments,
-    tables,
     validate,
 )
+from meshlm.parallel.slots import tables
 
 GRID = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
 RATIOS = (0.5, 1.0, 2.0, 3.0)  # backward / forward
@@ -128,6 +128,31 @@ def test_single_ticks_keep_megatrons_in_flight_counts(p, m):
     assert one.lockstep_time(1.0, 1.0) == 2 * (m + p - 1)
     assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m))
     assert zb.bubble_fraction <= build("zb1", p, m).bubble_fraction + 1e-12
+
+
+@pytest.mark.parametrize("p, m", GRID)
+def test_zero_bubble_v(p, m):
+    """ZB-V (`zbv`): stage s holds chunks s and 2p - 1 - s of L/(2p) layers, the loss on stage 0
+    with the embedding. With one action per tick and F, B, W of one cost its bubble is (p - 1)/(6m):
+    half of ZB-H1's (its chunks are half as long), in 6m + p - 1 ticks; every stage holds at most
+    2p chunks' activations, and 2p forwards whose W has not run: 1F1B's peak, p microbatches of
+    L/p layers (min(2p, 2m))."""
+    z, zb = build("zbv", p, m, 2, "single"), build("zb1", p, m, 1, "single")
+    assert [z.stage_of(c) for c in range(2 * p)] == [*range(p), *reversed(range(p))]
+    assert z.ticks == 6 * m + p - 1
+    assert z.bubble_fraction == pytest.approx((p - 1) / (6 * m)) == pytest.approx(zb.bubble_fraction / 2)
+    assert (
+        max(z.peak_in_flight(s) for s in range(p))
+        == min(2 * p, 2 * m)
+        == first_stage_in_flight("zbv", p, m, 2, "single")
+    )
+    assert max(max(z.pending_weights(s)) for s in range(p)) == min(2 * p, 2 * m)
+    assert tables(z).stash_slots == min(2 * p, 2 * m)
+    t = [list(r) for r in z.table]  # a chunk on the wrong arm of the V is refused
+    i = next(i for i, r in enumerate(t) if Action("F", 0, 2 * p - 1) in r[0])
+    t[i][0], t[i][p - 1] = (), (Action("F", 0, 2 * p - 1),)
+    with pytest.raises(ScheduleError, match=f"chunk {2 * p - 1} lives on stage 0"):
+        validate(dataclasses.replace(z, table=tuple(tuple(r) for r in t)))
 
 
 def test_single_ticks_pictures():
@@ -265,6 +290,8 @@ def test_a_deadlocking_order_is_refused(monkeypatch):
         (("interleaved", 4, 8, 2, None, "single"), "keeps Megatron's count with paired ticks already"),
         (("gpipe", 4, 8, 1, None, "single"), "runs 1f1b or zb1"),
         (("1f1b", 4, 8, 1, None, "half"), "unknown parallel.pipeline_ticks='half'"),
+        (("zbv", 4, 8, 2, None, "paired"), "set parallel.virtual_stages=2 and parallel.pipeline_ticks=single"),
+        (("zbv", 4, 8, 1, None, "single"), "holds two chunks per stage in a V"),
     ],
 )
 def test_schedules_that_cannot_run_are_refused(args, message):

@@ -19,7 +19,8 @@ from meshlm.model import mla_costs
 from meshlm.model.lora import lora_param_count, recompute_flops_per_token
 from meshlm.model.moe_costs import expert_slot_flops, moe_terms
 from meshlm.parallel.context_costs import context_block_pairs, context_comm_bytes  # noqa: F401 (their home here)
-from meshlm.parallel.schedules import first_stage_in_flight, megatron_in_flight, slot_counts
+from meshlm.parallel.schedules import SPLIT, first_stage_in_flight, megatron_in_flight
+from meshlm.parallel.slots import slot_counts
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -516,7 +517,7 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
         "cotangent_inbox": grad_slots * slot,
     }
     if weight_slots:
-        per_chunk, rows = m.n_layers / par.stage, e * t.seq_len * b / par.tensor
+        per_chunk, rows = m.n_layers / (par.stage * par.virtual_stages), e * t.seq_len * b / par.tensor
         # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width):
         # the layer terms the stash of the elementwise policy keeps for them
         layer = layer_activation_terms(m, t.seq_len, b, par.tensor, par.sequence_parallel)
@@ -567,7 +568,7 @@ def activation_memory(
     v = par.virtual_stages if pipeline is None else (interleave or 1)
     held = pipeline_in_flight(cfg, pipeline, interleave) * m.n_layers / (p * v)
     stashed = layer_total
-    if own and par.pipeline_schedule == "zb1":  # its weight slots hold the region inputs (outside)
+    if own and par.pipeline_schedule in SPLIT:  # its weight slots hold the region inputs (outside)
         stashed -= sum(per_layer.get(k, 0.0) for k in REGION_INPUTS)
     layers = held * stashed
     if own:

@@ -29,7 +29,7 @@ OnNonFinite = Literal["stop", "skip"]
 # Recomputation policies: the names are owned here, their meaning by meshlm.parallel.remat.POLICIES
 # (a test keeps the two equal), so validating a config imports no JAX.
 ContextStrategy = Literal["all_gather", "ring", "all_to_all"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1", "zbv"]
 PipelineTicks = Literal["paired", "single"]
 RematPolicy = Literal["elementwise", "selective", "full", "dots", "offload"]
 
@@ -269,7 +269,8 @@ class ParallelConfig:
     stage s holds chunks s, s+p, ... and `train.microbatches` microbatches flow through them in the
     order of `pipeline_schedule` (docs/pipeline.md): `1f1b`, `interleaved` (with `virtual_stages`),
     `zb1` (zero bubble: the backward split into B and W, a third of 1F1B's bubble at equal costs
-    with m >= 2p - 1, for the pending weight passes' memory) or `gpipe`.
+    with m >= 2p - 1, for the pending weight passes' memory), `zbv` (ZB-V: two chunks per stage in a
+    V, single ticks) or `gpipe`.
     """
 
     stage: int = 1

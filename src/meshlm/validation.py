@@ -240,10 +240,15 @@ def _validate_parallel(cfg: RunConfig) -> None:
     for name in MESH_AXES:
         _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
     _need(
-        not (m.lora_rank and p.stage > 1 and p.pipeline_schedule == "zb1"),
-        "parallel.pipeline_schedule=zb1 with LoRA: zb1 defers the weight-gradient GEMMs to fill the bubbles, and a "
-        "LoRA run has none but the adapters' rank-r ones, while its weight slots would keep every region's inputs; "
-        "use 1f1b or interleaved",
+        not (m.lora_rank and p.stage > 1 and p.pipeline_schedule in ("zb1", "zbv")),
+        f"parallel.pipeline_schedule={p.pipeline_schedule} with LoRA: it defers the weight-gradient GEMMs to fill the "
+        "bubbles, and a LoRA run has none but the adapters' rank-r ones, while its weight slots would keep every "
+        "region's inputs; use 1f1b or interleaved",
+    )
+    _need(
+        not (m.moe and p.stage > 1 and p.pipeline_schedule == "zbv"),
+        "parallel.pipeline_schedule=zbv with an MoE model is not built (the router counts ride one way, with the "
+        "activations to the last stage); use zb1, 1f1b or interleaved",
     )
     _need(
         not (m.mtp_depth and p.stage > 1),

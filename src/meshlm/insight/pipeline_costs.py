@@ -72,17 +72,17 @@ def pipeline_schedules(cfg: RunConfig, stages: int) -> list[tuple[str, int, str]
     """The pipeline schedules weighed for `stages`, as (schedule, virtual stages, ticks): 1F1B and zb1
     with paired and with single ticks (paired: 2(p-s)-1 in flight; single: Megatron's p - s, 1F1B
     slower in lockstep when a backward outweighs a forward), paired before single (`enumerate_plans`
-    prunes single-tick 1F1B by its paired twin's plan), zb1 (a third of
-    1F1B's bubble when B and W each cost a forward and m >= 2p - 1, for its weight slots' memory;
-    not for MoE, whose W defers the attention's weights only, so that price would flatter it), and
-    interleaved with v = 2 .. MAX_INTERLEAVE chunks per stage where the layers split into p v
-    chunks. GPipe is not: in lockstep it takes 1F1B's time (both lose (p-1)/m) and holds m
-    microbatches in flight, never fewer than 1F1B's; the microbatch counts interleaving refuses
-    (not a multiple of p) are refused by validation."""
+    prunes single-tick 1F1B by its paired twin's plan); zb1 (a third of 1F1B's bubble when B and W
+    each cost a forward, for its weight slots' memory; not for MoE, whose W defers the attention's
+    weights only, so that price would flatter it); interleaved with v = 2 .. MAX_INTERLEAVE chunks
+    per stage where the layers split into p v chunks; ZB-V (single ticks, two chunks per stage in a
+    V; not for MoE). GPipe is not: in lockstep it takes 1F1B's time and holds m microbatches in
+    flight; the microbatch counts interleaving refuses are refused by validation."""
     if stages == 1:
         return [("1f1b", 1, "paired")]
     interleaved = [
         ("interleaved", v, "paired") for v in range(2, MAX_INTERLEAVE + 1) if cfg.model.n_layers % (stages * v) == 0
     ]
     flat = [("1f1b", 1)] + ([] if cfg.model.moe else [("zb1", 1)])
-    return [(name, v, ticks) for name, v in flat for ticks in ("paired", "single")] + interleaved
+    zbv = [("zbv", 2, "single")] if not cfg.model.moe and cfg.model.n_layers % (2 * stages) == 0 else []
+    return [(name, v, ticks) for name, v in flat for ticks in ("paired", "single")] + interleaved + zbv

@@ -201,7 +201,7 @@ def format_report(r: dict[str, Any]) -> list[str]:
             )
             + "; microbatch-chunks in flight "
             f"per stage {p['peak_in_flight']}"
-            + (f", weight passes pending {p['peak_pending_weight_passes']}" if p["schedule"] == "zb1" else "")
+            + (f", weight passes pending {p['peak_pending_weight_passes']}" if p["schedule"] in ("zb1", "zbv") else "")
         )
     active = r["active_param_count"]
     moe = f" ({active / 1e6:.2f}M active per token)" if active != r["param_count"] else ""

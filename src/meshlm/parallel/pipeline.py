@@ -1,11 +1,10 @@
-"""Pipeline parallelism: 1F1B, interleaved 1F1B, zero bubble (zb1) and GPipe inside the one
-jitted train step.
+"""Pipeline parallelism: 1F1B, interleaved 1F1B, zero bubble (zb1, ZB-V) and GPipe inside the
+one jitted train step.
 
 The schedule is data (`parallel.schedules`): a static table of (tick, stage) -> a cell holding at
-most one backward and one forward of different microbatches (1F1B's and interleaved's steady
-ticks pair them, so lockstep costs the textbook bubble). `tables` turns it into integer arrays -
-what each stage does at each tick, and which buffer slot it reads and writes - and
-`pipeline_gradients` runs them: one `lax.scan` over ticks inside a `shard_map` manual over the
+most one backward and one forward (paired ticks) or one action (single ticks). `slots.tables`
+turns it into integer arrays - what each stage does at each tick, which buffer slot it reads and
+writes - and `pipeline_gradients` runs them: one `lax.scan` over ticks inside a `shard_map` manual over the
 `stage` axis and the batch axes. Tensor, context and sequence parallelism stay what they are
 inside each stage (GSPMD plus the tensor-parallel and context regions, which nest: manual over
 the axes the stage left automatic).
@@ -13,7 +12,8 @@ the axes the stage left automatic).
 Each tick (`_Stage.tick`) every device runs its cell's backward phase, sends the cotangent to the
 previous stage, runs its forward phase, sends the activation to the next stage. With single ticks
 (`parallel.pipeline_ticks=single`: one action per cell, Megatron's in-flight counts) both sends
-come at the tick's end, after whichever action the stage ran:
+come at the tick's end, after whichever action the stage ran (ZB-V: either permute carries an
+activation or a cotangent, and chunk p - 1 hands its output to chunk p on the same stage):
 
 - backward B(i, c): the stashed residuals and the arrived cotangent give the chunk's weight
   gradients and its input cotangent (on the first chunk: back through the embedding);
@@ -22,39 +22,18 @@ come at the tick's end, after whichever action the stage ran:
   stashed in a slot until B(i, c) - exactly what one device's autodiff would keep for those
   layers. On the last chunk the output layer and loss run at once, forward and backward, and the
   output's cotangent waits for B(i, c).
-- zb1 splits the backward (`parallel.taps`): B(i, c) gives the input cotangent and the output
-  gradients of the layers' tensor-parallel regions, with the regions' weights held constant (no
-  weight GEMM runs, no matmul input is stashed for one); W(i, c) - in the cell's first segment,
-  before the cotangent's send, or its second, before the forward - gives those weights'
-  gradients from the regions' inputs (kept by F) and output gradients (kept by B), held in weight
-  slots until then.
+- zb1 and ZB-V split the backward (`parallel.taps`): B(i, c) gives the input cotangent and the
+  output gradients of the tensor-parallel regions (their weights held constant), W(i, c) those
+  weights' gradients from the regions' inputs and output gradients, kept in weight slots.
 
-Each phase is a `lax.cond` (idle when the cell has none; with the ring inside the stages, the
-backward and forward run on every stage and are selected: `_Stage.phase`); gradients are added to their
-accumulators inside the branch that makes them. The two `ppermute`s are entered by every device
-on every tick, outside any branch (idle stages send a filler that lands in a spare slot).
-Collectives inside a branch are those of one stage's devices, which all take the same branch.
-
-Buffers are slot arrays whose sizes come from the table: the stash holds the schedule's peak
-number of microbatch-chunks in flight, the inboxes what has arrived and not yet been used. Slots
-are assigned in Python by interval colouring, so nothing is searched at run time.
-
-Gradients: each device accumulates those of its own rows through the loop; they are summed over
-the batch axes once, after it (one reduction per step). LoRA: only the adapters are differentiated
-and accumulated (the frozen weights, embeddings and output layer are held constant; zeros in the
-returned tree); zb1 is refused with LoRA (validation: it would have little to defer). Dropout bits
-are drawn at each element's global position (`layers.global_keep_mask`), so a batch shard draws
-what the whole batch would.
-
-Weights: the stacked layer axis [L, ...] is sharded over `stage` in contiguous blocks (the rules
-table), so checkpoints do not depend on the pipeline. Inside the step it is viewed as
-[v, p, L/(pv), ...] and regrouped to [p, v, L/(pv), ...], giving stage s its chunks s, s+p, ...
-(no data moves when v = 1). With FSDP, a stage's weights are gathered once per step. The
-embeddings, final norm and output layer are stored split over fsdp x stage and gathered once per
-step; their gradients are summed over the stages and batch axes after the loop.
-
-Dropout: microbatch i draws from fold_in(key, i) and layer l from fold_in(that, l), as the
-accumulation loop of `step.gradients` does, so a pipelined step equals the unpipelined one.
+Each phase is a `lax.cond` (`_Stage.phase`), gradients added inside the branch that makes them;
+the two `ppermute`s are entered by every device on every tick, outside any branch (idle stages
+send a filler that lands in a spare slot). Buffers are slot arrays sized by the table
+(`parallel.slots`). Gradients are summed over the batch axes once, after the loop. The stacked
+layer axis [L, ...] is sharded over `stage` in contiguous blocks (checkpoints do not depend on the
+pipeline) and regrouped in the step to [p, v, L/(pv), ...] (`_regroup`); the embeddings and
+output layer are stored split over fsdp x stage. Dropout draws at each element's global position,
+microbatch i from fold_in(key, i), as `step.gradients` does (docs/pipeline.md).
 """
 
 from __future__ import annotations
@@ -76,7 +55,8 @@ from meshlm.model.params import param_specs
 from meshlm.model.transformer import RESIDUAL, embed, logits, region_shapes, run_layers, weight_gradients
 from meshlm.parallel.collectives import region_weight_spec
 from meshlm.parallel.rules import Layout, constrain, part_names
-from meshlm.parallel.schedules import Schedule, build, runs_unbranched, tables
+from meshlm.parallel.schedules import Schedule, build, runs_unbranched
+from meshlm.parallel.slots import tables
 
 AXIS = "stage"
 
@@ -87,12 +67,10 @@ def schedule_for(cfg: RunConfig) -> Schedule:
 
 
 def _slots(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, fill: float, host: bool = False) -> jax.Array:
-    """A slot buffer for values like `like` (residual leaves, activations). Every slot an action
-    uses is written before it is read (the table interpreter test; idle phases read a slot and use
-    nothing of it), so with `fill` = 0 it is `lax.empty`: left uninitialised on GPUs and TPUs,
-    zeros on CPU (XLA:CPU has no uninitialised buffer). Otherwise
-    floats hold `fill` (tests fill NaN); PRNG keys (the dropout keys a recomputed region keeps)
-    key(0). `host`: the residual lives in host memory (the `offload` policy), and so does its buffer."""
+    """A slot buffer for values like `like`. Every slot an action uses is written before it is read
+    (the table interpreter test), so with `fill` = 0 it is `lax.empty` (uninitialised on GPUs and
+    TPUs); else floats hold `fill` (tests fill NaN), PRNG keys key(0). `host`: in host memory
+    (the `offload` policy's residuals)."""
     if host:
         return jax.device_put(_slots(shape, like, fill), jax.memory.Space.Host)
     if jax.dtypes.issubdtype(like.dtype, jax.dtypes.prng_key):
@@ -133,8 +111,8 @@ def _take(buf: jax.Array, slot: jax.Array) -> jax.Array:
 
 class Carry(NamedTuple):
     """What the tick loop carries from one tick to the next (`_Stage.carry`, `_Stage.tick`). The slot
-    buffers are sized and addressed by the schedule's tables (`schedules.tables`: a slot's lifetime in
-    quarter ticks, `schedules.QUARTERS`); the last slot of each inbox and of the weight slots is a
+    buffers are sized and addressed by the schedule's tables (`slots.tables`: a slot's lifetime in
+    quarter ticks, `slots.QUARTERS`); the last slot of each inbox and of the weight slots is a
     spare that idle phases write."""
 
     act: jax.Array  # [act_slots, b, s, d]: activations arrived, not yet forwarded
@@ -212,6 +190,10 @@ class _Stage:
 
     def context(self, micro_i, chunk):
         """The microbatch, its dropout key and the global layer ids of this stage's local chunk."""
+        if self.tab.v_shape:  # ZB-V: stage s holds chunks s and 2p - 1 - s
+            ids = jnp.where(chunk == 0, self.stage, 2 * self.p - 1 - self.stage) * self.per_chunk
+            ids = ids + jnp.arange(self.per_chunk)
+            return jax.tree.map(lambda a: _take(a, micro_i), self.micro), self.mb_key(micro_i), ids
         ids = (chunk * self.p + self.stage) * self.per_chunk + jnp.arange(self.per_chunk)
         return jax.tree.map(lambda a: _take(a, micro_i), self.micro), self.mb_key(micro_i), ids
 
@@ -278,14 +260,10 @@ class _Stage:
     def phase(self, on: jax.Array, run, idle):
         """`run()` where the cell has this phase, else `idle()`: a `lax.cond`, so an idle stage
         computes nothing. With the ring inside the stages the phase runs on every stage at every
-        tick and the result is selected: a collective-permute is one op of the whole program, which
-        every device must enter in the same order (XLA:CPU matches them across all devices; in a
-        branch, one stage's ring step would meet another stage's at another tick), so the ring's
-        permutes may not sit in a branch that only some stages take. An idle cell then computes on
-        a filler and its results are dropped: every tick costs a forward and a backward
-        (`Schedule.lockstep_time(unbranched=True)`: 1F1B's bubble about doubles), and the selects
-        over whole accumulators and stash slots may copy them. zb1's weight passes hold no ring op
-        (their attention is dead code) and stay branched."""
+        tick and the result is selected: every device must enter a collective-permute in the same
+        order, so the ring's permutes may not sit in a branch only some stages take (docs/pipeline.md).
+        Every tick then costs a forward and a backward (`Schedule.lockstep_time(unbranched=True)`).
+        Weight passes hold no ring op (their attention is dead code) and stay branched."""
         on = on.astype(bool)
         if not self.unbranched:
             return jax.lax.cond(on, run, idle)
@@ -457,24 +435,33 @@ class _Stage:
         g_layers = self.weight_pass(r, "w1", w_in, w_grad, g_layers)
         left = [(j, (j - 1) % self.p) for j in range(self.p)]
         # the microbatch's total counts (MoE) go back with the cotangent
-        send_left = lambda: jax.lax.ppermute((send_grad, moe_b[1] if self.moe else None), AXIS, left)
+        send_left = lambda msg: jax.lax.ppermute((msg, moe_b[1] if self.moe else None), AXIS, left)
         if not self.tab.single:  # paired ticks: the cotangent leaves before the forward runs
-            got_grad, got_moe_grad = send_left()
+            got_grad, got_moe_grad = send_left(send_grad)
         g_layers = self.weight_pass(r, "w2", w_in, w_grad, g_layers)
         res, send_act, dy, g_top, ls, cnt, inputs, stats = self.forward(r, _take(c.act, r["act_read"]), res_b, g_top)
+        to_right = send_act
         if self.tab.single:  # one action per tick: every stage computes, then both sends
             # the barrier makes the cotangent's send wait for the forward (XLA may otherwise issue it
             # as soon as the backward is done, and a stage would wait on its neighbour mid-tick)
             send_grad, send_act = jax.lax.optimization_barrier((send_grad, send_act))
-            got_grad, got_moe_grad = send_left()
+            to_left, to_right = send_grad, send_act
+            if self.tab.v_shape:  # ZB-V: each permute carries whichever message goes its way (`slots.route`)
+                to_left = jnp.where(r["send_left_act"].astype(bool), send_act, send_grad)
+                to_right = jnp.where(r["send_right_grad"].astype(bool), send_grad, send_act)
+            got_grad, got_moe_grad = send_left(to_left)
         if self.moe:
             got_act, moe_c = self.moe_tick(moe_c, r, stats, send_act, got_moe_grad)
         else:
-            got_act = jax.lax.ppermute(send_act, AXIS, [(j, (j + 1) % self.p) for j in range(self.p)])
-        grad = _put(c.grad, r["grad_write"], dy)
+            got_act = jax.lax.ppermute(to_right, AXIS, [(j, (j + 1) % self.p) for j in range(self.p)])
+        act = _put(c.act, r["recv_act"], got_act)
+        grad = _put(_put(c.grad, r["grad_write"], dy), r["recv_grad"], got_grad)
+        if self.tab.v_shape:  # what arrived from the other side, and the turn at the V's bottom
+            act = _put(_put(act, r["recv_act_r"], got_grad), r["keep_act"], send_act)
+            grad = _put(_put(grad, r["recv_grad_l"], got_act), r["keep_grad"], send_grad)
         return Carry(
-            act=_put(c.act, r["recv_act"], got_act),
-            grad=_put(grad, r["recv_grad"], got_grad),
+            act=act,
+            grad=grad,
             stash=[_put(buf, r["f_stash"], leaf) for buf, leaf in zip(c.stash, res, strict=True)],
             w_in=w_in,
             w_in_next=(r["f_wslot"], inputs) if self.split else None,
@@ -514,8 +501,7 @@ def pipeline_gradients(
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
     per_chunk = cfg.model.n_layers // (p * v)
 
-    def regroup(w):  # [L, ...] -> [p, v, L/(pv), ...]: stage s gets chunks s, s+p, ...
-        return jnp.swapaxes(w.reshape(v, p, per_chunk, *w.shape[1:]), 0, 1)
+    regroup = partial(_regroup, schedule=schedule, per_chunk=per_chunk)
 
     specs = param_specs(cfg.model)
     # Gathered once per step (not once per tick), their gradients summed after the loop and sliced
@@ -561,13 +547,34 @@ def pipeline_gradients(
     )
     g_layers, g_top, loss_sum, count, stats = region(*args)
 
-    def ungroup(g):  # [p, v, L/(pv), ...] -> [L, ...]
-        return jnp.swapaxes(g, 0, 1).reshape(cfg.model.n_layers, *g.shape[3:])
-
+    ungroup = partial(_ungroup, schedule=schedule)
     # frozen leaves (LoRA's base): zeros, constants in the returned tree, as `step.gradients` gives them
     layers = {n: ungroup(g_layers[n]) if n in g_layers else jnp.zeros_like(w) for n, w in params["layers"].items()}
     top = {n: g_top.get(n, jnp.zeros_like(w)) for n, w in params.items() if n != "layers"}
     return {"layers": layers, **top}, loss_sum, count, _moe_metrics(stats, cfg, m)
+
+
+def _chunk_order(schedule: Schedule) -> list[int] | None:
+    """ZB-V: the chunks stage by stage, s and 2p - 1 - s (None: stage s holds s, s+p, ...)."""
+    p = schedule.stages
+    return [c for s in range(p) for c in (s, 2 * p - 1 - s)] if schedule.name == "zbv" else None
+
+
+def _regroup(w: jax.Array, schedule: Schedule, per_chunk: int) -> jax.Array:
+    """[L, ...] -> [p, v, L/(pv), ...]: stage s gets chunks s, s+p, ... (no data moves when v = 1);
+    ZB-V chunks s and 2p - 1 - s (a gather that moves all but stage 0's first chunk)."""
+    p, v, order = schedule.stages, schedule.virtual, _chunk_order(schedule)
+    if order:
+        return w.reshape(p * v, per_chunk, *w.shape[1:])[jnp.array(order)].reshape(p, v, per_chunk, *w.shape[1:])
+    return jnp.swapaxes(w.reshape(v, p, per_chunk, *w.shape[1:]), 0, 1)
+
+
+def _ungroup(g: jax.Array, schedule: Schedule) -> jax.Array:
+    """`_regroup`'s inverse: [p, v, L/(pv), ...] -> [L, ...]."""
+    p, v, order = schedule.stages, schedule.virtual, _chunk_order(schedule)
+    if order:
+        return g.reshape(p * v, *g.shape[2:])[jnp.argsort(jnp.array(order))].reshape(-1, *g.shape[3:])
+    return jnp.swapaxes(g, 0, 1).reshape(-1, *g.shape[3:])
 
 
 def _moe_metrics(stats, cfg: RunConfig, m: int) -> dict:

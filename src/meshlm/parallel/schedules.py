@@ -45,10 +45,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-
 Kind = Literal["F", "B", "W"]
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "zbv")
+SPLIT = ("zb1", "zbv")  # the schedules that split a backward into B and W
 TICKS = ("paired", "single")  # what a tick holds: a backward paired with a forward, or one action
 
 
@@ -60,7 +59,7 @@ class ScheduleError(ValueError):
 class Action:
     kind: Kind
     microbatch: int
-    chunk: int  # the model chunk: 0 .. p*v-1, stage = chunk % p
+    chunk: int  # the model chunk: 0 .. p*v-1, on stage `chunk_stage(...)`, its local chunk chunk // p
 
     def label(self, stages: int, virtual: int) -> str:
         """`F3` (forward of microbatch 3), with interleaving `F3/1` (through the stage's chunk 1)."""
@@ -88,6 +87,15 @@ def segments(c: Cell) -> tuple[Cell, Cell]:
     return first, tuple(a for a in c if a not in first)
 
 
+def chunk_stage(name: str, stages: int, chunk: int) -> int:
+    """The stage a model chunk lives on: chunk % p (stage s holds chunks s, s+p, ...); ZB-V's V
+    (`zbv`): chunk c < p on stage c, c >= p on stage 2p - 1 - c, so stage s holds chunks s and
+    2p - 1 - s, stage 0 both the embedding's chunk and the loss's."""
+    if name == "zbv" and chunk >= stages:
+        return 2 * stages - 1 - chunk
+    return chunk % stages
+
+
 def runs_unbranched(parallel) -> bool:
     """Whether the executor runs the backward and forward on every stage at every tick
     (`ParallelConfig`): with the ring inside the stages, whose collective-permutes may not sit in a
@@ -107,6 +115,9 @@ class Schedule:
     @property
     def ticks(self) -> int:
         return len(self.table)
+
+    def stage_of(self, chunk: int) -> int:
+        return chunk_stage(self.name, self.stages, chunk)
 
     @property
     def splits_backward(self) -> bool:
@@ -203,7 +214,7 @@ def check_sizes(
         raise ScheduleError(f"unknown pipeline schedule {name!r}; choose from {', '.join(SCHEDULES)}")
     if ticks not in TICKS:
         raise ScheduleError(f"unknown parallel.pipeline_ticks={ticks!r}; choose from {', '.join(TICKS)}")
-    if ticks == "single" and name not in ("1f1b", "zb1"):
+    if ticks == "single" and name not in ("1f1b", "zb1", "zbv"):
         raise ScheduleError(
             f"parallel.pipeline_ticks=single runs 1f1b or zb1 (Megatron's in-flight counts); {name} keeps "
             + ("Megatron's count with paired ticks already" if name == "interleaved" else "every microbatch in flight")
@@ -211,7 +222,12 @@ def check_sizes(
         )
     if stages < 1 or microbatches < 1 or virtual < 1:
         raise ScheduleError("pipeline stages, microbatches and virtual stages must be >= 1")
-    if name != "interleaved" and virtual != 1:
+    if name == "zbv" and (virtual != 2 or ticks != "single"):
+        raise ScheduleError(
+            "pipeline_schedule=zbv (ZB-V) holds two chunks per stage in a V and runs one action per tick: "
+            "set parallel.virtual_stages=2 and parallel.pipeline_ticks=single"
+        )
+    if name not in ("interleaved", "zbv") and virtual != 1:
         raise ScheduleError(f"parallel.virtual_stages={virtual} needs pipeline_schedule=interleaved (got {name})")
     if name == "interleaved" and microbatches % stages:
         raise ScheduleError(
@@ -231,6 +247,9 @@ def first_stage_in_flight(name: str, stages: int, microbatches: int, virtual: in
     zb1) Megatron's min(p, m)."""
     if name == "gpipe":
         return microbatches
+    if name == "zbv":  # every stage can hold the most (2p chunks of L/(2p) layers): the table's peak
+        schedule = built(name, stages, microbatches, virtual, ticks)
+        return max(schedule.peak_in_flight(s) for s in range(stages))
     if ticks == "single":
         return min(stages, microbatches)
     return _warm_up(0, stages, microbatches, virtual)  # the warm-up forwards, then each pair frees one
@@ -311,39 +330,47 @@ def _dependency(action: Action, stages: int, chunks: int) -> Action | None:
 
 
 def single_ticks(name: str, stages: int, microbatches: int) -> list[tuple[Cell, ...]]:
-    """1F1B and zb1 with one action per cell (`pipeline_ticks=single`): a result sent at a tick's end
-    is used at the next, so a hop takes one action's time, as in Megatron's asynchronous 1F1B, and
-    stage s keeps Megatron's p - s microbatches in flight. Built by list scheduling: at every tick
-    each stage runs a ready forward while it holds fewer than p - s activations (zb1: and fewer
-    than p forwards whose W has not run - ZB-H1's bound, 1F1B's peak with the pending weight passes
-    counted inside it), else a ready backward (B), else its oldest pending W (zb1), else idles. 1F1B
-    costs Megatron's (m + p - 1)(f + b) only when f = b (a tick lasts the slowest stage's action);
-    zb1 with F, B and W of equal cost has ZB-H1's bubble, (p-1)/(3m) (tested)."""
-    p, m, split = stages, microbatches, name == "zb1"
+    """1F1B, zb1 and ZB-V with one action per cell (`pipeline_ticks=single`): a result sent at a
+    tick's end is used at the next, so a hop takes one action's time, as in Megatron's asynchronous
+    1F1B, and stage s keeps Megatron's p - s microbatches in flight. Built by list scheduling: at
+    every tick each stage runs a ready forward while it holds fewer than p - s activations (zb1: and
+    fewer than p forwards whose W has not run - ZB-H1's bound, 1F1B's peak with the pending weight
+    passes counted inside it), else a ready backward (B), else its oldest pending W (zb1), else
+    idles. ZB-V (`zbv`, Qi et al.'s V-shape): each stage holds chunks s and 2p - 1 - s of L/(2p)
+    layers, and both bounds are 2p of them on every stage (1F1B's peak, p microbatches of L/p
+    layers); of two ready forwards or backwards the one of the later chunk goes first. 1F1B costs
+    Megatron's (m + p - 1)(f + b) only when f = b (a tick lasts the slowest stage's action); zb1
+    with F, B and W of equal cost has ZB-H1's bubble, (p-1)/(3m), ZB-V less (tested)."""
+    p, m, split, v_shape = stages, microbatches, name in SPLIT, name == "zbv"
+    own = [[s, 2 * p - 1 - s] if v_shape else [s] for s in range(p)]  # each stage's chunks
+    chunks = 2 * p if v_shape else p
     ran: dict[Action, int] = {}
-    forwards, backwards, weights = [0] * p, [0] * p, [[] for _ in range(p)]
+    forwards, backwards = ([dict.fromkeys(own[s], 0) for s in range(p)] for _ in range(2))
+    weights: list[list[Action]] = [[] for _ in range(p)]
+    done = lambda a, t: a is None or ran.get(a, t) < t  # at an earlier tick
     table: list[tuple[Cell, ...]] = []
-    while any(backwards[s] < m or weights[s] for s in range(p)):
+    while any(min(backwards[s].values()) < m or weights[s] for s in range(p)):
         t, row = len(table), []
         for s in range(p):
-            f, b = Action("F", forwards[s], s), Action("B", backwards[s], s)
-            weighed = backwards[s] - len(weights[s])  # forwards whose W has run (1F1B: whose backward has)
-            room = forwards[s] - backwards[s] < p - s and (not split or forwards[s] - weighed < p)
-            if forwards[s] < m and room and (s == 0 or ran.get(Action("F", f.microbatch, s - 1), t) < t):
-                row.append((f,))
-            elif backwards[s] < forwards[s] and ran.get(_dependency(b, p, p), t) < t:
-                row.append((b,))
-            else:
-                row.append(tuple(weights[s][:1]))
+            held, made = sum(forwards[s].values()), sum(backwards[s].values())
+            weighed = made - len(weights[s])  # forwards whose W has run (1F1B: whose backward has)
+            cap = 2 * p if v_shape else p - s
+            room = held - made < cap and (not split or held - weighed < (cap if v_shape else p))
+            ready_f = [Action("F", forwards[s][c], c) for c in reversed(own[s]) if forwards[s][c] < m]
+            ready_f = [a for a in ready_f if room and done(_dependency(a, p, chunks), t)]
+            ready_b = [Action("B", backwards[s][c], c) for c in reversed(own[s]) if backwards[s][c] < forwards[s][c]]
+            ready_b = [a for a in ready_b if done(_dependency(a, p, chunks), t)]
+            row.append(tuple((ready_f + ready_b + weights[s])[:1]))
         if not any(row):
             raise ScheduleError(f"{name} (p={p}, m={m}, single ticks) deadlocks at tick {t}")
         for s, c in enumerate(row):
             for a in c:
                 ran[a] = t
-                forwards[s] += a.kind == "F"
+                if a.kind == "F":
+                    forwards[s][a.chunk] += 1
                 if a.kind == "B":
-                    backwards[s] += 1
-                    weights[s] += [Action("W", a.microbatch, s)] if split else []
+                    backwards[s][a.chunk] += 1
+                    weights[s] += [Action("W", a.microbatch, a.chunk)] if split else []
                 if a.kind == "W":
                     weights[s].pop(0)
         table.append(tuple(row))
@@ -389,13 +416,6 @@ def built(name: str, stages: int, microbatches: int, virtual: int = 1, ticks: st
     return build(name, stages, microbatches, virtual, ticks)
 
 
-@functools.lru_cache(maxsize=1024)
-def slot_counts(name: str, stages: int, microbatches: int, virtual: int = 1, ticks: str = "paired") -> tuple:
-    """(activation inbox, cotangent inbox, weight) slots of the schedule's `tables`, remembered."""
-    tab = tables(built(name, stages, microbatches, virtual, ticks))
-    return tab.act_slots, tab.grad_slots, tab.weight_slots
-
-
 def validate(schedule: Schedule) -> None:
     """Check a table's invariants independently of how it was built (ScheduleError if broken)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual
@@ -408,24 +428,24 @@ def validate(schedule: Schedule) -> None:
             kinds = "".join(a.kind for a in c)
             if schedule.single and len(c) > 1:
                 raise ScheduleError(f"tick {tick} stage {stage}: {kinds} - a single tick holds one action")
-            if kinds not in _CELL_KINDS or ("W" in kinds and schedule.name != "zb1"):
+            if kinds not in _CELL_KINDS or ("W" in kinds and schedule.name not in SPLIT):
                 allowed = "at most one backward, then one forward" + (
-                    ", with up to two W" if schedule.name == "zb1" else ""
+                    ", with up to two W" if schedule.name in SPLIT else ""
                 )
                 raise ScheduleError(f"tick {tick} stage {stage}: {kinds} - a cell holds {allowed}")
             for action in c:
                 if not (0 <= action.microbatch < m and 0 <= action.chunk < chunks):
                     raise ScheduleError(f"{action} is outside {m} microbatches x {chunks} chunks")
-                if action.chunk % p != stage:
-                    where = f"chunk {action.chunk} lives on stage {action.chunk % p}"
+                if schedule.stage_of(action.chunk) != stage:
+                    where = f"chunk {action.chunk} lives on stage {schedule.stage_of(action.chunk)}"
                     raise ScheduleError(f"{action} runs on stage {stage}, but {where}")
                 if action in ran:
                     raise ScheduleError(f"{action} runs twice")
                 ran[action] = (tick, stage)
     runs = Counter((a.kind, a.chunk) for a in ran)
     for stage in range(p):
-        for c in range(stage, chunks, p):
-            for kind in ("F", "B", "W") if schedule.name == "zb1" else ("F", "B"):
+        for c in (c for c in range(chunks) if schedule.stage_of(c) == stage):
+            for kind in ("F", "B", "W") if schedule.name in SPLIT else ("F", "B"):
                 got = runs[kind, c]
                 if got != m:
                     raise ScheduleError(f"stage {stage} runs {got} {kind} of chunk {c}, not {m}")
@@ -450,141 +470,13 @@ def validate(schedule: Schedule) -> None:
             raise ScheduleError(f"{action} runs before its forward")
 
 
-# ----------------------------------------------------------------------------- executor tables
-
-
-@dataclass(frozen=True)
-class Tables:
-    """A schedule as int32 arrays [ticks, stages] plus the buffer sizes it needs (per stage: the
-    largest over stages, since every stage runs the same program)."""
-
-    rows: dict[str, np.ndarray]
-    stash_slots: int  # residuals of microbatch-chunks forwarded, not yet backwarded (the peak)
-    weight_slots: int  # zb1: region inputs and output gradients of pending weight passes (peak + 1 spare)
-    act_slots: int  # activations arrived, not yet forwarded (+1 spare slot for idle sends)
-    grad_slots: int  # cotangents arrived (or made by the loss), not yet backwarded (+1 spare)
-    single: bool = False  # one action per tick: both sends at its end (`Schedule.single`)
-
-
-def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
-    """Slots for (write time, read time, key) intervals: a slot is reused once its last read is
-    earlier than the next write. Greedy in write order, so the count is the peak overlap."""
-    free_at: list[int] = []
-    slot_of = {}
-    for write, read, key in sorted(intervals, key=lambda x: (x[0], x[1])):
-        for k, last_read in enumerate(free_at):
-            if last_read < write:
-                free_at[k] = read
-                slot_of[key] = k
-                break
-        else:
-            slot_of[key] = len(free_at)
-            free_at.append(read)
-    return slot_of, len(free_at)
-
-
-# The rows of `tables`: the backward phase's (b...), the forward phase's (f...), the receives.
-ROWS = ("b", "b_micro", "b_chunk", "b_first", "b_stash", "grad_read")
-ROWS += ("f", "f_micro", "f_chunk", "f_first", "f_last", "f_stash", "act_read", "grad_write", "recv_act", "recv_grad")
-# zb1: the weight slot B writes and F writes, and the weight passes of each segment (w1 before the
-# cotangent's send, w2 after it, before the forward): whether, which chunk, which slot
-ROWS += ("b_wslot", "f_wslot", "w1", "w1_chunk", "w1_slot", "w2", "w2_chunk", "w2_slot")
-
-
-# A tick's parts in the order the executor runs them (`pipeline._Stage.tick`), as the quarter ticks
-# `tables` times every slot's write and read by (4 t + the part), stated here once for both modules:
-# the backward reads its residuals and cotangent (and a first-segment W its weight slot); the forward
-# reads its input (a second-segment W, before it, its weight slot); the forward writes its residuals,
-# the loss's cotangent and zb1's region inputs; the receives file what the sends brought.
-QUARTERS = {"backward": 0, "forward_read": 1, "forward_write": 2, "receive": 3}
-
-
-def _quarter(tick: int, part: str) -> int:
-    return 4 * tick + QUARTERS[part]
-
-
-def tables(schedule: Schedule) -> Tables:
-    """The per-tick actions and slots of every stage. Times are quarter ticks (`QUARTERS`), so a
-    slot freed by a tick's backward takes that tick's forward. The inboxes have a spare last
-    slot: a receive of nothing real (an idle neighbour's filler) and a forward that makes no loss
-    cotangent write there. The stash has none: a tick without a forward writes back the slot its
-    backward read (slot 0 when idle), so the buffer is exactly the peak in flight. zb1's weight
-    slots live from the forward's write (4t+2) to the weight pass's read (4t in the first segment,
-    4t+1 in the second, which runs before the forward); B writes its output gradients into its
-    microbatch-chunk's slot; an idle B or forward writes into their spare last slot."""
-    p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
-    chunks = p * v
-    when = {}  # (kind, microbatch, chunk) -> tick
-    for t, row in enumerate(schedule.table):
-        for c in row:
-            for a in c:
-                when[a.kind, a.microbatch, a.chunk] = t
-    w_read = {}  # (microbatch, chunk) -> quarter tick its weight pass reads
-    for t, row in enumerate(schedule.table):
-        for c_ in row:
-            for a, seg in ((a, k) for k, part in enumerate(segments(c_)) for a in part if a.kind == "W"):
-                w_read[a.microbatch, a.chunk] = _quarter(t, ("backward", "forward_read")[seg])
-    stash, act, grad, weight = ([[] for _ in range(p)] for _ in range(4))
-    for i in range(m):
-        for c in range(chunks):
-            s, tf, tb = c % p, when["F", i, c], when["B", i, c]
-            stash[s].append((_quarter(tf, "forward_write"), _quarter(tb, "backward"), (i, c)))
-            if (i, c) in w_read:
-                weight[s].append((_quarter(tf, "forward_write"), w_read[i, c], (i, c)))
-            if c > 0:
-                act[s].append((_quarter(when["F", i, c - 1], "receive"), _quarter(tf, "forward_read"), (i, c)))
-            last = c == chunks - 1  # the loss's cotangent, written by the forward; else received
-            written = _quarter(tf, "forward_write") if last else _quarter(when["B", i, c + 1], "receive")
-            grad[s].append((written, _quarter(tb, "backward"), (i, c)))
-    coloured = [[_colour(lists[s]) for s in range(p)] for lists in (stash, act, grad, weight)]
-    n_stash, n_act, n_grad, n_weight = (max(1, max(n for _, n in col)) for col in coloured)
-    rows = {k: np.zeros((schedule.ticks, p), np.int32) for k in ROWS}
-    spares = [("act_read recv_act", n_act), ("grad_read grad_write recv_grad", n_grad), ("b_wslot f_wslot", n_weight)]
-    for keys, spare in spares:
-        for k in keys.split():
-            rows[k][:] = spare
-    slot = lambda which, s, i, c: coloured[which][s][0][i, c]
-    for t, row in enumerate(schedule.table):
-        for s, cell_ in enumerate(row):
-            r: dict[str, int] = {}
-            first = segments(cell_)[0]
-            for a in cell_:
-                i, c = a.microbatch, a.chunk
-                if a.kind == "W":
-                    w = "w1" if a in first else "w2"
-                    r |= {w: 1, f"{w}_chunk": c // p, f"{w}_slot": slot(3, s, i, c)}
-                    continue
-                if a.kind == "B":
-                    r |= {"b": 1, "b_micro": i, "b_chunk": c // p, "b_first": c == 0}
-                    r |= {"b_stash": slot(0, s, i, c), "grad_read": slot(2, s, i, c)}
-                    if (i, c) in w_read:
-                        r["b_wslot"] = slot(3, s, i, c)
-                    if c > 0:
-                        rows["recv_grad"][t, (s - 1) % p] = slot(2, (s - 1) % p, i, c - 1)
-                    continue
-                r |= {"f": 1, "f_micro": i, "f_chunk": c // p, "f_first": c == 0, "f_last": c == chunks - 1}
-                r["f_stash"] = slot(0, s, i, c)
-                if (i, c) in w_read:
-                    r["f_wslot"] = slot(3, s, i, c)
-                if c > 0:
-                    r["act_read"] = slot(1, s, i, c)
-                if c == chunks - 1:
-                    r["grad_write"] = slot(2, s, i, c)
-                else:
-                    rows["recv_act"][t, (s + 1) % p] = slot(1, (s + 1) % p, i, c + 1)
-            if "f" not in r:  # write back what the backward read
-                r["f_stash"] = r.get("b_stash", 0)
-            for k, val in r.items():
-                rows[k][t, s] = int(val)
-    return Tables(rows, n_stash, n_weight + 1 if w_read else 0, n_act + 1, n_grad + 1, schedule.single)
-
-
 def pictures(stages: int = 4, microbatches: int = 8) -> str:
     """The pictures of docs/pipeline.md: each schedule at p = 4, m = 8 (interleaved with v = 2)."""
     parts = []
     named = [("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"), ("interleaved", 2, "Interleaved 1F1B, v = 2")]
     named += [("zb1", 1, "Zero bubble (ZB-H1)")]
     single = [("1f1b", 1, "1F1B, single ticks"), ("zb1", 1, "Zero bubble (ZB-H1), single ticks")]
+    single += [("zbv", 2, "ZB-V (chunks s and 2p - 1 - s on stage s), single ticks")]
     for (name, v, title), ticks in [(n, "paired") for n in named] + [(n, "single") for n in single]:
         s = build(name, stages, microbatches, v, ticks)
         peaks = ", ".join(str(s.peak_in_flight(i)) for i in range(stages))

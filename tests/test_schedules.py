@@ -148,6 +148,9 @@ def test_zero_bubble_v(p, m):
     )
     assert max(max(z.pending_weights(s)) for s in range(p)) == min(2 * p, 2 * m)
     assert tables(z).stash_slots == min(2 * p, 2 * m)
+    for few in range(1, p):  # fewer microbatches than stages: 2m chunks at most
+        short = build("zbv", p, few, 2, "single")
+        assert max(short.peak_in_flight(s) for s in range(p)) == 2 * few
     t = [list(r) for r in z.table]  # a chunk on the wrong arm of the V is refused
     i = next(i for i, r in enumerate(t) if Action("F", 0, 2 * p - 1) in r[0])
     t[i][0], t[i][p - 1] = (), (Action("F", 0, 2 * p - 1),)
@@ -288,7 +291,7 @@ def test_a_deadlocking_order_is_refused(monkeypatch):
         (("zero-bubble", 4, 8, 1), "unknown pipeline schedule"),
         (("1f1b", 4, 0, 1), "must be >= 1"),
         (("interleaved", 4, 8, 2, None, "single"), "keeps Megatron's count with paired ticks already"),
-        (("gpipe", 4, 8, 1, None, "single"), "runs 1f1b or zb1"),
+        (("gpipe", 4, 8, 1, None, "single"), "runs 1f1b, zb1 or zbv"),
         (("1f1b", 4, 8, 1, None, "half"), "unknown parallel.pipeline_ticks='half'"),
         (("zbv", 4, 8, 2, None, "paired"), "set parallel.virtual_stages=2 and parallel.pipeline_ticks=single"),
         (("zbv", 4, 8, 1, None, "single"), "holds two chunks per stage in a V"),

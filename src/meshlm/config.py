@@ -266,7 +266,7 @@ class ParallelConfig:
     sequence chunks i and 2c-1-i, so every rank does the same attention work (docs/long-sequences.md).
 
     `stage` (pipeline parallelism) splits the layers into `stage` x `virtual_stages` equal chunks;
-    stage s holds chunks s, s+p, ... and `train.microbatches` microbatches flow through them in the
+    stage s holds chunks s, s+p, ... (`zbv`: s and 2p - 1 - s) and `train.microbatches` flow through them in the
     order of `pipeline_schedule` (docs/pipeline.md): `1f1b`, `interleaved` (with `virtual_stages`),
     `zb1` (zero bubble: the backward split into B and W, a third of 1F1B's bubble at equal costs
     with m >= 2p - 1, for the pending weight passes' memory), `zbv` (ZB-V: two chunks per stage in a
@@ -283,9 +283,9 @@ class ParallelConfig:
     context_strategy: ContextStrategy = "ring"
     context_load_balance: bool = True
     pipeline_schedule: PipelineSchedule = "1f1b"
-    virtual_stages: int = 1  # model chunks per stage (interleaved schedule)
+    virtual_stages: int = 1  # model chunks per stage (interleaved; 2 for zbv)
     # `paired`: a tick pairs a backward with a forward (the textbook bubble in lockstep, 2(p-s)-1 in
-    # flight); `single`: one action per tick, Megatron's p - s in flight (1f1b, zb1; docs/pipeline.md)
+    # flight); `single`: one action per tick, Megatron's p - s in flight (1f1b, zb1, zbv; docs/pipeline.md)
     pipeline_ticks: PipelineTicks = "paired"
     # ZeRO stage 1 (Megatron's distributed optimizer): Adam's moments sharded over the data-parallel
     # axes the weights are replicated on (data, context; fsdp where a weight does not use it), the

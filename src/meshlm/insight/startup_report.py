@@ -22,7 +22,7 @@ from meshlm.model import kernels
 from meshlm.model.params import named_leaves, param_specs, trainable_mask
 from meshlm.parallel.pipeline import schedule_for
 from meshlm.parallel.rules import Layout
-from meshlm.parallel.schedules import runs_unbranched
+from meshlm.parallel.schedules import SPLIT, runs_unbranched
 from meshlm.train_state import TrainState
 
 
@@ -201,7 +201,7 @@ def format_report(r: dict[str, Any]) -> list[str]:
             )
             + "; microbatch-chunks in flight "
             f"per stage {p['peak_in_flight']}"
-            + (f", weight passes pending {p['peak_pending_weight_passes']}" if p["schedule"] in ("zb1", "zbv") else "")
+            + (f", weight passes pending {p['peak_pending_weight_passes']}" if p["schedule"] in SPLIT else "")
         )
     active = r["active_param_count"]
     moe = f" ({active / 1e6:.2f}M active per token)" if active != r["param_count"] else ""

@@ -411,7 +411,8 @@ class _Stage:
     def tick(self, c: Carry, row: dict) -> tuple[Carry, None]:
         """One tick: the cell's backward, (zb1) its first weight pass, its cotangent sent left,
         (zb1) the second weight pass, the cell's forward, its activation sent right (single ticks:
-        both sends after the forward phase, so no stage waits on a neighbour mid-tick). Slot buffers
+        both sends after the forward phase, so no stage waits on a neighbour mid-tick; ZB-V: each
+        permute carries whichever message goes its way, `slots.route`). Slot buffers
         are read before a phase and written after it, so XLA updates them in place instead of
         copying them through a conditional; the gradient accumulators pass through the phases
         (aliased: the compiled loop copies none of them, unless the phases run unbranched). Sends
@@ -554,27 +555,23 @@ def pipeline_gradients(
     return {"layers": layers, **top}, loss_sum, count, _moe_metrics(stats, cfg, m)
 
 
-def _chunk_order(schedule: Schedule) -> list[int] | None:
-    """ZB-V: the chunks stage by stage, s and 2p - 1 - s (None: stage s holds s, s+p, ...)."""
-    p = schedule.stages
-    return [c for s in range(p) for c in (s, 2 * p - 1 - s)] if schedule.name == "zbv" else None
-
-
 def _regroup(w: jax.Array, schedule: Schedule, per_chunk: int) -> jax.Array:
     """[L, ...] -> [p, v, L/(pv), ...]: stage s gets chunks s, s+p, ... (no data moves when v = 1);
-    ZB-V chunks s and 2p - 1 - s (a gather that moves all but stage 0's first chunk)."""
-    p, v, order = schedule.stages, schedule.virtual, _chunk_order(schedule)
-    if order:
-        return w.reshape(p * v, per_chunk, *w.shape[1:])[jnp.array(order)].reshape(p, v, per_chunk, *w.shape[1:])
-    return jnp.swapaxes(w.reshape(v, p, per_chunk, *w.shape[1:]), 0, 1)
+    ZB-V chunks s and 2p - 1 - s: the second arm of the V reversed (a reshape, a reverse and a
+    transpose, which GSPMD moves with permutes, as interleaving's transpose)."""
+    p, v = schedule.stages, schedule.virtual
+    arms = w.reshape(v, p, per_chunk, *w.shape[1:])
+    if schedule.name == "zbv":
+        arms = jnp.stack([arms[0], arms[1][::-1]])
+    return jnp.swapaxes(arms, 0, 1)
 
 
 def _ungroup(g: jax.Array, schedule: Schedule) -> jax.Array:
     """`_regroup`'s inverse: [p, v, L/(pv), ...] -> [L, ...]."""
-    p, v, order = schedule.stages, schedule.virtual, _chunk_order(schedule)
-    if order:
-        return g.reshape(p * v, *g.shape[2:])[jnp.argsort(jnp.array(order))].reshape(-1, *g.shape[3:])
-    return jnp.swapaxes(g, 0, 1).reshape(-1, *g.shape[3:])
+    arms = jnp.swapaxes(g, 0, 1)
+    if schedule.name == "zbv":
+        arms = jnp.stack([arms[0], arms[1][::-1]])
+    return arms.reshape(-1, *g.shape[3:])
 
 
 def _moe_metrics(stats, cfg: RunConfig, m: int) -> dict:

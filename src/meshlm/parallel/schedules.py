@@ -2,9 +2,10 @@
 that tick, built and checked in plain Python before anything is compiled.
 
 A pipeline of p stages runs m microbatches; with interleaving each stage holds v model chunks
-(stage s holds chunks s, s+p, ..., s+(v-1)p of the p*v chunks, Megatron's virtual stages). An
-action is the forward (F) or backward (B) pass of one microbatch through one chunk on one stage;
-zb1 splits the backward into B (the input gradient) and W (the weight gradients). A tick's cell
+(stage s holds chunks s, s+p, ..., s+(v-1)p of the p*v chunks, Megatron's virtual stages; ZB-V
+chunks s and 2p - 1 - s, `chunk_stage`). An action is the forward (F) or backward (B) pass of one
+microbatch through one chunk on one stage; zb1 and ZB-V split the backward into B (the input
+gradient) and W (the weight gradients). A tick's cell
 holds at most one backward, up to two W (zb1), and one forward, run in that order; the executor
 sends the cotangent after the cell's first segment (B and, with two, the first W) and the
 activation after its second (the other W and F). Stages run in lockstep - a result sent at one
@@ -23,10 +24,10 @@ A steady tick holds a forward *and* a backward, so the lockstep time is (m v + p
 textbook bubble for every backward/forward ratio (tested); the price of pairing is that a
 cotangent comes back one tick per hop, so stage 0 holds 2p - 1 microbatches in flight under 1F1B.
 
-With single ticks (`pipeline_ticks=single`, 1F1B and zb1) a cell holds one action and both sends
+With single ticks (`pipeline_ticks=single`: 1F1B, zb1, ZB-V) a cell holds one action and both sends
 come at the tick's end, so a hop takes one action's time and stage s keeps Megatron's p - s
-microbatches in flight (zb1: ZB-H1's bound); `single_ticks` list-schedules those tables, and a
-tick then lasts as long as its slowest stage's action (`Schedule.lockstep_time`).
+microbatches in flight (zb1: ZB-H1's bound; ZB-V 2p chunks of half a stage); `single_ticks`
+list-schedules those tables, and a tick lasts as long as its slowest stage's action.
 
 `build` turns the orders into a table by simulation: at every tick each stage runs its next cell
 if every action in it depends only on actions finished at earlier ticks, else idles. `validate`
@@ -216,7 +217,7 @@ def check_sizes(
         raise ScheduleError(f"unknown parallel.pipeline_ticks={ticks!r}; choose from {', '.join(TICKS)}")
     if ticks == "single" and name not in ("1f1b", "zb1", "zbv"):
         raise ScheduleError(
-            f"parallel.pipeline_ticks=single runs 1f1b or zb1 (Megatron's in-flight counts); {name} keeps "
+            f"parallel.pipeline_ticks=single runs 1f1b, zb1 or zbv (Megatron's in-flight counts); {name} keeps "
             + ("Megatron's count with paired ticks already" if name == "interleaved" else "every microbatch in flight")
             + ": use pipeline_ticks=paired"
         )
@@ -228,7 +229,9 @@ def check_sizes(
             "set parallel.virtual_stages=2 and parallel.pipeline_ticks=single"
         )
     if name not in ("interleaved", "zbv") and virtual != 1:
-        raise ScheduleError(f"parallel.virtual_stages={virtual} needs pipeline_schedule=interleaved (got {name})")
+        raise ScheduleError(
+            f"parallel.virtual_stages={virtual} needs pipeline_schedule=interleaved (or zbv, v = 2; got {name})"
+        )
     if name == "interleaved" and microbatches % stages:
         raise ScheduleError(
             f"the interleaved schedule runs microbatches in groups of the stage count: train.microbatches="
@@ -241,7 +244,8 @@ def check_sizes(
 
 
 def first_stage_in_flight(name: str, stages: int, microbatches: int, virtual: int = 1, ticks: str = "paired") -> int:
-    """Stage 0's peak microbatch-chunks in flight (the most of any stage), in closed form - what
+    """Stage 0's peak microbatch-chunks in flight (the most of any stage; ZB-V: the most of any
+    stage, from its table), in closed form - what
     `Schedule.peak_in_flight(0)` counts on the table (tests keep the two equal): GPipe m; 1F1B and
     interleaved the paired warm-up + 1 = 2(p-1) + (v-1)p + 1, at most m v; single ticks (1F1B,
     zb1) Megatron's min(p, m)."""

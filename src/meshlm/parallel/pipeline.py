@@ -118,9 +118,9 @@ class Carry(NamedTuple):
     act: jax.Array  # [act_slots, b, s, d]: activations arrived, not yet forwarded
     grad: jax.Array  # [grad_slots, b, s, d]: cotangents arrived (or made by the loss), not yet backwarded
     stash: list  # per residual leaf the forward keeps: [stash_slots, ...], one slot per microbatch-chunk in flight
-    w_in: list  # zb1: per region input: [weight_slots, L/(pv), ...], the forwards' inputs for W
-    w_grad: list  # zb1: per region output: [weight_slots, L/(pv), ...], B's output gradients for W
-    w_in_next: tuple | None  # zb1: (slot, region inputs) of the last forward, written at the next tick's start
+    w_in: list  # zb1, ZB-V: per region input: [weight_slots, L/(pv), ...], the forwards' inputs for W
+    w_grad: list  # zb1, ZB-V: per region output: [weight_slots, L/(pv), ...], B's output gradients for W
+    w_in_next: tuple | None  # zb1, ZB-V: (slot, region inputs) of the last forward, written next tick
     g_layers: dict  # the stage's chunk weight gradients [v, L/(pv), ...], accumulated in the phases
     g_top: dict  # the embeddings' and output layer's gradients (stage 0 and the last chunk's stage)
     loss: jax.Array  # summed token loss of the microbatches whose last chunk ran here

@@ -181,11 +181,45 @@ def compile_line() -> str:
     return "Compile time of the train step (1F1B): " + "; ".join(parts) + "."
 
 
+def memory_rows() -> list[str]:
+    """Compiled temp bytes per device of the gradient step (the pipeline's program) against
+    `accounting.activation_memory`, at p = 4, m = 8 on the model of tests/test_pipeline.py's memory
+    test (llama d=64, 8 layers, s=32, 2 sequences per microbatch): paired, single ticks and ZB-V."""
+    import jax.numpy as jnp
+    import optax
+
+    from meshlm import accounting
+    from meshlm.model.params import param_specs
+    from meshlm.step import make_grad_step
+    from meshlm.train_state import state_shardings
+
+    lines = ["| schedule | compiled temp MB | formula MB |", "|---|---:|---:|"]
+    model = ModelConfig(family="llama", vocab_size=256, d_model=64, n_layers=8, n_heads=8, n_kv_heads=4,
+                        max_seq_len=32, attention_chunk=16)  # fmt: skip
+    variants = [("1f1b", 1, "paired"), ("1f1b", 1, "single"), ("zb1", 1, "paired"), ("zb1", 1, "single")]
+    for name, v, ticks in [*variants, ("zbv", 2, "single")]:
+        par = ParallelConfig(stage=4, pipeline_schedule=name, virtual_stages=v, pipeline_ticks=ticks)
+        cfg = validate(
+            RunConfig(model=model, parallel=par, train=TrainConfig(global_batch=16, microbatches=8, seq_len=32))
+        )
+        layout = make_layout(cfg.parallel, jax.devices()[:4])
+        shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), param_specs(cfg.model))
+        compiled = make_grad_step(cfg, layout, shardings).lower(params, abstract_batch(cfg, layout), 0).compile()
+        temp, formula = compiled.memory_analysis().temp_size_in_bytes, accounting.activation_memory(cfg)["total"]
+        lines.append(f"| {name} {ticks} | {temp / 1e6:.2f} | {formula / 1e6:.2f} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--memory", action="store_true", help="print the compiled memory table only (nothing written)")
     args = ap.parse_args()
+    if args.memory:
+        print("\n".join(memory_rows()))
+        return
     text = "\n".join(
         [
             "Command: `python benchmarks/pipeline.py --rounds "

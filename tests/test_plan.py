@@ -574,7 +574,7 @@ def test_context_parallelism_is_planned_inside_pipeline_stages():
     # the ring runs every phase at every tick inside the stages (a bubble tick costs a busy one)
     gathered = dataclasses.replace(both, parallel=dataclasses.replace(both.parallel, context_strategy="all_gather"))
     schedule = built("1f1b", 4, 8, 1)
-    assert planner.pipeline_overhead(both, 1) == schedule.executed_bubble(True) == (4 * 2 - 1) / 8
+    assert planner.pipeline_overhead(both, 1) == schedule.lockstep_overhead(2.0, unbranched=True) == (4 * 2 - 1) / 8
     assert planner.pipeline_overhead(gathered, 1) == schedule.bubble_fraction == 3 / 8
     # the bubble is that share of a cell's work, the context exchange in it included (all_gather's:
     # the ring's hops hide behind the attention here)

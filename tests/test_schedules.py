@@ -68,7 +68,7 @@ def test_lockstep_time(p, m):
         max(sum(a.kind == "W" for a in seg[k]) for seg in map(segments, row)) for row in zb.table for k in (0, 1)
     )
     assert zb.lockstep_time(1.0, 2.0, 1.5, unbranched=True) == zb.ticks * 1.5 + w_ticks * 1.5
-    assert zb.executed_bubble(True) > zb.executed_bubble(False) == zb.bubble_fraction
+    assert zb.lockstep_overhead(2.0, unbranched=True) > zb.lockstep_overhead(2.0) == zb.bubble_fraction
 
 
 def test_lockstep_1f1b_example():

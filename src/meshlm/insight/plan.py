@@ -482,8 +482,7 @@ def enumerate_plans(
     for c in _candidates(cfg, n_devices, policies):
         par = c.parallel
         one_f_one_b = par.stage > 1 and par.pipeline_schedule == "1f1b"
-        paired = dataclasses.replace(c, parallel=dataclasses.replace(par, pipeline_ticks="paired"))
-        if one_f_one_b and par.pipeline_ticks == "single" and paired in no_single:
+        if one_f_one_b and par.pipeline_ticks == "single" and _paired(c) in no_single:
             continue
         try:
             validate(c)
@@ -508,6 +507,10 @@ def enumerate_plans(
         )
     )
     return plans
+
+
+def _paired(cfg: RunConfig) -> RunConfig:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_ticks="paired"))
 
 
 def _meshes(cfg: RunConfig, n_devices: int) -> list[dict[str, int]]:

@@ -12,8 +12,8 @@ the axes the stage left automatic).
 Each tick (`_Stage.tick`) every device runs its cell's backward phase, sends the cotangent to the
 previous stage, runs its forward phase, sends the activation to the next stage. With single ticks
 (`parallel.pipeline_ticks=single`: one action per cell, Megatron's in-flight counts) both sends
-come at the tick's end, after whichever action the stage ran (ZB-V: either permute carries an
-activation or a cotangent, and chunk p - 1 hands its output to chunk p on the same stage):
+come at the tick's end, after whichever action the stage ran (ZB-V: both permutes carry the
+stage's one message, and chunk p - 1 hands its output to chunk p on the same stage):
 
 - backward B(i, c): the stashed residuals and the arrived cotangent give the chunk's weight
   gradients and its input cotangent (on the first chunk: back through the embedding);
@@ -411,8 +411,8 @@ class _Stage:
     def tick(self, c: Carry, row: dict) -> tuple[Carry, None]:
         """One tick: the cell's backward, (zb1) its first weight pass, its cotangent sent left,
         (zb1) the second weight pass, the cell's forward, its activation sent right (single ticks:
-        both sends after the forward phase, so no stage waits on a neighbour mid-tick; ZB-V: each
-        permute carries whichever message goes its way, `slots.route`). Slot buffers
+        both sends after the forward phase, so no stage waits on a neighbour mid-tick; ZB-V: both
+        permutes carry the stage's one message, `slots.route`). Slot buffers
         are read before a phase and written after it, so XLA updates them in place instead of
         copying them through a conditional; the gradient accumulators pass through the phases
         (aliased: the compiled loop copies none of them, unless the phases run unbranched). Sends
@@ -447,9 +447,9 @@ class _Stage:
             # as soon as the backward is done, and a stage would wait on its neighbour mid-tick)
             send_grad, send_act = jax.lax.optimization_barrier((send_grad, send_act))
             to_left, to_right = send_grad, send_act
-            if self.tab.v_shape:  # ZB-V: each permute carries whichever message goes its way (`slots.route`)
-                to_left = jnp.where(r["send_left_act"].astype(bool), send_act, send_grad)
-                to_right = jnp.where(r["send_right_grad"].astype(bool), send_grad, send_act)
+            if self.tab.v_shape:  # ZB-V: a message may go either way (`slots.route`): both permutes carry
+                # the stage's one message of the tick, and the receivers' rows file the real arrival
+                to_left = to_right = jnp.where(r["f"].astype(bool), send_act, send_grad)
             got_grad, got_moe_grad = send_left(to_left)
         if self.moe:
             got_act, moe_c = self.moe_tick(moe_c, r, stats, send_act, got_moe_grad)

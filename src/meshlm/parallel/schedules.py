@@ -171,11 +171,6 @@ class Schedule:
         with a backward costing two forwards (zb1: its B and W one forward each)."""
         return self.lockstep_overhead(2.0)
 
-    def executed_bubble(self, unbranched: bool) -> float:
-        """`bubble_fraction` as the executor runs the table: `unbranched` (`runs_unbranched`), a
-        bubble tick costs a busy one."""
-        return self.lockstep_overhead(2.0, unbranched=unbranched)
-
     def in_flight(self, stage: int) -> list[int]:
         """Microbatch-chunks forwarded but not yet backwarded on `stage`, after each tick."""
         out, live = [], 0

@@ -50,10 +50,10 @@ ROWS += ("f", "f_micro", "f_chunk", "f_first", "f_last", "f_stash", "act_read", 
 # zb1: the weight slot B writes and F writes, and the weight passes of each segment (w1 before the
 # cotangent's send, w2 after it, before the forward): whether, which chunk, which slot
 ROWS += ("b_wslot", "f_wslot", "w1", "w1_chunk", "w1_slot", "w2", "w2_chunk", "w2_slot")
-# ZB-V, whose messages go either way (`route`): whether the right permute carries the stage's
-# cotangent (else its activation) and the left one its activation (else its cotangent); where an
-# activation from the right neighbour and a cotangent from the left land; the turn at the V's bottom
-ROWS += ("send_right_grad", "send_left_act", "recv_act_r", "recv_grad_l", "keep_act", "keep_grad")
+# ZB-V, whose messages go either way (`route`): where an activation from the right neighbour and a
+# cotangent from the left land, and the turn at the V's bottom (both permutes carry a stage's one
+# message of the tick, and the receiver's rows say which arrival is real)
+ROWS += ("recv_act_r", "recv_grad_l", "keep_act", "keep_grad")
 
 
 # A tick's parts in the order the executor runs them (`pipeline._Stage.tick`), as the quarter ticks
@@ -80,13 +80,13 @@ def route(schedule: Schedule, action: Action) -> str:
     return "local" if there == here else "right" if there == here + 1 else "left"
 
 
-_LANDS = {  # (route, the message's kind) -> (the receiver's row, the row the sender sets, if any)
-    ("right", "F"): ("recv_act", None),
-    ("left", "B"): ("recv_grad", None),
-    ("left", "F"): ("recv_act_r", "send_left_act"),
-    ("right", "B"): ("recv_grad_l", "send_right_grad"),
-    ("local", "F"): ("keep_act", None),
-    ("local", "B"): ("keep_grad", None),
+_LANDS = {  # (route, the message's kind) -> the receiver's row
+    ("right", "F"): "recv_act",
+    ("left", "B"): "recv_grad",
+    ("left", "F"): "recv_act_r",
+    ("right", "B"): "recv_grad_l",
+    ("local", "F"): "keep_act",
+    ("local", "B"): "keep_grad",
 }
 
 
@@ -142,13 +142,10 @@ def tables(schedule: Schedule) -> Tables:
             rows[k][:] = spare
     slot = lambda which, s, i, c: coloured[which][s][0][i, c]
 
-    def send(t: int, s: int, a: Action) -> None:  # file the message where it lands
+    def send(t: int, a: Action) -> None:  # file the message where it lands
         c = a.chunk + (1 if a.kind == "F" else -1)
         to = schedule.stage_of(c)
-        lands, flag = _LANDS[route(schedule, a), a.kind]
-        rows[lands][t, to] = slot(1 if a.kind == "F" else 2, to, a.microbatch, c)
-        if flag:
-            rows[flag][t, s] = 1
+        rows[_LANDS[route(schedule, a), a.kind]][t, to] = slot(1 if a.kind == "F" else 2, to, a.microbatch, c)
 
     for t, row in enumerate(schedule.table):
         for s, cell_ in enumerate(row):
@@ -166,7 +163,7 @@ def tables(schedule: Schedule) -> Tables:
                     if (i, c) in w_read:
                         r["b_wslot"] = slot(3, s, i, c)
                     if c > 0:
-                        send(t, s, a)
+                        send(t, a)
                     continue
                 r |= {"f": 1, "f_micro": i, "f_chunk": c // p, "f_first": c == 0, "f_last": c == chunks - 1}
                 r["f_stash"] = slot(0, s, i, c)
@@ -177,7 +174,7 @@ def tables(schedule: Schedule) -> Tables:
                 if c == chunks - 1:
                     r["grad_write"] = slot(2, s, i, c)
                 else:
-                    send(t, s, a)
+                    send(t, a)
             if "f" not in r:  # write back what the backward read
                 r["f_stash"] = r.get("b_stash", 0)
             for k, val in r.items():

@@ -3,6 +3,7 @@ one step of each per round, so a noisy moment on this shared machine hits all va
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import time
@@ -30,10 +31,9 @@ def prepared_step(cfg: RunConfig, layout: Layout) -> tuple:
 SETTLED_FAULTS = 2000  # minor page faults per step (8 MiB) below which the host heap counts as settled
 
 
-def median_step_seconds(
-    variants: dict[Hashable, tuple[RunConfig, Layout]], rounds: int, settle: int = 0
-) -> dict[Hashable, float]:
-    """{key: median seconds of one train step} for each (config, layout), on random tokens.
+def median_step_seconds(variants: dict[Hashable, tuple], rounds: int, settle: int = 0) -> dict[Hashable, float]:
+    """{key: median seconds of one train step} for each (config, layout), on random tokens; a third
+    element, a context manager, is entered while that variant is traced and compiled.
 
     `settle` > 0: before timing, up to that many untimed rounds until a round in which no step
     faults in more than `SETTLED_FAULTS` fresh pages. Under `host_memory`'s allocator settings the
@@ -41,10 +41,11 @@ def median_step_seconds(
     a pipeline's large temporary buffers); a step that grows it pays for the kernel zeroing fresh
     pages, which is not the program's own cost. Prints how many rounds it took."""
     steps = {}
-    for key, (cfg, layout) in variants.items():
-        fn, state, batch = prepared_step(cfg, layout)
-        state, m = fn(state, batch)  # compile
-        jax.block_until_ready(m)
+    for key, (cfg, layout, *traced_in) in variants.items():
+        with traced_in[0] if traced_in else contextlib.nullcontext():  # a variant's own trace-time setting
+            fn, state, batch = prepared_step(cfg, layout)
+            state, m = fn(state, batch)  # compile
+            jax.block_until_ready(m)
         steps[key] = [fn, state, batch, []]
     for n in range(1, settle + 1):
         faults = max(_step(entry)[1] for entry in steps.values())

@@ -25,6 +25,8 @@ The process runs under meshlm's host allocator settings (`meshlm.platform.host_m
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import time
 
@@ -211,14 +213,72 @@ def memory_rows() -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def whole_selects():
+    """While a step is traced: the ring's unbranched phases as they were before their increments
+    were masked - every output of both branches computed whole, then selected (`_Stage.phase`)."""
+    import jax.numpy as jnp
+
+    from meshlm.parallel import pipeline
+
+    def phase(self, on, run, idle):
+        on = on.astype(bool)
+        if not self.unbranched:
+            return jax.lax.cond(on, lambda: run(None), idle)
+        return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(None), idle())
+
+    saved, pipeline._Stage.phase = pipeline._Stage.phase, phase
+    try:
+        yield
+    finally:
+        pipeline._Stage.phase = saved
+
+
+def ring_rows(rounds: int, m: int = 8) -> list[str]:
+    """The ring inside the stages (stage=2 x context=2, 1F1B, blockwise attention with 128-token
+    blocks): its phases run unbranched, a backward and a forward on every stage at every tick, with
+    masked increments, against the same run selecting whole outputs (before), all_gather's branched
+    phases on the same mesh, and one device."""
+    blockwise = lambda c: dataclasses.replace(c.model, attention="blockwise", attention_block=128)
+    cfgs = {}
+    for name, mesh in [("1 device", {}), ("all_gather", dict(stage=2, context=2)), ("ring", dict(stage=2, context=2))]:
+        cfg = config(m, {})
+        par = dataclasses.replace(cfg.parallel, **mesh, context_strategy="ring" if name == "ring" else "all_gather")
+        cfgs[name] = validate(dataclasses.replace(cfg, model=blockwise(cfg), parallel=par))
+    layout = lambda c: make_layout(c.parallel, jax.devices()[: c.parallel.n_devices])
+    runs = {k: (c, layout(c)) for k, c in cfgs.items()}
+    runs["ring, whole selects (before)"] = (cfgs["ring"], layout(cfgs["ring"]), whole_selects())
+    seconds = median_step_seconds(runs, rounds, settle=SETTLE)
+    ring = schedule_for(cfgs["ring"])
+    bubble = {"all_gather": ring.lockstep_overhead(2.0), "ring": ring.lockstep_overhead(2.0, unbranched=True)}
+    head = "| layout (m = 8, 1F1B) | phases | predicted lockstep overhead | step s | ms per microbatch | vs 1 device |"
+    lines = [head, "|---|---|---:|---:|---:|---:|"]
+    for name, s in seconds.items():
+        kind = "-" if name == "1 device" else "branched" if name == "all_gather" else "unbranched"
+        mesh = "1 device" if name == "1 device" else f"stage=2 x context=2 {name}"
+        over = f"{bubble[name.split(',')[0]]:.1%}" if name != "1 device" else "-"
+        lines.append(f"| {mesh} | {kind} | {over} | {s:.3f} | {1e3 * s / m:.1f} | {seconds['1 device'] / s:.2f}x |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--memory", action="store_true", help="print the compiled memory table only (nothing written)")
+    ap.add_argument("--ring", action="store_true", help="the ring inside the stages only (section pipeline_ring)")
     args = ap.parse_args()
     if args.memory:
         print("\n".join(memory_rows()))
+        return
+    if args.ring:
+        flags = f"--ring --rounds {args.rounds}{' --write' if args.write else ''}"
+        when = time.strftime("%Y-%m-%d")
+        head = f"Command: `python benchmarks/pipeline.py {flags}` ({when}, CPU, 2 cores; the model above)."
+        text = "\n".join([head, "", *ring_rows(args.rounds)])
+        print(text)
+        if args.write:
+            write_section("pipeline_ring", text)
         return
     text = "\n".join(
         [

@@ -8,6 +8,7 @@ pipelined and unpipelined meshes; bad pipelines are refused before compiling."""
 import dataclasses
 import json
 import math
+import re
 from functools import partial
 
 import jax
@@ -251,10 +252,11 @@ def test_every_schedule_gives_the_one_device_gradients(family, schedule, layout,
     assert_same_grads(grads(cfg, params[family]), reference(family, params, document_mask))
 
 
-def test_fsdp_inside_the_pipeline(params):
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv:single"])
+def test_fsdp_inside_the_pipeline(schedule, params):
     """FSDP x tensor inside the stages: the stage's weights are gathered once per step and the
-    gradients reduce-scattered back to their FSDP shards."""
-    cfg = config("gpt", dict(stage=2, fsdp=2, tensor=2), "1f1b")
+    gradients reduce-scattered back to their FSDP shards (ZB-V: the V's weights regrouped first)."""
+    cfg = config("gpt", dict(stage=2, fsdp=2, tensor=2), schedule)
     assert_same_grads(grads(cfg, params["gpt"]), reference("gpt", params))
 
 
@@ -265,27 +267,61 @@ def test_fsdp_inside_the_pipeline(params):
         ("all_to_all", dict(stage=2, data=2, context=2), "1f1b"),
         ("ring", dict(stage=2, context=2, tensor=2), "1f1b:single"),
         ("ring", dict(stage=2, context=2, tensor=2), "zb1"),
+        ("ring", dict(stage=2, context=2, tensor=2), "zbv:single"),
     ],
 )
-def test_context_parallelism_inside_the_stages(strategy, mesh, schedule, params):
+def test_context_parallelism_inside_the_stages(strategy, mesh, schedule, params, monkeypatch):
     """gpt with dropout and blockwise attention (block 8, so a context rank's 16 tokens are two
     blocks), the sequence load-balanced: K/V all-gathered over the context ranks or passed round the
     ring on stage=2 x context=2 x tensor=2 (the ring's phases run unbranched: `_Stage.phase`), or
     Ulysses' tokens-for-heads exchange on stage=2 x data=2 x context=2 (the batch axis manual in the
     stage, so the dropout bits take both a row offset and original positions), inside each pipeline
-    stage (regions nested in the stage's), with 1F1B (the ring: with single ticks) and (ring) zb1's
-    split backward; the raw gradients are one device's with the same kernel, dropout bits and all."""
+    stage (regions nested in the stage's), with 1F1B (the ring: with single ticks), (ring) zb1's
+    split backward and (ring) ZB-V; the raw gradients are one device's with the same kernel, dropout bits and all.
+    The ring's idle cells compute on NaN-filled slots (its phases mask their increments)."""
+    import meshlm.step
+
+    if strategy == "ring":
+        nan_bubbles = partial(pipeline.pipeline_gradients, idle_fill=jnp.nan)
+        monkeypatch.setattr(meshlm.step, "pipeline_gradients", nan_bubbles)
 
     def blockwise(mesh):
         cfg = config("gpt")
         model = dataclasses.replace(cfg.model, attention="blockwise", attention_block=8)
         name, _, ticks = schedule.partition(":")
-        piped = dict(pipeline_schedule=name, pipeline_ticks=ticks or "paired") if mesh else {}
+        piped = dict(pipeline_schedule=name, virtual_stages=SCHEDULES[name], pipeline_ticks=ticks or "paired")
+        piped = piped if mesh else {}
         par = dataclasses.replace(cfg.parallel, **mesh, **piped, context_strategy=strategy)
         return validate(dataclasses.replace(cfg, model=model, parallel=par))
 
     got = grads(blockwise(mesh), params["gpt"])
     assert_same_grads(got, grads(blockwise({}), params["gpt"]))
+
+
+def test_the_rings_unbranched_phases_select_no_accumulator():
+    """With the ring inside the stages every phase runs on every stage at every tick
+    (`_Stage.phase`); its increments are masked, so the tick loop selects no whole gradient
+    accumulator ([v, L/(pv), ...] per device) and no embedding or output-layer gradient, which
+    selecting the phases' outputs did (each then a copy per phase per tick). Compile only:
+    stage=2 x context=2 x tensor=2, 1F1B with single ticks (gradients: the test above)."""
+    from meshlm.insight import hlo
+
+    cfg = config("gpt")
+    mesh = dict(stage=2, context=2, tensor=2, context_strategy="ring", pipeline_ticks="single")
+    par = dataclasses.replace(cfg.parallel, **mesh)
+    model = dataclasses.replace(cfg.model, attention="blockwise", attention_block=8)
+    cfg = validate(dataclasses.replace(cfg, model=model, parallel=par))
+    text, layout = compiled_grad_step(cfg)
+    body = max(hlo.loop_bodies(text), key=len)  # the tick loop (the ring's loops nest in it)
+    shapes = re.findall(r"= f32\[([\d,]*)\][^ ]* select\(", body)
+    selected = {tuple(int(d) for d in dims.split(",") if d) for dims in shapes}
+    assert selected  # the stash slot's select and the phases' own
+    v, per_chunk = cfg.parallel.virtual_stages, LAYERS // (cfg.parallel.stage * cfg.parallel.virtual_stages)
+    accumulators = {d for d in selected if d[:2] == (v, per_chunk) and len(d) > 2}
+    kept = {n: pipeline._kept(layout, spec.axes) for n, spec in param_specs(cfg.model).items() if n != "layers"}
+    top = {tuple(kept[n].shard_shape(spec.shape)) for n, spec in param_specs(cfg.model).items() if n in kept}
+    assert len(top) == 3 and not (selected & top), selected & top  # wte, wpe, the final norm
+    assert not accumulators, accumulators
 
 
 def test_a_bf16_pipeline_with_sp(params):

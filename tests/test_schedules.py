@@ -4,6 +4,7 @@ and 1F1B and zb1 with one action per tick (Megatron's in-flight counts)."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from meshlm.parallel.schedules import (
@@ -156,6 +157,27 @@ def test_zero_bubble_v(p, m):
     t[i][0], t[i][p - 1] = (), (Action("F", 0, 2 * p - 1),)
     with pytest.raises(ScheduleError, match=f"chunk {2 * p - 1} lives on stage 0"):
         validate(dataclasses.replace(z, table=tuple(tuple(r) for r in t)))
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("interleaved", 3), ("zbv", 2)])
+def test_the_weights_are_regrouped_as_the_stages_hold_the_chunks(name, v):
+    """One statement of which chunks a stage holds (`Schedule.held_chunks`) serves the executor's
+    layer ids; `pipeline._regroup` puts each stage's weights there by a reshape, ZB-V's reversed
+    second arm and a transpose, and `_ungroup` undoes it: checked on layer numbers (p = 4, 2 layers
+    a chunk)."""
+    from meshlm.parallel.pipeline import _regroup, _ungroup
+
+    p, per_chunk = 4, 2
+    z = build(name, p, 8, v, "single" if name == "zbv" else "paired")
+    layers = np.arange(p * v * per_chunk)
+    grouped = np.asarray(_regroup(layers, z, per_chunk))
+    chunks = {"1f1b": [[s] for s in range(p)], "interleaved": [[s, s + p, s + 2 * p] for s in range(p)]}
+    chunks["zbv"] = [[s, 2 * p - 1 - s] for s in range(p)]
+    assert [list(row) for row in z.held_chunks()] == chunks[name]
+    for s, held in enumerate(z.held_chunks()):
+        for lc, c in enumerate(held):
+            assert list(grouped[s, lc]) == list(range(c * per_chunk, (c + 1) * per_chunk))
+    assert list(np.asarray(_ungroup(grouped, z))) == list(layers)
 
 
 def test_single_ticks_pictures():

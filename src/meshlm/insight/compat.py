@@ -70,6 +70,20 @@ MESHES: dict[str, tuple[str, ...]] = {
         "train.microbatches=2",
     ),
     "stage=2 zb1": ("parallel.stage=2", "parallel.pipeline_schedule=zb1", "train.microbatches=4"),
+    "stage=2 1f1b single ticks": (
+        "parallel.stage=2",
+        "parallel.pipeline_schedule=1f1b",
+        "parallel.pipeline_ticks=single",
+        "train.microbatches=4",
+    ),
+    "stage=2 x fsdp=2 zbv": (
+        "parallel.stage=2",
+        "parallel.fsdp=2",
+        "parallel.pipeline_schedule=zbv",
+        "parallel.virtual_stages=2",
+        "parallel.pipeline_ticks=single",
+        "train.microbatches=4",
+    ),
     "stage=2 x context=2 x tensor=2 ring zb1": (
         "parallel.stage=2",
         "parallel.context=2",

@@ -172,8 +172,11 @@ class _Stage:
         return self.resid(jnp.full(self.x_shape, self.idle_fill, self.dtype))
 
     @staticmethod
-    def accumulate(g_layers: dict, lc, dw: dict) -> dict:
-        """The chunk's gradient accumulators with `dw` (some or all of its weights) added."""
+    def accumulate(g_layers: dict, lc, dw: dict, live: jax.Array | None = None) -> dict:
+        """The chunk's gradient accumulators with `dw` (some or all of its weights) added, in place;
+        masked by `live` in an unbranched phase (`phase`)."""
+        if live is not None:
+            dw = jax.tree.map(lambda d: jnp.where(live, d, jnp.zeros_like(d)), dw)
         return {n: _put(a, lc, _take(a, lc) + dw[n].astype(jnp.float32)) if n in dw else a for n, a in g_layers.items()}
 
     def spare(self, like: list) -> list:
@@ -190,11 +193,7 @@ class _Stage:
 
     def context(self, micro_i, chunk):
         """The microbatch, its dropout key and the global layer ids of this stage's local chunk."""
-        if self.tab.v_shape:  # ZB-V: stage s holds chunks s and 2p - 1 - s
-            ids = jnp.where(chunk == 0, self.stage, 2 * self.p - 1 - self.stage) * self.per_chunk
-            ids = ids + jnp.arange(self.per_chunk)
-            return jax.tree.map(lambda a: _take(a, micro_i), self.micro), self.mb_key(micro_i), ids
-        ids = (chunk * self.p + self.stage) * self.per_chunk + jnp.arange(self.per_chunk)
+        ids = jnp.asarray(self.tab.held, jnp.int32)[self.stage, chunk] * self.per_chunk + jnp.arange(self.per_chunk)
         return jax.tree.map(lambda a: _take(a, micro_i), self.micro), self.mb_key(micro_i), ids
 
     def embed(self, top, mb, k):
@@ -258,16 +257,17 @@ class _Stage:
     # ------------------------------------------------------------------ the phases
 
     def phase(self, on: jax.Array, run, idle):
-        """`run()` where the cell has this phase, else `idle()`: a `lax.cond`, so an idle stage
-        computes nothing. With the ring inside the stages the phase runs on every stage at every
-        tick and the result is selected: every device must enter a collective-permute in the same
-        order, so the ring's permutes may not sit in a branch only some stages take (docs/pipeline.md).
-        Every tick then costs a forward and a backward (`Schedule.lockstep_time(unbranched=True)`).
-        Weight passes hold no ring op (their attention is dead code) and stay branched."""
+        """`run(None)` where the cell has this phase, else `idle()`: a `lax.cond`, so an idle stage
+        computes nothing. With the ring inside the stages, whose permutes every device must enter in
+        the same order (docs/pipeline.md), `run(live)` on every stage at every tick
+        (`Schedule.lockstep_time(unbranched=True)`), selecting nothing whole: increments masked by
+        `live` (`accumulate`), the loss and the embeddings' vjp in branches on it, messages and
+        weight-slot values into the spare slots the tables give an idle cell, the stash slot
+        selected. Weight passes hold no ring op (their attention is dead code) and stay branched."""
         on = on.astype(bool)
         if not self.unbranched:
-            return jax.lax.cond(on, run, idle)
-        return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(), idle())
+            return jax.lax.cond(on, lambda: run(None), idle)
+        return run(on)
 
     def stats_cotangent(self, micro_i, moe_in):
         """MoE: the cotangent of a chunk's RouterStats, the gradient of its share of the router
@@ -287,12 +287,12 @@ class _Stage:
         when idle). Accumulated inside the branches, so no tick adds zeros. MoE: `moe_in` gives
         the cotangent of the chunk's router statistics (`stats_cotangent`)."""
 
-        def run():
+        def run(live):
             mb, k, _ = self.context(r["b_micro"], r["b_chunk"])
             cot = (self.resid(dy), self.stats_cotangent(r["b_micro"], moe_in))
             dw, dx, *taps = self.rebuilt_vjp(res, r["b_chunk"])(cot)
             lc = r["b_chunk"]
-            acc = self.accumulate(g_layers, lc, dw)
+            acc = self.accumulate(g_layers, lc, dw, live)
             out_taps = [g.astype(a.dtype) for g, a in zip(taps[0], self.w_grads, strict=True)] if taps else []
 
             def through_embedding():
@@ -300,7 +300,9 @@ class _Stage:
                 return self.top_layout(jax.tree.map(jnp.add, g_top, vjp_embed(dx)[0]))
 
             first = r["b_first"].astype(bool)
-            top = jax.lax.cond(first, through_embedding, lambda: self.top_layout(g_top)) if self.top_trained else g_top
+            into_top = first if live is None else first & live
+            keep_top = lambda: self.top_layout(g_top)
+            top = jax.lax.cond(into_top, through_embedding, keep_top) if self.top_trained else g_top
             return acc, top, jnp.where(first, self.filled(), self.resid(dx.astype(self.dtype))), out_taps
 
         idle = lambda: (g_layers, self.top_layout(g_top), self.filled(), self.spare(self.w_grads))
@@ -315,7 +317,7 @@ class _Stage:
             return g_layers
         lc, slot = r[f"{which}_chunk"], r[f"{which}_slot"]
 
-        def run():
+        def run():  # branched (no ring op)
             inputs, grads = [_take(b, slot) for b in w_in], [_take(b, slot) for b in w_grad]
             dw = weight_gradients(self.chunk_weights(lc), inputs, grads, self.region_names, self.cfg.model, self.layout)
             return self.accumulate(g_layers, lc, dw)
@@ -330,7 +332,7 @@ class _Stage:
         stash slot."""
         zero = jnp.zeros((), jnp.float32)
 
-        def run():
+        def run(live):
             mb, k, ids = self.context(r["f_micro"], r["f_chunk"])
             first, last = r["f_first"].astype(bool), r["f_last"].astype(bool)
             # both branches of every cond state their outputs' layout (XLA requires them equal)
@@ -347,9 +349,12 @@ class _Stage:
                 return self.resid(dy.astype(self.dtype)), self.top_layout(jax.tree.map(jnp.add, g_top, dtop)), ls, cnt
 
             no_loss = lambda: (self.filled(), self.top_layout(g_top), zero, zero)
-            dy, top, ls, cnt = jax.lax.cond(last, with_loss, no_loss)
+            dy, top, ls, cnt = jax.lax.cond(last if live is None else last & live, with_loss, no_loss)
             send = jnp.where(last, self.filled(), self.resid(y.astype(self.dtype)))
-            return self.stash_of(vjp_fn, w_where), send, dy, top, ls, cnt, inputs, stats
+            stash = self.stash_of(vjp_fn, w_where)
+            if live is not None:  # unbranched: an idle cell's stash slot holds a live microbatch-chunk
+                stash = [jnp.where(live, a, b) for a, b in zip(stash, res_keep, strict=True)]
+            return stash, send, dy, top, ls, cnt, inputs, stats
 
         def idle():
             stats = jax.tree.map(lambda a: _slots((), a, self.idle_fill), self.stats_shape)
@@ -556,9 +561,8 @@ def pipeline_gradients(
 
 
 def _regroup(w: jax.Array, schedule: Schedule, per_chunk: int) -> jax.Array:
-    """[L, ...] -> [p, v, L/(pv), ...]: stage s gets chunks s, s+p, ... (no data moves when v = 1);
-    ZB-V chunks s and 2p - 1 - s: the second arm of the V reversed (a reshape, a reverse and a
-    transpose, which GSPMD moves with permutes, as interleaving's transpose)."""
+    """[L, ...] -> [p, v, L/(pv), ...], stage s's the chunks `Schedule.held_chunks` names: a reshape,
+    ZB-V's second arm reversed, a transpose (GSPMD moves it with permutes; no data moves at v = 1)."""
     p, v = schedule.stages, schedule.virtual
     arms = w.reshape(v, p, per_chunk, *w.shape[1:])
     if schedule.name == "zbv":

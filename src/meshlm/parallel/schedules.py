@@ -120,6 +120,13 @@ class Schedule:
     def stage_of(self, chunk: int) -> int:
         return chunk_stage(self.name, self.stages, chunk)
 
+    def held_chunks(self) -> tuple[tuple[int, ...], ...]:
+        """[p][v]: the model chunks stage s holds, in its local order (local chunk = chunk // p):
+        s, s + p, ... ; ZB-V s and 2p - 1 - s. The executor's layer ids read it, and
+        `pipeline._regroup` puts the weights so (a test checks the two agree)."""
+        chunks = range(self.stages * self.virtual)
+        return tuple(tuple(c for c in chunks if self.stage_of(c) == s) for s in range(self.stages))
+
     @property
     def splits_backward(self) -> bool:
         """Whether backwards are split into the input-gradient pass (B) and the weight pass (W)."""

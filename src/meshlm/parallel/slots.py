@@ -25,6 +25,7 @@ class Tables:
     grad_slots: int  # cotangents arrived (or made by the loss), not yet backwarded (+1 spare)
     single: bool = False  # one action per tick: both sends at its end (`Schedule.single`)
     v_shape: bool = False  # ZB-V: messages go either way (`route`)
+    held: tuple = ()  # [p][v]: the chunks each stage holds (`Schedule.held_chunks`)
 
 
 def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
@@ -180,7 +181,8 @@ def tables(schedule: Schedule) -> Tables:
             for k, val in r.items():
                 rows[k][t, s] = int(val)
     weight_slots = n_weight + 1 if w_read else 0
-    return Tables(rows, n_stash, weight_slots, n_act + 1, n_grad + 1, schedule.single, schedule.name == "zbv")
+    v_shape = schedule.name == "zbv"
+    return Tables(rows, n_stash, weight_slots, n_act + 1, n_grad + 1, schedule.single, v_shape, schedule.held_chunks())
 
 
 @functools.lru_cache(maxsize=1024)

@@ -106,6 +106,31 @@ def test_pipeline_overhead_is_the_lockstep_time_of_the_schedule():
         assert backward_over_forward(lora) == pytest.approx(r - 1, abs=1e-3)
 
 
+@pytest.mark.parametrize(
+    "name, lora", [("tiny", False), ("moe-tiny", False), ("deepseek-tiny", False), ("llama-tiny", True)]
+)
+def test_the_scheduling_fields_leave_a_steps_flops_alone(name, lora):
+    """The planner remembers a step's FLOP counts per config less `pipeline_costs.SCHEDULING` (the
+    pipeline schedule, its virtual stages and ticks, ZeRO-1; `per_flops_key`): those fields must
+    not change them. Checked uncached over every candidate on 8 devices of a dense model, MoE models
+    (capacity buffers; MLA, dense layers, MTP) and a LoRA one, grouped by the key."""
+    from meshlm.insight import pipeline_costs
+
+    cfg = recipes.get(name)
+    if lora:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=4))
+    direct = (accounting.hardware_flops_per_step, pipeline_costs.backward_over_forward.__wrapped__)
+    groups, sizes = {}, {}
+    for c in planner._candidates(cfg, 8, ("elementwise", "full")):
+        free = dict.fromkeys(pipeline_costs.SCHEDULING)
+        key = dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, **free))
+        groups.setdefault(key, set()).add(tuple(f(c) for f in direct))
+        sizes[key] = sizes.get(key, 0) + 1
+    # (dense layers: no pipelines, so ZeRO-1 alone varies)
+    assert max(sizes.values()) >= (2 if cfg.model.dense_layer_ids else 4)
+    assert all(len(values) == 1 for values in groups.values())
+
+
 def test_sharded_state_bytes_are_exact(devices):
     """The planner's per-device parameter count (from the rules table alone) equals the real
     shard sizes of the initialised state."""

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 
 from meshlm import accounting
-from meshlm.config import RunConfig
+from meshlm.config import ParallelConfig, RunConfig
 from meshlm.parallel.schedules import built as _schedule
 from meshlm.parallel.schedules import runs_unbranched
 
@@ -28,6 +28,31 @@ def pipeline_send_bytes(cfg: RunConfig, interleave: int = 1) -> float:
     return 2 * t.microbatches * interleave * activation / par.tensor
 
 
+# A step's FLOPs do not depend on how its layers are scheduled over the stages or on where the
+# optimizer's moments live, so the planner's candidates, which differ in those fields by the
+# hundred thousand, share them (`per_flops_key`; tests/test_plan.py checks the fields are free).
+SCHEDULING = ("pipeline_schedule", "virtual_stages", "pipeline_ticks", "shard_optimizer")
+_FLOP_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.name not in SCHEDULING)
+
+
+def per_flops_key(fn):
+    """`fn(cfg)`, a function of the step's FLOPs, remembered per config less its `SCHEDULING` fields."""
+    memo: dict = {}
+
+    @functools.wraps(fn)
+    def remembered(cfg: RunConfig):
+        par = cfg.parallel
+        key = (cfg.model, cfg.remat, cfg.train, cfg.data, tuple(getattr(par, f) for f in _FLOP_FIELDS))
+        if key not in memo:
+            if len(memo) >= 1 << 16:
+                memo.clear()
+            memo[key] = fn(cfg)
+        return memo[key]
+
+    return remembered
+
+
+@per_flops_key
 def backward_over_forward(cfg: RunConfig) -> float:
     """What the layers' backward costs against their forward under the run's remat policy: 2 (the
     two gradient GEMMs per forward one; 1 with LoRA, whose frozen weights get no weight gradient
@@ -36,7 +61,8 @@ def backward_over_forward(cfg: RunConfig) -> float:
     recomputed, about 3 with `full`."""
     m, t = cfg.model, cfg.train
     logits = 2 * t.global_batch * t.seq_len * m.d_model * m.vocab_size * (1 + m.mtp_depth)
-    dense = dataclasses.replace(cfg, model=dataclasses.replace(m, lora_rank=0))  # every forward GEMM once
+    # every forward GEMM once
+    dense = dataclasses.replace(cfg, model=dataclasses.replace(m, lora_rank=0)) if m.lora_rank else cfg
     layers = accounting.forward_flops_per_step(dense) - logits
     return (1.0 if m.lora_rank else 2.0) + accounting.recompute_flops_per_step(cfg) / layers
 

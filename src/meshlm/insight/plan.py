@@ -36,7 +36,7 @@ from meshlm import axes as ax
 from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ContextStrategy, ParallelConfig, RematConfig, RunConfig
 from meshlm.insight.attention_rates import attention_kernel
-from meshlm.insight.pipeline_costs import pipeline_overhead, pipeline_schedules, pipeline_send_bytes
+from meshlm.insight.pipeline_costs import per_flops_key, pipeline_overhead, pipeline_schedules, pipeline_send_bytes
 from meshlm.model.moe_costs import expert_exchange_bytes
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel import rules
@@ -295,6 +295,9 @@ def _across(cfg: RunConfig, *axes: str) -> bool:
     return any(cfg.parallel.dcn[a] > 1 for a in axes)
 
 
+_hardware_flops = per_flops_key(accounting.hardware_flops_per_step)
+
+
 def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: int, interleave: int) -> dict:
     """Seconds per step by part: GEMMs at peak, the attention core at its kernel's rate, each
     collective at its link's bandwidth, not overlapped (except the ring's K/V hops, which overlap the
@@ -304,7 +307,7 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
     peak = device_peak(device, cfg)
     attention = attention_seconds(cfg, device, n)
     out = {ATTENTION: attention} if attention else {}
-    out = {"compute": (accounting.hardware_flops_per_step(cfg) - _own_rate_flops(cfg, out)) / (n * peak)} | out
+    out = {"compute": (_hardware_flops(cfg) - _own_rate_flops(cfg, out)) / (n * peak)} | out
     if par.tensor > 1:
         layers_here = accounting.attention_layers(m) / pipeline  # with MTP's
         out["tensor-parallel collectives"] = (
@@ -439,7 +442,7 @@ def calibrated_time(
     last_stage = n // pipeline
     rate = device_peak(device, cfg) * cal.gemm_efficiency
     logits = (4 if m.lora_rank else 6) * t.global_batch * t.seq_len * m.d_model * m.vocab_size  # LoRA: frozen
-    layers = accounting.hardware_flops_per_step(cfg) - logits - _own_rate_flops(cfg, roofline)
+    layers = _hardware_flops(cfg) - logits - _own_rate_flops(cfg, roofline)
     out: dict[str, float] = {"GEMMs": layers / (n * rate)}
     if roofline.get(ATTENTION):  # at its kernel's own rate, as in the roofline
         out[ATTENTION] = roofline[ATTENTION]

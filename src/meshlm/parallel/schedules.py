@@ -245,6 +245,7 @@ def check_sizes(
         )
 
 
+@functools.lru_cache(maxsize=4096)
 def first_stage_in_flight(name: str, stages: int, microbatches: int, virtual: int = 1, ticks: str = "paired") -> int:
     """Stage 0's peak microbatch-chunks in flight (the most of any stage; ZB-V: the most of any
     stage, from its table), in closed form - what

@@ -31,7 +31,9 @@ def prepared_step(cfg: RunConfig, layout: Layout) -> tuple:
 SETTLED_FAULTS = 2000  # minor page faults per step (8 MiB) below which the host heap counts as settled
 
 
-def median_step_seconds(variants: dict[Hashable, tuple], rounds: int, settle: int = 0) -> dict[Hashable, float]:
+def median_step_seconds(
+    variants: dict[Hashable, tuple], rounds: int, settle: int = 0, growth: dict | None = None
+) -> dict[Hashable, float]:
     """{key: median seconds of one train step} for each (config, layout), on random tokens; a third
     element, a context manager, is entered while that variant is traced and compiled.
 
@@ -39,7 +41,9 @@ def median_step_seconds(variants: dict[Hashable, tuple], rounds: int, settle: in
     faults in more than `SETTLED_FAULTS` fresh pages. Under `host_memory`'s allocator settings the
     heap keeps what it frees, but it fragments and grows over a program's first steps (several, for
     a pipeline's large temporary buffers); a step that grows it pays for the kernel zeroing fresh
-    pages, which is not the program's own cost. Prints how many rounds it took."""
+    pages, which is not the program's own cost. Prints how many rounds it took. `growth`, a dict, is
+    filled with {key: (timed steps that faulted in `SETTLED_FAULTS` pages or more, the median of
+    the others or None)}: a program whose heap keeps growing (zb1's, BENCHMARKS.md) never settles."""
     steps = {}
     for key, (cfg, layout, *traced_in) in variants.items():
         with traced_in[0] if traced_in else contextlib.nullcontext():  # a variant's own trace-time setting
@@ -54,8 +58,12 @@ def median_step_seconds(variants: dict[Hashable, tuple], rounds: int, settle: in
             break
     for _ in range(rounds):
         for entry in steps.values():
-            entry[3].append(_step(entry)[0])
-    return {key: statistics.median(entry[3]) for key, entry in steps.items()}
+            entry[3].append(_step(entry))
+    if growth is not None:
+        for key, entry in steps.items():
+            calm = [s for s, faults in entry[3] if faults < SETTLED_FAULTS]
+            growth[key] = (len(entry[3]) - len(calm), statistics.median(calm) if calm else None)
+    return {key: statistics.median(s for s, _ in entry[3]) for key, entry in steps.items()}
 
 
 def _step(entry: list) -> tuple[float, int]:

@@ -6,7 +6,9 @@ executor's time goes, compile time against m and p.
    8 layers, fp32, s=256, 2 sequences per microbatch, m = 8 and 16 microbatches (so the batch
    grows with m), next to the schedule's ticks and lockstep bubble (p-1)/(v m), and one device
    accumulating the same microbatches. Untimed rounds until the host heap stops growing, then
-   alternating rounds, medians. 2 cores under 4 simulated
+   alternating rounds, medians; and the steps that still grew the heap (zb1's keeps growing for
+   tens of steps under the host allocator settings: each such step zeroes ~300 MB of fresh pages),
+   with the median of the other steps against one device's. 2 cores under 4 simulated
    devices: an idle stage's core goes to the busy ones, so a bubble shows only in part.
 2. Where the time goes at m = 16 (1F1B, zb1 and zb1 with single ticks against one device): one profiled step each
    (`jax.profiler`), the device threads' time per microbatch by kind of XLA op - the chunk's
@@ -80,22 +82,27 @@ def variants(m: int) -> dict[str, RunConfig]:
 
 def step_rows(rounds: int) -> list[str]:
     lines = [
-        "| m | layout | ticks | lockstep bubble | step s | ms per microbatch | vs 1 device |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| m | layout | ticks | lockstep bubble | step s | ms per microbatch | vs 1 device | steps growing the heap"
+        " | vs 1 device, other steps |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in (8, 16):
         cfgs = variants(m)
         runs = {k: (c, make_layout(c.parallel, jax.devices()[: c.parallel.n_devices])) for k, c in cfgs.items()}
-        seconds = median_step_seconds(runs, rounds, settle=SETTLE)
+        growth: dict = {}
+        seconds = median_step_seconds(runs, rounds, settle=SETTLE, growth=growth)
+        calm_one = growth["1 device"][1]
         for name, cfg in cfgs.items():
             if cfg.parallel.stage > 1:
                 sched = schedule_for(cfg)
                 ticks, bubble = str(sched.ticks), f"{sched.bubble_fraction:.1%}"
             else:
                 ticks, bubble = "-", "-"
-            s = seconds[name]
+            s, (grew, calm) = seconds[name], growth[name]
+            other = f"{calm_one / calm:.2f}x" if calm and calm_one else "-"
             lines.append(
-                f"| {m} | {name} | {ticks} | {bubble} | {s:.3f} | {1e3 * s / m:.1f} | {seconds['1 device'] / s:.2f}x |"
+                f"| {m} | {name} | {ticks} | {bubble} | {s:.3f} | {1e3 * s / m:.1f} | {seconds['1 device'] / s:.2f}x "
+                f"| {grew} of {rounds} | {other} |"
             )
     return lines
 
@@ -236,9 +243,9 @@ def whole_selects():
 
 def ring_rows(rounds: int, m: int = 8) -> list[str]:
     """The ring inside the stages (stage=2 x context=2, 1F1B, blockwise attention with 128-token
-    blocks): its phases run unbranched, a backward and a forward on every stage at every tick, with
-    masked increments, against the same run selecting whole outputs (before), all_gather's branched
-    phases on the same mesh, and one device."""
+    blocks, 64 under context=2: a context chunk): its phases run unbranched, a backward and a
+    forward on every stage at every tick, with masked increments, against the same run selecting
+    whole outputs (before), all_gather's branched phases on the same mesh, and one device."""
     blockwise = lambda c: dataclasses.replace(c.model, attention="blockwise", attention_block=128)
     cfgs = {}
     for name, mesh in [("1 device", {}), ("all_gather", dict(stage=2, context=2)), ("ring", dict(stage=2, context=2))]:
@@ -251,7 +258,8 @@ def ring_rows(rounds: int, m: int = 8) -> list[str]:
     seconds = median_step_seconds(runs, rounds, settle=SETTLE)
     ring = schedule_for(cfgs["ring"])
     bubble = {"all_gather": ring.lockstep_overhead(2.0), "ring": ring.lockstep_overhead(2.0, unbranched=True)}
-    head = "| layout (m = 8, 1F1B) | phases | predicted lockstep overhead | step s | ms per microbatch | vs 1 device |"
+    head = f"| layout (m = {m}, 1F1B) | phases | predicted lockstep overhead | step s | ms per microbatch"
+    head += " | vs 1 device |"
     lines = [head, "|---|---|---:|---:|---:|---:|"]
     for name, s in seconds.items():
         kind = "-" if name == "1 device" else "branched" if name == "all_gather" else "unbranched"
@@ -261,15 +269,41 @@ def ring_rows(rounds: int, m: int = 8) -> list[str]:
     return lines
 
 
+def heap_lines(schedule: str = "zb1", m: int = 8, steps: int = 40) -> list[str]:
+    """One schedule alone at p = 4 for `steps` steps: per step its seconds, the fresh pages it
+    faulted in and the process's resident memory - whether the host heap keeps growing."""
+    import resource
+
+    from _timing import prepared_step
+
+    cfg = config(m, dict(stage=4), schedule)
+    fn, state, batch = prepared_step(cfg, make_layout(cfg.parallel, jax.devices()[:4]))
+    lines = [f"{schedule} stage=4, m = {m}: step, seconds, minor faults, resident MiB"]
+    for step in range(steps + 1):  # step 0 compiles
+        faults, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        state, metrics = fn(state, batch)
+        jax.block_until_ready(metrics)
+        seconds, faults = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+        if step:
+            lines.append(f"{step} {seconds:.2f} {faults} {resident}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--memory", action="store_true", help="print the compiled memory table only (nothing written)")
     ap.add_argument("--ring", action="store_true", help="the ring inside the stages only (section pipeline_ring)")
+    ap.add_argument("--heap", action="store_true", help="zb1 alone for 40 steps: heap growth per step (printed)")
     args = ap.parse_args()
     if args.memory:
         print("\n".join(memory_rows()))
+        return
+    if args.heap:
+        print("\n".join(heap_lines()))
         return
     if args.ring:
         flags = f"--ring --rounds {args.rounds}{' --write' if args.write else ''}"

@@ -113,7 +113,8 @@ def test_the_scheduling_fields_leave_a_steps_flops_alone(name, lora):
     """The planner remembers a step's FLOP counts per config less `pipeline_costs.SCHEDULING` (the
     pipeline schedule, its virtual stages and ticks, ZeRO-1; `per_flops_key`): those fields must
     not change them. Checked uncached over every candidate on 8 devices of a dense model, MoE models
-    (capacity buffers; MLA, dense layers, MTP) and a LoRA one, grouped by the key."""
+    (capacity buffers; MLA, dense layers, MTP) and a LoRA one, grouped by the key; the planner's
+    remembered counts equal them candidate by candidate."""
     from meshlm.insight import pipeline_costs
 
     cfg = recipes.get(name)
@@ -124,7 +125,9 @@ def test_the_scheduling_fields_leave_a_steps_flops_alone(name, lora):
     for c in planner._candidates(cfg, 8, ("elementwise", "full")):
         free = dict.fromkeys(pipeline_costs.SCHEDULING)
         key = dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, **free))
-        groups.setdefault(key, set()).add(tuple(f(c) for f in direct))
+        values = tuple(f(c) for f in direct)
+        assert (planner._hardware_flops(c), pipeline_costs.backward_over_forward(c)) == values  # the memo's key
+        groups.setdefault(key, set()).add(values)
         sizes[key] = sizes.get(key, 0) + 1
     # (dense layers: no pipelines, so ZeRO-1 alone varies)
     assert max(sizes.values()) >= (2 if cfg.model.dense_layer_ids else 4)

@@ -36,7 +36,8 @@ _FLOP_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.nam
 
 
 def per_flops_key(fn):
-    """`fn(cfg)`, a function of the step's FLOPs, remembered per config less its `SCHEDULING` fields."""
+    """`fn(cfg)`, a function of the step's FLOPs, remembered per config less its `SCHEDULING` fields
+    (for the process: a test that patches what the counts read calls `cache_clear()` after)."""
     memo: dict = {}
 
     @functools.wraps(fn)
@@ -49,6 +50,7 @@ def per_flops_key(fn):
             memo[key] = fn(cfg)
         return memo[key]
 
+    remembered.cache_clear = memo.clear
     return remembered
 
 

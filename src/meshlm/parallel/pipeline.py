@@ -26,9 +26,9 @@ stage's one message, and chunk p - 1 hands its output to chunk p on the same sta
   output gradients of the tensor-parallel regions (their weights held constant), W(i, c) those
   weights' gradients from the regions' inputs and output gradients, kept in weight slots.
 
-Each phase is a `lax.cond` (`_Stage.phase`), gradients added inside the branch that makes them;
-the two `ppermute`s are entered by every device on every tick, outside any branch (idle stages
-send a filler that lands in a spare slot). Buffers are slot arrays sized by the table
+Each phase is a `lax.cond` (`_Stage.phase`; with the ring inside, masked), gradients added inside
+the branch that makes them; the two `ppermute`s are entered by every device on every tick, outside
+any branch (what an idle stage sends lands in a spare slot). Buffers are slot arrays sized by the table
 (`parallel.slots`). Gradients are summed over the batch axes once, after the loop. The stacked
 layer axis [L, ...] is sharded over `stage` in contiguous blocks (checkpoints do not depend on the
 pipeline) and regrouped in the step to [p, v, L/(pv), ...] (`_regroup`); the embeddings and
@@ -283,8 +283,8 @@ class _Stage:
     def backward(self, r, res, dy, g_layers, g_top, moe_in=None):
         """B(i, c), or nothing when the cell has no backward: (the accumulated chunk weight
         gradients and embedding gradients with this backward's added, the cotangent to send to the
-        previous stage, zb1's region output gradients for W - a filler for the spare weight slot
-        when idle). Accumulated inside the branches, so no tick adds zeros. MoE: `moe_in` gives
+        previous stage, zb1's region output gradients for W - for the spare weight slot when idle).
+        Accumulated inside the branch (unbranched: masked increments). MoE: `moe_in` gives
         the cotangent of the chunk's router statistics (`stats_cotangent`)."""
 
         def run(live):
@@ -327,8 +327,8 @@ class _Stage:
     def forward(self, r, x_in, res_keep, g_top):
         """F(i, c), or nothing: (residuals to stash, activation to send, the loss's cotangent to
         file, the accumulated head gradients with this forward's added, loss, token count, zb1's
-        region inputs for W - a filler for the spare weight slot when idle, the chunk's RouterStats
-        or a filler, None without MoE). `res_keep` is what an idle forward writes back into the
+        region inputs for W - for the spare weight slot when idle, the chunk's RouterStats (idle:
+        for the spare row m), None without MoE). `res_keep` is what an idle forward writes back into the
         stash slot."""
         zero = jnp.zeros((), jnp.float32)
 
@@ -420,9 +420,9 @@ class _Stage:
         permutes carry the stage's one message, `slots.route`). Slot buffers
         are read before a phase and written after it, so XLA updates them in place instead of
         copying them through a conditional; the gradient accumulators pass through the phases
-        (aliased: the compiled loop copies none of them, unless the phases run unbranched). Sends
-        are entered by every device on every tick, outside any branch (idle stages send a filler
-        that lands in a spare slot)."""
+        (aliased: the compiled loop copies none of them; unbranched, they take masked increments).
+        Sends are entered by every device on every tick, outside any branch (what an idle stage
+        sends, a filler or an unbranched phase's garbage, lands in a spare slot)."""
         r = {k: _take(a, self.stage) for k, a in row.items()}
         moe_c, moe_b = c.moe, None
         if self.moe:  # the backward's chunk stats and the microbatch's total counts
@@ -500,8 +500,8 @@ def pipeline_gradients(
     MoE: the router losses' gradients come from each chunk's share (`_Stage.stats_cotangent`), and
     the metrics from every layer's RouterStats of every microbatch, as `step.gradients` has them.
 
-    `split_microbatches(batch, m)` gives [m, b/m, ...] arrays. `idle_fill` is what idle stages
-    send and what empty slots hold (tests fill them with NaN to show that bubbles are inert)."""
+    `split_microbatches(batch, m)` gives [m, b/m, ...] arrays. `idle_fill` is what empty slots hold
+    and what idle branches send (tests fill them with NaN to show that bubbles are inert)."""
     schedule = schedule_for(cfg)
     tab = tables(schedule)
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches

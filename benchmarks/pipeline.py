@@ -245,27 +245,30 @@ def ring_rows(rounds: int, m: int = 8) -> list[str]:
     """The ring inside the stages (stage=2 x context=2, 1F1B, blockwise attention with 128-token
     blocks, 64 under context=2: a context chunk): its phases run unbranched, a backward and a
     forward on every stage at every tick, with masked increments, against the same run selecting
-    whole outputs (before), all_gather's branched phases on the same mesh, and one device."""
+    whole outputs (before), all_gather's branched phases on the same mesh, one device, and both
+    strategies on context=2 alone (the ring's own cost against all_gather's, without stages)."""
     blockwise = lambda c: dataclasses.replace(c.model, attention="blockwise", attention_block=128)
+    cases = {"1 device": ({}, "all_gather"), "stage=2 x context=2 all_gather": (dict(stage=2, context=2), "all_gather")}
+    cases |= {"stage=2 x context=2 ring": (dict(stage=2, context=2), "ring")}
+    cases |= {f"context=2 {k}": (dict(context=2), k) for k in ("all_gather", "ring")}
     cfgs = {}
-    for name, mesh in [("1 device", {}), ("all_gather", dict(stage=2, context=2)), ("ring", dict(stage=2, context=2))]:
+    for name, (mesh, strategy) in cases.items():
         cfg = config(m, {})
-        par = dataclasses.replace(cfg.parallel, **mesh, context_strategy="ring" if name == "ring" else "all_gather")
+        par = dataclasses.replace(cfg.parallel, **mesh, context_strategy=strategy)
         cfgs[name] = validate(dataclasses.replace(cfg, model=blockwise(cfg), parallel=par))
     layout = lambda c: make_layout(c.parallel, jax.devices()[: c.parallel.n_devices])
     runs = {k: (c, layout(c)) for k, c in cfgs.items()}
-    runs["ring, whole selects (before)"] = (cfgs["ring"], layout(cfgs["ring"]), whole_selects())
+    ring = cfgs["stage=2 x context=2 ring"]
+    runs["stage=2 x context=2 ring, whole selects (before)"] = (ring, layout(ring), whole_selects())
     seconds = median_step_seconds(runs, rounds, settle=SETTLE)
-    ring = schedule_for(cfgs["ring"])
-    bubble = {"all_gather": ring.lockstep_overhead(2.0), "ring": ring.lockstep_overhead(2.0, unbranched=True)}
+    table = schedule_for(ring)
     head = f"| layout (m = {m}, 1F1B) | phases | predicted lockstep overhead | step s | ms per microbatch"
-    head += " | vs 1 device |"
-    lines = [head, "|---|---|---:|---:|---:|---:|"]
+    lines = [head + " | vs 1 device |", "|---|---|---:|---:|---:|---:|"]
     for name, s in seconds.items():
-        kind = "-" if name == "1 device" else "branched" if name == "all_gather" else "unbranched"
-        mesh = "1 device" if name == "1 device" else f"stage=2 x context=2 {name}"
-        over = f"{bubble[name.split(',')[0]]:.1%}" if name != "1 device" else "-"
-        lines.append(f"| {mesh} | {kind} | {over} | {s:.3f} | {1e3 * s / m:.1f} | {seconds['1 device'] / s:.2f}x |")
+        staged, unbranched = name.startswith("stage"), "ring" in name and name.startswith("stage")
+        kind = "unbranched" if unbranched else "branched" if staged else "-"
+        over = f"{table.lockstep_overhead(2.0, unbranched=unbranched):.1%}" if staged else "-"
+        lines.append(f"| {name} | {kind} | {over} | {s:.3f} | {1e3 * s / m:.1f} | {seconds['1 device'] / s:.2f}x |")
     return lines
 
 

@@ -21,7 +21,7 @@ executor's time goes, compile time against m and p.
 The process runs under meshlm's host allocator settings (`meshlm.platform.host_memory`), as
 `meshlm train` does on CPU.
 
-    python benchmarks/pipeline.py [--rounds 5] [--write]
+    python benchmarks/pipeline.py [--rounds 5] [--write] [--ring] [--heap] [--memory]
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import typing
 
 from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ContextStrategy, ModelConfig, RematPolicy, RunConfig
+from meshlm.parallel.schedules import SPLIT  # plain Python, no JAX
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -240,7 +241,7 @@ def _validate_parallel(cfg: RunConfig) -> None:
     for name in MESH_AXES:
         _need(getattr(p, name) >= 1, f"parallel.{name} (mesh axis size) must be >= 1")
     _need(
-        not (m.lora_rank and p.stage > 1 and p.pipeline_schedule in ("zb1", "zbv")),
+        not (m.lora_rank and p.stage > 1 and p.pipeline_schedule in SPLIT),
         f"parallel.pipeline_schedule={p.pipeline_schedule} with LoRA: it defers the weight-gradient GEMMs to fill the "
         "bubbles, and a LoRA run has none but the adapters' rank-r ones, while its weight slots would keep every "
         "region's inputs; use 1f1b or interleaved",

@@ -349,8 +349,8 @@ def single_ticks(name: str, stages: int, microbatches: int) -> list[tuple[Cell, 
     Megatron's (m + p - 1)(f + b) only when f = b (a tick lasts the slowest stage's action); zb1
     with F, B and W of equal cost has ZB-H1's bubble, (p-1)/(3m), ZB-V less (tested)."""
     p, m, split, v_shape = stages, microbatches, name in SPLIT, name == "zbv"
-    own = [[s, 2 * p - 1 - s] if v_shape else [s] for s in range(p)]  # each stage's chunks
     chunks = 2 * p if v_shape else p
+    own = [[c for c in range(chunks) if chunk_stage(name, p, c) == s] for s in range(p)]  # each stage's chunks
     ran: dict[Action, int] = {}
     forwards, backwards = ([dict.fromkeys(own[s], 0) for s in range(p)] for _ in range(2))
     weights: list[list[Action]] = [[] for _ in range(p)]

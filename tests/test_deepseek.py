@@ -139,18 +139,20 @@ def test_mla_mtp_moe_layouts_give_the_one_device_gradients(name, params, referen
     assert_same_as_one_device(grads(config(mesh, sp, policy, **model), params), reference(**model))
 
 
-# every layer MoE (a pipeline refuses dense layers beside MoE ones), no MTP (refused in pipelines),
-# DeepSeek-V3's router with both balance losses on
-PIPELINED = dict(first_k_dense=0, mtp_depth=0, n_layers=4, moe_aux_loss_coef=1e-2, moe_seq_aux_loss_coef=1e-2)
+# a dense first layer (run on stage 0 with the embedding), 4 MoE layers split over the stages and an
+# MTP module (with the loss on the last chunk), DeepSeek-V3's router with both balance losses on
+PIPELINED = dict(first_k_dense=1, mtp_depth=1, n_layers=5, moe_aux_loss_coef=1e-2, moe_seq_aux_loss_coef=1e-2)
 
 
 @pytest.mark.parametrize("schedule", ["zb1", "interleaved"])
 def test_mla_moe_in_a_pipeline_gives_the_one_device_gradients(schedule):
-    """MLA with MoE layers (sigmoid scores, the router bias choosing, groups, routed scaling, the pooled
-    and sequence-wise balance losses) on stage=2 x expert=2 x tensor=2 + SP with 4 microbatches: zb1,
-    whose weight pass runs each layer's tensor-parallel regions apart, and interleaved (2 chunks a
-    stage). Gradients, loss, router losses and the exact expert counts (the bias update's input) equal
-    one device's."""
+    """MLA with a dense first layer and MoE layers (sigmoid scores, the router bias choosing, groups,
+    routed scaling, the pooled and sequence-wise balance losses) on stage=2 x expert=2 x tensor=2 + SP
+    with 4 microbatches: zb1, whose weight pass runs each layer's tensor-parallel regions apart, and
+    interleaved (2 chunks a stage). The dense layer runs with the embedding on stage 0 (its gradient
+    made in the first chunk's backward), the MoE MTP module with the loss on the last chunk (its
+    router statistics pooled with the layers'). Gradients, loss, MTP loss, router losses and the
+    exact expert counts (the bias update's input) equal one device's."""
     params = _perturbed(param_specs(dataclasses.replace(MODEL, **PIPELINED)))
     cfg = config(dict(stage=2, tensor=2, expert=2), True, **PIPELINED)
     virtual = 2 if schedule == "interleaved" else 1
@@ -161,10 +163,13 @@ def test_mla_moe_in_a_pipeline_gives_the_one_device_gradients(schedule):
         grads(with_micro(config(**PIPELINED)), params),
     )
     g, r = named_leaves(got["grads"]), named_leaves(ref["grads"])
-    assert max(float(np.linalg.norm(g[n] - r[n]) / max(np.linalg.norm(r[n]), 1e-6)) for n in r) < RTOL
-    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss"):
+    assert g.keys() == r.keys() and {"dense_layers/wkv_a", "dense_layers/w_gate", "mtp/we_gate"} <= g.keys()
+    errors = {n: float(np.linalg.norm(g[n] - r[n]) / max(np.linalg.norm(r[n]), 1e-6)) for n in r}
+    assert max(errors.values()) < RTOL, {n: e for n, e in errors.items() if e >= RTOL}
+    for key in ("loss", "grad_norm", "mtp_loss", "moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss"):
         np.testing.assert_allclose(got[key], ref[key], rtol=RTOL, err_msg=key)
     np.testing.assert_array_equal(got["expert_counts"], ref["expert_counts"])
+    assert got["expert_counts"].shape[0] == 5  # 4 layers and the MTP module
 
 
 def _np_rope(x, pos, inv_freq, factor):
@@ -287,11 +292,11 @@ def test_mla_configs_that_cannot_run_are_refused(change, message):
         config(**change)
 
 
-def test_mtp_with_a_pipeline_is_refused_for_now():
-    with pytest.raises(ConfigError, match=r"multi-token prediction .* with a pipeline"):
-        dense = dataclasses.replace(MODEL, n_experts=0, first_k_dense=0, router_score="softmax", router_bias=False)
-        dense = dataclasses.replace(dense, n_group=1, topk_group=1, routed_scaling_factor=1.0, n_shared_experts=0)
-        validate(dataclasses.replace(config(), parallel=ParallelConfig(stage=2), model=dense))
+def test_mtp_with_the_ring_inside_a_pipeline_is_refused():
+    with pytest.raises(ConfigError, match=r"multi-token prediction .* the ring's permutes"):
+        par = ParallelConfig(stage=2, context=2, context_strategy="ring")
+        model = dataclasses.replace(MODEL, attention="blockwise", **PIPELINED | dict(first_k_dense=0, n_layers=4))
+        validate(dataclasses.replace(config(), parallel=par, model=model))
 
 
 # ---------------------------------------------------------------- Hugging Face: MTP layers in and out

@@ -321,8 +321,8 @@ def test_a_pipeline_without_the_other_stages_counts_is_caught(params, reference,
 
 
 def _own_counts_only(moe_tick):
-    def tick(self, c, r, stats, send_act, got_moe_grad):
-        return moe_tick(self, c | {"act": jnp.zeros_like(c["act"])}, r, stats, send_act, got_moe_grad)
+    def tick(self, c, r, *rest):
+        return moe_tick(self, c | {"act": jnp.zeros_like(c["act"])}, r, *rest)
 
     return tick
 
@@ -503,7 +503,15 @@ def test_dropless_moe_under_context_parallelism_equals_one_device(context_refere
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(parallel=ParallelConfig(stage=2), model=dict(first_k_dense=1)), "which a pipeline's stages"),
+        (dict(parallel=ParallelConfig(stage=2), model=dict(dense_layers=(2,))), "dense layers among its MoE ones"),
+        (dict(parallel=ParallelConfig(stage=2), model=dict(first_k_dense=1)), "less the 1 dense first layers"),
+        (
+            dict(
+                parallel=ParallelConfig(stage=2, context=2, context_strategy="ring"),
+                model=dict(first_k_dense=2, expert_capacity_factor=0, attention="blockwise"),
+            ),
+            "the ring's permutes",
+        ),
         (
             dict(parallel=ParallelConfig(stage=2, pipeline_schedule="zbv", virtual_stages=2, pipeline_ticks="single")),
             "zbv with an MoE model is not built",

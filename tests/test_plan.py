@@ -19,6 +19,7 @@ from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.schedules import built
 from meshlm.platform.hardware import ACCELERATORS
 from meshlm.train_state import param_shardings
+from meshlm.validation import validate
 
 # P2 Table 3: h, a, L, tensor, pipeline, interleave, global batch = micro batch x in-flight
 TABLE3 = {
@@ -433,9 +434,8 @@ def test_lora_plans_price_the_adapters_states_and_the_frozen_masters():
 
 def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
     """Mixtral-8x7B on 64 H100s: the expert axis is enumerated over sizes that divide the 8 experts
-    (with pipelines too, every layer being MoE - not DeepSeek-V3, whose first layers are dense; with
-    context, as it is dropless: moe-tiny's finite capacity gets none),
-    and a plan on it has the all_to_all part: per MoE layer and
+    (with pipelines too, and DeepSeek-V3's over its MoE layers; with context, as it is dropless:
+    moe-tiny's finite capacity gets none), and a plan on it has the all_to_all part: per MoE layer and
     microbatch the capacity buffer out and back, forward and backward, (X-1)/X of it leaving the
     device, at NVLink bandwidth. The experts' weights are split over `expert` (exact shard sizes) and
     reduced over data x fsdp only."""
@@ -444,7 +444,11 @@ def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
     assert {m["expert"] for m in meshes} == {1, 2, 4, 8}
     assert any(m["stage"] > 1 and m["expert"] > 1 for m in meshes)
     assert any(m["context"] > 1 and m["expert"] > 1 for m in meshes)
-    assert all(m["stage"] == 1 for m in planner._meshes(recipes.get("deepseek-v3"), 64))  # dense first layers
+    # DeepSeek-V3's 3 dense first layers run with the embedding: its 58 MoE layers split over 2 stages, not 4;
+    # dense layers among MoE ones (Qwen's decoder_sparse_step) get no pipeline
+    assert {m["stage"] for m in planner._meshes(recipes.get("deepseek-v3"), 64)} == {1, 2}
+    sparse_step = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_layer_step=2))
+    assert all(m["stage"] == 1 for m in planner._meshes(sparse_step, 64))
     assert all(m["context"] == 1 for m in planner._meshes(recipes.get("moe-tiny"), 8))
     run = dataclasses.replace(cfg, parallel=ParallelConfig(data=8, expert=2, tensor=4))  # expert x tensor: a node
     cp = dataclasses.replace(cfg, parallel=ParallelConfig(data=4, context=2, expert=2, tensor=4))
@@ -633,3 +637,34 @@ def test_deepseek_v3_plans_on_h800s_with_its_latent_cache_and_its_own_layout_bes
     assert plan_report.decoding_cache(recipes.get("qwen3-30b-a3b")) == want
     assert "PP16 (DualPipe) x EP64" in plan_report.PUBLISHED["deepseek-v3"]
     assert ACCELERATORS["h800"].intra_bw == 200e9 and ACCELERATORS["h800"].peak == ACCELERATORS["h100"].peak
+
+
+def test_a_dense_prefix_and_mtp_are_priced_on_their_stages():
+    """DeepSeek-V3 on stage=2: stage 0 runs the 3 dense first layers with the embedding - forward,
+    again in the first chunk's backward, and backward: (2 + b/f) x their forward FLOPs on half the
+    devices, of which the even share (`compute`) already holds (1 + b/f)/p; the last stage runs the
+    MTP module with the loss, (1 + b/f)(1 - 1/p) x its forward FLOPs. Both forward counts come from
+    other models (a dense model of 3 layers less one of none; one more MoE layer, the module's
+    projection of [e; h] and its output layer), not the planner's formula."""
+    from meshlm.insight import pipeline_costs
+
+    cfg = recipes.get("deepseek-v3")
+    par = ParallelConfig(stage=2, data=2, fsdp=8, tensor=8, sequence_parallel=True)
+    cfg = validate(dataclasses.replace(cfg, parallel=par))
+    m, t, h800 = cfg.model, cfg.train, ACCELERATORS["h800"]
+    plan = planner.estimate(cfg, h800)
+    flops = lambda **kw: accounting.forward_flops_per_step(dataclasses.replace(cfg, model=dataclasses.replace(m, **kw)))
+    dense = dict(n_experts=0, first_k_dense=0, mtp_depth=0)
+    ratio = pipeline_costs.backward_over_forward(cfg)
+    prefix = (flops(n_layers=3, **dense) - flops(n_layers=0, **dense)) * (2 + ratio - (1 + ratio) / 2)
+    layer = flops(n_layers=62, mtp_depth=0) - flops(n_layers=61, mtp_depth=0)
+    b, s, d = t.global_batch, t.seq_len, m.d_model
+    module = (layer + 2 * b * s * 2 * d * d + 2 * b * s * d * m.vocab_size) * (1 + ratio) / 2
+    seconds = lambda f: f * 2 / (256 * planner.device_peak(h800, cfg))
+    assert plan.time[pipeline_costs.FIRST_LAYERS] == pytest.approx(seconds(prefix))
+    assert plan.time[pipeline_costs.MTP_MODULES] == pytest.approx(seconds(module))
+    assert (
+        0 < plan.time[pipeline_costs.MTP_MODULES] < plan.time[pipeline_costs.FIRST_LAYERS] < 0.1 * plan.time["compute"]
+    )
+    flat = dataclasses.replace(cfg, parallel=dataclasses.replace(par, stage=1, data=4))
+    assert not {pipeline_costs.FIRST_LAYERS, pipeline_costs.MTP_MODULES} & planner.estimate(flat, h800).time.keys()

@@ -162,22 +162,22 @@ def test_zero_bubble_v(p, m):
 @pytest.mark.parametrize("name, v", [("1f1b", 1), ("interleaved", 3), ("zbv", 2)])
 def test_the_weights_are_regrouped_as_the_stages_hold_the_chunks(name, v):
     """One statement of which chunks a stage holds (`Schedule.held_chunks`) serves the executor's
-    layer ids; `pipeline._regroup` puts each stage's weights there by a reshape, ZB-V's reversed
+    layer ids; `stage_layout.regroup` puts each stage's weights there by a reshape, ZB-V's reversed
     second arm and a transpose, and `_ungroup` undoes it: checked on layer numbers (p = 4, 2 layers
     a chunk)."""
-    from meshlm.parallel.pipeline import _regroup, _ungroup
+    from meshlm.parallel.stage_layout import regroup, ungroup
 
     p, per_chunk = 4, 2
     z = build(name, p, 8, v, "single" if name == "zbv" else "paired")
     layers = np.arange(p * v * per_chunk)
-    grouped = np.asarray(_regroup(layers, z, per_chunk))
+    grouped = np.asarray(regroup(layers, z, per_chunk))
     chunks = {"1f1b": [[s] for s in range(p)], "interleaved": [[s, s + p, s + 2 * p] for s in range(p)]}
     chunks["zbv"] = [[s, 2 * p - 1 - s] for s in range(p)]
     assert [list(row) for row in z.held_chunks()] == chunks[name]
     for s, held in enumerate(z.held_chunks()):
         for lc, c in enumerate(held):
             assert list(grouped[s, lc]) == list(range(c * per_chunk, (c + 1) * per_chunk))
-    assert list(np.asarray(_ungroup(grouped, z))) == list(layers)
+    assert list(np.asarray(ungroup(grouped, z))) == list(layers)
 
 
 def test_single_ticks_pictures():

@@ -517,7 +517,7 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
         "cotangent_inbox": grad_slots * slot,
     }
     if weight_slots:
-        per_chunk, rows = m.n_layers / (par.stage * par.virtual_stages), e * t.seq_len * b / par.tensor
+        per_chunk, rows = m.staged_layers / (par.stage * par.virtual_stages), e * t.seq_len * b / par.tensor
         # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width):
         # the layer terms the stash of the elementwise policy keeps for them
         layer = layer_activation_terms(m, t.seq_len, b, par.tensor, par.sequence_parallel)
@@ -547,7 +547,9 @@ def activation_memory(
     `pipeline`): P2's Eq. 5, L layers' worth (x (1 + (p-1)/(p v)) interleaved) when m > p. A run's
     own: interleaved the same; 1F1B in lockstep pairs (2p - 1)/p x L; GPipe m/p x L. A run's
     own pipeline (`parallel.stage`) lists its executor's buffers outside the layers; an explicit
-    `pipeline` (P2's layouts) follows P2 4.3's outside terms."""
+    `pipeline` (P2's layouts) follows P2 4.3's outside terms. An MoE model's dense first layers in a
+    run's own pipeline: its chunks hold MoE layers only, and stage 0 one microbatch of the dense ones
+    ('dense_first_layers', outside: recomputed in the first chunk's backward)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     policy = cfg.remat.policy if policy is None else policy
     sp = par.sequence_parallel if sequence_parallel is None else sequence_parallel
@@ -566,8 +568,9 @@ def activation_memory(
     own = pipeline is None and par.stage > 1
     p = par.stage if pipeline is None else pipeline
     v = par.virtual_stages if pipeline is None else (interleave or 1)
-    held = pipeline_in_flight(cfg, pipeline, interleave) * m.n_layers / (p * v)
-    stashed = layer_total
+    prefix = len(m.dense_layer_ids) if own else 0  # run with the embedding (docstring)
+    held = pipeline_in_flight(cfg, pipeline, interleave) * (m.staged_layers if own else m.n_layers) / (p * v)
+    stashed = sum(per_layer.values()) if prefix else layer_total
     if own and par.pipeline_schedule in SPLIT:  # its weight slots hold the region inputs (outside)
         stashed -= sum(per_layer.get(k, 0.0) for k in REGION_INPUTS)
     layers = held * stashed
@@ -577,6 +580,8 @@ def activation_memory(
         )
     else:
         outside = outside_activation_terms(m, s, b, par.tensor, sp, p)
+    if prefix:
+        outside["dense_first_layers"] = prefix * sum(each[1].values())
     e, mtp_host = dtype_bytes(m.dtype), 0.0
     if m.mtp_depth:  # each module: a layer of the first kind, and its own tensors (offload: its projection's output)
         mtp = mla_costs.mtp_module_terms(m, e, s, b, par.tensor, r, policy)
@@ -590,6 +595,6 @@ def activation_memory(
         "outside": outside,
         "total": layers + sum(outside.values()),
         "host_per_layer": host_per_layer,
-        "host_total": held * (sum(host_per_layer.values()) if len(kinds) == 1 else mean(host)) + mtp_host,
+        "host_total": held * (sum(host_per_layer.values()) if len(kinds) == 1 or prefix else mean(host)) + mtp_host,
         "dense_per_layer": each[1] if len(kinds) > 1 else {},
     }

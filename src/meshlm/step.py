@@ -130,7 +130,7 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         grads, loss_sum, count, moe_metrics = pipeline_gradients(params, batch, key, cfg, layout, split)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         denom = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
-        return jax.tree.map(lambda g: g / denom, grads), loss_sum / denom, count, moe_metrics
+        return jax.tree.map(lambda g: g / denom, grads), loss_sum / denom, count, _mtp_losses(moe_metrics, denom)
     # LoRA: only the trainable leaves are differentiated, so the frozen weights' gradients (their
     # d_in x d_out GEMMs) are never computed; they are zeros (constants) in the returned tree
     mask = trainable_mask(param_specs(cfg.model))
@@ -155,10 +155,15 @@ def gradients(params: dict, batch: Batch, key, cfg: RunConfig, layout: Layout, p
         (grads, loss_sum, count), per_micro = jax.lax.scan(accumulate, init, (micro, jnp.arange(k)))
         moe_metrics = over_microbatches(per_micro)
     denom = jnp.maximum(count, 1.0)  # a loss-masked batch without a trained token: zero, not 0/0
-    if "mtp_loss_sum" in moe_metrics:  # each module's loss, DeepSeek-V3's L_k
-        moe_metrics["mtp_loss"] = moe_metrics.pop("mtp_loss_sum") / denom
     grads = join(jax.tree.map(lambda g: g / denom, grads), [jnp.zeros_like(f) for f in frozen])
-    return grads, loss_sum / denom, count, moe_metrics
+    return grads, loss_sum / denom, count, _mtp_losses(moe_metrics, denom)
+
+
+def _mtp_losses(metrics: dict, denom: jax.Array) -> dict:
+    """Each MTP module's loss, DeepSeek-V3's L_k, from its loss sum (`mtp_loss_sum`, if any)."""
+    if "mtp_loss_sum" not in metrics:
+        return metrics
+    return {k: v for k, v in metrics.items() if k != "mtp_loss_sum"} | {"mtp_loss": metrics["mtp_loss_sum"] / denom}
 
 
 def make_grad_step(cfg: RunConfig, layout: Layout, param_shardings: dict) -> Callable:

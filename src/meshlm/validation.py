@@ -220,11 +220,19 @@ def _validate_moe(cfg: RunConfig) -> None:
     _divides(m.expert_ffn, "model.expert_d_ff", p.tensor, "tensor")
     if m.shared_ffn:
         _divides(m.shared_ffn, "model.shared_expert_d_ff", p.tensor, "tensor")
+    dense = m.dense_layer_ids
     _need(
-        p.stage == 1 or not m.dense_layer_ids,
-        "an MoE model with dense layers (model.first_k_dense, moe_layer_step or dense_layers) keeps them in a "
-        "stack of their own, which a pipeline's stages (parallel.stage > 1) do not split yet; train it with "
-        "the expert, data, fsdp, tensor and context axes, or make every layer MoE (docs/moe.md)",
+        p.stage == 1 or dense == tuple(range(len(dense))),
+        f"an MoE model with dense layers among its MoE ones ({list(dense)}: model.moe_layer_step or dense_layers) "
+        "in a pipeline (parallel.stage > 1) is not built: the stages run the dense first layers "
+        "(model.first_k_dense) with the embedding and split the others, so every stage's layers are of one "
+        "kind; train it with the expert, data, fsdp, tensor and context axes (docs/moe.md)",
+    )
+    _need(
+        p.stage == 1 or not dense or p.context == 1 or p.context_strategy != "ring",
+        "an MoE model's dense first layers (model.first_k_dense) run with the embedding inside a branch that "
+        "the first stage alone takes, and the ring's permutes (parallel.context_strategy=ring inside pipeline "
+        "stages) must be entered by every stage; use context_strategy=all_gather or all_to_all (docs/moe.md)",
     )
     _need(
         p.context == 1 or m.expert_capacity_factor == 0,
@@ -252,9 +260,10 @@ def _validate_parallel(cfg: RunConfig) -> None:
         "activations to the last stage); use zb1, 1f1b or interleaved",
     )
     _need(
-        not (m.mtp_depth and p.stage > 1),
-        "multi-token prediction (model.mtp_depth) with a pipeline (parallel.stage > 1) is not built yet: the "
-        "modules need the last stage's hidden state and the first stage's embedding; set one of them to 0/1",
+        not (m.mtp_depth and p.stage > 1 and p.context > 1 and p.context_strategy == "ring"),
+        "multi-token prediction (model.mtp_depth) runs with the loss inside a branch that the last chunk's stage "
+        "alone takes, and the ring's permutes (parallel.context_strategy=ring inside pipeline stages) must be "
+        "entered by every stage; use context_strategy=all_gather or all_to_all (docs/deepseek.md)",
     )
     for name, ways in p.dcn.items():
         _need(
@@ -274,7 +283,9 @@ def _validate_parallel(cfg: RunConfig) -> None:
         _need(p.stage > 1 or p.virtual_stages == 1, f"parallel.virtual_stages={p.virtual_stages} {no_pipeline}")
         _need(p.stage > 1, f"parallel.pipeline_ticks={p.pipeline_ticks} {no_pipeline}")
         try:
-            check_sizes(p.pipeline_schedule, p.stage, t.microbatches, p.virtual_stages, m.n_layers, p.pipeline_ticks)
+            prefix = len(m.dense_layer_ids)  # an MoE model's dense first layers: with the embedding
+            sizes = (p.pipeline_schedule, p.stage, t.microbatches, p.virtual_stages, m.staged_layers)
+            check_sizes(*sizes, p.pipeline_ticks, prefix)
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
 

@@ -98,15 +98,15 @@ def shrink(cfg: RunConfig) -> RunConfig:
     """The check-size config: the layout's math kept, its sizes cut (see the module)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.stage > 1:  # two layers per pipeline chunk (the scan inside a chunk, its slicing), when it has two
-        chunks = p.stage * p.virtual_stages
-        layers = chunks * min(2, m.n_layers // chunks)
+        chunks = p.stage * p.virtual_stages  # (and a dense first layer, run with the embedding)
+        layers = chunks * min(2, m.staged_layers // chunks) + (1 if m.dense_layer_ids else 0)
     else:  # a partial unroll stays partial; chained layers (unroll >= layers) stay chained
         layers = min(m.n_layers, m.scan_unroll + 1 if 1 < m.scan_unroll < m.n_layers else 2)
+        # one layer of the first kind, then the other's scan: one more keeps its unroll partial
+        layers += 1 if m.dense_layer_ids and 1 < m.scan_unroll < m.n_layers else 0
     group = m.n_heads // m.kv_heads  # query heads per kv head (GQA), kept
     kv = p.tensor * (p.context if p.context_strategy == "all_to_all" else 1)  # the fewest kv heads the mesh splits
     seq = _check_seq_len(cfg)
-    if m.dense_layer_ids:  # one layer of the first kind, then the other's scan: one more keeps its unroll partial
-        layers += 1 if 1 < m.scan_unroll < m.n_layers else 0
     model = dataclasses.replace(
         accounting.with_layers(m, layers),
         n_heads=kv * group,

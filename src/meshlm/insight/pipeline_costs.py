@@ -69,6 +69,36 @@ def backward_over_forward(cfg: RunConfig) -> float:
     return (1.0 if m.lora_rank else 2.0) + accounting.recompute_flops_per_step(cfg) / layers
 
 
+FIRST_LAYERS = "dense first layers on stage 0"  # the planner's parts for `stage_extra_flops`
+MTP_MODULES = "MTP modules on the last stage"
+
+
+@per_flops_key
+def stage_extra_flops(cfg: RunConfig) -> dict[str, float]:
+    """FLOPs per step that one stage runs beyond an even share of the step's, by part; time on that
+    stage's devices: this x p / (devices x rate). A run's own pipeline runs on stage 0 an MoE model's
+    dense first layers (`model.first_k_dense`) with the embedding: forward, again in the first
+    chunk's backward (`pipeline._Stage.embed`), and backward - (2 + b/f) x their forward FLOPs
+    (b/f: `backward_over_forward`), of which the even share holds (1 + b/f)/p. On the last chunk's
+    stage, the MTP modules (`model.mtp_depth`) with the loss: (1 + b/f)(1 - 1/p) x their forward
+    FLOPs (their layers' and output layers'). {} without a pipeline."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    if par.stage == 1:
+        return {}
+    ratio, out = backward_over_forward(cfg), {}
+    if m.dense_layer_ids:
+        dense = accounting.layer_kinds(m)[1][0]
+        prefix = dataclasses.replace(dense, n_layers=len(m.dense_layer_ids), mtp_depth=0)
+        logits = 2 * t.global_batch * t.seq_len * m.d_model * m.vocab_size
+        forward = accounting.forward_flops_per_step(dataclasses.replace(cfg, model=prefix)) - logits
+        out[FIRST_LAYERS] = forward * (2 + ratio - (1 + ratio) / par.stage)
+    if m.mtp_depth:
+        without = dataclasses.replace(cfg, model=dataclasses.replace(m, mtp_depth=0))
+        forward = accounting.forward_flops_per_step(cfg) - accounting.forward_flops_per_step(without)
+        out[MTP_MODULES] = forward * (1 + ratio) * (1 - 1 / par.stage)
+    return out
+
+
 def pipeline_overhead(cfg: RunConfig, pipeline: int, interleave: int = 1) -> float:
     """Time a pipeline adds, as a fraction of a stage's work. Megatron's asynchronous schedules (an
     explicit `pipeline`): the bubble (p-1)/(v m). meshlm's executor (`parallel.stage`) runs in
@@ -109,8 +139,10 @@ def pipeline_schedules(cfg: RunConfig, stages: int) -> list[tuple[str, int, str]
     if stages == 1:
         return [("1f1b", 1, "paired")]
     interleaved = [
-        ("interleaved", v, "paired") for v in range(2, MAX_INTERLEAVE + 1) if cfg.model.n_layers % (stages * v) == 0
+        ("interleaved", v, "paired")
+        for v in range(2, MAX_INTERLEAVE + 1)
+        if cfg.model.staged_layers % (stages * v) == 0
     ]
     flat = [("1f1b", 1)] + ([] if cfg.model.moe else [("zb1", 1)])
-    zbv = [("zbv", 2, "single")] if not cfg.model.moe and cfg.model.n_layers % (2 * stages) == 0 else []
+    zbv = [("zbv", 2, "single")] if not cfg.model.moe and cfg.model.staged_layers % (2 * stages) == 0 else []
     return [(name, v, ticks) for name, v in flat for ticks in ("paired", "single")] + interleaved + zbv

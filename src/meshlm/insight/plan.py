@@ -36,7 +36,13 @@ from meshlm import axes as ax
 from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ContextStrategy, ParallelConfig, RematConfig, RunConfig
 from meshlm.insight.attention_rates import attention_kernel
-from meshlm.insight.pipeline_costs import per_flops_key, pipeline_overhead, pipeline_schedules, pipeline_send_bytes
+from meshlm.insight.pipeline_costs import (
+    per_flops_key,
+    pipeline_overhead,
+    pipeline_schedules,
+    pipeline_send_bytes,
+    stage_extra_flops,
+)
 from meshlm.model.moe_costs import expert_exchange_bytes
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel import rules
@@ -308,6 +314,8 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
     attention = attention_seconds(cfg, device, n)
     out = {ATTENTION: attention} if attention else {}
     out = {"compute": (_hardware_flops(cfg) - _own_rate_flops(cfg, out)) / (n * peak)} | out
+    # a dense prefix on stage 0 alone, MTP modules on the last stage alone: beyond the even share
+    out |= {part: flops * pipeline / (n * peak) for part, flops in stage_extra_flops(cfg).items()}
     if par.tensor > 1:
         layers_here = accounting.attention_layers(m) / pipeline  # with MTP's
         out["tensor-parallel collectives"] = (
@@ -444,6 +452,7 @@ def calibrated_time(
     logits = (4 if m.lora_rank else 6) * t.global_batch * t.seq_len * m.d_model * m.vocab_size  # LoRA: frozen
     layers = _hardware_flops(cfg) - logits - _own_rate_flops(cfg, roofline)
     out: dict[str, float] = {"GEMMs": layers / (n * rate)}
+    out |= {part: flops * pipeline / (n * rate) for part, flops in stage_extra_flops(cfg).items()}
     if roofline.get(ATTENTION):  # at its kernel's own rate, as in the roofline
         out[ATTENTION] = roofline[ATTENTION]
     tp = roofline.get("tensor-parallel collectives", 0.0) / link_efficiency
@@ -518,10 +527,13 @@ def _paired(cfg: RunConfig) -> RunConfig:
 
 def _meshes(cfg: RunConfig, n_devices: int) -> list[dict[str, int]]:
     """Every factorisation of the device count over the mesh axes (context inside pipeline stages
-    too); pipelines only over stage counts that split the layers. MoE: `expert` over the sizes that
-    divide the experts, pipelines if every layer is MoE, context only dropless (validation's rules)."""
+    too); pipelines only over stage counts that split the layers (an MoE model's: those after its dense
+    first layers; none with dense layers among MoE ones). MoE: `expert` over the sizes that divide
+    the experts, context only dropless (validation's rules)."""
     m, out = cfg.model, []
-    for stage in (p for p in _divisors(n_devices) if m.n_layers % p == 0 and (p == 1 or not m.dense_layer_ids)):
+    # an MoE model's dense first layers run with the embedding; dense layers among MoE ones refuse a pipeline
+    prefix_only = m.dense_layer_ids == tuple(range(len(m.dense_layer_ids)))
+    for stage in (p for p in _divisors(n_devices) if p == 1 or (prefix_only and m.staged_layers % p == 0)):
         for tensor in _divisors(n_devices // stage):
             rest = n_devices // stage // tensor
             experts = [e for e in _divisors(rest) if m.n_experts % e == 0] if m.moe else [1]

@@ -330,7 +330,7 @@ def router_objective_share(
     layer routes every token (counts are taken before drops), so each layer's tokens are the total's
     1/L. The shares of all chunks and rows sum to the router term; the gradient of a chunk's share
     with respect to its statistics is the cotangent a pipeline's backward feeds the chunk."""
-    k, E, L = cfg.experts_per_token, cfg.n_experts, len(cfg.moe_layer_ids)  # MTP's not (refused in pipelines)
+    k, E, L = cfg.experts_per_token, cfg.n_experts, len(cfg.moe_stat_layer_ids)  # the model's and MTP's
     pairs = jnp.sum(counts_total) / k  # (token, layer) pairs of the microbatch
     f = jax.lax.stop_gradient(counts_total / pairs)
     aux = E * jnp.sum(f * stats.prob_sum.sum(axis=(0, 1))) / pairs

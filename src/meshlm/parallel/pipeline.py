@@ -31,82 +31,41 @@ the branch that makes them; the two `ppermute`s are entered by every device on e
 any branch (what an idle stage sends lands in a spare slot). Buffers are slot arrays sized by the table
 (`parallel.slots`). Gradients are summed over the batch axes once, after the loop. The stacked
 layer axis [L, ...] is sharded over `stage` in contiguous blocks (checkpoints do not depend on the
-pipeline) and regrouped in the step to [p, v, L/(pv), ...] (`_regroup`); the embeddings and
-output layer are stored split over fsdp x stage. Dropout draws at each element's global position,
+pipeline) and regrouped in the step to [p, v, L/(pv), ...] (`stage_layout.regroup`); the embeddings and
+output layer are stored split over fsdp x stage. An MoE model's dense first layers (`model.first_k_dense`)
+run on the first chunk with the embedding, recomputed in its backward (`_Stage.embed`); the other
+layers split over the stages. Dropout draws at each element's global position,
 microbatch i from fold_in(key, i), as `step.gradients` does (docs/pipeline.md).
 """
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
 from meshlm.config import RunConfig
-from meshlm.model import moe
+from meshlm.model import moe, mtp
 from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.params import param_specs
 from meshlm.model.transformer import RESIDUAL, embed, logits, region_shapes, run_layers, weight_gradients
-from meshlm.parallel.collectives import region_weight_spec
-from meshlm.parallel.rules import Layout, constrain, part_names
+from meshlm.parallel import stage_layout as sl
+from meshlm.parallel.buffers import put as _put
+from meshlm.parallel.buffers import slots as _slots
+from meshlm.parallel.buffers import take as _take
+from meshlm.parallel.rules import Layout, constrain
 from meshlm.parallel.schedules import Schedule, build, runs_unbranched
 from meshlm.parallel.slots import tables
-
-AXIS = "stage"
+from meshlm.parallel.stage_layout import AXIS
 
 
 def schedule_for(cfg: RunConfig) -> Schedule:
     par = cfg.parallel
     return build(par.pipeline_schedule, par.stage, cfg.train.microbatches, par.virtual_stages, par.pipeline_ticks)
-
-
-def _slots(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, fill: float, host: bool = False) -> jax.Array:
-    """A slot buffer for values like `like`. Every slot an action uses is written before it is read
-    (the table interpreter test), so with `fill` = 0 it is `lax.empty` (uninitialised on GPUs and
-    TPUs); else floats hold `fill` (tests fill NaN), PRNG keys key(0). `host`: in host memory
-    (the `offload` policy's residuals)."""
-    if host:
-        return jax.device_put(_slots(shape, like, fill), jax.memory.Space.Host)
-    if jax.dtypes.issubdtype(like.dtype, jax.dtypes.prng_key):
-        keys = jnp.broadcast_to(jax.random.key(0), shape + like.shape)
-        if keys.dtype != like.dtype:
-            raise TypeError(f"the pipeline stash holds keys of the default PRNG ({keys.dtype}), not {like.dtype}")
-        return keys
-    if fill == 0.0:
-        return jax.lax.empty(shape + like.shape, like.dtype)
-    if jnp.issubdtype(like.dtype, jnp.floating):
-        return jnp.full(shape + like.shape, fill, like.dtype)
-    return jnp.zeros(shape + like.shape, like.dtype)
-
-
-def _kept(layout: Layout, axes) -> NamedSharding:
-    """The layout a weight keeps inside the pipeline: its `tensor` and `expert` splits (and `stage`
-    on the stacked layer axis, logical LAYERS); the fsdp split and the embeddings' stage split are
-    gathered."""
-    spec = region_weight_spec(layout, axes, ("expert", "tensor"))
-    return NamedSharding(layout.mesh, P(AXIS, *spec[1:]) if axes[0] == ax.LAYERS else spec)
-
-
-def _region_spec(layout: Layout, axes) -> P:
-    """A stacked weight [p, v, L/(pv), ...] (logical `axes`) entering the stage region, which is manual over `stage`
-    and the batch axes: split over `stage`, and an MoE expert weight over `expert` (a batch axis
-    too), so that each device holds its own experts, as the MoE region inside a layer expects."""
-    return P(AXIS, None, None, *region_weight_spec(layout, axes[3:], ("expert",)))
-
-
-def _put(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
-    value = value if value.dtype == buf.dtype else value.astype(buf.dtype)
-    return jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)
-
-
-def _take(buf: jax.Array, slot: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
 
 
 class Carry(NamedTuple):
@@ -122,9 +81,10 @@ class Carry(NamedTuple):
     w_grad: list  # zb1, ZB-V: per region output: [weight_slots, L/(pv), ...], B's output gradients for W
     w_in_next: tuple | None  # zb1, ZB-V: (slot, region inputs) of the last forward, written next tick
     g_layers: dict  # the stage's chunk weight gradients [v, L/(pv), ...], accumulated in the phases
-    g_top: dict  # the embeddings' and output layer's gradients (stage 0 and the last chunk's stage)
+    g_top: dict  # the other weights' gradients: embeddings, dense prefix (stage 0), output layer, MTP (last chunk)
     loss: jax.Array  # summed token loss of the microbatches whose last chunk ran here
     count: jax.Array  # their counted tokens
+    mtp: jax.Array  # [D] the MTP modules' loss sums (`model.mtp_depth`; [0] without)
     moe: dict | None  # MoE: the counts riding with the messages and every microbatch-chunk's RouterStats
 
 
@@ -138,17 +98,19 @@ class _Stage:
         self.local, self.top, self.micro, self.key = local, top, micro, key
         self.moe, self.tokens = cfg.model.moe, tokens  # MoE: each microbatch's counted tokens [m]
         self.p, self.m = cfg.parallel.stage, cfg.train.microbatches
-        self.per_chunk = cfg.model.n_layers // (self.p * cfg.parallel.virtual_stages)
+        self.prefix = len(cfg.model.dense_layer_ids)  # dense first layers, run with the embedding
+        self.depth = cfg.model.mtp_depth  # MTP modules, run with the loss on the last chunk
+        self.per_chunk = cfg.model.staged_layers // (self.p * cfg.parallel.virtual_stages)
         self.dtype = jnp.dtype(cfg.model.dtype)
         b, s_len = micro["inputs"].shape[1:3]
         self.x_shape = (b, s_len, cfg.model.d_model)
         self.stage = jax.lax.axis_index(AXIS)
         specs = param_specs(cfg.model)
-        self.top_axes = {n: spec.axes for n, spec in specs.items() if n != "layers"}
+        self.top_shardings = sl.top_shardings(layout, specs, inside=True)
         # LoRA: only the adapters are differentiated; the frozen weights and the embeddings and
         # output layer (all frozen) get no gradient and no accumulator
         self.trained = {n for n, spec in specs["layers"].items() if spec.trainable}
-        self.top_trained = all(spec.trainable for n, spec in specs.items() if n != "layers")
+        self.top_trained = sl.top_trained(specs)
         self.split = tab.weight_slots > 0  # zb1: B and W apart
         self.unbranched = runs_unbranched(cfg.parallel)  # the ring inside the stages (see `phase`)
         self.w_inputs, self.w_grads = [], []  # zb1: a weight slot's region inputs and output gradients
@@ -159,11 +121,17 @@ class _Stage:
             stacked = lambda a: jax.ShapeDtypeStruct((self.per_chunk, *a.shape), a.dtype)
             self.w_inputs, self.w_grads = [stacked(a) for a in ins], [stacked(a) for a in outs]
         self._probe_residuals()
+        self.mtp_stats_shape = None  # MoE MTP: the modules' RouterStats [D, b, ...]
+        if self.moe and self.depth:
+            mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), micro)
+            y = jax.ShapeDtypeStruct(self.x_shape, self.dtype)
+            objective = partial(mtp.objective, cfg=cfg.model, layout=layout, key=None, remat_policy="elementwise")
+            self.mtp_stats_shape = jax.eval_shape(lambda y, mb: objective(top, y, mb)[1], y, mb)
 
     # ------------------------------------------------------------------ pieces
 
     def top_layout(self, tree: dict) -> dict:
-        return {n: jax.lax.with_sharding_constraint(w, _kept(self.layout, self.top_axes[n])) for n, w in tree.items()}
+        return jax.tree.map(jax.lax.with_sharding_constraint, tree, self.top_shardings) if tree else tree
 
     def resid(self, x: jax.Array) -> jax.Array:
         return constrain(self.layout, x, RESIDUAL)
@@ -193,15 +161,55 @@ class _Stage:
 
     def context(self, micro_i, chunk):
         """The microbatch, its dropout key and the global layer ids of this stage's local chunk."""
-        ids = jnp.asarray(self.tab.held, jnp.int32)[self.stage, chunk] * self.per_chunk + jnp.arange(self.per_chunk)
+        first = jnp.asarray(self.tab.held, jnp.int32)[self.stage, chunk] * self.per_chunk + self.prefix
+        ids = first + jnp.arange(self.per_chunk)
         return jax.tree.map(lambda a: _take(a, micro_i), self.micro), self.mb_key(micro_i), ids
 
     def embed(self, top, mb, k):
-        return embed(top, mb["inputs"], self.cfg.model, self.layout, k, mb.get("positions")).astype(self.dtype)
+        """The first chunk's input: the embedded microbatch, through the dense first layers of an MoE
+        model (`model.first_k_dense`, layers 0 .. k-1). B(i, 0) runs this again under its vjp, so
+        those layers are recomputed (as under `remat.policy=full`) and stash nothing."""
+        x = embed(top, mb["inputs"], self.cfg.model, self.layout, k, mb.get("positions")).astype(self.dtype)
+        if not self.prefix:
+            return x
+        ids, policy = jnp.arange(self.prefix), self.cfg.remat.policy
+        seg = mb.get("segment_ids")
+        x, _ = run_layers(x, top[sl.PREFIX], ids, self.cfg.model, self.layout, k, policy, seg)
+        return x.astype(self.dtype)
 
     def loss(self, y, top, mb):
         out = logits(top, y, self.cfg.model, self.layout, self.cfg.remat.policy)
         return cross_entropy_sum(out, mb["targets"], mb.get("mask"))
+
+    def batch_sum(self, x: jax.Array) -> jax.Array:
+        batch_axes = manual_batch_axes(self.layout)
+        return jax.lax.psum(x, batch_axes) if batch_axes else x
+
+    def head(self, y, mb, k, micro_i, before):
+        """The last chunk's output layer and loss, and the MTP modules (`model.mtp`; the objective adds
+        mtp_loss_coef / D x their loss sums, as `step.objective_sum`), forward and backward: (dy, the
+        gradients of the weights outside the layers - None when frozen, loss sum, token count, the
+        modules' loss sums [D], their RouterStats or None). MoE: the modules' share of the router
+        losses needs the microbatch's assignments over every MoE layer and row - `before` (this
+        device's rows: the chunks' that arrived and this one's) plus the modules', summed over the
+        batch axes here as `moe_tick` sums them after the forward."""
+        m = self.cfg.model
+
+        def objective(y, top):
+            ls, cnt = self.loss(y, top, mb)
+            if not self.depth:
+                return (ls, None), (ls, cnt, jnp.zeros((0,), jnp.float32))
+            sums, stats = mtp.objective(top, y, mb, m, self.layout, k, self.cfg.remat.policy)
+            return (ls + m.mtp_loss_coef / self.depth * jnp.sum(sums), stats), (ls, cnt, sums)
+
+        f, args = (objective, (y, self.top)) if self.top_trained else (lambda y: objective(y, self.top), (y,))
+        (obj, stats), vjp_fn, (ls, cnt, sums) = jax.vjp(f, *args, has_aux=True)
+        cot = None
+        if stats is not None:
+            total = self.batch_sum(before + stats.counts.sum(axis=(0, 1)))
+            cot = self.stats_cotangent(micro_i, (stats, total))
+        grads = vjp_fn((jnp.ones_like(obj), cot))
+        return grads[0], grads[1] if self.top_trained else None, ls, cnt, sums, stats
 
     def vjp_parts(self, w, x, k, ids, seg):
         """The chunk's output and its MoE layers' RouterStats (None without), their vjp (a function
@@ -324,13 +332,15 @@ class _Stage:
 
         return jax.lax.cond(r[which].astype(bool), run, lambda: g_layers)  # no ring op in W
 
-    def forward(self, r, x_in, res_keep, g_top):
+    def forward(self, r, x_in, res_keep, g_top, arrived=None):
         """F(i, c), or nothing: (residuals to stash, activation to send, the loss's cotangent to
         file, the accumulated head gradients with this forward's added, loss, token count, zb1's
         region inputs for W - for the spare weight slot when idle, the chunk's RouterStats (idle:
-        for the spare row m), None without MoE). `res_keep` is what an idle forward writes back into the
-        stash slot."""
-        zero = jnp.zeros((), jnp.float32)
+        for the spare row m), None without MoE; the MTP modules' loss sums [D] and RouterStats, None
+        without MoE MTP). `res_keep` is what an idle forward writes back into the stash slot; `arrived`
+        (MoE) the counts that came with the input."""
+        zero, no_sums = jnp.zeros((), jnp.float32), jnp.zeros((self.depth,), jnp.float32)
+        no_mtp_stats = lambda: jax.tree.map(lambda a: _slots((), a, self.idle_fill), self.mtp_stats_shape)
 
         def run(live):
             mb, k, ids = self.context(r["f_micro"], r["f_chunk"])
@@ -342,24 +352,25 @@ class _Stage:
             inputs = [a.astype(b.dtype) for a, b in zip(inputs, self.w_inputs, strict=True)] if self.split else []
 
             def with_loss():
-                if not self.top_trained:  # LoRA: the output layer is frozen
-                    (ls, cnt), dy = jax.value_and_grad(self.loss, has_aux=True)(y, self.top, mb)
-                    return self.resid(dy.astype(self.dtype)), g_top, ls, cnt
-                (ls, cnt), (dy, dtop) = jax.value_and_grad(self.loss, argnums=(0, 1), has_aux=True)(y, self.top, mb)
-                return self.resid(dy.astype(self.dtype)), self.top_layout(jax.tree.map(jnp.add, g_top, dtop)), ls, cnt
+                before = None if stats is None else jnp.where(first, 0.0, arrived) + stats.counts.sum(axis=(0, 1))
+                dy, dtop, ls, cnt, sums, mtp_stats = self.head(y, mb, k, r["f_micro"], before)
+                top = g_top if dtop is None else self.top_layout(jax.tree.map(jnp.add, g_top, dtop))  # LoRA: frozen
+                return self.resid(dy.astype(self.dtype)), top, ls, cnt, sums, mtp_stats
 
-            no_loss = lambda: (self.filled(), self.top_layout(g_top), zero, zero)
-            dy, top, ls, cnt = jax.lax.cond(last if live is None else last & live, with_loss, no_loss)
+            no_mtp = no_mtp_stats() if self.mtp_stats_shape else None
+            no_loss = lambda: (self.filled(), self.top_layout(g_top), zero, zero, no_sums, no_mtp)
+            dy, top, ls, cnt, sums, mtp_stats = jax.lax.cond(last if live is None else last & live, with_loss, no_loss)
             send = jnp.where(last, self.filled(), self.resid(y.astype(self.dtype)))
             stash = self.stash_of(vjp_fn, w_where)
             if live is not None:  # unbranched: an idle cell's stash slot holds a live microbatch-chunk
                 stash = [jnp.where(live, a, b) for a, b in zip(stash, res_keep, strict=True)]
-            return stash, send, dy, top, ls, cnt, inputs, stats
+            return stash, send, dy, top, ls, cnt, inputs, stats, sums, mtp_stats
 
         def idle():
             stats = jax.tree.map(lambda a: _slots((), a, self.idle_fill), self.stats_shape)
-            filled = self.filled()
-            return res_keep, filled, filled, self.top_layout(g_top), zero, zero, self.spare(self.w_inputs), stats
+            filled, mtp_stats = self.filled(), no_mtp_stats() if self.mtp_stats_shape else None
+            spare = self.spare(self.w_inputs)
+            return res_keep, filled, filled, self.top_layout(g_top), zero, zero, spare, stats, no_sums, mtp_stats
 
         return self.phase(r["f"], run, idle)
 
@@ -378,6 +389,7 @@ class _Stage:
             g_top=jax.tree.map(jnp.zeros_like, self.top) if self.top_trained else {},
             loss=jnp.zeros((), jnp.float32),
             count=jnp.zeros((), jnp.float32),
+            mtp=jnp.zeros((self.depth,), jnp.float32),
             # MoE: each (microbatch, chunk)'s RouterStats (row m: what idle forwards write)
             moe=self.moe_carry() if self.moe else None,
         )
@@ -385,33 +397,42 @@ class _Stage:
     def moe_carry(self) -> dict:
         counts = jax.ShapeDtypeStruct((self.cfg.model.n_experts,), jnp.float32)
         v = self.cfg.parallel.virtual_stages
-        return {
+        out = {
             "act": _slots((self.tab.act_slots,), counts, self.idle_fill),
             "grad": _slots((self.tab.grad_slots,), counts, self.idle_fill),
             "stats": jax.tree.map(lambda a: _slots((self.m + 1, v), a, self.idle_fill), self.stats_shape),
         }
+        if self.mtp_stats_shape:  # each microbatch's MTP modules' RouterStats (row m: idle)
+            out["mtp_stats"] = jax.tree.map(lambda a: _slots((self.m + 1,), a, self.idle_fill), self.mtp_stats_shape)
+        return out
 
-    def moe_tick(self, c: dict, r: dict, stats, send_act, got_moe_grad) -> tuple:
+    def moe_tick(self, c: dict, r: dict, stats, send_act, got_moe_grad, mtp_stats=None) -> tuple:
         """MoE's part of a tick after the forward: the forward's counts (those that arrived with its
-        input plus its chunk's, on this device's rows) go right with its activation; summed over
-        the batch axes they are the microbatch's total on the last chunk, filed with the loss's
-        cotangent; its stats are kept for its backward and the metrics. (the activation received,
-        the new MoE carry)."""
+        input plus its chunk's, on this device's rows; on the last chunk the MTP modules' too) go
+        right with its activation; summed over the batch axes they are the microbatch's total on the
+        last chunk, filed with the loss's cotangent; its stats are kept for its backward and the
+        metrics. (the activation received, the new MoE carry)."""
         arrived = _take(c["act"], r["act_read"])
         counts = jnp.where(r["f_first"].astype(bool), 0.0, arrived) + stats.counts.sum(axis=(0, 1))
-        batch_axes = manual_batch_axes(self.layout)
-        total = jax.lax.psum(counts, batch_axes) if batch_axes else counts
+        with_mtp = r["f"].astype(bool) & r["f_last"].astype(bool)
+        if mtp_stats is not None:
+            counts = counts + jnp.where(with_mtp, mtp_stats.counts.sum(axis=(0, 1)), 0.0)
+        total = self.batch_sum(counts)
         got_act, got_counts = jax.lax.ppermute((send_act, counts), AXIS, [(j, (j + 1) % self.p) for j in range(self.p)])
         i = jnp.where(r["f"].astype(bool), r["f_micro"], self.m)
         put = lambda buf, a: jax.lax.dynamic_update_slice(
             buf, a[None, None].astype(buf.dtype), (i, r["f_chunk"], *(0,) * a.ndim)
         )
         grad = _put(_put(c["grad"], r["grad_write"], total), r["recv_grad"], got_moe_grad)
-        return got_act, {
+        out = {
             "act": _put(c["act"], r["recv_act"], got_counts),
             "grad": grad,
             "stats": jax.tree.map(put, c["stats"], stats),
         }
+        if mtp_stats is not None:
+            row = jnp.where(with_mtp, r["f_micro"], self.m)
+            out["mtp_stats"] = jax.tree.map(lambda buf, a: _put(buf, row, a), c["mtp_stats"], mtp_stats)
+        return got_act, out
 
     def tick(self, c: Carry, row: dict) -> tuple[Carry, None]:
         """One tick: the cell's backward, (zb1) its first weight pass, its cotangent sent left,
@@ -445,7 +466,9 @@ class _Stage:
         if not self.tab.single:  # paired ticks: the cotangent leaves before the forward runs
             got_grad, got_moe_grad = send_left(send_grad)
         g_layers = self.weight_pass(r, "w2", w_in, w_grad, g_layers)
-        res, send_act, dy, g_top, ls, cnt, inputs, stats = self.forward(r, _take(c.act, r["act_read"]), res_b, g_top)
+        arrived = _take(moe_c["act"], r["act_read"]) if self.moe else None
+        x_in = _take(c.act, r["act_read"])
+        res, send_act, dy, g_top, ls, cnt, inputs, stats, sums, mtp_stats = self.forward(r, x_in, res_b, g_top, arrived)
         to_right = send_act
         if self.tab.single:  # one action per tick: every stage computes, then both sends
             # the barrier makes the cotangent's send wait for the forward (XLA may otherwise issue it
@@ -457,7 +480,7 @@ class _Stage:
                 to_left = to_right = jnp.where(r["f"].astype(bool), send_act, send_grad)
             got_grad, got_moe_grad = send_left(to_left)
         if self.moe:
-            got_act, moe_c = self.moe_tick(moe_c, r, stats, send_act, got_moe_grad)
+            got_act, moe_c = self.moe_tick(moe_c, r, stats, send_act, got_moe_grad, mtp_stats)
         else:
             got_act = jax.lax.ppermute(to_right, AXIS, [(j, (j + 1) % self.p) for j in range(self.p)])
         act = _put(c.act, r["recv_act"], got_act)
@@ -476,6 +499,7 @@ class _Stage:
             g_top=g_top,
             loss=c.loss + ls,
             count=c.count + cnt,
+            mtp=c.mtp + sums,
             moe=moe_c,
         ), None
 
@@ -505,30 +529,31 @@ def pipeline_gradients(
     schedule = schedule_for(cfg)
     tab = tables(schedule)
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
-    per_chunk = cfg.model.n_layers // (p * v)
-
-    regroup = partial(_regroup, schedule=schedule, per_chunk=per_chunk)
-
+    regroup = partial(sl.regroup, schedule=schedule, per_chunk=cfg.model.staged_layers // (p * v))
     specs = param_specs(cfg.model)
     # Gathered once per step (not once per tick), their gradients summed after the loop and sliced
-    # back to the shards by the caller's constraint: each stage's layers over fsdp, and the
-    # embeddings and output layer, stored split over fsdp x stage (1/p of them and their optimizer
-    # state per device), over both. Only the stage split of the layers and the tensor splits remain.
-    keep = lambda w, axes: jax.lax.with_sharding_constraint(w, _kept(layout, axes))
+    # back to the shards by the caller's constraint: each stage's layers over fsdp, and the other
+    # weights (embeddings, output layer, dense prefix, MTP), stored split over fsdp x stage (1/p of them
+    # and their optimizer state per device), over both. The stage split of the layers and the tensor
+    # splits remain.
+    keep = lambda w, axes: jax.lax.with_sharding_constraint(w, sl.kept(layout, axes))
     stacked_axes = {n: (ax.LAYERS, None, None, *specs["layers"][n].axes[1:]) for n in params["layers"]}
     stacked = {n: keep(regroup(w), stacked_axes[n]) for n, w in params["layers"].items()}
-    top = {n: keep(w, specs[n].axes) for n, w in params.items() if n != "layers"}
+    top = {n: w for n, w in params.items() if n != "layers"}
+    top = jax.tree.map(jax.lax.with_sharding_constraint, top, sl.top_shardings(layout, specs))
     micro = split_microbatches(batch, m)
 
     # Manual over `stage` and the batch axes: each device accumulates the gradients of its own rows
     # through the whole tick loop, and they are summed over the batch axes once, after it.
     batch_axes = manual_batch_axes(layout)
 
-    in_layers = {n: _region_spec(layout, a) for n, a in stacked_axes.items()}
+    in_layers = {n: sl.region_spec(layout, a) for n, a in stacked_axes.items()}
     # each leaf's gradient is summed over the batch axes that do not split it (experts: data x fsdp)
-    reduce_over = {n: tuple(a for a in batch_axes if a not in _named(s)) for n, s in in_layers.items()}
-    tokens = _microbatch_tokens(micro)
+    reduce_over = {n: tuple(a for a in batch_axes if a not in sl.named(s)) for n, s in in_layers.items()}
+    tokens = sl.microbatch_tokens(micro)
     trained = [n for n, spec in specs["layers"].items() if spec.trainable]
+    top_in = sl.top_region_specs(layout, specs)  # whole, but MTP's experts (split over `expert`)
+    top_out = top_in if sl.top_trained(specs) else P()
 
     def body(stacked, top, micro, tokens, key_arr=None):
         local = jax.tree.map(lambda w: w[0], stacked)  # [v, L/(pv), ...]
@@ -537,64 +562,29 @@ def pipeline_gradients(
         c, _ = jax.lax.scan(stage.tick, stage.carry(), rows)
         total = lambda t: jax.lax.psum(t, (AXIS, *batch_axes))
         g_layers = {n: jax.lax.psum(g, reduce_over[n])[None] for n, g in c.g_layers.items()}
-        out = g_layers, jax.tree.map(total, c.g_top), total(c.loss), total(c.count)
-        return (*out, jax.tree.map(lambda a: a[None, :m], c.moe["stats"])) if cfg.model.moe else (*out, None)
+        # each weight outside the layers: summed over the stages and the batch axes that do not split it
+        over = lambda s: (AXIS, *(a for a in batch_axes if a not in sl.named(s)))
+        g_top = jax.tree.map(lambda g, s: jax.lax.psum(g, over(s)), c.g_top, top_in) if c.g_top else {}
+        out = g_layers, g_top, total(c.loss), total(c.count), total(c.mtp)
+        stats = {n: jax.tree.map(lambda a: a[None, :m], s) for n, s in c.moe.items() if "stats" in n} if c.moe else None
+        return *out, stats
 
     args = (stacked, top, micro, tokens) + ((key,) if key is not None else ())
     rows_split = P(None, batch_axes or None)  # every microbatch array is [m, b, ...]
-    stats_split = P(AXIS, None, None, None, batch_axes or None) if cfg.model.moe else None  # [p, m, v, L/(pv), b, ...]
     region = jax.shard_map(
         body,
         mesh=layout.mesh,
-        in_specs=({n: in_layers[n] for n in stacked}, P(), rows_split, P()) + ((P(),) if key is not None else ()),
-        out_specs=({n: in_layers[n] for n in trained}, P(), P(), P(), stats_split),
+        in_specs=({n: in_layers[n] for n in stacked}, top_in, rows_split, P()) + ((P(),) if key is not None else ()),
+        out_specs=({n: in_layers[n] for n in trained}, top_out, P(), P(), P(), sl.stats_specs(cfg, batch_axes)),
         axis_names={AXIS, *batch_axes},
         check_vma=False,
     )
-    g_layers, g_top, loss_sum, count, stats = region(*args)
+    g_layers, g_top, loss_sum, count, mtp_sums, stats = region(*args)
 
-    ungroup = partial(_ungroup, schedule=schedule)
+    ungroup = partial(sl.ungroup, schedule=schedule)
     # frozen leaves (LoRA's base): zeros, constants in the returned tree, as `step.gradients` gives them
     layers = {n: ungroup(g_layers[n]) if n in g_layers else jnp.zeros_like(w) for n, w in params["layers"].items()}
-    top = {n: g_top.get(n, jnp.zeros_like(w)) for n, w in params.items() if n != "layers"}
-    return {"layers": layers, **top}, loss_sum, count, _moe_metrics(stats, cfg, m)
-
-
-def _regroup(w: jax.Array, schedule: Schedule, per_chunk: int) -> jax.Array:
-    """[L, ...] -> [p, v, L/(pv), ...], stage s's the chunks `Schedule.held_chunks` names: a reshape,
-    ZB-V's second arm reversed, a transpose (GSPMD moves it with permutes; no data moves at v = 1)."""
-    p, v = schedule.stages, schedule.virtual
-    arms = w.reshape(v, p, per_chunk, *w.shape[1:])
-    if schedule.name == "zbv":
-        arms = jnp.stack([arms[0], arms[1][::-1]])
-    return jnp.swapaxes(arms, 0, 1)
-
-
-def _ungroup(g: jax.Array, schedule: Schedule) -> jax.Array:
-    """`_regroup`'s inverse: [p, v, L/(pv), ...] -> [L, ...]."""
-    arms = jnp.swapaxes(g, 0, 1)
-    if schedule.name == "zbv":
-        arms = jnp.stack([arms[0], arms[1][::-1]])
-    return arms.reshape(-1, *g.shape[3:])
-
-
-def _moe_metrics(stats, cfg: RunConfig, m: int) -> dict:
-    """The step's MoE metrics from every stage's RouterStats [p, m, v, L/(pv), b, ...], put in layer
-    order [m, L, b, ...] (layer (c p + s) L/(pv) + j), as `step.gradients` computes them; {} dense."""
-    if stats is None:
-        return {}
-    layer_major = lambda a: jnp.moveaxis(a, 0, 2).reshape(m, cfg.model.n_layers, *a.shape[4:])
-    per_micro = jax.vmap(lambda st: moe.moe_losses(st, cfg.model))(jax.tree.map(layer_major, stats))
-    return moe.over_microbatches(per_micro)
-
-
-def _named(spec: P) -> set[str]:
-    return {a for part in spec for a in part_names(part)}
-
-
-def _microbatch_tokens(micro: dict) -> jax.Array:
-    """[m] the counted tokens of each microbatch (the loss's; MoE's router losses weigh by them)."""
-    if "mask" in micro:
-        return jnp.sum(micro["mask"].astype(jnp.float32), axis=tuple(range(1, micro["mask"].ndim)))
-    m, *rest = micro["targets"].shape
-    return jnp.full((m,), float(math.prod(rest)), jnp.float32)
+    zero_if_frozen = lambda g, s: g if s.trainable else jnp.zeros_like(g)  # LoRA's; an MTP module's router bias
+    top = jax.tree.map(zero_if_frozen, g_top or sl.top_specs(params), sl.top_specs(specs))
+    metrics = sl.moe_metrics(stats, cfg, schedule) | ({"mtp_loss_sum": mtp_sums} if cfg.model.mtp_depth else {})
+    return {"layers": layers, **top}, loss_sum, count, metrics

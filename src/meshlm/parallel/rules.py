@@ -155,13 +155,18 @@ class Layout:
         """A parameter's storage sharding: `sharding`, except that `stage` is left off a dimension
         it does not divide (the embeddings' width is split over fsdp x stage where it divides - 1/p
         of them per device - and kept whole on every stage where it does not, e.g. d=20480 over 35
-        stages). The stacked layer axis must divide (validation says so first)."""
+        stages). The staged layer axis must divide (validation says so first); an MoE model's dense
+        first layers (`model.first_k_dense`), which every stage runs whole, take `stage` on their width
+        where it does not divide their count, as the embeddings do."""
         spec = self.spec(logical_axes)
-        parts = []
-        for dim, part in zip(shape, (*spec, *[None] * (len(shape) - len(spec))), strict=True):
+        parts, homeless = [], False
+        size = lambda names: math.prod(self.mesh.shape[n] for n in names)
+        for dim, part, logical in zip(shape, (*spec, *[None] * (len(shape) - len(spec))), logical_axes, strict=True):
             names = part_names(part)
-            if "stage" in names and dim % math.prod(self.mesh.shape[n] for n in names):
-                names = tuple(n for n in names if n != "stage")
+            if "stage" in names and dim % size(names):
+                names, homeless = tuple(n for n in names if n != "stage"), True
+            elif homeless and logical == ax.EMBED and not dim % size((*names, "stage")):
+                names, homeless = (*names, "stage"), False
             parts.append(as_part(names))
         return NamedSharding(self.mesh, spec_of(parts))
 

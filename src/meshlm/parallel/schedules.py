@@ -210,9 +210,16 @@ class Schedule:
 
 
 def check_sizes(
-    name: str, stages: int, microbatches: int, virtual: int = 1, layers: int | None = None, ticks: str = "paired"
+    name: str,
+    stages: int,
+    microbatches: int,
+    virtual: int = 1,
+    layers: int | None = None,
+    ticks: str = "paired",
+    prefix: int = 0,
 ) -> None:
-    """The combinations a schedule cannot run, as a ScheduleError naming what to change."""
+    """The combinations a schedule cannot run, as a ScheduleError naming what to change. `layers`: those
+    the stages split, after `prefix` dense first layers that run with the embedding."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown pipeline schedule {name!r}; choose from {', '.join(SCHEDULES)}")
     if ticks not in TICKS:
@@ -240,9 +247,10 @@ def check_sizes(
             f"{microbatches} is not a multiple of stage={stages}"
         )
     if layers is not None and layers % (stages * virtual):
-        raise ScheduleError(
-            f"model.n_layers={layers} does not split into stage x virtual_stages = {stages * virtual} equal chunks"
-        )
+        what = f"model.n_layers={layers + prefix}"
+        if prefix:  # an MoE model's dense first layers run with the embedding
+            what += f" less the {prefix} dense first layers (run with the embedding), {layers},"
+        raise ScheduleError(f"{what} does not split into stage x virtual_stages = {stages * virtual} equal chunks")
 
 
 @functools.lru_cache(maxsize=4096)

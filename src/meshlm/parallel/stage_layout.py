@@ -1,0 +1,125 @@
+"""Where a pipeline's weights sit (`parallel.pipeline`): the stacked layers regrouped per stage, the
+weights every stage keeps whole (the embeddings, the output layer and an MoE model's dense first
+layers, which run with the embedding on the first chunk), and how the step's MoE metrics and token
+counts come back from the stages.
+
+The stacked layer axis [L, ...] is stored split over `stage` in contiguous blocks (checkpoints do
+not depend on the pipeline) and regrouped in the step to [p, v, L/(pv), ...]: stage s holds the
+chunks `Schedule.held_chunks` names (a reshape, ZB-V's second arm reversed, a transpose)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshlm import axes as ax
+from meshlm.config import RunConfig
+from meshlm.model import moe
+from meshlm.parallel.collectives import region_weight_spec
+from meshlm.parallel.rules import Layout, part_names
+from meshlm.parallel.schedules import Schedule
+
+AXIS = "stage"
+PREFIX = "dense_layers"  # an MoE model's dense first layers (`model.first_k_dense`): with the embedding
+
+
+def kept(layout: Layout, axes, staged: bool = True, keep: tuple[str, ...] = ("expert", "tensor")) -> NamedSharding:
+    """The layout a weight keeps inside the pipeline: its `tensor` and `expert` splits (and `stage`
+    on the staged layer axis, logical LAYERS); the fsdp split and the stage split of the weights
+    every stage keeps whole (`staged=False`: embeddings, output layer, a dense prefix, MTP modules)
+    are gathered."""
+    spec = region_weight_spec(layout, axes, keep)
+    return NamedSharding(layout.mesh, P(AXIS, *spec[1:]) if staged and axes[0] == ax.LAYERS else spec)
+
+
+def top_specs(specs: dict) -> dict:
+    return {n: s for n, s in specs.items() if n != "layers"}
+
+
+def top_trained(specs: dict) -> bool:
+    """Whether the weights outside the staged layers take gradients (not LoRA's, all frozen; an MTP
+    module's router bias, moved by the step, gets zeros)."""
+    return any(s.trainable for s in jax.tree.leaves(top_specs(specs)))
+
+
+def top_shardings(layout: Layout, specs: dict, inside: bool = False) -> dict:
+    """`kept` of every weight but the staged layers', as a tree like the parameters'; `inside` the
+    stage region (manual over the batch axes, `expert` among them): their `tensor` split only."""
+    keep = ("tensor",) if inside else ("expert", "tensor")
+    return jax.tree.map(lambda s: kept(layout, s.axes, staged=False, keep=keep), top_specs(specs))
+
+
+def top_region_specs(layout: Layout, specs: dict) -> dict:
+    """How every weight but the staged layers' enters the stage region: whole, but an MTP module's
+    MoE expert weights split over `expert`, as the MoE region inside a layer expects."""
+    return jax.tree.map(lambda s: region_weight_spec(layout, s.axes, ("expert",)), top_specs(specs))
+
+
+def region_spec(layout: Layout, axes) -> P:
+    """A stacked weight [p, v, L/(pv), ...] (logical `axes`) entering the stage region, which is manual over `stage`
+    and the batch axes: split over `stage`, and an MoE expert weight over `expert` (a batch axis
+    too), so that each device holds its own experts, as the MoE region inside a layer expects."""
+    return P(AXIS, None, None, *region_weight_spec(layout, axes[3:], ("expert",)))
+
+
+def regroup(w: jax.Array, schedule: Schedule, per_chunk: int) -> jax.Array:
+    """[L, ...] -> [p, v, L/(pv), ...], stage s's the chunks `Schedule.held_chunks` names: a reshape,
+    ZB-V's second arm reversed, a transpose (GSPMD moves it with permutes; no data moves at v = 1)."""
+    p, v = schedule.stages, schedule.virtual
+    arms = w.reshape(v, p, per_chunk, *w.shape[1:])
+    if schedule.name == "zbv":
+        arms = jnp.stack([arms[0], arms[1][::-1]])
+    return jnp.swapaxes(arms, 0, 1)
+
+
+def ungroup(g: jax.Array, schedule: Schedule) -> jax.Array:
+    """`regroup`'s inverse: [p, v, L/(pv), ...] -> [L, ...]."""
+    arms = jnp.swapaxes(g, 0, 1)
+    if schedule.name == "zbv":
+        arms = jnp.stack([arms[0], arms[1][::-1]])
+    return arms.reshape(-1, *g.shape[3:])
+
+
+def stats_specs(cfg: RunConfig, batch_axes: tuple[str, ...]) -> dict | None:
+    """How the stage region returns the MoE router statistics: the staged layers' [p, m, v, L/(pv), b,
+    ...] and the MTP modules' [p, m, D, b, ...], each stage's own; None for a dense model."""
+    if not cfg.model.moe:
+        return None
+    rows = batch_axes or None
+    return {"stats": P(AXIS, None, None, None, rows)} | (
+        {"mtp_stats": P(AXIS, None, None, rows)} if cfg.model.mtp_depth else {}
+    )
+
+
+def moe_metrics(stats: dict | None, cfg: RunConfig, schedule: Schedule) -> dict:
+    """The step's MoE metrics from every stage's RouterStats (`stats`: [p, m, v, L/(pv), b, ...] of the
+    staged layers, MTP's [p, m, D, b, ...] of which the last chunk's stage holds the real ones), put
+    in layer order [m, L (+ D), b, ...] (layer (c p + s) L/(pv) + j, then the MTP modules'), as
+    `step.gradients` computes them; {} dense. ZB-V's V would reorder the layers: MoE refuses it."""
+    if stats is None:
+        return {}
+    m = schedule.microbatches
+    layer_major = lambda a: jnp.moveaxis(a, 0, 2).reshape(m, cfg.model.staged_layers, *a.shape[4:])
+    layers = jax.tree.map(layer_major, stats["stats"])
+    if "mtp_stats" in stats:
+        chunks = schedule.stages * schedule.virtual
+        last = next(s for s, held in enumerate(schedule.held_chunks()) if chunks - 1 in held)
+        layers = jax.tree.map(lambda a, b: jnp.concatenate([a, b[last]], axis=1), layers, stats["mtp_stats"])
+    per_micro = jax.vmap(lambda st: moe.moe_losses(st, cfg.model))(layers)
+    return moe.over_microbatches(per_micro)
+
+
+def named(spec: P) -> set[str]:
+    return {a for part in spec for a in part_names(part)}
+
+
+def microbatch_tokens(micro: dict) -> jax.Array:
+    """[m] the counted tokens of each microbatch (the loss's; MoE's router losses weigh by them)."""
+    if "mask" in micro:
+        return jnp.sum(micro["mask"].astype(jnp.float32), axis=tuple(range(1, micro["mask"].ndim)))
+    m, *rest = micro["targets"].shape
+    return jnp.full((m,), float(math.prod(rest)), jnp.float32)

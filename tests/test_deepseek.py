@@ -172,6 +172,26 @@ def test_mla_moe_in_a_pipeline_gives_the_one_device_gradients(schedule):
     assert got["expert_counts"].shape[0] == 5  # 4 layers and the MTP module
 
 
+def test_mtp_rides_with_the_loss_on_stage_0_under_zbv():
+    """ZB-V puts the loss on stage 0 (the V's turn): the MTP module runs there with it. A dense MLA
+    model with one module on stage=2 x tensor=2 + SP, 4 microbatches: every gradient leaf (the
+    module's included), the loss and the MTP loss equal one device's."""
+    dense = dict(n_experts=0, first_k_dense=0, router_score="softmax", router_bias=False, n_group=1, topk_group=1)
+    dense |= dict(routed_scaling_factor=1.0, n_shared_experts=0, mtp_depth=1, n_layers=4)
+    params = _perturbed(param_specs(dataclasses.replace(MODEL, **dense)))
+    cfg = config(dict(stage=2, tensor=2), True, **dense)
+    par = dataclasses.replace(cfg.parallel, pipeline_schedule="zbv", virtual_stages=2, pipeline_ticks="single")
+    with_micro = lambda c: validate(dataclasses.replace(c, train=dataclasses.replace(c.train, microbatches=4)))
+    got = grads(with_micro(dataclasses.replace(cfg, parallel=par)), params)
+    ref = grads(with_micro(config(**dense)), params)
+    g, r = named_leaves(got["grads"]), named_leaves(ref["grads"])
+    assert g.keys() == r.keys() and {"mtp/eh_proj", "mtp/wq_a"} <= g.keys()
+    errors = {n: float(np.linalg.norm(g[n] - r[n]) / max(np.linalg.norm(r[n]), 1e-6)) for n in r}
+    assert max(errors.values()) < RTOL, {n: e for n, e in errors.items() if e >= RTOL}
+    for key in ("loss", "grad_norm", "mtp_loss"):
+        np.testing.assert_allclose(got[key], ref[key], rtol=RTOL, err_msg=key)
+
+
 def _np_rope(x, pos, inv_freq, factor):
     """Rotate-half RoPE in NumPy on x [..., t, h] at positions [t], times YaRN's factor."""
     ang = pos[:, None] * inv_freq[None]

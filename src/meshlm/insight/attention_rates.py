@@ -1,13 +1,13 @@
 """How fast the planner takes each attention kernel to run on each device kind, and whether meshlm
-has measured it there.
+has measured it there; also the grouped expert GEMMs of dropless MoE (`EXPERT_RATES`, at the end).
 
-The attention core (QK^T, softmax, attention over V and their backward: `accounting.attention_core_flops`)
-is not a plain GEMM. Flash kernels reach a fraction of the matmul peak that their authors measured;
-meshlm's own blockwise tiles and the TPU splash kernel have no published figure. Each (kernel,
-architecture) pair below names its fraction of the device's dense peak (forward + backward) and
-where that number comes from; `None` means the GEMM rate: explicit attention on the A100, whose
-calibration (P2 Table 4) measured Megatron's whole layer, attention inside - the planner's
-reproduction of P2 Table 5 rests on it.
+The attention core (QK^T, softmax, attention over V and their backward:
+`accounting.attention_core_flops`) is not a plain GEMM. Flash kernels reach a fraction of the matmul
+peak that their authors measured; meshlm's own blockwise tiles and the TPU splash kernel have no
+published figure. Each (kernel, architecture) pair below names its fraction of the device's dense
+peak (forward + backward) and where that number comes from; `None` means the GEMM rate: explicit
+attention on the A100, whose calibration (P2 Table 4) measured Megatron's whole layer, attention
+inside - the planner's reproduction of P2 Table 5 rests on it.
 
 `MEASURED` lists the (kernel, device) pairs meshlm itself has run and timed (add one with the
 figures from `benchmarks/tpu.sh` or `benchmarks/gpu.sh` in BENCHMARKS.md): the three TPU kernels on
@@ -96,3 +96,28 @@ def attention_kernel(cfg: RunConfig, device: Accelerator) -> AttentionKernel:
     arch = architecture(device)
     rate = RATES.get((name, arch)) or RATES[(name, "any")]
     return AttentionKernel(name, rate, (name, device.name) in MEASURED)
+
+
+# Dropless MoE's grouped expert GEMMs (`model.moe_costs.expert_kernel`), where meshlm has timed them:
+# one TPU v5e chip at Qwen3-30B-A3B's expert shapes (benchmarks/tpu.sh, BENCHMARKS.md, 2026-12-05), as
+# routed TFLOP/s over the chip's 197 peak (dense batched GEMMs of the same FLOPs: 149.6). Elsewhere the
+# GEMM rate, an assumption with no source (GPUs: whether XLA lowers ragged_dot to a grouped GEMM is
+# unverified). Capacity buffers are batched GEMMs: the GEMM rate.
+_V5E = "measured on one TPU v5e chip at Qwen3-30B-A3B's expert shapes (benchmarks/tpu.sh, 2026-12-05)"
+EXPERT_RATES: dict[tuple[str, str], KernelRate] = {
+    ("ragged_dot", "tpu"): KernelRate(45.3 / 197, f"{_V5E}: 45.3 routed TFLOP/s; dense batched GEMMs 149.6"),
+    ("megablox", "tpu"): KernelRate(30.1 / 197, f"{_V5E}: 30.1 routed TFLOP/s; dense batched GEMMs 149.6"),
+}
+GROUPED_ASSUMED = KernelRate(None, "assumption: a grouped GEMM as fast as a dense one, no source")
+
+
+def expert_kernel_rate(cfg: RunConfig, device: Accelerator) -> tuple[str, KernelRate]:
+    """(the MoE layers' expert kernel on `device`, its rate: `EXPERT_RATES`, else the GEMM rate)."""
+    from meshlm.model.moe_costs import expert_kernel
+
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    b, s = t.global_batch // t.microbatches // par.batch_shards, t.seq_len // par.context
+    kernel = expert_kernel(m, b, s, par.expert, device.platform)
+    if kernel == "buffers":
+        return kernel, KernelRate(None, "batched GEMMs over the capacity buffers")
+    return kernel, EXPERT_RATES.get((kernel, device.platform), GROUPED_ASSUMED)

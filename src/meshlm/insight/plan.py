@@ -35,7 +35,7 @@ from meshlm import accounting
 from meshlm import axes as ax
 from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ContextStrategy, ParallelConfig, RematConfig, RunConfig
-from meshlm.insight.attention_rates import attention_kernel
+from meshlm.insight.attention_rates import attention_kernel, expert_kernel_rate
 from meshlm.insight.pipeline_costs import (
     per_flops_key,
     pipeline_overhead,
@@ -43,7 +43,7 @@ from meshlm.insight.pipeline_costs import (
     pipeline_send_bytes,
     stage_extra_flops,
 )
-from meshlm.model.moe_costs import expert_exchange_bytes
+from meshlm.model.moe_costs import expert_exchange_bytes, expert_hardware_flops
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel import rules
 from meshlm.parallel.mesh import abstract_layout
@@ -264,12 +264,23 @@ EXPERT_EXCHANGE = "expert all_to_all"  # MoE's dispatch and return over the expe
 
 
 ATTENTION = "attention core"  # the part of the step the attention kernel takes, at its own rate
+EXPERTS = "grouped expert GEMMs"  # dropless MoE's, where their kernel's rate is measured (`EXPERT_RATES`)
 
 
 def _own_rate_flops(cfg: RunConfig, roofline: dict) -> int:
     """The FLOPs of the hardware count that the roofline's "attention core" part times at its
     kernel's own rate (none when the kernel runs at the GEMM rate, among the GEMMs)."""
-    return accounting.attention_core_flops(cfg) if roofline.get(ATTENTION) else 0
+    own = accounting.attention_core_flops(cfg) if roofline.get(ATTENTION) else 0
+    return own + (expert_hardware_flops(cfg) if roofline.get(EXPERTS) else 0)
+
+
+def expert_seconds(cfg: RunConfig, device: Accelerator, n: int) -> float:
+    """Seconds per step of the grouped expert GEMMs at their kernel's measured fraction of peak (0
+    where it is the GEMM rate: then they are among the GEMMs)."""
+    rate = expert_kernel_rate(cfg, device)[1]
+    if rate.fraction is None:
+        return 0.0
+    return expert_hardware_flops(cfg) / (n * device_peak(device, cfg) * rate.fraction)
 
 
 def attention_seconds(cfg: RunConfig, device: Accelerator, n: int) -> float:
@@ -311,8 +322,8 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
     m, par, t = cfg.model, cfg.parallel, cfg.train
     n = _pipeline_shape(cfg, pipeline, interleave)[3]
     peak = device_peak(device, cfg)
-    attention = attention_seconds(cfg, device, n)
-    out = {ATTENTION: attention} if attention else {}
+    attention, experts = attention_seconds(cfg, device, n), expert_seconds(cfg, device, n)
+    out = ({ATTENTION: attention} if attention else {}) | ({EXPERTS: experts} if experts else {})
     out = {"compute": (_hardware_flops(cfg) - _own_rate_flops(cfg, out)) / (n * peak)} | out
     # a dense prefix on stage 0 alone, MTP modules on the last stage alone: beyond the even share
     out |= {part: flops * pipeline / (n * peak) for part, flops in stage_extra_flops(cfg).items()}
@@ -336,7 +347,7 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
         out["data/FSDP collectives"] = _data_parallel_bytes(cfg, own, pipeline) / link
     if pipeline > 1:
         # a cell's time: its compute and the collectives inside it (the context exchange too)
-        inside = (ATTENTION, "tensor-parallel collectives", EXCHANGE)
+        inside = (ATTENTION, EXPERTS, "tensor-parallel collectives", EXCHANGE)
         stage_work = out["compute"] + sum(out.get(k, 0.0) for k in inside)
         out |= _pipeline_parts(cfg, pipeline, interleave, stage_work, _link(device, n, _across(cfg, "stage")))
     return out
@@ -453,8 +464,9 @@ def calibrated_time(
     layers = _hardware_flops(cfg) - logits - _own_rate_flops(cfg, roofline)
     out: dict[str, float] = {"GEMMs": layers / (n * rate)}
     out |= {part: flops * pipeline / (n * rate) for part, flops in stage_extra_flops(cfg).items()}
-    if roofline.get(ATTENTION):  # at its kernel's own rate, as in the roofline
-        out[ATTENTION] = roofline[ATTENTION]
+    for part in (ATTENTION, EXPERTS):  # at its kernel's own rate, as in the roofline
+        if roofline.get(part):
+            out[part] = roofline[part]
     tp = roofline.get("tensor-parallel collectives", 0.0) / link_efficiency
     if tp:
         out["tensor-parallel collectives"] = tp
@@ -465,7 +477,8 @@ def calibrated_time(
         bw = (
             device.intra_bw * link_efficiency if n <= device.per_node and not _across(cfg, "stage") else device.inter_bw
         )
-        out |= _pipeline_parts(cfg, pipeline, interleave, out["GEMMs"] + out.get(ATTENTION, 0.0) + tp, bw)
+        work = out["GEMMs"] + out.get(ATTENTION, 0.0) + out.get(EXPERTS, 0.0) + tp
+        out |= _pipeline_parts(cfg, pipeline, interleave, work, bw)
     for part in (EXCHANGE, EXPERT_EXCHANGE, "data/FSDP collectives"):
         if roofline.get(part):
             out[part] = roofline[part] / link_efficiency

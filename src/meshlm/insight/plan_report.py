@@ -13,7 +13,7 @@ import jax
 from meshlm import accounting
 from meshlm.axes import MESH_AXES
 from meshlm.config import RunConfig
-from meshlm.insight.attention_rates import attention_kernel
+from meshlm.insight.attention_rates import attention_kernel, expert_kernel_rate
 from meshlm.insight.plan import (
     CALIBRATIONS,
     CONTEXT_STRATEGIES,
@@ -25,7 +25,7 @@ from meshlm.insight.plan import (
     estimate,
 )
 from meshlm.model.mla_costs import cache_bytes_per_token, cache_values_per_token
-from meshlm.model.moe_costs import expert_capacity, expert_kernel
+from meshlm.model.moe_costs import expert_capacity
 from meshlm.platform.hardware import Accelerator, matmul_precision
 
 
@@ -82,15 +82,19 @@ def explain_experts(plans: list[Plan], device: Accelerator) -> str | None:
         return None
     best = feasible[0]
     m, par, t = best.cfg.model, best.cfg.parallel, best.cfg.train
-    b, s = t.global_batch // t.microbatches // par.batch_shards, t.seq_len // par.context
-    kernel = expert_kernel(m, b, s, par.expert, device.platform)
+    s = t.seq_len // par.context
+    kernel, rate = expert_kernel_rate(best.cfg, device)
     if kernel == "buffers":
         said = [f"experts: capacity buffers (E x C slots per row, C = {expert_capacity(m, s)}) at the GEMM rate"]
+    elif rate.fraction is not None:
+        said = [
+            f"experts: dropless, grouped GEMMs ({kernel} on {device.platform}) over the routed rows and their tile "
+            f"padding, at {rate.fraction:.0%} of peak ({rate.source})"
+        ]
     else:
         said = [
             f"experts: dropless, grouped GEMMs ({kernel} on {device.platform}) over the routed rows and their tile "
-            f"padding, at the GEMM rate (assumption: a grouped GEMM as fast as a dense one, no source; "
-            f"unmeasured: meshlm has not run it on {device.name}"
+            f"padding, at the GEMM rate ({rate.source}; unmeasured: meshlm has not run it on {device.name}"
             + (
                 "; whether XLA:GPU lowers ragged_dot to a grouped GEMM is unverified)"
                 if kernel == "ragged_dot"

@@ -70,6 +70,14 @@ def expert_slot_flops(cfg: RunConfig) -> tuple[int, int]:
     return m.experts_per_token * t.seq_len * t.global_batch * one, executed
 
 
+def expert_hardware_flops(cfg: RunConfig) -> int:
+    """The routed experts' GEMM FLOPs a step executes: forward and backward (3x) over `expert_rows`,
+    and once more forward where the remat policy recomputes them (`full`, `dots`, `offload`), as
+    `accounting.recompute_flops_per_step` counts them. 0 dense."""
+    executed = expert_slot_flops(cfg)[1]
+    return executed * (4 if cfg.remat.policy in ("full", "dots", "offload") else 3)
+
+
 def moe_terms(m: ModelConfig, s: int, b: int, t: int, sequence_parallel: bool, expert: int = 1) -> dict[str, float]:
     """What an MoE layer keeps (`model.moe`; b rows per device, after the expert axis split them):
     the rows entering the experts (capacity buffers: all E x C slots of a row, the expert-parallel

@@ -436,6 +436,39 @@ def test_mtp_layers_import_with_transformers_logits_and_the_papers_loss(hf_mtp, 
             np.testing.assert_allclose(losses[k], ce / mask.sum(), rtol=1e-5)
 
 
+def test_mtp_losses_stay_inside_each_packed_document():
+    """Packed rows (document ids, as chat data trains): module k at position i is trained on t_{i+k+1}
+    only where its input token t_{i+k} (position i + k) is in i's document and the loss mask trains
+    position i + k, and its attention stays inside the document. The modules' loss sums
+    (`mtp.objective`, which the train step divides by the main loss's count) equal that rule applied
+    in NumPy to their own logits (`mtp.module_logits`, the same document ids); leaving the document
+    rule out (tried) moves them."""
+    from meshlm.model import mtp
+
+    cfg = config(mtp_depth=2)
+    p = _perturbed(param_specs(cfg.model))
+    b, t = cfg.train.global_batch, cfg.train.seq_len
+    rng = np.random.default_rng(5)
+    segments = (np.arange(t)[None, :] >= rng.integers(3, t - 3, (b, 1))).astype(np.int32)  # two documents a row
+    batch = random_batches(cfg, 1, seed=4)[0] | {"mask": loss_mask((b, t)), "segment_ids": segments}
+
+    @jax.jit
+    def modules(p, batch):
+        hidden = forward(p, batch["inputs"], cfg.model, hidden=True, segment_ids=batch["segment_ids"])[2]
+        sums, _ = mtp.objective(p, hidden, batch, cfg.model, None, None, "elementwise")
+        return sums, mtp.module_logits(p, hidden, batch, cfg.model)
+
+    sums, logits = modules(p, batch)
+    targets, mask = batch["targets"], batch["mask"]
+    for k, out in enumerate(logits, start=1):
+        n, out = t - k, np.asarray(out, np.float64)  # position i predicts targets[i + k]
+        logp = out[:, :n] - np.log(np.exp(out[:, :n]).sum(-1, keepdims=True))
+        picked = np.take_along_axis(logp, targets[:, k:, None], -1)[..., 0]
+        valid = mask[:, k:] * (segments[:, k:] == segments[:, :n])  # trained at i + k, in i's document
+        assert 0 < valid.sum() < mask[:, k:].sum()  # the rule drops some positions here
+        np.testing.assert_allclose(sums[k - 1], -(picked * valid).sum(), rtol=RTOL)
+
+
 def test_mtp_layers_export_and_transformers_loads_them(hf_mtp, tmp_path, devices, monkeypatch):
     """Export writes the MTP layers back as the checkpoint had them (and num_nextn_predict_layers 2);
     `transformers`' MtpModel.from_pretrained loads them from the export and drafts the same logits.

@@ -66,22 +66,22 @@ def region_spec(layout: Layout, axes) -> P:
     return P(AXIS, None, None, *region_weight_spec(layout, axes[3:], ("expert",)))
 
 
+def _v(arms: jax.Array, schedule: Schedule) -> jax.Array:
+    """[v, p, ...] arms of chunks: ZB-V's second arm reversed (stage s holds chunk 2p - 1 - s), its own
+    inverse; the others as they are."""
+    return jnp.stack([arms[0], arms[1][::-1]]) if schedule.name == "zbv" else arms
+
+
 def regroup(w: jax.Array, schedule: Schedule, per_chunk: int) -> jax.Array:
     """[L, ...] -> [p, v, L/(pv), ...], stage s's the chunks `Schedule.held_chunks` names: a reshape,
     ZB-V's second arm reversed, a transpose (GSPMD moves it with permutes; no data moves at v = 1)."""
     p, v = schedule.stages, schedule.virtual
-    arms = w.reshape(v, p, per_chunk, *w.shape[1:])
-    if schedule.name == "zbv":
-        arms = jnp.stack([arms[0], arms[1][::-1]])
-    return jnp.swapaxes(arms, 0, 1)
+    return jnp.swapaxes(_v(w.reshape(v, p, per_chunk, *w.shape[1:]), schedule), 0, 1)
 
 
 def ungroup(g: jax.Array, schedule: Schedule) -> jax.Array:
     """`regroup`'s inverse: [p, v, L/(pv), ...] -> [L, ...]."""
-    arms = jnp.swapaxes(g, 0, 1)
-    if schedule.name == "zbv":
-        arms = jnp.stack([arms[0], arms[1][::-1]])
-    return arms.reshape(-1, *g.shape[3:])
+    return _v(jnp.swapaxes(g, 0, 1), schedule).reshape(-1, *g.shape[3:])
 
 
 def stats_specs(cfg: RunConfig, batch_axes: tuple[str, ...]) -> dict | None:

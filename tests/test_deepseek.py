@@ -552,6 +552,31 @@ def test_fp8_weights_are_dequantised_by_their_block_scales(hf_mtp, tmp_path, dev
         hf.load_params(fp8, cfg, param_shardings(param_specs(cfg), layout))
 
 
+def test_kimi_k2_files_import_as_deepseek_v3(hf_mtp, tmp_path):
+    """Kimi K2's config.json names model_type kimi_k2 with DeepseekV3ForCausalLM (the same keys and
+    tensors): it imports as the same model. Another architecture under that type, or a
+    moe_layer_freq other than 1 (MoE layers meshlm would not place), is refused."""
+    import json
+
+    from meshlm.interop import hf_tables
+
+    d, _, _ = hf_mtp
+    config = json.loads((d / "config.json").read_text())
+    for f in d.iterdir():  # the weights (the MTP layers are counted from their names)
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
+
+    def read(**changes):
+        (tmp_path / "config.json").write_text(json.dumps(config | changes))
+        return hf_tables.model_config(tmp_path)
+
+    assert read(model_type="kimi_k2", moe_layer_freq=1) == hf_tables.model_config(d)
+    with pytest.raises(ConfigError, match="model_type 'kimi_k2'"):
+        read(model_type="kimi_k2", architectures=["KimiLinearForCausalLM"])
+    with pytest.raises(ConfigError, match="moe_layer_freq=2"):
+        read(model_type="kimi_k2", moe_layer_freq=2)
+
+
 def test_meshlm_check_shrinks_mla_and_catches_a_doubled_latent_gradient(monkeypatch, devices):
     """`meshlm check` on deepseek-tiny (blockwise) over tensor=2 + SP x data=2 (MLA's ranks and head
     parts cut, values still narrower than queries and keys: the padding path) is equal to one device;

@@ -18,6 +18,8 @@ from typing import Any
 from meshlm.config import ConfigError, ModelConfig
 
 ARCH, KIND = "DeepseekV3ForCausalLM", "deepseek_v3"
+# model types of the same architecture (config keys and tensors): Moonshot's Kimi K2 (384 experts, one group)
+ALSO = ("kimi_k2",)
 
 # (config.json key, ModelConfig field, kind, transformers' DeepseekV3Config default): kinds "int" (>= 1),
 # "int0" (>= 0), "rank" (null or >= 1; null is meshlm's 0), "float" (> 0), "float0" (>= 0), "bool".
@@ -54,9 +56,17 @@ FIXED = {
     "scoring_func": "sigmoid",  # older DeepSeek config.json files name the routing; transformers assumes it
     "topk_method": "noaux_tc",
     "seq_aux": True,  # aux_loss_alpha weighs the sequence-wise balance loss
+    "moe_layer_freq": 1,  # DeepSeek's and Kimi K2's files: every layer after the dense ones is MoE
 }
 # the ModelConfig fields every DeepSeek-V3 model has (the architecture's, not its config.json's)
 MODEL = {"family": "llama", "router_score": "sigmoid", "router_bias": True}
+
+
+def is_deepseek_v3(data: dict) -> bool:
+    """Whether a config.json describes this architecture: model_type deepseek_v3, or one of `ALSO` whose
+    architectures name DeepseekV3ForCausalLM (Kimi K2's)."""
+    kind = data.get("model_type")
+    return kind == KIND or (kind in ALSO and data.get("architectures") == [ARCH])
 
 
 def model_fields(data: dict, f: Any, path: Path) -> dict:

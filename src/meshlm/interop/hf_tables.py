@@ -241,7 +241,7 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
             dropout=f.float("resid_pdrop", 0.1, 0.0, 0.99),
             norm_eps=f.float("layer_norm_epsilon", 1e-5, 0.0, 1.0),
         )
-    elif kind == hf_deepseek.KIND:
+    elif hf_deepseek.is_deepseek_v3(data):  # Kimi K2's too
         cfg = ModelConfig(**hf_deepseek.model_fields(data, f, path), **_rope(data, f, path, yarn=True))
     elif kind in ("llama", *MOE_TYPES):
         f.require("hidden_act", ("silu",), "silu")
@@ -279,7 +279,7 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
         raise ConfigError(
             f"{path}: model_type {kind!r} ({arch}) is not supported; meshlm converts 'gpt2' (GPT2LMHeadModel), "
             "'llama' (LlamaForCausalLM), 'mixtral' (MixtralForCausalLM), 'qwen3_moe' (Qwen3MoeForCausalLM) and "
-            "'qwen2_moe' (Qwen2MoeForCausalLM) and 'deepseek_v3' (DeepseekV3ForCausalLM) checkpoints"
+            "'qwen2_moe' (Qwen2MoeForCausalLM) and 'deepseek_v3' or 'kimi_k2' (DeepseekV3ForCausalLM) checkpoints"
         )
     return cfg
 

@@ -168,8 +168,7 @@ def test_mla_moe_in_a_pipeline_gives_the_one_device_gradients(schedule):
     assert max(errors.values()) < RTOL, {n: e for n, e in errors.items() if e >= RTOL}
     for key in ("loss", "grad_norm", "mtp_loss", "moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss"):
         np.testing.assert_allclose(got[key], ref[key], rtol=RTOL, err_msg=key)
-    np.testing.assert_array_equal(got["expert_counts"], ref["expert_counts"])
-    assert got["expert_counts"].shape[0] == 5  # 4 layers and the MTP module
+    np.testing.assert_array_equal(got["expert_counts"], ref["expert_counts"])  # [4 layers + the MTP module, E]
 
 
 def test_mtp_rides_with_the_loss_on_stage_0_under_zbv():
@@ -439,7 +438,7 @@ def test_mtp_layers_import_with_transformers_logits_and_the_papers_loss(hf_mtp, 
 def test_mtp_losses_stay_inside_each_packed_document():
     """Packed rows (document ids, as chat data trains): module k at position i is trained on t_{i+k+1}
     only where its input token t_{i+k} (position i + k) is in i's document and the loss mask trains
-    position i + k, and its attention stays inside the document. The modules' loss sums
+    position i + k. The modules' loss sums
     (`mtp.objective`, which the train step divides by the main loss's count) equal that rule applied
     in NumPy to their own logits (`mtp.module_logits`, the same document ids); leaving the document
     rule out (tried) moves them."""

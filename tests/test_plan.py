@@ -516,22 +516,31 @@ def test_dropless_plans_price_the_grouped_kernel():
     assert best.cfg.parallel.expert == 1 and "no expert parallelism" in said and "expert all_to_all" in said
 
 
-def test_grouped_expert_gemms_run_at_their_measured_rate_on_tpus():
+def test_grouped_expert_gemms_run_at_their_measured_rate_on_tpus(monkeypatch):
     """Dropless Qwen3-30B-A3B on 32 chips: on a TPU the grouped expert GEMMs (ragged_dot) are timed
-    at the rate measured on a v5e chip (45.3 routed TFLOP/s of 197), forward and backward over the
-    routed rows and their tile padding (at most 1.25x the routed FLOPs here); on an H100 they stay
-    among the GEMMs, and the report says that rate is an assumption."""
+    at the rate measured on a v5e chip (45.3 routed TFLOP/s of 197) over the routed FLOPs, forward
+    and backward (the padding is inside the measured time), and their executed FLOPs (tile padding
+    included) leave "compute": without the measured rate, compute holds them at the peak instead.
+    On an H100 they stay among the GEMMs, and the report says that rate is an assumption."""
     from meshlm.insight import attention_rates
+    from meshlm.model import moe_costs
 
     cfg = recipes.get("qwen3-30b-a3b")
     cfg = dataclasses.replace(cfg, parallel=ParallelConfig(data=4, fsdp=8), remat=RematConfig("elementwise"))
     m, t = cfg.model, cfg.train
     tpu, h100 = ACCELERATORS["tpu-v5p"], ACCELERATORS["h100"]
+    peak = planner.device_peak(tpu, cfg)
     routed = 3 * m.experts_per_token * t.global_batch * t.seq_len * 2 * 3 * m.d_model * m.expert_ffn * m.n_layers
-    at_rate = lambda device, fraction: routed / (32 * planner.device_peak(device, cfg) * fraction)
-    part = planner.estimate(cfg, tpu).time[planner.EXPERTS]
-    assert at_rate(tpu, 45.3 / 197) <= part <= 1.25 * at_rate(tpu, 45.3 / 197)
+    measured = planner.estimate(cfg, tpu).time
+    assert measured[planner.EXPERTS] == pytest.approx(routed / (32 * peak * 45.3 / 197))
     assert attention_rates.expert_kernel_rate(cfg, tpu)[0] == "ragged_dot"
+    executed = moe_costs.expert_hardware_flops(cfg)
+    assert routed < executed <= 1.25 * routed  # the tiles' padding
+    monkeypatch.setattr(attention_rates, "EXPERT_RATES", {})  # the GEMM rate: among "compute"
+    assumed = planner.estimate(cfg, tpu).time
+    assert planner.EXPERTS not in assumed
+    assert assumed["compute"] - measured["compute"] == pytest.approx(executed / (32 * peak))
+    monkeypatch.undo()
     assert planner.EXPERTS not in planner.estimate(cfg, h100).time
     plans = [planner.estimate(cfg, device, memory_limit=2**50) for device in (tpu, h100)]  # feasible
     assert "45.3 routed TFLOP/s" in plan_report.explain_experts(plans[:1], tpu)
@@ -667,26 +676,33 @@ def test_a_dense_prefix_and_mtp_are_priced_on_their_stages():
     devices, of which the even share (`compute`) already holds (1 + b/f)/p; the last stage runs the
     MTP module with the loss, (1 + b/f)(1 - 1/p) x its forward FLOPs. Both forward counts come from
     other models (a dense model of 3 layers less one of none; one more MoE layer, the module's
-    projection of [e; h] and its output layer), not the planner's formula."""
+    projection of [e; h] and its output layer), not the planner's formula. The two extras fall in
+    the same lockstep ticks: with both, the step pays the larger (here the dense layers')."""
     from meshlm.insight import pipeline_costs
 
-    cfg = recipes.get("deepseek-v3")
+    base = recipes.get("deepseek-v3")
     par = ParallelConfig(stage=2, data=2, fsdp=8, tensor=8, sequence_parallel=True)
-    cfg = validate(dataclasses.replace(cfg, parallel=par))
-    m, t, h800 = cfg.model, cfg.train, ACCELERATORS["h800"]
-    plan = planner.estimate(cfg, h800)
+    m, t, h800 = base.model, base.train, ACCELERATORS["h800"]
+    run = lambda **kw: validate(dataclasses.replace(base, parallel=par, model=dataclasses.replace(m, **kw)))
+    cfg = run()
     flops = lambda **kw: accounting.forward_flops_per_step(dataclasses.replace(cfg, model=dataclasses.replace(m, **kw)))
     dense = dict(n_experts=0, first_k_dense=0, mtp_depth=0)
-    ratio = pipeline_costs.backward_over_forward(cfg)
-    prefix = (flops(n_layers=3, **dense) - flops(n_layers=0, **dense)) * (2 + ratio - (1 + ratio) / 2)
+    ratio = lambda **kw: pipeline_costs.backward_over_forward(run(**kw))  # b/f of that model
+    first = flops(n_layers=3, **dense) - flops(n_layers=0, **dense)
+    prefix = lambda r: first * (2 + r - (1 + r) / 2)
     layer = flops(n_layers=62, mtp_depth=0) - flops(n_layers=61, mtp_depth=0)
     b, s, d = t.global_batch, t.seq_len, m.d_model
-    module = (layer + 2 * b * s * 2 * d * d + 2 * b * s * d * m.vocab_size) * (1 + ratio) / 2
+    module = lambda r: (layer + 2 * b * s * 2 * d * d + 2 * b * s * d * m.vocab_size) * (1 + r) / 2
     seconds = lambda f: f * 2 / (256 * planner.device_peak(h800, cfg))
-    assert plan.time[pipeline_costs.FIRST_LAYERS] == pytest.approx(seconds(prefix))
-    assert plan.time[pipeline_costs.MTP_MODULES] == pytest.approx(seconds(module))
-    assert (
-        0 < plan.time[pipeline_costs.MTP_MODULES] < plan.time[pipeline_costs.FIRST_LAYERS] < 0.1 * plan.time["compute"]
-    )
+    parts = lambda **kw: planner.estimate(run(**kw), h800).time
+    without_mtp = parts(mtp_depth=0)
+    assert without_mtp[pipeline_costs.FIRST_LAYERS] == pytest.approx(seconds(prefix(ratio(mtp_depth=0))))
+    assert pipeline_costs.MTP_MODULES not in without_mtp
+    mtp_only = parts(first_k_dense=0, n_layers=60)
+    assert mtp_only[pipeline_costs.MTP_MODULES] == pytest.approx(seconds(module(ratio(first_k_dense=0, n_layers=60))))
+    both = parts()
+    assert both[pipeline_costs.FIRST_LAYERS] == pytest.approx(seconds(prefix(ratio())))
+    assert seconds(module(ratio())) < seconds(prefix(ratio())) and pipeline_costs.MTP_MODULES not in both
+    assert both[pipeline_costs.FIRST_LAYERS] < 0.1 * both["compute"]
     flat = dataclasses.replace(cfg, parallel=dataclasses.replace(par, stage=1, data=4))
     assert not {pipeline_costs.FIRST_LAYERS, pipeline_costs.MTP_MODULES} & planner.estimate(flat, h800).time.keys()

@@ -105,7 +105,7 @@ def _pipeline_note(cfg) -> str:
     from meshlm import accounting
 
     par, m = cfg.parallel, cfg.model
-    per = m.n_layers // (par.stage * par.virtual_stages)
+    per = m.staged_layers // (par.stage * par.virtual_stages)  # an MoE model's dense first layers: with the embedding
     held = accounting.pipeline_in_flight(cfg)
     return (
         f"pipeline: {par.pipeline_schedule} ({par.pipeline_ticks} ticks), {par.stage} stages x "

@@ -81,7 +81,10 @@ def stage_extra_flops(cfg: RunConfig) -> dict[str, float]:
     chunk's backward (`pipeline._Stage.embed`), and backward - (2 + b/f) x their forward FLOPs
     (b/f: `backward_over_forward`), of which the even share holds (1 + b/f)/p. On the last chunk's
     stage, the MTP modules (`model.mtp_depth`) with the loss: (1 + b/f)(1 - 1/p) x their forward
-    FLOPs (their layers' and output layers'). {} without a pipeline."""
+    FLOPs (their layers' and output layers'). In lockstep the two stages' extras fall in the same
+    ticks (a steady tick runs chunk 0 on stage 0 and the last chunk on the last stage), so the step
+    pays the larger: the MTP part is what it adds beyond the dense layers' (absent when not more).
+    Both at the GEMM rate. {} without a pipeline."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     if par.stage == 1:
         return {}
@@ -95,7 +98,8 @@ def stage_extra_flops(cfg: RunConfig) -> dict[str, float]:
     if m.mtp_depth:
         without = dataclasses.replace(cfg, model=dataclasses.replace(m, mtp_depth=0))
         forward = accounting.forward_flops_per_step(cfg) - accounting.forward_flops_per_step(without)
-        out[MTP_MODULES] = forward * (1 + ratio) * (1 - 1 / par.stage)
+        beyond = forward * (1 + ratio) * (1 - 1 / par.stage) - out.get(FIRST_LAYERS, 0.0)
+        out |= {MTP_MODULES: beyond} if beyond > 0 else {}
     return out
 
 

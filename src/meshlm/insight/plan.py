@@ -275,12 +275,14 @@ def _own_rate_flops(cfg: RunConfig, roofline: dict) -> int:
 
 
 def expert_seconds(cfg: RunConfig, device: Accelerator, n: int) -> float:
-    """Seconds per step of the grouped expert GEMMs at their kernel's measured fraction of peak (0
-    where it is the GEMM rate: then they are among the GEMMs)."""
+    """Seconds per step of the grouped expert GEMMs at their kernel's measured rate (0 where it is the
+    GEMM rate: then they are among the GEMMs). The rate is of routed FLOPs over a time that holds the
+    measured shapes' tile padding, so it applies to the routed FLOPs; the executed ones (padding
+    included) leave "compute" (`_own_rate_flops`)."""
     rate = expert_kernel_rate(cfg, device)[1]
     if rate.fraction is None:
         return 0.0
-    return expert_hardware_flops(cfg) / (n * device_peak(device, cfg) * rate.fraction)
+    return expert_hardware_flops(cfg, routed=True) / (n * device_peak(device, cfg) * rate.fraction)
 
 
 def attention_seconds(cfg: RunConfig, device: Accelerator, n: int) -> float:

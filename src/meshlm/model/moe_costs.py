@@ -70,12 +70,15 @@ def expert_slot_flops(cfg: RunConfig) -> tuple[int, int]:
     return m.experts_per_token * t.seq_len * t.global_batch * one, executed
 
 
-def expert_hardware_flops(cfg: RunConfig) -> int:
-    """The routed experts' GEMM FLOPs a step executes: forward and backward (3x) over `expert_rows`,
-    and once more forward where the remat policy recomputes them (`full`, `dots`, `offload`), as
-    `accounting.recompute_flops_per_step` counts them. 0 dense."""
-    executed = expert_slot_flops(cfg)[1]
-    return executed * (4 if cfg.remat.policy in ("full", "dots", "offload") else 3)
+def expert_hardware_flops(cfg: RunConfig, routed: bool = False) -> int:
+    """The routed experts' GEMM FLOPs a step executes, as `accounting.hardware_flops_per_step` counts
+    them: forward and backward (3x; 2x frozen under LoRA: no weight gradient) over `expert_rows`,
+    and once more forward where the remat policy recomputes them (`full`, `dots`, `offload`). 0 dense.
+    `routed`: over the routed assignments only (k per token), the FLOPs a grouped kernel's measured
+    rate is quoted in (its tile padding is inside the time it was measured in)."""
+    counted, executed = expert_slot_flops(cfg)
+    passes = (2 if cfg.model.lora_rank else 3) + (cfg.remat.policy in ("full", "dots", "offload"))
+    return passes * (counted if routed else executed)
 
 
 def moe_terms(m: ModelConfig, s: int, b: int, t: int, sequence_parallel: bool, expert: int = 1) -> dict[str, float]:

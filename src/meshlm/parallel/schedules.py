@@ -123,7 +123,7 @@ class Schedule:
     def held_chunks(self) -> tuple[tuple[int, ...], ...]:
         """[p][v]: the model chunks stage s holds, in its local order (local chunk = chunk // p):
         s, s + p, ... ; ZB-V s and 2p - 1 - s. The executor's layer ids read it, and
-        `pipeline._regroup` puts the weights so (a test checks the two agree)."""
+        `stage_layout.regroup` puts the weights so (a test checks the two agree)."""
         chunks = range(self.stages * self.virtual)
         return tuple(tuple(c for c in chunks if self.stage_of(c) == s) for s in range(self.stages))
 

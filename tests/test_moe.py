@@ -281,8 +281,20 @@ def test_dropless_kernels_give_the_one_device_gradients(name, params, reference)
 # MoE inside pipelines: name -> (mesh, schedule, SP, capacity factor, remat policy); 2 microbatches
 PIPELINES = {
     "stage2_expert2_tensor2 1f1b, NaN bubbles": (dict(stage=2, expert=2, tensor=2), "1f1b", False, 0.0, "elementwise"),
-    "stage2_expert2_tensor2+sp zb1 capacity 1, full": (dict(stage=2, expert=2, tensor=2), "zb1", True, 1.0, "full"),
-    "stage2_data2_expert2 gpipe capacity 1": (dict(stage=2, data=2, expert=2), "gpipe", False, 1.0, "elementwise"),
+    "stage2_expert2_tensor2+sp zb1 capacity 1, full, NaN bubbles": (
+        dict(stage=2, expert=2, tensor=2),
+        "zb1",
+        True,
+        1.0,
+        "full",
+    ),
+    "stage2_data2_expert2 gpipe capacity 1, NaN bubbles": (
+        dict(stage=2, data=2, expert=2),
+        "gpipe",
+        False,
+        1.0,
+        "elementwise",
+    ),
 }
 
 
@@ -305,6 +317,28 @@ def test_moe_inside_pipelines_gives_the_one_device_gradients(name, params, refer
     cfg = validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_schedule=schedule)))
     assert_same_as_one_device(got := grads(cfg, params), reference(factor, 2))
     np.testing.assert_array_equal(got["expert_counts"], reference(factor, 2)["expert_counts"])
+
+
+def test_lora_on_an_moe_model_in_a_1f1b_pipeline_gives_the_one_device_gradients():
+    """LoRA on the attention of an MoE model (the experts frozen) on stage=2 x expert=2 x tensor=2,
+    1F1B, 2 microbatches: the adapters' raw gradients equal one device's (B away from its zero start,
+    so A's are not zero), and every frozen leaf's is zero, as without a pipeline."""
+    lora = dict(lora_rank=4, lora_targets=("wq", "wv"))
+    one = moe_config(microbatches=2, **lora)
+    leaves, tree = jax.tree.flatten(init_params(param_specs(one.model), jax.random.key(0)))
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    params = jax.device_get(
+        jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)])
+    )
+    piped = moe_config(dict(stage=2, expert=2, tensor=2), microbatches=2, **lora)
+    got, ref = (named_leaves(grads(c, params)["grads"]) for c in (piped, one))
+    adapters = [n for n in ref if "_lora_" in n]
+    assert sorted(adapters) == ["layers/wq_lora_a", "layers/wq_lora_b", "layers/wv_lora_a", "layers/wv_lora_b"]
+    for n in ref:
+        if n in adapters:
+            assert np.linalg.norm(got[n] - ref[n]) < RTOL * np.linalg.norm(ref[n]) and np.linalg.norm(ref[n]) > 0, n
+        else:
+            assert not np.any(got[n]) and not np.any(ref[n]), n
 
 
 def test_a_pipeline_without_the_other_stages_counts_is_caught(params, reference, monkeypatch):

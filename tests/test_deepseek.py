@@ -144,8 +144,19 @@ def test_mla_mtp_moe_layouts_give_the_one_device_gradients(name, params, referen
 PIPELINED = dict(first_k_dense=1, mtp_depth=1, n_layers=5, moe_aux_loss_coef=1e-2, moe_seq_aux_loss_coef=1e-2)
 
 
+def _with_micro(cfg: RunConfig, microbatches: int = 4) -> RunConfig:
+    return validate(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=microbatches)))
+
+
+@pytest.fixture(scope="module")
+def pipelined_reference() -> tuple[dict, dict]:
+    """(the parameters of the PIPELINED model, one device's gradients with 4 microbatches), once."""
+    params = _perturbed(param_specs(dataclasses.replace(MODEL, **PIPELINED)))
+    return params, grads(_with_micro(config(**PIPELINED)), params)
+
+
 @pytest.mark.parametrize("schedule", ["zb1", "interleaved"])
-def test_mla_moe_in_a_pipeline_gives_the_one_device_gradients(schedule):
+def test_mla_moe_in_a_pipeline_gives_the_one_device_gradients(schedule, pipelined_reference):
     """MLA with a dense first layer and MoE layers (sigmoid scores, the router bias choosing, groups,
     routed scaling, the pooled and sequence-wise balance losses) on stage=2 x expert=2 x tensor=2 + SP
     with 4 microbatches: zb1, whose weight pass runs each layer's tensor-parallel regions apart, and
@@ -153,15 +164,11 @@ def test_mla_moe_in_a_pipeline_gives_the_one_device_gradients(schedule):
     made in the first chunk's backward), the MoE MTP module with the loss on the last chunk (its
     router statistics pooled with the layers'). Gradients, loss, MTP loss, router losses and the
     exact expert counts (the bias update's input) equal one device's."""
-    params = _perturbed(param_specs(dataclasses.replace(MODEL, **PIPELINED)))
+    params, ref = pipelined_reference
     cfg = config(dict(stage=2, tensor=2, expert=2), True, **PIPELINED)
     virtual = 2 if schedule == "interleaved" else 1
     par = dataclasses.replace(cfg.parallel, pipeline_schedule=schedule, virtual_stages=virtual)
-    with_micro = lambda c: validate(dataclasses.replace(c, train=dataclasses.replace(c.train, microbatches=4)))
-    got, ref = (
-        grads(with_micro(dataclasses.replace(cfg, parallel=par)), params),
-        grads(with_micro(config(**PIPELINED)), params),
-    )
+    got = grads(_with_micro(dataclasses.replace(cfg, parallel=par)), params)
     g, r = named_leaves(got["grads"]), named_leaves(ref["grads"])
     assert g.keys() == r.keys() and {"dense_layers/wkv_a", "dense_layers/w_gate", "mtp/we_gate"} <= g.keys()
     errors = {n: float(np.linalg.norm(g[n] - r[n]) / max(np.linalg.norm(r[n]), 1e-6)) for n in r}
@@ -180,9 +187,8 @@ def test_mtp_rides_with_the_loss_on_stage_0_under_zbv():
     params = _perturbed(param_specs(dataclasses.replace(MODEL, **dense)))
     cfg = config(dict(stage=2, tensor=2), True, **dense)
     par = dataclasses.replace(cfg.parallel, pipeline_schedule="zbv", virtual_stages=2, pipeline_ticks="single")
-    with_micro = lambda c: validate(dataclasses.replace(c, train=dataclasses.replace(c.train, microbatches=4)))
-    got = grads(with_micro(dataclasses.replace(cfg, parallel=par)), params)
-    ref = grads(with_micro(config(**dense)), params)
+    got = grads(_with_micro(dataclasses.replace(cfg, parallel=par)), params)
+    ref = grads(_with_micro(config(**dense)), params)
     g, r = named_leaves(got["grads"]), named_leaves(ref["grads"])
     assert g.keys() == r.keys() and {"mtp/eh_proj", "mtp/wq_a"} <= g.keys()
     errors = {n: float(np.linalg.norm(g[n] - r[n]) / max(np.linalg.norm(r[n]), 1e-6)) for n in r}

@@ -84,7 +84,7 @@ def objective_sum(params, batch: Batch, cfg: RunConfig, layout: Layout, key):
     objective, metrics = ce, {}
     if m.mtp_depth:
         sums, mtp_stats = mtp.objective(params, x, batch, m, layout, key, cfg.remat.policy)
-        objective += m.mtp_loss_coef / m.mtp_depth * jnp.sum(sums)
+        objective += mtp.weighted(sums, m)
         metrics["mtp_loss_sum"] = sums
         if mtp_stats is not None:  # the modules' MoE layers after the model's
             stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, mtp_stats)

@@ -94,6 +94,12 @@ def objective(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout, key, r
     return jnp.stack(sums), stacked
 
 
+def weighted(sums: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """What the modules' loss sums [D] add to the objective: mtp_loss_coef / D x their sum (DeepSeek-V3's
+    lambda / D; its 1/T is the objective's one division by the token count)."""
+    return cfg.mtp_loss_coef / cfg.mtp_depth * jnp.sum(sums)
+
+
 def module_logits(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout=None) -> list:
     """Each module's logits [b, t, v] (position i predicting t_{i+k+1}), deterministic."""
     return [out for out, *_ in _modules(params, x_btd, batch, cfg, layout, None, "elementwise")]

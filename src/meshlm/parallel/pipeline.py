@@ -181,13 +181,19 @@ class _Stage:
         out = logits(top, y, self.cfg.model, self.layout, self.cfg.remat.policy)
         return cross_entropy_sum(out, mb["targets"], mb.get("mask"))
 
+    @staticmethod
+    def counts(first: jax.Array, arrived: jax.Array, stats) -> jax.Array:
+        """MoE: a forward's assignments per expert on this device's rows: those that arrived with its
+        input (none on the first chunk) plus its chunk's."""
+        return jnp.where(first.astype(bool), 0.0, arrived) + stats.counts.sum(axis=(0, 1))
+
     def batch_sum(self, x: jax.Array) -> jax.Array:
         batch_axes = manual_batch_axes(self.layout)
         return jax.lax.psum(x, batch_axes) if batch_axes else x
 
     def head(self, y, mb, k, micro_i, before):
         """The last chunk's output layer and loss, and the MTP modules (`model.mtp`; the objective adds
-        mtp_loss_coef / D x their loss sums, as `step.objective_sum`), forward and backward: (dy, the
+        `mtp.weighted` of their loss sums, as `step.objective_sum`), forward and backward: (dy, the
         gradients of the weights outside the layers - None when frozen, loss sum, token count, the
         modules' loss sums [D], their RouterStats or None). MoE: the modules' share of the router
         losses needs the microbatch's assignments over every MoE layer and row - `before` (this
@@ -200,7 +206,7 @@ class _Stage:
             if not self.depth:
                 return (ls, None), (ls, cnt, jnp.zeros((0,), jnp.float32))
             sums, stats = mtp.objective(top, y, mb, m, self.layout, k, self.cfg.remat.policy)
-            return (ls + m.mtp_loss_coef / self.depth * jnp.sum(sums), stats), (ls, cnt, sums)
+            return (ls + mtp.weighted(sums, m), stats), (ls, cnt, sums)
 
         f, args = (objective, (y, self.top)) if self.top_trained else (lambda y: objective(y, self.top), (y,))
         (obj, stats), vjp_fn, (ls, cnt, sums) = jax.vjp(f, *args, has_aux=True)
@@ -352,7 +358,7 @@ class _Stage:
             inputs = [a.astype(b.dtype) for a, b in zip(inputs, self.w_inputs, strict=True)] if self.split else []
 
             def with_loss():
-                before = None if stats is None else jnp.where(first, 0.0, arrived) + stats.counts.sum(axis=(0, 1))
+                before = None if stats is None else self.counts(first, arrived, stats)
                 dy, dtop, ls, cnt, sums, mtp_stats = self.head(y, mb, k, r["f_micro"], before)
                 top = g_top if dtop is None else self.top_layout(jax.tree.map(jnp.add, g_top, dtop))  # LoRA: frozen
                 return self.resid(dy.astype(self.dtype)), top, ls, cnt, sums, mtp_stats
@@ -413,7 +419,7 @@ class _Stage:
         last chunk, filed with the loss's cotangent; its stats are kept for its backward and the
         metrics. (the activation received, the new MoE carry)."""
         arrived = _take(c["act"], r["act_read"])
-        counts = jnp.where(r["f_first"].astype(bool), 0.0, arrived) + stats.counts.sum(axis=(0, 1))
+        counts = self.counts(r["f_first"], arrived, stats)
         with_mtp = r["f"].astype(bool) & r["f_last"].astype(bool)
         if mtp_stats is not None:
             counts = counts + jnp.where(with_mtp, mtp_stats.counts.sum(axis=(0, 1)), 0.0)
@@ -549,7 +555,7 @@ def pipeline_gradients(
 
     in_layers = {n: sl.region_spec(layout, a) for n, a in stacked_axes.items()}
     # each leaf's gradient is summed over the batch axes that do not split it (experts: data x fsdp)
-    reduce_over = {n: tuple(a for a in batch_axes if a not in sl.named(s)) for n, s in in_layers.items()}
+    reduce_over = {n: sl.unsplit(batch_axes, s) for n, s in in_layers.items()}
     tokens = sl.microbatch_tokens(micro)
     trained = [n for n, spec in specs["layers"].items() if spec.trainable]
     top_in = sl.top_region_specs(layout, specs)  # whole, but MTP's experts (split over `expert`)
@@ -563,8 +569,8 @@ def pipeline_gradients(
         total = lambda t: jax.lax.psum(t, (AXIS, *batch_axes))
         g_layers = {n: jax.lax.psum(g, reduce_over[n])[None] for n, g in c.g_layers.items()}
         # each weight outside the layers: summed over the stages and the batch axes that do not split it
-        over = lambda s: (AXIS, *(a for a in batch_axes if a not in sl.named(s)))
-        g_top = jax.tree.map(lambda g, s: jax.lax.psum(g, over(s)), c.g_top, top_in) if c.g_top else {}
+        over = lambda g, s: jax.lax.psum(g, (AXIS, *sl.unsplit(batch_axes, s)))
+        g_top = jax.tree.map(over, c.g_top, top_in) if c.g_top else {}
         out = g_layers, g_top, total(c.loss), total(c.count), total(c.mtp)
         stats = {n: jax.tree.map(lambda a: a[None, :m], s) for n, s in c.moe.items() if "stats" in n} if c.moe else None
         return *out, stats

@@ -113,8 +113,11 @@ def moe_metrics(stats: dict | None, cfg: RunConfig, schedule: Schedule) -> dict:
     return moe.over_microbatches(per_micro)
 
 
-def named(spec: P) -> set[str]:
-    return {a for part in spec for a in part_names(part)}
+def unsplit(batch_axes: tuple[str, ...], spec: P) -> tuple[str, ...]:
+    """The batch axes a weight entering the stage region as `spec` is not split over: its gradient is
+    summed over them (an expert weight's: data x fsdp, not `expert`)."""
+    named = {a for part in spec for a in part_names(part)}
+    return tuple(a for a in batch_axes if a not in named)
 
 
 def microbatch_tokens(micro: dict) -> jax.Array:

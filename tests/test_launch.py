@@ -307,3 +307,23 @@ def test_rendezvous_still_stops_on_a_well_formed_hello_that_disagrees(monkeypatc
     process0, answers = _garbage_then_group(monkeypatch, [b"[]\n"], {1: 4})
     assert "process 1 was started with --num-processes 4, process 0 with 3" in process0
     assert "did not form" in answers[1]
+
+
+def test_a_slurm_task_beats_and_reads_a_requeue_as_a_restart_after_a_failure(tmp_path):
+    """A SLURM task (no launcher) gets the launcher's heartbeat file; a job SLURM started again takes
+    the failure's time and step from the heartbeats its previous run left (the newest mtime, the
+    largest step). Outside SLURM, or under `meshlm launch`, nothing changes."""
+    import os
+
+    from meshlm.launch.slurm import task_env
+
+    run = tmp_path / "run"
+    assert task_env(run, {}) == {} and task_env(run, {"SLURM_PROCID": "1", "MESHLM_HEARTBEAT": "x"}) == {}
+    first = task_env(run, {"SLURM_PROCID": "1", "SLURM_RESTART_COUNT": "0"})
+    assert first == {"MESHLM_HEARTBEAT": str(run / ".heartbeat" / "process-1")}
+    for i, (step, mtime) in enumerate([(9, 1000.0), (8, 1005.5)]):
+        beat = run / ".heartbeat" / f"process-{i}"
+        beat.write_text(f"{step} {mtime} 4{i}\n")
+        os.utime(beat, (mtime, mtime))
+    again = task_env(run, {"SLURM_PROCID": "0", "SLURM_RESTART_COUNT": "2"})
+    assert again == {"MESHLM_HEARTBEAT": str(run / ".heartbeat" / "process-0"), "MESHLM_FAULT": "1005.500 9"}

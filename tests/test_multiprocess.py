@@ -553,38 +553,69 @@ def _job_state(job: str, env: dict) -> str:
     return r.stdout.split("JobState=")[1].split()[0] if "JobState=" in r.stdout else "UNKNOWN"
 
 
-def test_a_slurm_job_equals_the_launched_run_and_survives_a_requeue(reference, dataset, slurm, tmp_path):
+def test_a_slurm_job_equals_the_launched_run_and_survives_a_requeue_and_a_node_failure(
+    reference, dataset, slurm, tmp_path
+):
     """`sbatch` of 2 tasks, each `srun meshlm train --distributed` (jax.distributed reads SLURM's
-    environment), on the reference's layout; `scontrol requeue` at step 4 or later: SLURM's SIGTERM
-    makes both tasks checkpoint, the requeued job resumes from there, and every loss and final
-    tensor equals the `meshlm launch` run's bit for bit."""
+    environment), on the reference's layout with in-memory copies every step, requeued twice:
+    1. `scontrol requeue` at step 4 or later: SLURM's SIGTERM makes both tasks checkpoint, and the
+       requeued job resumes from that checkpoint (an orderly stop drops the copies);
+    2. a node failure: both tasks SIGKILLed two steps later, process 1's copies wiped (its host
+       replaced), the failed job requeued: it resumes from the in-memory copies, process 1's sent
+       back by process 0, losing at most a step.
+    Every loss and final tensor equals the `meshlm launch` run's bit for bit."""
     run, out = tmp_path / "run", tmp_path / "job.out"
     args = [*_train_args(dataset, run), "--distributed", "--devices", "4", "--dcn", "data=2"]
+    args += ["--set", "checkpoint.local_every=1"]
     script = tmp_path / "job.sh"
     script.write_text(SLURM_JOB.format(out=out, python=sys.executable, args=" ".join(args)))
     submit = ["sbatch", "--parsable", str(script)]
     job = subprocess.run(submit, capture_output=True, text=True, env=slurm, check=True).stdout.strip()
     deadline = time.time() + 600
-    while len(logged_losses(run) if (run / "metrics.jsonl").exists() else {}) < 4:
-        state = _job_state(job, slurm)  # UNKNOWN: scontrol did not answer this time
-        assert time.time() < deadline and state in ("PENDING", "CONFIGURING", "RUNNING", "UNKNOWN"), state
-        time.sleep(0.2)
+
+    def wait(until, bad=("FAILED", "CANCELLED", "TIMEOUT", "COMPLETED"), pause=0.2):
+        while not until():
+            state = _job_state(job, slurm)  # UNKNOWN: scontrol did not answer this time
+            assert time.time() < deadline and state not in bad, f"{state}: {out.read_text()[-3000:]}"
+            if state == "PENDING":  # SLURM holds a requeued job back for a while: let it start now
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, timeout=60)
+            time.sleep(pause)
+
+    wait(lambda: len(logged_losses(run) if (run / "metrics.jsonl").exists() else {}) >= 4)
     assert len(logged_losses(run)) < STEPS, "the job finished before the requeue: too fast to test it"
     subprocess.run(["scontrol", "requeue", job], env=slurm, check=True, timeout=60)
-    while (state := _job_state(job, slurm)) != "COMPLETED":
-        assert time.time() < deadline and state not in ("FAILED", "CANCELLED", "TIMEOUT"), out.read_text()[-3000:]
-        if state == "PENDING":  # SLURM holds a requeued job back for a while: let it start now
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, timeout=60)
-        time.sleep(0.5)
+    wait(lambda: "resumed from" in out.read_text())
+    saved = int(out.read_text().split("saved a checkpoint at step ")[1].split()[0])
+    # the node failure, two steps into the requeued run (each task beats after its first step)
+    wait(lambda: _beat(run, 0)[0] >= saved + 2 and _beat(run, 1)[0] >= saved + 1, pause=0.02)
+    pids = [_beat(run, i)[1] for i in (0, 1)]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    shutil.rmtree(lc.store_dir(lc.default_root(), run, lc.run_id(run, first=False)) / "process-1")
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    wait(lambda: _job_state(job, slurm) == "FAILED", bad=("CANCELLED", "TIMEOUT", "COMPLETED"))
+    subprocess.run(["scontrol", "requeue", job], env=slurm, check=True, timeout=60)
+    wait(lambda: _job_state(job, slurm) == "COMPLETED", bad=("FAILED", "CANCELLED", "TIMEOUT"))
     text = out.read_text()
-    saved = int(text.split("saved a checkpoint at step ")[1].split()[0])
     assert saved >= 4 and f"resumed from {run / 'checkpoints'}/{saved}" in text, text[-3000:]
+    assert "(process 1 from its peer's copy)" in text and "resumed from the in-memory copies of step" in text, text
+    events = [r for r in _records(run) if r.get("event") == "recovered"]
+    assert [e["source"] for e in events] == ["disk", "memory"] and events[0]["lost_steps"] == 0, events
+    assert events[1]["lost_steps"] <= 1 and events[1]["resumed_at"] >= saved + 1, events
     assert json.loads((run / "run.json").read_text())["processes"] == 2
     assert logged_losses(run) == logged_losses(reference[0])
     (step, got), (_, want) = _final_state(run), _final_state(reference[0])
     assert step == STEPS
     for k, v in want.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def _beat(run: Path, process: int) -> tuple[int, int]:
+    """(step, pid) of a process's heartbeat; (0, 0) while there is none (or it is being rewritten)."""
+    beat = run / ".heartbeat" / f"process-{process}"
+    parts = beat.read_text().split() if beat.exists() else []
+    return (int(parts[0]), int(parts[2])) if len(parts) == 3 else (0, 0)
 
 
 def test_report_on_a_two_process_run(reference, tmp_path):

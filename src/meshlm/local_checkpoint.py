@@ -13,14 +13,15 @@ bytes and the layout it was cut for (the mesh, every leaf's shape, dtype and sha
 is used only by the same layout and only when intact.
 
 The copies are for restarts after a failure: `resume` consults them only when `meshlm launch`
-restarts a group ($MESHLM_FAULT) and drops them on every other start, and a run that ends in
-order (finished, stopped, preempted, halted) drops them too. On such a restart every process
-reports the steps it holds (its own and its predecessor's) and the disk's newest step; the group
-takes the newest step of which every process has a copy, its own or at its peer, when that is not
-older than the newest disk checkpoint any process sees, and deletes every other copy. Processes
-whose own copy is missing (a replaced host, a wiped tmpfs) receive it back from their peer by the
-same collective. Anything else (a changed layout or process count, a copy that fails its digest
-on any process, no common step) falls back to the disk checkpoint, the only persistent one.
+restarts a group, or SLURM a requeued job ($MESHLM_FAULT; `launch.slurm`), and drops them on every
+other start, and a run that ends in order (finished, stopped, preempted, halted) drops them too. On
+such a restart every process reports the steps it holds (its own and its predecessor's) and the
+disk's newest step; the group takes the newest step of which every process has a copy, its own or at
+its peer, when that is not older than the newest disk checkpoint any process sees, and deletes every
+other copy. Processes whose own copy is missing (a replaced host, a wiped tmpfs) receive it back
+from their peer by the same collective. Anything else (a changed layout or process count, a copy
+that fails its digest on any process, no common step) falls back to the disk checkpoint, the only
+persistent one.
 
 Why not Orbax's emergency managers: two of them (`emergency.checkpoint_manager` and
 `emergency.p2p`) find a lost process's shards in another data-parallel replica and restore by

@@ -81,7 +81,8 @@ def restore_or_init(cfg, ckpt, abstract, specs, layout, tx, identity, init_from,
 
 def _from_memory(cfg, ckpt, abstract, identity, log, local) -> TrainState | None:
     """The in-memory copies' newest common step (`local_checkpoint`), when not older than the
-    disk's; only when `meshlm launch` restarts a group after a failure ($MESHLM_FAULT): any other
+    disk's; only when `meshlm launch` restarts a group after a failure, or SLURM a requeued job
+    ($MESHLM_FAULT, `launch.slurm`): any other
     start (by hand, a regrow, after a preemption) uses the disk and drops the copies."""
     if not os.environ.get("MESHLM_FAULT"):
         local.discard()

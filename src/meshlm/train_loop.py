@@ -272,7 +272,7 @@ class StepLoop:
         return state, result
 
     def _report_recovery(self, n: int, start: int) -> None:
-        """After the first step of a group that `meshlm launch` restarted ($MESHLM_FAULT: when it
+        """After the first step of a group that `meshlm launch` (or SLURM) restarted ($MESHLM_FAULT: when it
         saw the failure and the step the group had reached): the steps lost and the time from the
         failure to this step, in metrics.jsonl (an "event": "recovered" record) and on the console."""
         fault = os.environ.get("MESHLM_FAULT", "").split()

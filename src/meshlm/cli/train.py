@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -111,6 +112,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         hf.weight_files(hf.hf_path(args.init_from))
     from meshlm.parallel.mesh import init_distributed, process_group
 
+    if args.run_dir:  # a SLURM task: heartbeats, and a requeue read as a restart after a failure
+        from meshlm.launch import slurm
+
+        os.environ.update(slurm.task_env(Path(args.run_dir)))
     group = process_group(args.coordinator, args.num_processes, args.process_id, args.distributed, args.init_timeout)
     if group.enabled and not args.run_dir:
         raise ConfigError("a multi-process run needs --run-dir (one directory that every process can reach)")

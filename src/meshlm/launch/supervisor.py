@@ -29,7 +29,7 @@ from pathlib import Path
 
 from meshlm.config import ConfigError, RunConfig
 from meshlm.exits import FINAL_EXITS
-from meshlm.launch import elastic
+from meshlm.launch import elastic, slurm
 from meshlm.platform import xla_flags
 
 
@@ -185,11 +185,7 @@ class Supervisor:
 
     def _reached(self) -> int:
         """The newest step any process's heartbeat reported (0 before any)."""
-        steps = [0]
-        for beat in self._heartbeats():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                steps.append(int(beat.read_text().split()[0]))
-        return max(steps)
+        return slurm.reached(self._heartbeats())
 
     def _check(self, workers: list, started: float) -> str | None:
         """None while the group is healthy and running; else why it ended ('ok' on success)."""

@@ -4,6 +4,7 @@ private cache directory so tests never read or write the user's ~/.cache."""
 import atexit
 import os
 import shutil
+import subprocess
 import tempfile
 
 from meshlm.platform.xla_flags import with_device_count  # jax-free
@@ -74,7 +75,6 @@ def default_run(tmp_path_factory):
     check what it learned and what is done with it afterwards (export, generate, eval). Under
     pytest-xdist the workers share it: the first to ask trains, the others wait on a lock."""
     import fcntl
-    import subprocess
     import sys
 
     root = tmp_path_factory.getbasetemp()
@@ -99,3 +99,23 @@ def default_run(tmp_path_factory):
                 raise
     assert not failed.exists(), failed.read_text()
     return run
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """mount(name, size) -> a tmpfs of that size at tmp_path / name (unmounted afterwards); the test is
+    skipped, saying why, where this process may not mount one (it needs root or CAP_SYS_ADMIN)."""
+    mounted = []
+
+    def mount(name: str, size: str):
+        path = tmp_path / name
+        path.mkdir(parents=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {r.stderr.decode().strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -259,26 +259,6 @@ def test_signal_saves_a_final_checkpoint_and_resume_finishes(corpus_dir, tmp_pat
     assert f"resumed from {run / 'checkpoints'}/{saved_step}" in r.stdout and "done: 400 steps" in r.stdout
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """mount(name, size) -> a tmpfs of that size under tmp_path (unmounted afterwards); the test is
-    skipped, saying why, where this process may not mount one (it needs root or CAP_SYS_ADMIN)."""
-    mounted = []
-
-    def mount(name: str, size: str):
-        path = tmp_path / name
-        path.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-        if r.returncode:
-            pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {r.stderr.decode().strip()}")
-        mounted.append(path)
-        return path
-
-    yield mount
-    for path in mounted:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Orbax's threads, after the error
 def test_a_full_disk_ends_with_a_clear_error_and_no_corrupt_checkpoint(corpus_dir, tmp_path, small_tmpfs, capsys):

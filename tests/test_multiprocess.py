@@ -81,13 +81,14 @@ def _launch_cmd(train_args, *options, processes=2):
     ]
 
 
-def _final_state(run_dir):
+def _final_state(run_dir, checkpoints: Path | None = None):
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
     # read back in this one process: the mesh's shape, not its split over nodes (--dcn)
     one_node = {f"dcn_{axis}": 1 for axis, ways in cfg.parallel.dcn.items() if ways > 1}
     layout = make_layout(dataclasses.replace(cfg.parallel, **one_node))
     specs, tx, _ = setup(cfg, layout)
-    r = Checkpointer(run_dir / "checkpoints", CheckpointConfig()).restore_latest(abstract_state(specs, layout, tx))
+    ckpt = Checkpointer(checkpoints or run_dir / "checkpoints", CheckpointConfig())
+    r = ckpt.restore_latest(abstract_state(specs, layout, tx))
     return int(r.state.step), {k: np.asarray(v) for k, v in named_leaves(r.state.params).items()}
 
 
@@ -465,6 +466,42 @@ def test_preempted_group_checkpoints_and_resumes_exactly(reference, dataset, tmp
     assert logged_losses(run) == logged_losses(reference[0])
     (step, got), (_, want) = _final_state(run), _final_state(reference[0])
     assert step == STEPS and got.keys() == want.keys()
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_full_disk_and_one_processs_full_tmpfs_under_launch(reference, dataset, tmp_path, small_tmpfs):
+    """Real full file systems under `meshlm launch` (2 processes): process 1's in-memory copies on a
+    100 kB tmpfs (mounted where its part of the store goes), the checkpoints on a 2.5 MB one (the
+    step-3 checkpoint fits, step 6's does not). Process 1's write fails and the exchange's vote turns
+    the copies off on both processes at step 1, training goes on; the save of step 6 stops the group
+    with exit 5, which the launcher does not retry, naming the committed step. Given room, the same
+    command resumes from step 3 and ends where the uninterrupted run did, bit for bit."""
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    run.mkdir()
+    (run / ".run-id").write_text("f" * 32)  # its store's path is then known before the run starts
+    small_tmpfs(str(lc.store_dir(shm, run, "f" * 32).relative_to(tmp_path) / "process-1"), "100k")
+    disk = small_tmpfs("disk", "2500k")
+    args = [*_train_args(dataset, run), "--set", f"checkpoint.dir={disk / 'ckpt'}"]
+    args += ["--set", "checkpoint.local_every=1", "--set", f"checkpoint.local_dir={shm}"]
+    r = subprocess.run(
+        _launch_cmd(args, "--max-restarts", "2"), capture_output=True, text=True, env=_env(), timeout=600
+    )
+    assert r.returncode == 5, r.stdout[-4000:]
+    out = r.stdout
+    # process 0 speaks for the group: process 1's write failed (its tmpfs is full), so both turned the copies off
+    assert "[0] warning: in-memory checkpoints turned off at step 1: a copy failed on process(es) [1]" in out, out
+    for i in (0, 1):  # every process stops at once with the clear error (Orbax's barrier would hold it 20 min)
+        assert f"[{i}] meshlm: training stopped: no space left (or over quota) on the device of {disk / 'ckpt'}" in out
+    assert "while saving step 6:" in out and "committed checkpoints [3] are intact" in out, out[-4000:]
+    assert "is not retried" in out and "attempt 2" not in out
+    subprocess.run(["mount", "-o", "remount,size=20m", "tmpfs", str(disk)], check=True)
+    r = subprocess.run(_launch_cmd(args), capture_output=True, text=True, env=_env(), timeout=600)
+    assert r.returncode == 0 and f"resumed from {disk / 'ckpt'}/3" in r.stdout, r.stdout[-3000:]
+    assert logged_losses(run) == logged_losses(reference[0])
+    (step, got), (_, want) = _final_state(run, disk / "ckpt"), _final_state(reference[0])
+    assert step == STEPS
     for k, v in want.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
 

@@ -26,6 +26,7 @@ import contextlib
 import errno
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,33 @@ def _out_of_space(e: BaseException) -> bool:
     text = f"{e}"
     full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
     return full or "No space left on device" in text or "Disk quota exceeded" in text
+
+
+def _committed(directory: Path) -> list[int]:
+    """The steps on disk (a step in flight or failed is still under its temporary name); from the
+    directory itself, as Orbax's own list names a failed step from the moment its save began."""
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+
+
+# Set once a multi-process save failed: Orbax's save threads then wait on a barrier that a failed
+# process never reaches (for AsyncOptions.timeout_secs, 20 minutes), and an interpreter that joins
+# them at exit would wait as long; the CLI exits without joining them (`os._exit`).
+ABANDONED_THREADS: list[str] = []
+
+
+class _SaveErrors(logging.Handler):
+    """A failed asynchronous write, caught as Orbax logs it from its `async_save` thread. Orbax
+    raises it only when the next save or wait joins that thread, which in a multi-process run first
+    waits on a barrier with the other processes: they wait in turn, on their own barrier, for the
+    failed one."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.error: BaseException | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and threading.current_thread().name == "async_save" and self.error is None:
+            self.error = record.exc_info[1]
 
 
 class ChecksumMismatch(ValueError):
@@ -185,6 +213,9 @@ class Checkpointer:
         with _quiet_read_only_notice():
             self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
         self.last_saved: int | None = None
+        self.errors = _SaveErrors()
+        if not read_only:
+            logging.getLogger("absl").addHandler(self.errors)
 
     # ------------------------------------------------------------------------------- save
 
@@ -198,6 +229,7 @@ class Checkpointer:
         tensors = describe({"params": params, "opt_state": state.opt_state})  # one pass, one compile
         counters = {"skipped": int(jax.device_get(state.skipped)), "streak": int(jax.device_get(state.streak))}
         meta = meta | counters | {"step": step, "saved_at": time.time(), "tensors": tensors}
+        self._agree()
         with self._space(step):
             self.manager.save(
                 step,
@@ -219,16 +251,45 @@ class Checkpointer:
         except Exception as e:
             if not _out_of_space(e):
                 raise
-            committed = sorted(self.manager.all_steps())
             # an asynchronous save fails when the next save (or the wait) looks at it: name that step
-            pending = self.last_saved is not None and self.last_saved not in committed
-            failed = self.last_saved if pending or step is None else step
-            at = f" while saving step {failed}" if failed is not None else ""
-            raise CheckpointSpace(
-                f"no space left (or over quota) on the device of {self.directory}{at}: that step was not "
-                f"committed (its temporary directory is never restored); committed checkpoints {committed} are "
-                "intact. Free space, lower checkpoint.keep or set checkpoint.dir elsewhere, then rerun to resume"
-            ) from e
+            pending = self.last_saved is not None and self.last_saved not in self.manager.all_steps()
+            raise self._full(self.last_saved if pending or step is None else step) from e
+
+    def _full(self, step: int | None, where: str = "") -> CheckpointSpace:
+        at = f" while saving step {step}" if step is not None else ""
+        return CheckpointSpace(
+            f"no space left (or over quota) on the device of {self.directory}{where}{at}: that step was not "
+            f"committed (its temporary directory is never restored); committed checkpoints "
+            f"{_committed(self.directory)} are intact. Free space, lower checkpoint.keep or set "
+            "checkpoint.dir elsewhere, then rerun to resume"
+        )
+
+    def _agree(self) -> None:
+        """Multi-process runs, before anything waits on the previous asynchronous save: the processes
+        agree (a host all-gather, polled) that it committed everywhere, or that it failed somewhere,
+        and then every process raises the failure at once, a full disk as CheckpointSpace (exit 5 on
+        every process, which `meshlm launch` does not retry). Waiting on Orbax instead would hold
+        every process for 20 minutes (`_SaveErrors`)."""
+        if jax.process_count() == 1:
+            return
+        from jax.experimental import multihost_utils
+
+        while True:  # 0 committed, 1 in flight, 2 failed, 3 failed for want of space
+            error = self.errors.error
+            mine = 2 + _out_of_space(error) if error is not None else int(self.manager.is_saving_in_progress())
+            states = np.asarray(multihost_utils.process_allgather(np.int32(mine)))
+            if not states.any():
+                return
+            if (states >= 2).any():
+                break
+            time.sleep(0.05)
+        ABANDONED_THREADS.append(str(self.directory))
+        who = f" (process(es) {np.flatnonzero(states >= 2).tolist()})"
+        if (states == 3).any():
+            raise self._full(self.last_saved, who) from error
+        raise CheckpointError(
+            f"the save of step {self.last_saved} in {self.directory} failed{who}: {error or 'see its log'}"
+        ) from error
 
     def save_params(self, params: dict, meta: dict, step: int = 0) -> int:
         """A weights-only checkpoint (`meshlm convert --from-hf`): what `--init-from`, `generate`,
@@ -266,10 +327,14 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every started save is committed."""
+        self._agree()
         with self._space(None):
             self.manager.wait_until_finished()
 
     def close(self) -> None:
+        logging.getLogger("absl").removeHandler(self.errors)
+        if str(self.directory) in ABANDONED_THREADS:  # its threads wait on a barrier that is never met
+            return
         try:
             with self._space(None):
                 self.manager.wait_until_finished()

@@ -14,6 +14,7 @@ no module of this package imports JAX at import time.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from meshlm.cli import data, insight, models, train
@@ -59,7 +60,18 @@ def main(argv: list[str] | None = None) -> int:
         code = _exit_code(e, args.command)
         if code is None:
             raise
+        _exit_now_if_abandoned(code)
         return code
+
+
+def _exit_now_if_abandoned(code: int) -> None:
+    """After a multi-process save failed, exit without joining Orbax's save threads: they wait on a
+    barrier that the failed process never reaches (`checkpoint.ABANDONED_THREADS`)."""
+    checkpoint = sys.modules.get("meshlm.checkpoint")
+    if checkpoint is not None and checkpoint.ABANDONED_THREADS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _exit_code(e: Exception, command: str) -> int | None:

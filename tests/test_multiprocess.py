@@ -449,35 +449,16 @@ def test_ray_backend_places_processes_on_a_local_cluster(reference, dataset, tmp
         subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, env=env, timeout=120)
 
 
-def test_preempted_group_checkpoints_and_resumes_exactly(reference, dataset, tmp_path):
-    """SIGTERM to the launcher: every process stops after the same step and saves; a new launch
-    resumes from there and ends exactly where the uninterrupted run did."""
-    run = tmp_path / "run"
-    cmd = _launch_cmd(_train_args(dataset, run))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
-    _wait_for_step(run, 0, 4, proc)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
-    saved = int(out.split("saved a checkpoint at step ")[1].split()[0])
-    assert saved < STEPS and (run / "checkpoints" / str(saved)).is_dir()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
-    assert r.returncode == 0 and f"resumed from {run / 'checkpoints'}/{saved}" in r.stdout, r.stdout[-3000:]
-    assert logged_losses(run) == logged_losses(reference[0])
-    (step, got), (_, want) = _final_state(run), _final_state(reference[0])
-    assert step == STEPS and got.keys() == want.keys()
-    for k, v in want.items():
-        np.testing.assert_array_equal(got[k], v, err_msg=k)
-
-
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_full_disk_and_one_processs_full_tmpfs_under_launch(reference, dataset, tmp_path, small_tmpfs):
+def test_a_full_disk_then_a_preemption_under_launch(reference, dataset, tmp_path, small_tmpfs):
     """Real full file systems under `meshlm launch` (2 processes): process 1's in-memory copies on a
     100 kB tmpfs (mounted where its part of the store goes), the checkpoints on a 2.5 MB one (the
     step-3 checkpoint fits, step 6's does not). Process 1's write fails and the exchange's vote turns
     the copies off on both processes at step 1, training goes on; the save of step 6 stops the group
     with exit 5, which the launcher does not retry, naming the committed step. Given room, the same
-    command resumes from step 3 and ends where the uninterrupted run did, bit for bit."""
+    command resumes from step 3; a SIGTERM to the launcher then makes every process stop after the
+    same step and save; the same command again resumes from there and ends where the uninterrupted
+    run did, bit for bit."""
     run, shm = tmp_path / "run", tmp_path / "shm"
     run.mkdir()
     (run / ".run-id").write_text("f" * 32)  # its store's path is then known before the run starts
@@ -497,8 +478,16 @@ def test_a_full_disk_and_one_processs_full_tmpfs_under_launch(reference, dataset
     assert "while saving step 6:" in out and "committed checkpoints [3] are intact" in out, out[-4000:]
     assert "is not retried" in out and "attempt 2" not in out
     subprocess.run(["mount", "-o", "remount,size=20m", "tmpfs", str(disk)], check=True)
+    shutil.rmtree(run / ".heartbeat")  # the failed attempt's (step 9): wait for this launch's own
+    proc = _popen(_launch_cmd(args))
+    _wait_for_step(run, 0, 5, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM and f"resumed from {disk / 'ckpt'}/3" in out, out[-4000:]
+    saved = int(out.split("saved a checkpoint at step ")[1].split()[0])
+    assert 5 <= saved < STEPS and (disk / "ckpt" / str(saved)).is_dir()
     r = subprocess.run(_launch_cmd(args), capture_output=True, text=True, env=_env(), timeout=600)
-    assert r.returncode == 0 and f"resumed from {disk / 'ckpt'}/3" in r.stdout, r.stdout[-3000:]
+    assert r.returncode == 0 and f"resumed from {disk / 'ckpt'}/{saved}" in r.stdout, r.stdout[-3000:]
     assert logged_losses(run) == logged_losses(reference[0])
     (step, got), (_, want) = _final_state(run, disk / "ckpt"), _final_state(reference[0])
     assert step == STEPS

@@ -357,3 +357,61 @@ def test_checksums_equal_a_numpy_reference_on_any_layout_without_a_leaf_sized_te
     assert got["e"]["checksum"] == [int(ebits.sum()), int((ebits * (np.arange(15) + 1)).sum())]
     temp = _checksums.lower({"a": jax.numpy.asarray(x)}).compile().memory_analysis().temp_size_in_bytes
     assert temp < x.nbytes // 4, temp
+
+
+def test_processes_agree_on_a_failed_asynchronous_save_before_waiting_on_it(tmp_path, monkeypatch):
+    """The multi-process agreement (`Checkpointer._agree`) in one process, with the host all-gather
+    played by a script of the other process's states: it polls while a save is in flight, returns
+    once every process committed, and raises CheckpointSpace naming the process whose write ran out
+    of space, after which `close` no longer waits on Orbax's threads. The failure is the one Orbax
+    logs from its `async_save` thread (another thread's error is not this save's)."""
+    import errno
+    import logging
+    import threading
+
+    from jax.experimental import multihost_utils
+
+    from meshlm import checkpoint
+
+    ck = Checkpointer(tmp_path / "ckpt", CheckpointConfig())
+    (tmp_path / "ckpt" / "3").mkdir()
+    (tmp_path / "ckpt" / "6.orbax-checkpoint-tmp").mkdir()
+    ck.last_saved = 6
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(checkpoint, "ABANDONED_THREADS", [])
+    peer, seen = [], []
+
+    def allgather(mine):
+        seen.append(int(mine))
+        return np.array([int(mine), peer.pop(0)], np.int32)
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    peer[:] = [1, 1, 0]  # the other process commits after two polls
+    ck._agree()
+    assert seen == [0, 0, 0] and not peer
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def log_from(name):  # as Orbax logs it: logging.error(..., exc_info=True) in the failing thread
+        def fail():
+            try:
+                raise full
+            except OSError:
+                logging.getLogger("absl").error("failed", exc_info=True)
+
+        thread = threading.Thread(target=fail, name=name)
+        thread.start()
+        thread.join()
+
+    log_from("save_finalize")
+    assert ck.errors.error is None
+    peer[:] = [3]  # ...or ran out of space: named, and every process raises at once
+    with pytest.raises(CheckpointSpace, match=r"\(process\(es\) \[1\]\) while saving step 6: .* checkpoints \[3\] are"):
+        ck._agree()
+    log_from("async_save")
+    assert ck.errors.error is full
+    peer[:] = [1]
+    with pytest.raises(CheckpointSpace, match=r"\(process\(es\) \[0\]\)"):
+        ck._agree()
+    assert seen[-1] == 3 and len(checkpoint.ABANDONED_THREADS) == 2
+    ck.close()  # returns: no wait on threads that wait on a barrier never met
+    assert ck.errors not in logging.getLogger("absl").handlers

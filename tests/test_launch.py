@@ -311,8 +311,9 @@ def test_rendezvous_still_stops_on_a_well_formed_hello_that_disagrees(monkeypatc
 
 def test_a_slurm_task_beats_and_reads_a_requeue_as_a_restart_after_a_failure(tmp_path):
     """A SLURM task (no launcher) gets the launcher's heartbeat file; a job SLURM started again takes
-    the failure's time and step from the heartbeats its previous run left (the newest mtime, the
-    largest step). Outside SLURM, or under `meshlm launch`, nothing changes."""
+    the failure's time and step from the heartbeats its previous run's tasks left (the newest time
+    written in them, the largest step; not an earlier, larger group's). Outside SLURM, or under
+    `meshlm launch`, nothing changes."""
     import os
 
     from meshlm.launch.slurm import task_env
@@ -321,9 +322,9 @@ def test_a_slurm_task_beats_and_reads_a_requeue_as_a_restart_after_a_failure(tmp
     assert task_env(run, {}) == {} and task_env(run, {"SLURM_PROCID": "1", "MESHLM_HEARTBEAT": "x"}) == {}
     first = task_env(run, {"SLURM_PROCID": "1", "SLURM_RESTART_COUNT": "0"})
     assert first == {"MESHLM_HEARTBEAT": str(run / ".heartbeat" / "process-1")}
-    for i, (step, mtime) in enumerate([(9, 1000.0), (8, 1005.5)]):
+    for i, (step, written) in enumerate([(9, 1000.0), (8, 1005.5), (50, 2000.0)]):  # process 2: a stale one
         beat = run / ".heartbeat" / f"process-{i}"
-        beat.write_text(f"{step} {mtime} 4{i}\n")
-        os.utime(beat, (mtime, mtime))
-    again = task_env(run, {"SLURM_PROCID": "0", "SLURM_RESTART_COUNT": "2"})
+        beat.write_text(f"{step} {written} 4{i}\n")
+        os.utime(beat, (3000.0 - i, 3000.0 - i))  # the file server's clock: not the task's
+    again = task_env(run, {"SLURM_PROCID": "0", "SLURM_RESTART_COUNT": "2", "SLURM_NTASKS": "2"})
     assert again == {"MESHLM_HEARTBEAT": str(run / ".heartbeat" / "process-0"), "MESHLM_FAULT": "1005.500 9"}

@@ -454,8 +454,9 @@ def test_a_full_disk_then_a_preemption_under_launch(reference, dataset, tmp_path
     """Real full file systems under `meshlm launch` (2 processes): process 1's in-memory copies on a
     100 kB tmpfs (mounted where its part of the store goes), the checkpoints on a 2.5 MB one (the
     step-3 checkpoint fits, step 6's does not). Process 1's write fails and the exchange's vote turns
-    the copies off on both processes at step 1, training goes on; the save of step 6 stops the group
-    with exit 5, which the launcher does not retry, naming the committed step. Given room, the same
+    the copies off on both processes at step 1, training goes on; the failed save of step 6 stops
+    every process at the next save (step 9) with exit 5, which the launcher does not retry, naming
+    the committed step. Given room, the same
     command resumes from step 3; a SIGTERM to the launcher then makes every process stop after the
     same step and save; the same command again resumes from there and ends where the uninterrupted
     run did, bit for bit."""

@@ -81,7 +81,7 @@ class _SaveErrors(logging.Handler):
     waits on a barrier with the other processes: they wait in turn, on their own barrier, for the
     failed one."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(logging.ERROR)
         self.error: BaseException | None = None
 

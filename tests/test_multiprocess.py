@@ -623,6 +623,8 @@ def test_a_slurm_job_equals_the_launched_run_and_survives_a_requeue_and_a_node_f
         os.kill(pid, signal.SIGKILL)
     wait(lambda: _job_state(job, slurm) == "FAILED", bad=("CANCELLED", "TIMEOUT", "COMPLETED"))
     subprocess.run(["scontrol", "requeue", job], env=slurm, check=True, timeout=60)
+    # the requeue lands a moment later (until then the job reads FAILED, or scontrol UNKNOWN)
+    wait(lambda: _job_state(job, slurm) not in ("FAILED", "UNKNOWN"), bad=("CANCELLED", "TIMEOUT"))
     wait(lambda: _job_state(job, slurm) == "COMPLETED", bad=("FAILED", "CANCELLED", "TIMEOUT"))
     text = out.read_text()
     assert saved >= 4 and f"resumed from {run / 'checkpoints'}/{saved}" in text, text[-3000:]

@@ -328,3 +328,23 @@ def test_a_slurm_task_beats_and_reads_a_requeue_as_a_restart_after_a_failure(tmp
         os.utime(beat, (3000.0 - i, 3000.0 - i))  # the file server's clock: not the task's
     again = task_env(run, {"SLURM_PROCID": "0", "SLURM_RESTART_COUNT": "2", "SLURM_NTASKS": "2"})
     assert again == {"MESHLM_HEARTBEAT": str(run / ".heartbeat" / "process-0"), "MESHLM_FAULT": "1005.500 9"}
+
+
+def test_a_ray_restart_puts_each_process_back_on_its_node(tmp_path):
+    """`meshlm launch --ray` after a failure: each process to the node it ran on (its in-memory
+    copies are there), one whose node is gone to a live node no process holds, and with no such
+    node wherever Ray finds room."""
+    pytest.importorskip("ray")
+    from meshlm.launch.ray_cluster import RaySupervisor
+
+    sup = RaySupervisor(["train"], 3, None, tmp_path, address="auto")
+    a, b, c, d = (ch * 56 for ch in "abcd")  # Ray node ids: 28 bytes, in hex
+    sup.homes = [a, b, c]
+    strategies, how = sup._homecoming([a, c, d])
+    assert [s.node_id for s in strategies] == [a, d, c] and not strategies[0].soft
+    assert how == "processes [1] moved, the others on their nodes"
+    strategies, how = sup._homecoming([a, b, c])
+    assert [s.node_id for s in strategies] == sup.homes and how == "each on its node"
+    strategies, _ = sup._homecoming([b, c])
+    assert strategies[0] == "SPREAD" and [s.node_id for s in strategies[1:]] == [b, c]
+    sup.log_file.close()

@@ -409,25 +409,35 @@ def test_process_count_that_does_not_match_the_mesh(dataset, tmp_path):
 
 
 def test_ray_backend_places_processes_on_a_local_cluster(reference, dataset, tmp_path):
-    """`meshlm launch --ray` and `meshlm data prepare --ray`: a local Ray cluster started here (the
-    optional `ray` extra)."""
+    """`meshlm launch --ray` and `meshlm data prepare --ray`: a local Ray cluster of two nodes started
+    here (the optional `ray` extra). A process SIGKILLed at step 5: the restart puts each process
+    back on its node and the group resumes from the in-memory copies, with the reference's losses."""
     pytest.importorskip("ray")
     ray_bin = Path(sys.executable).parent / "ray"
     port = free_port()
     env = _env() | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}  # a private test cluster
-    head = [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"]
+    head = [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false"]
     subprocess.run(head, check=True, capture_output=True, env=env, timeout=180)
-    try:
+    try:  # a second node (a raylet of its own) on this machine
+        worker = [str(ray_bin), "start", f"--address=127.0.0.1:{port}", "--num-cpus=1"]
+        subprocess.run(worker, check=True, capture_output=True, env=env, timeout=180)
         run = tmp_path / "run"
-        r = subprocess.run(
-            [*_launch_cmd(_train_args(dataset, run), "--ray", f"127.0.0.1:{port}")],
-            capture_output=True,
+        args = [*_train_args(dataset, run), "--set", "checkpoint.every=100", "--set", "checkpoint.local_every=1"]
+        proc = subprocess.Popen(
+            _launch_cmd(args, "--ray", f"127.0.0.1:{port}", "--max-restarts", "1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
             env=env,
-            timeout=600,
         )
-        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-        assert "processes on Ray" in r.stdout and "attempt 1: ok" in r.stdout
+        os.kill(_wait_for_step(run, 1, 5, proc), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-4000:]
+        first, second = (out.split(f"attempt {n}: 2 processes on Ray (")[1].split(")")[0] for n in (1, 2))
+        assert first.startswith("2 nodes, STRICT_SPREAD; nodes 0:"), first
+        # the restart puts each process back on its node, where its in-memory copy is
+        assert second == first.replace("STRICT_SPREAD", "each on its node") and "attempt 2: ok" in out, out[-3000:]
+        assert "resumed from the in-memory copies of step" in out
         assert logged_losses(run) == logged_losses(reference[0])
         # `meshlm data prepare --ray` on the same cluster: its work units (JSONL byte ranges) are Ray
         # tasks, and the bytes equal one process's

@@ -5,7 +5,10 @@ Ray only places and watches processes: each node runs a small actor that starts 
 a child process and hands back its output and exit status. The training processes still form one
 JAX distributed runtime among themselves (process 0's node hosts the coordinator), exactly as with
 the local launcher. The run directory (checkpoints, heartbeats) must be on a file system every node
-sees, as on any multi-host run.
+sees, as on any multi-host run. The first attempt places the processes with a placement group (one
+per node where there are enough nodes); a restart puts each process back on the node it ran on
+(Ray node affinity), where its in-memory copies are (`local_checkpoint` finds them by process
+index), and a process whose node is gone on a live node that no process holds.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ class _ProcessHost:
         self.lines: list[str] = []
         self.lock = threading.Lock()
 
-    def node_ip(self) -> str:
+    def node(self) -> tuple[str, str]:
+        """(this node's IP address, its Ray node id)."""
         import ray
 
-        return ray.util.get_node_ip_address()
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
     def free_port(self) -> int:
         from meshlm.launch.supervisor import free_port
@@ -118,7 +122,8 @@ class RaySupervisor(Supervisor):
         super().__init__(*args, **kwargs)
         self.address = address
         self.actors: list = []
-        self.group = None  # the Ray placement group of the current attempt
+        self.group = None  # the Ray placement group of the first attempt
+        self.homes: list[str] = []  # the Ray node id each process ran on in the last attempt
 
     def run(self) -> int:
         ray = _ray()
@@ -131,6 +136,18 @@ class RaySupervisor(Supervisor):
         finally:
             self._release()
             ray.shutdown()
+
+    def _homecoming(self, alive: list[str]) -> tuple[list, str]:
+        """Where a restarted group's processes go: each to the node it ran on (whose tmpfs holds its
+        in-memory copies), a process whose node is gone to a live node no process holds (its copy
+        comes back from its peer), else wherever Ray finds room."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        spare = [n for n in alive if n not in self.homes]
+        targets = [home if home in alive else spare.pop(0) if spare else None for home in self.homes]
+        strategies = [NodeAffinitySchedulingStrategy(t, soft=False) if t else "SPREAD" for t in targets]
+        moved = [i for i, (t, home) in enumerate(zip(targets, self.homes, strict=True)) if t != home]
+        return strategies, f"processes {moved} moved, the others on their nodes" if moved else "each on its node"
 
     def _release(self) -> None:
         ray = _ray()
@@ -148,24 +165,31 @@ class RaySupervisor(Supervisor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._release()
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        strategy = "STRICT_SPREAD" if len(nodes) >= self.processes else "SPREAD"
-        self.group = ray.util.placement_group([{"CPU": 1}] * self.processes, strategy=strategy)
-        if not self.group.wait(timeout_seconds=self.startup_timeout):
-            raise ConfigError(f"the Ray cluster at {self.address} cannot place {self.processes} processes")
+        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         host_cls = ray.remote(num_cpus=1, max_concurrency=4)(_ProcessHost)
-        self.actors = [
-            host_cls.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i)
-            ).remote()
-            for i in range(self.processes)
-        ]
-        ips = ray.get([a.node_ip.remote() for a in self.actors])
+        if len(self.homes) == self.processes:  # a restart: each process back on its node
+            strategies, how = self._homecoming(alive)
+        else:
+            how = "STRICT_SPREAD" if len(alive) >= self.processes else "SPREAD"
+            self.group = ray.util.placement_group([{"CPU": 1}] * self.processes, strategy=how)
+            if not self.group.wait(timeout_seconds=self.startup_timeout):
+                raise ConfigError(f"the Ray cluster at {self.address} cannot place {self.processes} processes")
+            strategies = [
+                PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i)
+                for i in range(self.processes)
+            ]
+        self.actors = [host_cls.options(scheduling_strategy=s).remote() for s in strategies]
+        try:
+            placed = ray.get([a.node.remote() for a in self.actors], timeout=self.startup_timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(f"the Ray cluster at {self.address} cannot place {self.processes} processes") from None
+        ips, self.homes = [ip for ip, _ in placed], [node for _, node in placed]
         coordinator = f"{ips[0]}:{ray.get(self.actors[0].free_port.remote())}"
         beats = self._heartbeats()
         for b in beats:
             b.unlink(missing_ok=True)
-        where = f"{self.processes} processes on Ray ({len(set(ips))} nodes, {strategy})"
+        nodes = " ".join(f"{i}:{node[:8]}" for i, node in enumerate(self.homes))
+        where = f"{self.processes} processes on Ray ({len(set(self.homes))} nodes, {how}; nodes {nodes})"
         self.say(f"[launch] attempt {attempt.number}: {where}, coordinator {coordinator}")
         workers = []
         for i, actor in enumerate(self.actors):

@@ -25,14 +25,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-
-def reached(beats: list[Path]) -> int:
-    """The newest step any of these heartbeat files reported ("step time pid"; 0 before any)."""
-    steps = [0]
-    for beat in beats:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            steps.append(int(beat.read_text().split()[0]))
-    return max(steps)
+from meshlm.launch.supervisor import reached
 
 
 def task_env(run_dir: Path, environ: Mapping[str, str] = os.environ) -> dict[str, str]:

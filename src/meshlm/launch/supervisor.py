@@ -29,7 +29,7 @@ from pathlib import Path
 
 from meshlm.config import ConfigError, RunConfig
 from meshlm.exits import FINAL_EXITS
-from meshlm.launch import elastic, slurm
+from meshlm.launch import elastic
 from meshlm.platform import xla_flags
 
 
@@ -55,6 +55,15 @@ def worker_command(train_args: list[str], devices: int | None, coordinator: str,
         "--process-id",
         str(i),
     ]
+
+
+def reached(beats: list[Path]) -> int:
+    """The newest step any of these heartbeat files reported ("step time pid"; 0 before any)."""
+    steps = [0]
+    for beat in beats:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            steps.append(int(beat.read_text().split()[0]))
+    return max(steps)
 
 
 def worker_vars(heartbeat: Path) -> dict[str, str]:
@@ -185,7 +194,7 @@ class Supervisor:
 
     def _reached(self) -> int:
         """The newest step any process's heartbeat reported (0 before any)."""
-        return slurm.reached(self._heartbeats())
+        return reached(self._heartbeats())
 
     def _check(self, workers: list, started: float) -> str | None:
         """None while the group is healthy and running; else why it ended ('ok' on success)."""

@@ -139,8 +139,9 @@ class RaySupervisor(Supervisor):
 
     def _homecoming(self, alive: list[str]) -> tuple[list, str]:
         """Where a restarted group's processes go: each to the node it ran on (whose tmpfs holds its
-        in-memory copies), a process whose node is gone to a live node no process holds (its copy
-        comes back from its peer), else wherever Ray finds room."""
+        in-memory copies), a process whose node is gone to a live node with a CPU that no process
+        holds (its copy comes back from its peer), else wherever Ray finds room. Where that fails
+        within a minute (a node listed alive is dead or full), `_start` places the group anew."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         spare = [n for n in alive if n not in self.homes]
@@ -165,24 +166,29 @@ class RaySupervisor(Supervisor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._release()
-        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1)
         host_cls = ray.remote(num_cpus=1, max_concurrency=4)(_ProcessHost)
+        placed = None
         if len(self.homes) == self.processes:  # a restart: each process back on its node
             strategies, how = self._homecoming(alive)
-        else:
+            self.actors = [host_cls.options(scheduling_strategy=s).remote() for s in strategies]
+            try:  # a node listed alive may be dead, or full (another job took its CPU)
+                placed = ray.get([a.node.remote() for a in self.actors], timeout=min(60.0, self.startup_timeout))
+            except Exception as e:
+                self.say(
+                    f"[launch] the processes cannot go back to their nodes ({type(e).__name__}): placing them anew"
+                )
+                self._release()
+        if placed is None:
             how = "STRICT_SPREAD" if len(alive) >= self.processes else "SPREAD"
             self.group = ray.util.placement_group([{"CPU": 1}] * self.processes, strategy=how)
             if not self.group.wait(timeout_seconds=self.startup_timeout):
                 raise ConfigError(f"the Ray cluster at {self.address} cannot place {self.processes} processes")
-            strategies = [
-                PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i)
+            self.actors = [
+                host_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, i)).remote()
                 for i in range(self.processes)
             ]
-        self.actors = [host_cls.options(scheduling_strategy=s).remote() for s in strategies]
-        try:
-            placed = ray.get([a.node.remote() for a in self.actors], timeout=self.startup_timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise ConfigError(f"the Ray cluster at {self.address} cannot place {self.processes} processes") from None
+            placed = ray.get([a.node.remote() for a in self.actors])
         ips, self.homes = [ip for ip, _ in placed], [node for _, node in placed]
         coordinator = f"{ips[0]}:{ray.get(self.actors[0].free_port.remote())}"
         beats = self._heartbeats()

@@ -22,7 +22,7 @@ from meshlm.checkpoint import Checkpointer
 from meshlm.config import CheckpointConfig, from_dict
 from meshlm.data.prepare import write_dataset
 from meshlm.data.units import Unit
-from meshlm.launch.supervisor import free_port
+from meshlm.launch.supervisor import free_port, read_beat
 from meshlm.model.params import named_leaves
 from meshlm.observe.run_report import write_report
 from meshlm.parallel.mesh import make_layout
@@ -140,14 +140,12 @@ def test_two_processes_equal_one_process(reference, dataset, tmp_path):
 def _wait_for_step(run, process: int, step: int, proc, timeout=300, not_pid: int | None = None) -> int:
     """Wait until `process` (not the one with pid `not_pid`: a later attempt's) has reported `step`
     in its heartbeat; return its pid."""
-    beat = run / ".heartbeat" / f"process-{process}"
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, proc.stdout.read()[-3000:]
-        if beat.exists():
-            parts = beat.read_text().split()
-            if len(parts) == 3 and int(parts[0]) >= step and int(parts[2]) != not_pid:
-                return int(parts[2])
+        reached, pid = _beat(run, process)
+        if pid and reached >= step and pid != not_pid:
+            return pid
         time.sleep(0.1)
     raise AssertionError(f"process {process} never reached step {step}")
 
@@ -253,9 +251,8 @@ def _popen(cmd) -> subprocess.Popen:
 
 def _pid(run: Path, process: int) -> int:
     for _ in range(100):  # a heartbeat being rewritten reads empty for a moment
-        parts = (run / ".heartbeat" / f"process-{process}").read_text().split()
-        if len(parts) == 3:
-            return int(parts[2])
+        if pid := _beat(run, process)[1]:
+            return pid
         time.sleep(0.01)
     raise AssertionError(f"process {process}'s heartbeat stays unreadable")
 
@@ -666,9 +663,8 @@ def test_a_slurm_job_equals_the_launched_run_and_survives_a_requeue_and_a_node_f
 
 def _beat(run: Path, process: int) -> tuple[int, int]:
     """(step, pid) of a process's heartbeat; (0, 0) while there is none (or it is being rewritten)."""
-    beat = run / ".heartbeat" / f"process-{process}"
-    parts = beat.read_text().split() if beat.exists() else []
-    return (int(parts[0]), int(parts[2])) if len(parts) == 3 else (0, 0)
+    beat = read_beat(run / ".heartbeat" / f"process-{process}")
+    return (beat[0], beat[2]) if beat else (0, 0)
 
 
 def test_report_on_a_two_process_run(reference, tmp_path):

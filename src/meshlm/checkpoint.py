@@ -66,7 +66,7 @@ def _out_of_space(e: BaseException) -> bool:
 def _committed(directory: Path) -> list[int]:
     """The steps on disk (a step in flight or failed is still under its temporary name); from the
     directory itself, as Orbax's own list names a failed step from the moment its save began."""
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+    return sorted(int(p.name) for p in directory.iterdir() if _is_step_dir(p)) if directory.is_dir() else []
 
 
 # Set once a multi-process save failed: Orbax's save threads then wait on a barrier that a failed

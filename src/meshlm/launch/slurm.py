@@ -19,13 +19,12 @@ in the queue). `meshlm launch` inside a job supervises on its own: it does not r
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from meshlm.launch.supervisor import reached
+from meshlm.launch.supervisor import reached, read_beat
 
 
 def task_env(run_dir: Path, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -39,19 +38,9 @@ def task_env(run_dir: Path, environ: Mapping[str, str] = os.environ) -> dict[str
     directory.mkdir(parents=True, exist_ok=True)
     add = {"MESHLM_HEARTBEAT": str(directory / f"process-{environ['SLURM_PROCID']}")}
     if int(environ.get("SLURM_RESTART_COUNT") or 0) >= 1 and "MESHLM_FAULT" not in environ:
-        tasks = int(environ.get("SLURM_NTASKS") or 0) or 1 + max(map(_index, directory.glob("process-*")), default=0)
+        tasks = int(environ.get("SLURM_NTASKS") or 1)  # srun sets it
         beats = [directory / f"process-{i}" for i in range(tasks)]  # not an earlier, larger group's
-        seen = [t for b in beats if (t := _beat_time(b)) is not None]
+        # the time written in them: the tasks' own clock, the one `recovery_s` is read with
+        seen = [b[1] for b in map(read_beat, beats) if b]
         add["MESHLM_FAULT"] = f"{max(seen, default=time.time()):.3f} {reached(beats)}"
     return add
-
-
-def _index(beat: Path) -> int:
-    return int(beat.name.split("-")[1]) if beat.name.split("-")[1].isdigit() else 0
-
-
-def _beat_time(beat: Path) -> float | None:
-    """When the task wrote this heartbeat, by its own clock (the one `recovery_s` is read with)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        return float(beat.read_text().split()[1])
-    return None

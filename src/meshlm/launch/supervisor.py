@@ -57,13 +57,18 @@ def worker_command(train_args: list[str], devices: int | None, coordinator: str,
     ]
 
 
+def read_beat(beat: Path) -> tuple[int, float, int] | None:
+    """A heartbeat file's (step, time, pid) as `train_loop.Heartbeat` writes them; None while it is
+    absent or being rewritten."""
+    with contextlib.suppress(OSError, ValueError):
+        step, when, pid = beat.read_text().split()
+        return int(step), float(when), int(pid)
+    return None
+
+
 def reached(beats: list[Path]) -> int:
-    """The newest step any of these heartbeat files reported ("step time pid"; 0 before any)."""
-    steps = [0]
-    for beat in beats:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            steps.append(int(beat.read_text().split()[0]))
-    return max(steps)
+    """The newest step any of these heartbeat files reported (0 before any)."""
+    return max([0, *(b[0] for b in map(read_beat, beats) if b)])
 
 
 def worker_vars(heartbeat: Path) -> dict[str, str]:

@@ -7,7 +7,7 @@ import pytest
 
 from meshlm.cli.train import launch_plan
 from meshlm.config import ConfigError
-from meshlm.launch.supervisor import describe_exit, worker_command
+from meshlm.launch.supervisor import describe_exit, describe_failures, worker_command
 from meshlm.parallel.mesh import process_group
 
 
@@ -109,6 +109,14 @@ def test_worker_command_and_exit_descriptions():
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
     assert describe_exit(128 + signal.SIGTERM) == "stopped by SIGTERM (exit 143)"
     assert describe_exit(1) == "exited with code 1"
+    # a peer that aborts on the lost process, seen in the same poll, is not named as the cause
+    kill, abort = -signal.SIGKILL, -signal.SIGABRT
+    assert describe_failures([(0, abort), (3, kill)]) == "process 3 killed by SIGKILL; process 0 killed by SIGABRT too"
+    assert (
+        describe_failures([(2, 134), (1, abort)])
+        == "process 1 killed by SIGABRT; process 2 stopped by SIGABRT (exit 134) too"
+    )
+    assert describe_failures([(1, 1)]) == "process 1 exited with code 1"
 
 
 def test_rendezvous_listens_on_the_coordinator_address_only(monkeypatch):

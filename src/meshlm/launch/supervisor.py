@@ -133,6 +133,16 @@ def describe_exit(rc: int) -> str:
     return f"exited with code {rc}"
 
 
+def describe_failures(failed: list[tuple[int, int]]) -> str:
+    """Why a group ended, from its failed (process, exit code) pairs seen in one poll. A process that
+    aborted (SIGABRT) is most often reacting to a lost peer (JAX's runtime aborts when one vanishes),
+    so another failure seen in the same poll is named as the cause, the aborts after it."""
+    aborted = (-signal.SIGABRT, 128 + signal.SIGABRT)
+    first, *others = sorted(failed, key=lambda f: (f[1] in aborted, f[0]))
+    also = "".join(f"; process {i} {describe_exit(rc)} too" for i, rc in others)
+    return f"process {first[0]} {describe_exit(first[1])}{also}"
+
+
 @dataclass
 class Attempt:
     number: int
@@ -206,8 +216,7 @@ class Supervisor:
         codes = [w.poll() for w in workers]
         failed = [(i, rc) for i, rc in enumerate(codes) if rc not in (None, 0)]
         if failed:
-            i, rc = failed[0]
-            return f"process {i} {describe_exit(rc)}"
+            return describe_failures(failed)
         if all(rc == 0 for rc in codes):
             return "ok"
         now = time.time()
@@ -311,7 +320,7 @@ class Supervisor:
                     stopped = (0, 128 + signal.SIGTERM, -signal.SIGTERM)  # checkpointed and stopped
                     failed = [(i, w.poll()) for i, w in enumerate(workers) if w.poll() not in stopped]
                     if failed:  # not a clean stop: a failure like any other
-                        return f"process {failed[0][0]} {describe_exit(failed[0][1])} while stopping to regrow"
+                        return f"{describe_failures(failed)} while stopping to regrow"
                     return f"stopped to regrow to {self.full[0]} processes"
 
     def _capacity(self) -> int:

@@ -39,7 +39,7 @@ def test_bad_process_group_settings(kwargs, message):
     assert message in str(e.value)
 
 
-def test_plan_launch_checks_the_train_command(tmp_path):
+def test_plan_launch_checks_the_train_command(tmp_path, capsys):
     args, run_dir = launch_plan(["train", "--mesh", "data=2,tensor=2", "--run-dir", str(tmp_path)], 2, 2)
     assert run_dir == tmp_path and args[0] == "train"
     args, run_dir = launch_plan(["train", "--mesh", "data=4"], 4, 1)
@@ -52,6 +52,12 @@ def test_plan_launch_checks_the_train_command(tmp_path):
     with pytest.raises(ConfigError, match="sets --coordinator itself"):
         launch_plan(["train", "--coordinator", "h:1"], 2, 1)
     launch_plan(["train", "--mesh", "data=4"], 2, None)  # real accelerators: the processes decide
+    # elastic: the local launcher needs to be told the capacity (under --ray, the live nodes tell it)
+    from meshlm.cli import main
+
+    elastic = ["launch", "--processes", "2", "--devices-per-process", "2", "--min-processes", "1"]
+    assert main([*elastic, "--", "train", "--mesh", "data=4", "--run-dir", str(tmp_path)]) == 2
+    assert "--min-processes (elastic) needs --capacity-cmd with the local launcher" in capsys.readouterr().err
 
 
 def test_an_elastic_group_shrinks_its_batch_axes_only_and_keeps_the_global_batch():

@@ -2,6 +2,8 @@
 `meshlm launch`: equal to one process, restart after SIGKILL and after a hang (from in-memory
 copies, a replaced process's from its peer), clear errors."""
 
+import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -10,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -104,6 +107,14 @@ def reference(dataset, tmp_path_factory):
     return run, r.stdout
 
 
+@pytest.fixture(scope="module")
+def one_device_40(dataset, tmp_path_factory) -> dict[int, float]:
+    """One device's losses over 40 steps without dropout: what every elastic run (its layout, and with
+    it the order of its sums, changes) gives to 1e-5."""
+    run = tmp_path_factory.mktemp("one") / "run"
+    return _losses_of_one_process([*_train_args(dataset, run, steps=40, mesh="data=1"), "--set", "model.dropout=0"])
+
+
 def test_two_processes_equal_one_process(reference, dataset, tmp_path):
     run, out = reference
     assert "attempt 1: ok" in out and "[1] " in out  # merged, prefixed logs of both processes
@@ -188,7 +199,7 @@ def test_a_hung_then_a_killed_worker_recover_from_the_in_memory_copies_bit_for_b
         np.testing.assert_array_equal(params[k], ref_params[k], err_msg=k)
 
 
-def test_four_processes_survive_a_replaced_host_then_shrink_and_regrow(dataset, tmp_path):
+def test_four_processes_survive_a_replaced_host_then_shrink_and_regrow(one_device_40, dataset, tmp_path):
     """4 processes x 2 devices on data=4 x tensor=2 (tensor inside a process, data across), with
     in-memory copies every step and disk checkpoints every 3 steps, through two failures in a row:
     1. at a random step, process 2 is frozen, its host's copies (its tmpfs store) wiped and SIGKILLed: the group
@@ -230,8 +241,7 @@ def test_four_processes_survive_a_replaced_host_then_shrink_and_regrow(dataset, 
     # a heartbeat names a step once it is dispatched: its copy may not have been made when the kill came
     assert events[0]["lost_steps"] <= 1 and events[0]["resumed_at"] >= first - 1
     assert not lc.store_dir(lc.default_root(), run, lc.run_id(run, first=False)).exists()  # dropped at the end
-    one_device = [*_train_args(dataset, tmp_path / "one", steps=40, mesh="data=1"), "--set", "model.dropout=0"]
-    got, want = logged_losses(run), _losses_of_one_process(one_device)
+    got, want = logged_losses(run), one_device_40
     assert sorted(got) == sorted(want) == list(range(1, 41))
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-5)
 
@@ -405,37 +415,85 @@ def test_process_count_that_does_not_match_the_mesh(dataset, tmp_path):
     assert time.time() - t < 60
 
 
-def test_ray_backend_places_processes_on_a_local_cluster(reference, dataset, tmp_path):
-    """`meshlm launch --ray` and `meshlm data prepare --ray`: a local Ray cluster of two nodes started
-    here (the optional `ray` extra). A process SIGKILLed at step 5: the restart puts each process
-    back on its node and the group resumes from the in-memory copies, with the reference's losses."""
+def _ray_node(ray_bin: Path, port: int, env: dict) -> subprocess.Popen:
+    """A worker node of the local Ray cluster (a raylet of its own on this machine), kept in the
+    foreground (--block) so that its processes are the tree below this one."""
+    cmd = [str(ray_bin), "start", f"--address=127.0.0.1:{port}", "--num-cpus=1", "--block"]
+    node = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    said = []
+    for line in node.stdout:  # returned once the node has joined
+        said.append(line)
+        if "Ray runtime started" in line:
+            threading.Thread(target=node.stdout.read, daemon=True).start()  # drained from now on
+            return node
+    raise AssertionError("".join(said)[-2000:])
+
+
+def _tree(root: int) -> list[int]:
+    """`root` and every process started below it (Ray's raylet and workers start their own sessions)."""
+    children = collections.defaultdict(list)
+    for d in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            children[int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])].append(int(d.name))
+    tree, todo = [], [root]
+    while todo:
+        tree.append(todo.pop())
+        todo += children[tree[-1]]
+    return tree
+
+
+def test_ray_backend_places_processes_on_a_local_cluster(one_device_40, dataset, tmp_path):
+    """`meshlm launch --ray` and `meshlm data prepare --ray` on a local Ray cluster of two nodes started
+    here (the optional `ray` extra), elastic with the cluster's live nodes as the capacity
+    (`--min-processes 1`, no --capacity-cmd):
+    1. a process SIGKILLed at step 5: the restart puts each process back on its node and the group
+       resumes from the in-memory copies;
+    2. the second node dies (its raylet, its Ray workers and the training process on it SIGKILLed):
+       after --replace-timeout the group continues on the head node alone (data=2 -> 1, microbatches
+       1 -> 2), from the disk checkpoint;
+    3. a new node joins: the shrunk group checkpoints and regrows to 2 processes.
+    Every loss is one device's within 1e-5."""
     pytest.importorskip("ray")
     ray_bin = Path(sys.executable).parent / "ray"
     port = free_port()
     env = _env() | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}  # a private test cluster
     head = [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false"]
     subprocess.run(head, check=True, capture_output=True, env=env, timeout=180)
-    try:  # a second node (a raylet of its own) on this machine
-        worker = [str(ray_bin), "start", f"--address=127.0.0.1:{port}", "--num-cpus=1"]
-        subprocess.run(worker, check=True, capture_output=True, env=env, timeout=180)
+    nodes, proc = [_ray_node(ray_bin, port, env)], None
+    try:
         run = tmp_path / "run"
-        args = [*_train_args(dataset, run), "--set", "checkpoint.every=100", "--set", "checkpoint.local_every=1"]
+        args = [*_train_args(dataset, run, steps=40), "--set", "model.dropout=0", "--set", "checkpoint.local_every=1"]
+        options = ["--ray", f"127.0.0.1:{port}", "--max-restarts", "3", "--hang-timeout", "30"]
+        options += ["--min-processes", "1", "--replace-timeout", "2", "--capacity-poll", "1"]
         proc = subprocess.Popen(
-            _launch_cmd(args, "--ray", f"127.0.0.1:{port}", "--max-restarts", "1"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
+            _launch_cmd(args, *options), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
+        first_zero = _wait_for_step(run, 0, 1, proc)
         os.kill(_wait_for_step(run, 1, 5, proc), signal.SIGKILL)
+        pids = [_wait_for_step(run, i, 10, proc, not_pid=first_zero if i == 0 else None) for i in (0, 1)]
+        tree = _tree(nodes[0].pid)  # the node's machine dies: its raylet, Ray workers and training process
+        assert len([pid for pid in pids if pid in tree]) == 1
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        _wait_for_step(run, 0, 12, proc, not_pid=pids[0])  # the shrunk group trains on the head node
+        nodes.append(_ray_node(ray_bin, port, env))  # a new node joins
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-4000:]
         first, second = (out.split(f"attempt {n}: 2 processes on Ray (")[1].split(")")[0] for n in (1, 2))
         assert first.startswith("2 nodes, STRICT_SPREAD; nodes 0:"), first
         # the restart puts each process back on its node, where its in-memory copy is
-        assert second == first.replace("STRICT_SPREAD", "each on its node") and "attempt 2: ok" in out, out[-3000:]
+        assert second == first.replace("STRICT_SPREAD", "each on its node"), out[-3000:]
         assert "resumed from the in-memory copies of step" in out
-        assert logged_losses(run) == logged_losses(reference[0])
+        assert "continuing on 1 processes, mesh data=1 x fsdp=1 x tensor=4, microbatches 1 -> 2" in out, out[-4000:]
+        assert "attempt 3: 1 processes on Ray (1 nodes" in out
+        assert "capacity for 2 processes is back" in out and "attempt 4: 2 processes on Ray (2 nodes" in out
+        assert "attempt 4: ok" in out, out[-3000:]
+        assert [e["source"] for e in _records(run) if e.get("event") == "recovered"] == ["memory", "disk"]
+        got = logged_losses(run)
+        assert sorted(got) == sorted(one_device_40) == list(range(1, 41))
+        np.testing.assert_allclose([got[s] for s in sorted(got)], [one_device_40[s] for s in sorted(got)], rtol=1e-5)
         # `meshlm data prepare --ray` on the same cluster: its work units (JSONL byte ranges) are Ray
         # tasks, and the bytes equal one process's
         corpus = tmp_path / "corpus.jsonl"
@@ -453,7 +511,12 @@ def test_ray_backend_places_processes_on_a_local_cluster(reference, dataset, tmp
         for f in ("train-00000.bin", "val-00000.bin", "index.json", "tokenizer.json"):
             assert (tmp_path / "ray" / f).read_bytes() == (tmp_path / "one" / f).read_bytes(), f
     finally:
+        if proc is not None and proc.poll() is None:  # a failed check: the launcher goes too
+            proc.kill()
         subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, env=env, timeout=120)
+        for node in nodes:
+            node.kill()
+            node.wait()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

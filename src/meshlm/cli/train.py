@@ -41,7 +41,8 @@ def add_parsers(sub) -> dict:
     launch.add_argument(
         "--capacity-cmd",
         metavar="CMD",
-        help="elastic: a shell command printing how many processes can run now (e.g. healthy nodes)",
+        help="elastic: a shell command printing how many processes can run now (e.g. healthy nodes); "
+        "under --ray, by default, the cluster's live nodes",
     )
     launch.add_argument(
         "--capacity-poll", type=float, default=5.0, help="elastic: seconds between capacity checks while shrunk"
@@ -186,10 +187,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.min_processes is not None:
         if not 1 <= args.min_processes <= args.processes:
             raise ConfigError(f"--min-processes must be between 1 and --processes {args.processes}")
-        if not args.capacity_cmd or args.ray:
+        if not args.capacity_cmd and not args.ray:
             raise ConfigError(
-                "--min-processes (elastic) runs with the local launcher and needs --capacity-cmd: the command "
-                "that says how many processes can run (this machine can always restart all of them)"
+                "--min-processes (elastic) needs --capacity-cmd with the local launcher: the command that says "
+                "how many processes can run (this machine can always restart all of them; under --ray the "
+                "cluster's live nodes say it)"
             )
         options |= dict(min_processes=args.min_processes, replace_timeout=args.replace_timeout)
         options |= dict(capacity_cmd=args.capacity_cmd, capacity_poll=args.capacity_poll)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from meshlm.config import ConfigError
 from meshlm.launch.supervisor import Supervisor, host_env, worker_command
 
+SILENT_S = 60.0  # a node whose process host stopped answering is not counted for this long
+
 
 def _ray():
     try:
@@ -124,6 +126,7 @@ class RaySupervisor(Supervisor):
         self.actors: list = []
         self.group = None  # the Ray placement group of the first attempt
         self.homes: list[str] = []  # the Ray node id each process ran on in the last attempt
+        self.silent: dict[str, float] = {}  # nodes whose process host stopped answering: since when
 
     def run(self) -> int:
         ray = _ray()
@@ -136,6 +139,31 @@ class RaySupervisor(Supervisor):
         finally:
             self._release()
             ray.shutdown()
+
+    def _live_nodes(self) -> list[str]:
+        """The Ray node ids that can hold a process (alive, with a CPU), less the nodes whose process
+        host stopped answering in the last SILENT_S seconds: a node that died stays listed alive
+        until Ray's health checks mark it dead (about 30 s by default); after that, Ray's list holds."""
+        ray = _ray()
+        now = time.time()
+        asked = {h: a.node.remote() for h, a in zip(self.homes, self.actors, strict=False) if h not in self.silent}
+        ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=10) if asked else ([], [])
+        answered = set()
+        for ref in ready:
+            with contextlib.suppress(Exception):  # a dead actor's reply is its error
+                answered.add(ray.get(ref)[1])
+        self.silent |= {h: now for h in asked if h not in answered}
+        self.silent = {h: t for h, t in self.silent.items() if now - t < SILENT_S}
+        nodes = (n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1)
+        return sorted(n["NodeID"] for n in nodes if n["NodeID"] not in self.silent)
+
+    def _capacity(self) -> int:
+        """How many processes can run now: --capacity-cmd's number where given, else one a live node
+        of the Ray cluster (`--min-processes` shrinks the group when a node is lost and not replaced
+        within --replace-timeout, and regrows it when nodes join)."""
+        if self.capacity_cmd:
+            return super()._capacity()
+        return len(self._live_nodes())
 
     def _homecoming(self, alive: list[str]) -> tuple[list, str]:
         """Where a restarted group's processes go: each to the node it ran on (whose tmpfs holds its
@@ -165,8 +193,8 @@ class RaySupervisor(Supervisor):
         ray = _ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        alive = self._live_nodes()
         self._release()
-        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1)
         host_cls = ray.remote(num_cpus=1, max_concurrency=4)(_ProcessHost)
         placed = None
         if len(self.homes) == self.processes:  # a restart: each process back on its node

@@ -208,7 +208,8 @@ def test_four_processes_survive_a_replaced_host_then_shrink_and_regrow(one_devic
        launcher continues on 2 processes (data=2, microbatches 1 -> 2) from the disk checkpoint
        (the copies were cut for the other layout);
     3. capacity is back: the shrunk group checkpoints on SIGTERM and restarts on 4 processes.
-    Every loss is one device's within 1e-5 (the layouts sum the batch's rows in other orders)."""
+    Every loss is one device's within 1e-5 (the layouts sum the batch's rows in other orders), and each
+    step run on 4 processes (before the shrunk group's resume) an uninterrupted 4-process run's bit for bit."""
     run, capacity = tmp_path / "run", tmp_path / "capacity"
     capacity.write_text("4")
     train_args = [*_train_args(dataset, run, steps=40, mesh="data=4,tensor=2"), "--set", "model.dropout=0"]
@@ -244,6 +245,13 @@ def test_four_processes_survive_a_replaced_host_then_shrink_and_regrow(one_devic
     got, want = logged_losses(run), one_device_40
     assert sorted(got) == sorted(want) == list(range(1, 41))
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-5)
+    # up to the shrunk group's resume every step ran on 4 processes: bit for bit an uninterrupted 4-process run
+    resumed = events[1]["resumed_at"]
+    ref = [*_train_args(dataset, tmp_path / "ref", steps=40, mesh="data=4,tensor=2"), "--set", "model.dropout=0"]
+    r = subprocess.run(_launch_cmd([*ref, "--stop-after", str(resumed)], processes=4), capture_output=True, env=_env())
+    assert r.returncode == 0, r.stdout[-3000:]
+    same = logged_losses(tmp_path / "ref")
+    assert [got[s] for s in range(1, resumed + 1)] == [same[s] for s in range(1, resumed + 1)]
 
 
 def _losses_of_one_process(train_args: list[str]) -> dict[int, float]:
@@ -420,10 +428,13 @@ def _ray_node(ray_bin: Path, port: int, env: dict) -> subprocess.Popen:
     foreground (--block) so that its processes are the tree below this one."""
     cmd = [str(ray_bin), "start", f"--address=127.0.0.1:{port}", "--num-cpus=1", "--block"]
     node = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    late = threading.Timer(180, node.kill)  # a node that never starts ends its output, and the test
+    late.start()
     said = []
     for line in node.stdout:  # returned once the node has joined
         said.append(line)
         if "Ray runtime started" in line:
+            late.cancel()
             threading.Thread(target=node.stdout.read, daemon=True).start()  # drained from now on
             return node
     raise AssertionError("".join(said)[-2000:])
@@ -477,8 +488,14 @@ def test_ray_backend_places_processes_on_a_local_cluster(one_device_40, dataset,
             for pid in tree:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-        _wait_for_step(run, 0, 12, proc, not_pid=pids[0])  # the shrunk group trains on the head node
+        shrunk = _wait_for_step(run, 0, 12, proc, not_pid=pids[0])  # the shrunk group trains on the head node
+        os.kill(shrunk, signal.SIGSTOP)  # held until the launcher sees the new node, so the regrow comes first
         nodes.append(_ray_node(ray_bin, port, env))  # a new node joins
+        deadline = time.time() + 120
+        while "capacity for 2 processes is back" not in (run / "launch.log").read_text():
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        os.kill(shrunk, signal.SIGCONT)
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-4000:]
         first, second = (out.split(f"attempt {n}: 2 processes on Ray (")[1].split(")")[0] for n in (1, 2))
@@ -494,6 +511,9 @@ def test_ray_backend_places_processes_on_a_local_cluster(one_device_40, dataset,
         got = logged_losses(run)
         assert sorted(got) == sorted(one_device_40) == list(range(1, 41))
         np.testing.assert_allclose([got[s] for s in sorted(got)], [one_device_40[s] for s in sorted(got)], rtol=1e-5)
+        # an elastic group is never packed (its capacity counts nodes): 4 processes on 2 nodes are refused
+        r = subprocess.run(_launch_cmd(args, *options, processes=4), capture_output=True, text=True, env=env)
+        assert r.returncode == 2 and "the cluster has 2 live node(s) with a free CPU for 4 processes" in r.stderr
         # `meshlm data prepare --ray` on the same cluster: its work units (JSONL byte ranges) are Ray
         # tasks, and the bytes equal one process's
         corpus = tmp_path / "corpus.jsonl"

@@ -28,6 +28,17 @@ from meshlm.launch.supervisor import Supervisor, host_env, worker_command
 SILENT_S = 60.0  # a node whose process host stopped answering is not counted for this long
 
 
+def _free_cpus() -> dict[str, float]:
+    """Each node's CPUs not held now, by node id (Ray's own TPU helpers read the same private table;
+    where it is gone, every node counts as free)."""
+    try:
+        from ray._private.state import available_resources_per_node
+
+        return {node: r.get("CPU", 0) for node, r in available_resources_per_node().items()}
+    except Exception:
+        return {}
+
+
 def _ray():
     try:
         import ray
@@ -154,8 +165,11 @@ class RaySupervisor(Supervisor):
                 answered.add(ray.get(ref)[1])
         self.silent |= {h: now for h in asked if h not in answered}
         self.silent = {h: t for h, t in self.silent.items() if now - t < SILENT_S}
-        nodes = (n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1)
-        return sorted(n["NodeID"] for n in nodes if n["NodeID"] not in self.silent)
+        free = _free_cpus()
+        nodes = (n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1)
+        # a node counts when one of the group's processes holds its CPU, or one is free (another job
+        # may hold it all)
+        return sorted(n for n in nodes if n not in self.silent and (n in self.homes or free.get(n, 1) >= 1))
 
     def _capacity(self) -> int:
         """How many processes can run now: --capacity-cmd's number where given, else one a live node
@@ -208,7 +222,13 @@ class RaySupervisor(Supervisor):
                 )
                 self._release()
         if placed is None:
-            how = "STRICT_SPREAD" if len(alive) >= self.processes else "SPREAD"
+            elastic = self.min_processes is not None  # its capacity counts nodes: it is never packed
+            if elastic and attempt.number == 1 and len(alive) < self.processes:
+                raise ConfigError(
+                    f"elastic under --ray runs one process a node, but the cluster has {len(alive)} live "
+                    f"node(s) with a free CPU for {self.processes} processes"
+                )
+            how = "STRICT_SPREAD" if elastic or len(alive) >= self.processes else "SPREAD"
             self.group = ray.util.placement_group([{"CPU": 1}] * self.processes, strategy=how)
             if not self.group.wait(timeout_seconds=self.startup_timeout):
                 raise ConfigError(f"the Ray cluster at {self.address} cannot place {self.processes} processes")

@@ -423,6 +423,21 @@ def test_process_count_that_does_not_match_the_mesh(dataset, tmp_path):
     assert time.time() - t < 60
 
 
+HOLD_A_CPU = """
+import json, subprocess, sys
+import ray
+ray.init(address=sys.argv[1])
+@ray.remote(num_cpus=1)
+class Hold:
+    def ping(self):
+        return 1
+hold = Hold.remote()
+ray.get(hold.ping.remote())
+r = subprocess.run(json.loads(sys.argv[2]), capture_output=True, text=True)
+print("launch exit", r.returncode, r.stderr[-2000:])
+"""
+
+
 def _ray_node(ray_bin: Path, port: int, env: dict) -> subprocess.Popen:
     """A worker node of the local Ray cluster (a raylet of its own on this machine), kept in the
     foreground (--block) so that its processes are the tree below this one."""
@@ -511,9 +526,19 @@ def test_ray_backend_places_processes_on_a_local_cluster(one_device_40, dataset,
         got = logged_losses(run)
         assert sorted(got) == sorted(one_device_40) == list(range(1, 41))
         np.testing.assert_allclose([got[s] for s in sorted(got)], [one_device_40[s] for s in sorted(got)], rtol=1e-5)
-        # an elastic group is never packed (its capacity counts nodes): 4 processes on 2 nodes are refused
-        r = subprocess.run(_launch_cmd(args, *options, processes=4), capture_output=True, text=True, env=env)
-        assert r.returncode == 2 and "the cluster has 2 live node(s) with a free CPU for 4 processes" in r.stderr
+        # an elastic group is never packed and counts only nodes with a free CPU: with one node's CPU
+        # held by another Ray job, 2 processes are refused (counting that node, the placement would
+        # wait --startup-timeout, then fail with another message)
+        late = ["--startup-timeout", "30"]
+        r = subprocess.run(
+            [sys.executable, "-c", HOLD_A_CPU, f"127.0.0.1:{port}", json.dumps(_launch_cmd(args, *options, *late))],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert "launch exit 2" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "the cluster has 1 live node(s) with a free CPU for 2 processes" in r.stdout
         # `meshlm data prepare --ray` on the same cluster: its work units (JSONL byte ranges) are Ray
         # tasks, and the bytes equal one process's
         corpus = tmp_path / "corpus.jsonl"

@@ -362,3 +362,29 @@ def test_a_ray_restart_puts_each_process_back_on_its_node(tmp_path):
     strategies, _ = sup._homecoming([b, c])
     assert strategies[0] == "SPREAD" and [s.node_id for s in strategies[1:]] == [b, c]
     sup.log_file.close()
+
+
+def test_a_placement_that_fails_is_a_failed_attempt_and_the_group_is_resized(monkeypatch, tmp_path):
+    """An elastic restart whose processes cannot be placed (`PlacementFailed`, raised by the Ray
+    launcher when a node it counted is gone or full) is a failed attempt like any other: the group is
+    resized and started again, not the launch ended. Real supervision, workers that exit at once."""
+    import sys
+
+    from meshlm.cli.train import _train_command
+    from meshlm.launch import supervisor as launch
+
+    monkeypatch.setattr(launch, "worker_command", lambda *a: [sys.executable, "-c", "pass"])
+
+    class Unplaceable(launch.Supervisor):
+        def _start(self, attempt):
+            if attempt.number == 1:
+                raise launch.PlacementFailed("Ray could not place 2 processes one a node")
+            return super()._start(attempt)
+
+    args = ["train", "--mesh", "data=2"]
+    sup = Unplaceable(
+        args, 2, 1, tmp_path, max_restarts=1, min_processes=1, replace_timeout=0.5,
+        capacity_cmd="echo 2", cfg=_train_command(args)[1], capacity_poll=0.1,
+    )  # fmt: skip
+    assert sup.run() == 0
+    assert [a.outcome for a in sup.attempts] == ["Ray could not place 2 processes one a node", "ok"]

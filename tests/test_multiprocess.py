@@ -248,7 +248,8 @@ def test_four_processes_survive_a_replaced_host_then_shrink_and_regrow(one_devic
     # up to the shrunk group's resume every step ran on 4 processes: bit for bit an uninterrupted 4-process run
     resumed = events[1]["resumed_at"]
     ref = [*_train_args(dataset, tmp_path / "ref", steps=40, mesh="data=4,tensor=2"), "--set", "model.dropout=0"]
-    r = subprocess.run(_launch_cmd([*ref, "--stop-after", str(resumed)], processes=4), capture_output=True, env=_env())
+    cmd = _launch_cmd([*ref, "--stop-after", str(resumed)], processes=4)
+    r = subprocess.run(cmd, capture_output=True, env=_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:]
     same = logged_losses(tmp_path / "ref")
     assert [got[s] for s in range(1, resumed + 1)] == [same[s] for s in range(1, resumed + 1)]
@@ -489,7 +490,8 @@ def test_ray_backend_places_processes_on_a_local_cluster(one_device_40, dataset,
     try:
         run = tmp_path / "run"
         args = [*_train_args(dataset, run, steps=40), "--set", "model.dropout=0", "--set", "checkpoint.local_every=1"]
-        options = ["--ray", f"127.0.0.1:{port}", "--max-restarts", "3", "--hang-timeout", "30"]
+        options = ["--ray", f"127.0.0.1:{port}", "--max-restarts", "3"]  # the default --hang-timeout (600 s):
+        # the shrunk process is held stopped while a node starts
         options += ["--min-processes", "1", "--replace-timeout", "2", "--capacity-poll", "1"]
         proc = subprocess.Popen(
             _launch_cmd(args, *options), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

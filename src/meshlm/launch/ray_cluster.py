@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from meshlm.config import ConfigError
-from meshlm.launch.supervisor import Supervisor, host_env, worker_command
+from meshlm.launch.supervisor import PlacementFailed, Supervisor, host_env, worker_command
 
 SILENT_S = 60.0  # a node whose process host stopped answering is not counted for this long
 
@@ -37,6 +37,11 @@ def _free_cpus() -> dict[str, float]:
         return {node: r.get("CPU", 0) for node, r in available_resources_per_node().items()}
     except Exception:
         return {}
+
+
+def _listed(ray) -> list[str]:
+    """The nodes Ray lists as alive, with a CPU."""
+    return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
 
 
 def _ray():
@@ -152,9 +157,10 @@ class RaySupervisor(Supervisor):
             ray.shutdown()
 
     def _live_nodes(self) -> list[str]:
-        """The Ray node ids that can hold a process (alive, with a CPU), less the nodes whose process
-        host stopped answering in the last SILENT_S seconds: a node that died stays listed alive
-        until Ray's health checks mark it dead (about 30 s by default); after that, Ray's list holds."""
+        """The Ray node ids that can hold a process (alive, with a CPU held by the group or free), less
+        the nodes whose process host stopped answering in the last SILENT_S seconds: a node that died
+        stays listed alive until Ray's health checks mark it dead (about 30 s by default); after that,
+        Ray's list holds. Each attempt's hosts are asked until one fails to answer, then not again."""
         ray = _ray()
         now = time.time()
         asked = {h: a.node.remote() for h, a in zip(self.homes, self.actors, strict=False) if h not in self.silent}
@@ -163,13 +169,12 @@ class RaySupervisor(Supervisor):
         for ref in ready:
             with contextlib.suppress(Exception):  # a dead actor's reply is its error
                 answered.add(ray.get(ref)[1])
-        self.silent |= {h: now for h in asked if h not in answered}
-        self.silent = {h: t for h, t in self.silent.items() if now - t < SILENT_S}
+        self.silent |= {h: now for h in asked if h not in answered}  # asked once per attempt's hosts
+        left_out = {h for h, t in self.silent.items() if now - t < SILENT_S}
         free = _free_cpus()
-        nodes = (n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1)
         # a node counts when one of the group's processes holds its CPU, or one is free (another job
         # may hold it all)
-        return sorted(n for n in nodes if n not in self.silent and (n in self.homes or free.get(n, 1) >= 1))
+        return sorted(n for n in _listed(ray) if n not in left_out and (n in self.homes or free.get(n, 1) >= 1))
 
     def _capacity(self) -> int:
         """How many processes can run now: --capacity-cmd's number where given, else one a live node
@@ -228,15 +233,19 @@ class RaySupervisor(Supervisor):
                     f"elastic under --ray runs one process a node, but the cluster has {len(alive)} live "
                     f"node(s) with a free CPU for {self.processes} processes"
                 )
-            how = "STRICT_SPREAD" if elastic or len(alive) >= self.processes else "SPREAD"
+            how = "STRICT_SPREAD" if elastic or len(_listed(ray)) >= self.processes else "SPREAD"
             self.group = ray.util.placement_group([{"CPU": 1}] * self.processes, strategy=how)
             if not self.group.wait(timeout_seconds=self.startup_timeout):
+                if elastic and attempt.number > 1:  # a counted node is gone or full: resize
+                    self._release()
+                    raise PlacementFailed(f"Ray could not place {self.processes} processes one a node")
                 raise ConfigError(f"the Ray cluster at {self.address} cannot place {self.processes} processes")
             self.actors = [
                 host_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, i)).remote()
                 for i in range(self.processes)
             ]
             placed = ray.get([a.node.remote() for a in self.actors])
+        self.silent = {h: t for h, t in self.silent.items() if time.time() - t < SILENT_S}  # new hosts: asked
         ips, self.homes = [ip for ip, _ in placed], [node for _, node in placed]
         coordinator = f"{ips[0]}:{ray.get(self.actors[0].free_port.remote())}"
         beats = self._heartbeats()

@@ -143,6 +143,11 @@ def describe_failures(failed: list[tuple[int, int]]) -> str:
     return f"process {first[0]} {describe_exit(first[1])}{also}"
 
 
+class PlacementFailed(Exception):
+    """A restart of an elastic group whose processes could not be placed (a node that was counted is
+    gone or full): a failed attempt, after which the group is resized."""
+
+
 @dataclass
 class Attempt:
     number: int
@@ -264,8 +269,11 @@ class Supervisor:
             attempt = Attempt(len(self.attempts) + 1)
             self.attempts.append(attempt)
             started = time.time()
-            workers = self._start(attempt)
-            outcome = self._watch(workers, started)
+            try:
+                workers = self._start(attempt)
+                outcome = self._watch(workers, started)
+            except PlacementFailed as e:  # an elastic group: resized like after any failure
+                workers, outcome = [], str(e)
             attempt.outcome, attempt.seconds = outcome, time.time() - started
             if self.stop_signal is not None:
                 self._summary()

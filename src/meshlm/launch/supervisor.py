@@ -271,9 +271,10 @@ class Supervisor:
             started = time.time()
             try:
                 workers = self._start(attempt)
-                outcome = self._watch(workers, started)
             except PlacementFailed as e:  # an elastic group: resized like after any failure
                 workers, outcome = [], str(e)
+            else:
+                outcome = self._watch(workers, started)
             attempt.outcome, attempt.seconds = outcome, time.time() - started
             if self.stop_signal is not None:
                 self._summary()

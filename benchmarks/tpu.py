@@ -509,12 +509,43 @@ def _profile(fn, state, batch, name: str, top: int = 25) -> list:
     return [*rows, f"processes: {sorted(set(pids.values()))[:12]}"]
 
 
+def section_exchange() -> dict:
+    """The grouped MoE exchange (`grouped.exchange`) on a one-device mesh, the only exchange one chip
+    has (with itself): its rows moved by `ragged_all_to_all` (what TPUs and GPUs get,
+    `moe_costs.EXCHANGE_OP`) against all_to_all, outputs and gradients (JAX's transpose of the op)."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from meshlm.model import grouped
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
+    n, d, E = 512, 128, 8  # 256 tokens, top-2
+    keys = jax.random.split(jax.random.key(0), 4)
+    x, w = jax.random.normal(keys[0], (n // 2, d)), jax.random.normal(keys[1], (E, d, d)) / d**0.5
+    expert = jax.random.randint(keys[2], (n,), 0, E)
+    cot = jax.random.normal(keys[3], (n, d))
+
+    def loss(x, w, ragged):
+        def run(rows, ids):  # each received row times its expert's matrix (an empty slot: zeros)
+            return jnp.einsum("rd,rde->re", rows, w[jnp.minimum(ids, E - 1)]) * (ids < E)[:, None]
+
+        out = grouped.exchange(x, expert, jnp.arange(n) // 2, "expert", 1, E, run, ragged)
+        return jnp.sum(out * cot)
+
+    def both(x, w):
+        return [jax.value_and_grad(loss, argnums=(0, 1))(x, w, r) for r in (True, False)]
+
+    ragged, dense = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))(x, w)
+    errors = [rel_err(a, b) for a, b in zip(jax.tree.leaves(ragged), jax.tree.leaves(dense), strict=True)]
+    return {"ragged vs all_to_all self-exchange (loss, dx, dw) rel err": errors}
+
+
 OUT_DIR = "."
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sections", nargs="+", default=["matmul", "kernels", "attention", "grouped", "steps"])
+    ap.add_argument("--sections", nargs="+", default=["matmul", "kernels", "exchange", "attention", "grouped", "steps"])
     ap.add_argument("--recipes", nargs="+", default=["gpt-125m"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")

@@ -278,6 +278,77 @@ def test_dropless_kernels_give_the_one_device_gradients(name, params, reference)
     assert_same_as_one_device(got, reference(0.0))
 
 
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """`jax.lax.ragged_all_to_all` as its docstring defines it, from all_to_all and gathers (XLA:CPU
+    does not implement the op): slice i of `operand` (input_offsets[i], send_sizes[i] rows) goes to
+    device i, which writes it at this device's output_offsets[i]; received slice i (recv_sizes[i]
+    rows) lands where device i said. Unsent rows never travel: they are zeroed before the all_to_all."""
+    n, m, k = operand.shape[0], output.shape[0], input_offsets.shape[0]
+    r = jnp.arange(n)
+    rows = jnp.take(operand, jnp.minimum(input_offsets[:, None] + r, n - 1), axis=0)  # [k, n, ...]
+    sent = (r < send_sizes[:, None]).reshape(k, n, *[1] * (operand.ndim - 1))
+    got = jax.lax.all_to_all(jnp.where(sent, rows, 0), axis_name, 0, 0, tiled=True)
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)[:, None] + r
+    at = jnp.where(r < recv_sizes[:, None], at, m)  # rows past a slice's size: dropped
+    return output.at[at.reshape(-1)].set(got.reshape(k * n, *operand.shape[1:]), mode="drop")
+
+
+def test_the_emulated_ragged_all_to_all_is_the_documented_one():
+    """The emulation above on the example in `jax.lax.ragged_all_to_all`'s docstring (axis size 2)."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    args = [
+        [[1, 2, 2], [3, 4, 0]],  # operand
+        [[0, 0, 0, 0], [0, 0, 0, 0]],  # output
+        [[0, 1], [0, 1]],  # input_offsets
+        [[1, 2], [1, 1]],  # send_sizes
+        [[0, 0], [1, 2]],  # output_offsets
+        [[1, 1], [2, 1]],  # recv_sizes
+    ]
+    args = [jnp.array(a, jnp.float32 if i < 2 else jnp.int32).reshape(-1) for i, a in enumerate(args)]
+    run = jax.shard_map(
+        functools.partial(emulated_ragged_all_to_all, axis_name="x"),
+        mesh=mesh,
+        in_specs=(P("x"),) * 6,
+        out_specs=P("x"),
+    )
+    np.testing.assert_array_equal(jax.jit(run)(*args).reshape(2, 4), [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+@pytest.fixture
+def ragged_exchange(monkeypatch):
+    """The grouped exchange on CPU moving its rows by (the emulated) `ragged_all_to_all`; yields the
+    list of each call's send sizes, as they run."""
+    from meshlm.model import moe as moe_module
+
+    sizes = []
+
+    def op(*args, axis_name, **_):
+        jax.debug.callback(lambda s: sizes.append(np.asarray(s)), args[3])
+        return emulated_ragged_all_to_all(*args, axis_name=axis_name)
+
+    monkeypatch.setitem(moe_module.EXCHANGE_OP, "cpu", "ragged")
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", op)
+    return sizes
+
+
+@pytest.mark.parametrize("mesh, sp", [(dict(expert=4), False), (dict(expert=2, tensor=2), True)])
+def test_the_ragged_exchange_gives_the_one_device_gradients(mesh, sp, params, reference, ragged_exchange):
+    """Dropless on the grouped kernel, its rows exchanged by `ragged_all_to_all` (emulated: the op
+    GPUs and TPUs get, `moe_costs.EXCHANGE_OP`): one device's gradients; each device sends exactly its
+    routed rows (the send sizes add up to its b t k assignments; what each receives goes back)."""
+    cfg = moe_config(mesh, sp, moe_kernel="tiled")
+    got = grads(cfg, params)
+    assert_same_as_one_device(got, reference(0.0))
+    t, m = cfg.train, cfg.model
+    routed = t.global_batch // mesh["expert"] * t.seq_len * m.experts_per_token
+    sums = [int(s.sum()) for s in ragged_exchange]  # out: routed each; back: what each device received
+    assert sums.count(routed) >= len(sums) // 2 and sum(sums) == len(sums) * routed
+    assert max(int(s.max()) for s in ragged_exchange) < routed  # not a whole buffer to any device
+
+
 # MoE inside pipelines: name -> (mesh, schedule, SP, capacity factor, remat policy); 2 microbatches
 PIPELINES = {
     "stage2_expert2_tensor2 1f1b, NaN bubbles": (dict(stage=2, expert=2, tensor=2), "1f1b", False, 0.0, "elementwise"),

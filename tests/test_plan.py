@@ -437,7 +437,8 @@ def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
     (with pipelines too, and DeepSeek-V3's over its MoE layers; with context, as it is dropless:
     moe-tiny's finite capacity gets none), and a plan on it has the all_to_all part: per MoE layer and
     microbatch the capacity buffer out and back, forward and backward, (X-1)/X of it leaving the
-    device, at NVLink bandwidth. The experts' weights are split over `expert` (exact shard sizes) and
+    device, at NVLink bandwidth (dropless on a GPU: ragged_all_to_all's routed rows, 1/X of the
+    worst-case buffer CPUs send). The experts' weights are split over `expert` (exact shard sizes) and
     reduced over data x fsdp only."""
     cfg = recipes.get("mixtral-8x7b")
     meshes = planner._meshes(cfg, 64)
@@ -460,9 +461,11 @@ def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
     assert planner.expert_exchange_bytes(buffers) == 32 * 4 * slots * 1 / 2  # elementwise: the compiled 4 per layer
     grouped = 4 * n * m.d_model * 2 + n * 4  # the worst-case buffers out and back, both ways; the ids forward
     assert planner.expert_exchange_bytes(run) == 32 * grouped * 1 / 2
+    ragged = 4 * n // 2 * m.d_model * 2 + n * 4  # ragged_all_to_all (GPUs): a device's routed rows, 1/X of it
+    assert planner.expert_exchange_bytes(run, "gpu") == 32 * ragged * 1 / 2
     plan = planner.estimate(run, ACCELERATORS["h100"])
     h100 = ACCELERATORS["h100"]
-    assert plan.time["expert all_to_all"] == planner.expert_exchange_bytes(run) / h100.intra_bw
+    assert plan.time["expert all_to_all"] == planner.expert_exchange_bytes(run, "gpu") / h100.intra_bw
     experts = planner.sharded_params(run, experts_only=True)
     assert experts == m.n_layers * 3 * m.d_model * m.expert_ffn * m.n_experts / 2 / 4
     dense_only = planner.sharded_params(run) - experts
@@ -475,7 +478,10 @@ def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
     assert {p.cfg.parallel.pipeline_schedule for p in plans} == {"1f1b", "interleaved"}  # zb1's price flatters MoE
     said = plan_report.explain_experts(plans, h100)
     assert "grouped GEMMs (ragged_dot on gpu)" in said and "unverified" in said
-    assert next(p for p in plans if not p.rejected).mfu > 0.40  # 21.2% over E/k x capacity buffers
+    best = next(p for p in plans if not p.rejected)
+    assert best.mfu > 0.40  # 21.2% over E/k x capacity buffers
+    # priced with ragged_all_to_all's routed rows, the best plan shards the experts, and says that is untested
+    assert best.cfg.parallel.expert > 1 and "has not run it across devices" in said
 
 
 def test_the_shard_counts_cache_ignores_only_what_does_not_shard():

@@ -342,7 +342,7 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
         out[EXCHANGE] = comm
     if par.expert > 1:  # MoE: each layer's dispatch and return, forward and backward (`--dcn expert`: across nodes)
         link = _link(device, par.expert * par.tensor, _across(cfg, "expert"))
-        out[EXPERT_EXCHANGE] = expert_exchange_bytes(cfg) / link
+        out[EXPERT_EXCHANGE] = expert_exchange_bytes(cfg, device.platform) / link
     dp = par.data * par.fsdp * par.context * par.expert  # gradients are reduced over every replica of a weight
     if dp > 1:
         link = _link(device, par.tensor * dp, _across(cfg, "data", "fsdp", "context"))

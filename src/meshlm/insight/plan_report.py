@@ -25,7 +25,7 @@ from meshlm.insight.plan import (
     estimate,
 )
 from meshlm.model.mla_costs import cache_bytes_per_token, cache_values_per_token
-from meshlm.model.moe_costs import expert_capacity
+from meshlm.model.moe_costs import EXCHANGE_OP, expert_capacity
 from meshlm.platform.hardware import Accelerator, matmul_precision
 
 
@@ -74,6 +74,16 @@ def explain_choice(plans: list[Plan]) -> str | None:
     return None
 
 
+def _exchange_note(device: Accelerator) -> str:
+    """How the grouped exchange moves its rows on `device` (`moe_costs.EXCHANGE_OP`)."""
+    if EXCHANGE_OP[device.platform] == "ragged":
+        return (
+            " (the grouped exchange sends the routed rows by ragged_all_to_all: priced so, but meshlm has not "
+            "run it across devices)"
+        )
+    return " (the grouped exchange sends worst-case buffers, `expert` x the routed rows)"
+
+
 def explain_experts(plans: list[Plan], device: Accelerator) -> str | None:
     """MoE: the expert kernel the plans price and at what rate, and why the best plan does or does
     not shard the experts over `expert` (against the best plan of the other kind)."""
@@ -110,13 +120,10 @@ def explain_experts(plans: list[Plan], device: Accelerator) -> str | None:
         said.append(
             f"{'no expert parallelism' if par.expert == 1 else f'expert={par.expert}'}: the best layout {with_it} it "
             f"({other.describe()}) takes {other.expected_time / best.expected_time:.3f}x the time, its {part} "
-            f"{extra:.3g} s more"
-            + (
-                " (the grouped exchange sends worst-case buffers, `expert` x the routed rows)"
-                if part == EXPERT_EXCHANGE
-                else ""
-            )
+            f"{extra:.3g} s more" + (_exchange_note(device) if part == EXPERT_EXCHANGE else "")
         )
+    if par.expert > 1 and kernel != "buffers":
+        said.append(f"its exchange{_exchange_note(device)}")
     return "; ".join(said)
 
 

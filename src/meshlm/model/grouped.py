@@ -23,10 +23,15 @@ ragged_dot and megablox paths by a checkpoint that saves those two by name).
 
 **Expert parallelism** (`exchange`): each device packs its assignments by destination into a
 worst-case buffer [X, n, d] (any device may receive all n of another's assignments: X x its routed
-rows, where capacity buffers dropless send E/k x), all_to_all's it with the local expert ids, runs
-its experts over the X n received rows (the tile loop skips the empty steps), and sends the rows
-back. `ragged_all_to_all`, which would send only the routed rows, is not used: XLA:CPU does not
-implement it, so the suite could not test it (on one TPU v5e chip it compiled and ran a self-exchange).
+rows, where capacity buffers dropless send E/k x) and sends it with the local expert ids; each runs
+its experts over the X n received rows (the tile loop skips the empty steps) and sends the rows
+back. How the rows travel (`moe_costs.EXCHANGE_OP`, by platform):
+- `all_to_all` (CPU): the whole buffer, padding included: X x the routed rows.
+- `ragged` (GPU, TPU): `jax.lax.ragged_all_to_all` sends each destination's used rows only (the
+  routed rows) into the same places of the same buffers; the ids (int32) still go by all_to_all.
+  XLA:CPU does not implement the op, so the suite runs this path with the op replaced by a NumPy-checked
+  emulation of its documented semantics (tests/test_moe.py); the op itself has run on one TPU v5e
+  chip only, as a self-exchange (benchmarks/tpu.py), never across devices: untested there.
 
 On a TPU v5e (benchmarks/tpu.sh), megablox and ragged_dot gave moe-tiny's raw gradients to 1.5e-6 of
 the tiled kernel's on the host CPU; at Qwen3-30B-A3B's expert shapes ragged_dot ran 1.5x megablox's
@@ -204,20 +209,52 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
 def exchange(
-    x_nd: jax.Array, expert: jax.Array, source: jax.Array, ep: str, ways: int, local_experts: int, run: Callable
+    x_nd: jax.Array,
+    expert: jax.Array,
+    source: jax.Array,
+    ep: str,
+    ways: int,
+    local_experts: int,
+    run: Callable,
+    ragged: bool = False,
 ) -> jax.Array:
     """Expert parallelism over mesh axis `ep` (`ways` devices, `local_experts` each): every
     assignment (global expert id `expert` [n], token row `source` [n] of x) goes to the device of its
     expert in a worst-case buffer [ways, n, d], the local experts run there (`run(rows [R, d], local
-    expert ids [R])`), and the outputs come back: each assignment's output [n, d]."""
+    expert ids [R])`), and the outputs come back: each assignment's output [n, d]. `ragged`: the rows
+    travel by `ragged_all_to_all`, each destination's used rows only (sender i's at i n, as all_to_all
+    leaves them; the rest of each buffer stays zero)."""
     n, d = expert.shape[0], x_nd.shape[-1]
     dest = expert // local_experts
-    slot = dest * n + rank_within(dest, ways)[0]  # packed by destination
+    rank, sizes = rank_within(dest, ways)
+    slot = dest * n + rank  # packed by destination
     filler = jnp.full((ways * n,), x_nd.shape[0], jnp.int32).at[slot].set(source)
-    send = jnp.take(x_nd, filler, axis=0, mode="fill", fill_value=0).reshape(ways, n, d)
+    send = jnp.take(x_nd, filler, axis=0, mode="fill", fill_value=0)
     ids = jnp.full((ways * n,), local_experts, jnp.int32).at[slot].set(expert % local_experts).reshape(ways, n)
-    recv = jax.lax.all_to_all(send, ep, split_axis=0, concat_axis=0, tiled=True)
     recv_ids = jax.lax.all_to_all(ids, ep, split_axis=0, concat_axis=0, tiled=True)
-    out = run(recv.reshape(ways * n, d), recv_ids.reshape(ways * n))
-    back = jax.lax.all_to_all(out.reshape(ways, n, d), ep, split_axis=0, concat_axis=0, tiled=True)
-    return jnp.take(back.reshape(ways * n, d), slot, axis=0)
+    if ragged:
+        move = _ragged_move(ep, ways, n, sizes.astype(jnp.int32))
+    else:
+
+        def move(rows, back=False):
+            return jax.lax.all_to_all(rows.reshape(ways, n, d), ep, 0, 0, tiled=True).reshape(ways * n, d)
+
+    out = run(move(send), recv_ids.reshape(ways * n))
+    return jnp.take(move(out, back=True), slot, axis=0)
+
+
+def _ragged_move(ep: str, ways: int, n: int, sizes: jax.Array) -> Callable:
+    """The exchange's two moves by `ragged_all_to_all`: out, this device's `sizes[j]` rows for device
+    j (at j n of its buffer) to i n of j's buffer (i: this device); back, the `received[j]` rows
+    from j at j n to i n of j's buffer. Rows not sent stay zero."""
+    me = jax.lax.axis_index(ep).astype(jnp.int32)
+    starts = jnp.arange(ways, dtype=jnp.int32) * n
+    there = jnp.full((ways,), me * n, jnp.int32)  # where this device's rows land on every receiver
+    received = jax.lax.all_to_all(sizes, ep, 0, 0, tiled=True)  # rows from each device
+
+    def move(rows, back=False):
+        out, back_sizes = (received, sizes) if back else (sizes, received)
+        zeros = jnp.zeros_like(rows)
+        return jax.lax.ragged_all_to_all(rows, zeros, starts, out, there, back_sizes, axis_name=ep)
+
+    return move

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from meshlm import axes as ax
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.model import grouped, layers
-from meshlm.model.moe_costs import expert_capacity, expert_kernel, grouped_rows
+from meshlm.model.moe_costs import EXCHANGE_OP, expert_capacity, expert_kernel, grouped_rows
 from meshlm.parallel import remat
 from meshlm.parallel.collectives import manual_region, region_weight_spec
 from meshlm.parallel.rules import Layout
@@ -227,7 +227,8 @@ def _moe_local(x_btd, router, we_gate, we_up, we_down, *shared, cfg: ModelConfig
 
 def _grouped_experts(x_btd, experts_btk, w_gate, w_up, w_down, act, kernel: str, ep, ways: int) -> jax.Array:
     """Dropless at the routed FLOPs (`model.grouped`): each assignment's expert output [b t k, d],
-    token-major, from the grouped kernel; over `ep` through the exchange's worst-case buffers."""
+    token-major, from the grouped kernel; over `ep` through the exchange's worst-case buffers (their
+    used rows only where `moe_costs.EXCHANGE_OP` says ragged)."""
     b, t, d = x_btd.shape
     n, local = experts_btk.size, w_gate.shape[0]
     expert = experts_btk.reshape(n)
@@ -245,7 +246,8 @@ def _grouped_experts(x_btd, experts_btk, w_gate, w_up, w_down, act, kernel: str,
     if ep is None:
         return run(x_btd.reshape(b * t, d), expert, source)
     received = functools.partial(run, source=jnp.arange(ways * n, dtype=jnp.int32))  # rows in arrival order
-    return grouped.exchange(x_btd.reshape(b * t, d), expert, source, ep, ways, local, received)
+    ragged = EXCHANGE_OP[backend] == "ragged"
+    return grouped.exchange(x_btd.reshape(b * t, d), expert, source, ep, ways, local, received, ragged)
 
 
 def _shared_expert(x_btd, w_gate, w_up, w_down, gate=None, *, act):

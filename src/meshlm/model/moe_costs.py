@@ -14,6 +14,9 @@ CHUNK = 4  # tiles per step of the CPU kernel's loop: 512 rows (tuned at moe-tin
 # `model.moe_kernel=auto`, dropless. TPU: ragged_dot ran 1.5x megablox at Qwen3-30B-A3B's expert shapes on
 # a v5e (45.3 vs 30.1 TFLOP/s, benchmarks/tpu.sh; BENCHMARKS.md "First accelerator")
 DEVICE_KERNEL = {"cpu": "tiled", "gpu": "ragged_dot", "tpu": "ragged_dot"}
+# how the grouped exchange moves its rows (`grouped.exchange`): the whole worst-case buffer, or
+# `ragged_all_to_all` with the used rows only (XLA:CPU does not implement it; untested across devices)
+EXCHANGE_OP = {"cpu": "all_to_all", "gpu": "ragged", "tpu": "ragged"}
 
 
 def expert_capacity(cfg: ModelConfig, t: int) -> int:
@@ -120,14 +123,15 @@ def moe_terms(m: ModelConfig, s: int, b: int, t: int, sequence_parallel: bool, e
     return terms
 
 
-def expert_exchange_bytes(cfg: RunConfig) -> float:
+def expert_exchange_bytes(cfg: RunConfig, platform: str = "cpu") -> float:
     """Bytes one device sends per step in MoE's all_to_alls over `expert`: per layer (of its pipeline
     stage) and microbatch,
     out to the experts' devices and back, forward and again (as cotangents) backward, and once more
     forward where the policy recomputes the layer (`full`) or the experts (`dots`, `offload`);
     (X-1)/X of it leaves the device. Capacity buffers move [E, b, C, d]; the grouped exchange its
-    worst-case [X, b t k, d] and, forward only, the assignments' expert ids (int32). The compiled
-    step has exactly these all-to-alls (tests/test_moe.py)."""
+    worst-case [X, b t k, d] (`ragged` on `platform`, `EXCHANGE`: the b t k routed rows) and, forward
+    only, the assignments' expert ids (int32, worst case). The compiled step has exactly these
+    all-to-alls (tests/test_moe.py)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     if not m.moe or par.expert == 1:
         return 0.0
@@ -137,7 +141,8 @@ def expert_exchange_bytes(cfg: RunConfig) -> float:
         per_layer = (6 if again else 4) * b * m.n_experts * expert_capacity(m, s) * m.d_model * e
     else:
         n = par.expert * b * s * m.experts_per_token
-        per_layer = (6 if again else 4) * n * m.d_model * e + (2 if again else 1) * n * 4
+        rows = n // par.expert if EXCHANGE_OP[platform] == "ragged" else n
+        per_layer = (6 if again else 4) * rows * m.d_model * e + (2 if again else 1) * n * 4
     layers = len(m.moe_stat_layer_ids) / par.stage  # MTP's too; a pipeline stage's share
     return t.microbatches * layers * per_layer * (par.expert - 1) / par.expert
 

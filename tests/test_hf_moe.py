@@ -188,6 +188,33 @@ def test_dense_layers_route_like_transformers_and_do_not_export_as_mixtral(hf_di
         hf_tables.hf_config(mixed, 1, 2, "float32")
 
 
+def test_lora_adapters_on_dense_and_moe_layers_load_in_peft(hf_dirs, tmp_path, devices):
+    """LoRA on every attention projection of a Qwen3-MoE with dense layers (0, 2, 4, 5; MoE 1 and 3,
+    stacked apart): meshlm's forward with random adapters in both stacks equals `peft`'s, on the
+    original `transformers` model, with the adapter directory `save_peft` writes (each stack's layers
+    under their own model indices)."""
+    from peft import PeftModel
+
+    from meshlm.model import lora
+    from meshlm.model.params import init_params
+
+    d, _ = hf_dirs["qwen3_moe, dense layers"]
+    base_cfg, _, base = _load(d, ParallelConfig())
+    cfg = dataclasses.replace(base_cfg, lora_rank=4, lora_alpha=8.0, lora_targets=("wq", "wk", "wv", "wo"))
+    fresh = lora.adapters(init_params(param_specs(cfg), jax.random.key(0)))
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    randomised = jax.tree.map(lambda a: 0.3 * jax.random.normal(next(keys), a.shape), fresh)  # B away from zero
+    params = lora.with_adapters(base, randomised)
+    assert set(lora.adapters(params)) == {"layers", "dense_layers"}
+    tokens = np.random.default_rng(3).integers(0, 64, (2, 16)).astype(np.int32)
+    got = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg))(params, tokens))
+    hf.save_peft(params, cfg, tmp_path / "adapter", str(d), log=lambda _: None)
+    theirs = PeftModel.from_pretrained(transformers.Qwen3MoeForCausalLM.from_pretrained(d), tmp_path / "adapter")
+    want = _hf_logits(theirs.eval(), tokens)
+    assert np.abs(want - _hf_logits(transformers.Qwen3MoeForCausalLM.from_pretrained(d).eval(), tokens)).max() > 1e-2
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
 def test_deepseek_routing_starts_from_mixtral_with_a_zero_bias_and_refuses_to_export_as_it(hf_dirs, devices):
     """`--init-from` a Mixtral with DeepSeek-V3's routing switched on: every weight is the
     checkpoint's and the router bias (which Mixtral has not) starts at zero; exporting that model as

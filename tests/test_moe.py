@@ -391,10 +391,11 @@ def test_moe_inside_pipelines_gives_the_one_device_gradients(name, params, refer
 
 
 def test_lora_on_an_moe_model_in_a_1f1b_pipeline_gives_the_one_device_gradients():
-    """LoRA on the attention of an MoE model (the experts frozen) on stage=2 x expert=2 x tensor=2,
-    1F1B, 2 microbatches: the adapters' raw gradients equal one device's (B away from its zero start,
-    so A's are not zero), and every frozen leaf's is zero, as without a pipeline."""
-    lora = dict(lora_rank=4, lora_targets=("wq", "wv"))
+    """LoRA on the attention of an MoE model (the experts frozen) with a dense first layer (its
+    adapters in the dense stack, which runs with the embedding on stage 0) on stage=2 x expert=2 x
+    tensor=2, 1F1B, 2 microbatches: the adapters' raw gradients equal one device's (B away from its
+    zero start, so A's are not zero), and every frozen leaf's is zero, as without a pipeline."""
+    lora = dict(lora_rank=4, lora_targets=("wq", "wv"), n_layers=3, first_k_dense=1)
     one = moe_config(microbatches=2, **lora)
     leaves, tree = jax.tree.flatten(init_params(param_specs(one.model), jax.random.key(0)))
     keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -404,7 +405,8 @@ def test_lora_on_an_moe_model_in_a_1f1b_pipeline_gives_the_one_device_gradients(
     piped = moe_config(dict(stage=2, expert=2, tensor=2), microbatches=2, **lora)
     got, ref = (named_leaves(grads(c, params)["grads"]) for c in (piped, one))
     adapters = [n for n in ref if "_lora_" in n]
-    assert sorted(adapters) == ["layers/wq_lora_a", "layers/wq_lora_b", "layers/wv_lora_a", "layers/wv_lora_b"]
+    names = ["wq_lora_a", "wq_lora_b", "wv_lora_a", "wv_lora_b"]
+    assert sorted(adapters) == [f"{s}/{n}" for s in ("dense_layers", "layers") for n in names]
     for n in ref:
         if n in adapters:
             assert np.linalg.norm(got[n] - ref[n]) < RTOL * np.linalg.norm(ref[n]) and np.linalg.norm(ref[n]) > 0, n
@@ -627,7 +629,6 @@ def test_dropless_moe_under_context_parallelism_equals_one_device(context_refere
         (dict(model=dict(family="gpt")), "llama family"),
         (dict(model=dict(dense_layers=(0, 4))), "dense_layers=\\[0, 4\\]: \\[4\\] not in \\[0, n_layers=4\\)"),
         (dict(model=dict(first_k_dense=3, dense_layers=(3,))), "leave none of the 4 layers an MoE layer"),
-        (dict(model=dict(first_k_dense=1, lora_rank=4)), "LoRA on an MoE model with dense layers"),
         (dict(model=dict(n_experts=0, first_k_dense=1)), "but the model is dense"),
     ],
 )

@@ -68,11 +68,6 @@ def _validate_layer_kinds(m: ModelConfig) -> None:
         f"model.first_k_dense={m.first_k_dense}, moe_layer_step={m.moe_layer_step} and dense_layers leave none of "
         f"the {m.n_layers} layers an MoE layer; use a dense model (model.n_experts=0)",
     )
-    _need(
-        not (m.dense_layer_ids and m.lora_rank),
-        "LoRA on an MoE model with dense layers (model.first_k_dense, moe_layer_step, dense_layers) is not built: its "
-        "adapters live in the MoE layers' stack only",
-    )
 
 
 def _validate_router(m: ModelConfig) -> None:

@@ -444,13 +444,17 @@ def save_peft(
     leaves = named_leaves(params)
     r = cfg.lora_rank
     tensors = []
+    # each stack's layers in model order (an MoE model's dense layers are stacked apart)
+    stacks = {"layers": cfg.moe_layer_ids, "dense_layers": cfg.dense_layer_ids} if cfg.moe else {}
+    stacks = {s: ids for s, ids in stacks.items() if ids} or {"layers": range(cfg.n_layers)}
     for name in cfg.lora_targets:
-        a = np.asarray(jax.device_get(leaves[f"layers/{name}_lora_a"]), np.float32)
-        b = np.asarray(jax.device_get(leaves[f"layers/{name}_lora_b"]), np.float32)
-        for i in range(cfg.n_layers):
-            prefix = f"base_model.model.model.layers.{i}.{PEFT_MODULES[name]}"
-            tensors.append((f"{prefix}.lora_A.weight", np.ascontiguousarray(a[i].reshape(-1, r).T)))
-            tensors.append((f"{prefix}.lora_B.weight", np.ascontiguousarray(b[i].reshape(r, -1).T)))
+        for stack, ids in stacks.items():
+            a = np.asarray(jax.device_get(leaves[f"{stack}/{name}_lora_a"]), np.float32)
+            b = np.asarray(jax.device_get(leaves[f"{stack}/{name}_lora_b"]), np.float32)
+            for j, i in enumerate(ids):
+                prefix = f"base_model.model.model.layers.{i}.{PEFT_MODULES[name]}"
+                tensors.append((f"{prefix}.lora_A.weight", np.ascontiguousarray(a[j].reshape(-1, r).T)))
+                tensors.append((f"{prefix}.lora_B.weight", np.ascontiguousarray(b[j].reshape(r, -1).T)))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

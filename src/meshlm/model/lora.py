@@ -39,20 +39,29 @@ def base_config(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, lora_rank=0)
 
 
+STACKS = ("layers", "dense_layers")  # the stacked layers that carry adapters (an MoE model's dense ones too)
+
+
+def _stacks(params: dict) -> tuple[str, ...]:
+    """The stacked layers of a parameter tree: "layers", and an MoE model's "dense_layers"."""
+    return tuple(s for s in STACKS if s in params)
+
+
 def adapters(params: dict) -> dict:
-    """The adapters of a parameter-shaped tree, {"layers": {"<target>_lora_a": ..., ...}}: all that a
-    LoRA run trains, and all its checkpoints hold."""
-    return {"layers": {k: v for k, v in params["layers"].items() if "_lora_" in k}}
+    """The adapters of a parameter-shaped tree, {"layers": {"<target>_lora_a": ..., ...}} (and
+    "dense_layers": ... for an MoE model's dense layers): all that a LoRA run trains, and all its
+    checkpoints hold."""
+    return {s: {k: v for k, v in params[s].items() if "_lora_" in k} for s in _stacks(params)}
 
 
 def without_adapters(params: dict) -> dict:
     """Every leaf but the adapters: the frozen base."""
-    return params | {"layers": {k: v for k, v in params["layers"].items() if "_lora_" not in k}}
+    return params | {s: {k: v for k, v in params[s].items() if "_lora_" not in k} for s in _stacks(params)}
 
 
 def with_adapters(base: dict, adapted: dict) -> dict:
     """The base's leaves with `adapted`'s adapters added (or replacing the base tree's own)."""
-    return base | {"layers": base["layers"] | adapters(adapted)["layers"]}
+    return base | {s: base[s] | a for s, a in adapters(adapted).items()}
 
 
 def delta(a, b, shape: tuple[int, ...]):
@@ -73,12 +82,15 @@ def merged(params: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
         return params, cfg
     import jax
 
-    layers = dict(params["layers"])
     fold = jax.jit(lambda w, a, b: w + cfg.lora_scale * delta(a, b, w.shape).astype(w.dtype))
-    for name in cfg.lora_targets:
-        a, b = layers.pop(f"{name}_lora_a"), layers.pop(f"{name}_lora_b")
-        layers[name] = fold(layers[name], a, b)
-    return params | {"layers": layers}, base_config(cfg)
+    out = dict(params)
+    for stack in _stacks(params):
+        layers = dict(params[stack])
+        for name in cfg.lora_targets:
+            a, b = layers.pop(f"{name}_lora_a"), layers.pop(f"{name}_lora_b")
+            layers[name] = fold(layers[name], a, b)
+        out[stack] = layers
+    return out, base_config(cfg)
 
 
 # meshlm target -> the module name `transformers`' Llama uses (peft's target_modules)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
+from meshlm.model import lora
 
 Init = Callable[[jax.Array, tuple[int, ...]], jax.Array]
 
@@ -64,7 +65,9 @@ def param_specs(cfg: ModelConfig) -> dict:
     if not cfg.lora_rank:
         return tree
     tree = map_specs(lambda s: dataclasses.replace(s, trainable=False), tree)
-    tree["layers"] |= lora_specs(cfg, tree["layers"])
+    for stack in lora.STACKS:  # an MoE model's dense layers (`model.first_k_dense`...) are adapted too
+        if stack in tree:
+            tree[stack] |= lora_specs(cfg, tree[stack])
     return tree
 
 

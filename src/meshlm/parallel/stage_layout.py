@@ -41,8 +41,9 @@ def top_specs(specs: dict) -> dict:
 
 
 def top_trained(specs: dict) -> bool:
-    """Whether the weights outside the staged layers take gradients (not LoRA's, all frozen; an MTP
-    module's router bias, moved by the step, gets zeros)."""
+    """Whether the weights outside the staged layers take gradients (under LoRA only a dense
+    prefix's adapters do: then every top weight is differentiated and the frozen ones' gradients
+    zeroed; an MTP module's router bias, moved by the step, gets zeros)."""
     return any(s.trainable for s in jax.tree.leaves(top_specs(specs)))
 
 

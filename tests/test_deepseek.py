@@ -15,6 +15,7 @@ from helpers import DEEPSEEK_HF, loss_mask, random_batches
 from meshlm import accounting, recipes
 from meshlm.config import ConfigError, ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
 from meshlm.model import mla, mla_costs
+from meshlm.model.lora import lora_param_count
 from meshlm.model.params import count_params, init_params, named_leaves, param_specs
 from meshlm.model.transformer import _attention, forward
 from meshlm.parallel.mesh import make_layout
@@ -218,6 +219,24 @@ def _np_rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
 
 
+def test_lora_on_mla_gives_the_one_device_adapter_gradients():
+    """LoRA on MLA's query path (down and up), key-value latent and output, in both stacks (the dense
+    first layer's and the MoE layers'), on tensor=2 + SP x expert=2: every adapter's raw gradient
+    equals one device's (the adapters perturbed: B is not zero), every frozen leaf's is zero."""
+    lora = dict(lora_rank=4, lora_targets=("wq_a", "wq_b", "wkv_a", "wo"), mtp_depth=0)
+    one = config(**lora)
+    params = _perturbed(param_specs(one.model))
+    got, ref = (named_leaves(grads(c, params)["grads"]) for c in (config(dict(tensor=2, expert=2), True, **lora), one))
+    adapters = [n for n in ref if "_lora_" in n]
+    assert len(adapters) == 16 and {n.split("/")[0] for n in adapters} == {"layers", "dense_layers"}
+    assert sum(ref[n].size for n in adapters) == lora_param_count(one.model)  # accounting's (and its FLOPs')
+    for n in ref:
+        if n in adapters:
+            assert np.linalg.norm(got[n] - ref[n]) < RTOL * np.linalg.norm(ref[n]) and np.linalg.norm(ref[n]) > 0, n
+        else:
+            assert not np.any(got[n]) and not np.any(ref[n]), n
+
+
 def test_the_mla_attention_equals_numpy(params):
     """The attention of one layer (q LoRA + norm, the KV latent + norm, the shared RoPE key, the
     per-head up-projections, YaRN's two factors, causal softmax, v_head_dim 6 != 12) equals a
@@ -306,7 +325,8 @@ def test_parameter_counts_and_flops_of_mla_and_mtp():
     "change, message",
     [
         (dict(n_kv_heads=2), "leave model.n_kv_heads and model.head_dim at 0"),
-        (dict(lora_rank=4, mtp_depth=0), "LoRA targets wq wk wv, which an MLA model does not have"),
+        (dict(lora_rank=4, mtp_depth=0), "lora_targets=wq,wk,wv,wo: each once, from wq_a, wq_b, wkv_a, wo"),
+        (dict(lora_rank=4, mtp_depth=0, lora_targets=("wo",), lora_dropout=0.1), "lora_dropout with MLA"),
         (dict(lora_rank=4, kv_lora_rank=0, q_lora_rank=0), "fine-tune an MTP model with model.mtp_depth=0"),
         (dict(qk_rope_head_dim=3), "even model.qk_rope_head_dim"),
         (dict(kv_lora_rank=0), "model.q_lora_rank needs MLA"),

@@ -215,6 +215,51 @@ def test_lora_adapters_on_dense_and_moe_layers_load_in_peft(hf_dirs, tmp_path, d
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3, full q"])
+def test_lora_on_mla_equals_transformers_on_the_merged_export(hf_dirs, name, tmp_path, devices):
+    """LoRA on a DeepSeek-V3 (MLA, a dense first layer, RoPE rows interleaved or not) with random
+    adapters on the query path, the key-value latent and the output: meshlm's forward, on one device
+    and on expert=2 x tensor=2 + SP, equals `transformers`' on the merged export (the adapters folded,
+    then written as the checkpoint's own tensors), and differs from the base model's."""
+    from meshlm.config import ConfigError
+    from meshlm.model import lora
+    from meshlm.model.params import init_params
+
+    d, model = hf_dirs[name]
+    base_cfg, _, base = _load(d, ParallelConfig())
+    targets = ("wq_a", "wq_b", "wkv_a", "wo") if base_cfg.q_lora_rank else ("wq", "wkv_a", "wo")
+    cfg = dataclasses.replace(base_cfg, lora_rank=4, lora_alpha=8.0, lora_targets=targets)
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    fresh = lora.adapters(init_params(param_specs(cfg), jax.random.key(0)))
+    params = lora.with_adapters(base, jax.tree.map(lambda a: 0.3 * jax.random.normal(next(keys), a.shape), fresh))
+    tokens = np.random.default_rng(4).integers(0, 64, (2, 16)).astype(np.int32)
+    layout = make_layout(dataclasses.replace(EP_TP, sequence_parallel=True))
+    sharded = jax.device_put(params, param_shardings(param_specs(cfg), layout))
+    got = [
+        np.asarray(jax.jit(lambda p, t, lay=lay: forward(p, t, cfg, lay))(q, tokens))
+        for q, lay in ((params, None), (sharded, layout))
+    ]
+    merged, merged_cfg = lora.merged(params, cfg)
+    out = hf.save_pretrained(merged, merged_cfg, tmp_path / "merged", log=lambda _: None)
+    want = _hf_logits(transformers.DeepseekV3ForCausalLM.from_pretrained(out).eval(), tokens)
+    assert np.abs(want - _hf_logits(model, tokens)).max() > 1e-2  # the adapters change the function
+    for logits in got:
+        np.testing.assert_allclose(logits, want, atol=1e-4, rtol=0)
+    # decoding from the latent cache runs the adapters too: greedy tokens as transformers' on the merge
+    m = inference.Model(
+        RunConfig(model=cfg, parallel=EP_TP),
+        jax.device_put(params, param_shardings(param_specs(cfg), make_layout(EP_TP))),
+        make_layout(EP_TP),
+    )
+    prompt = [5, 6, 7, 8, 9]
+    ours = inference.Generator(m).generate([prompt], 6, stop_at_eos=False).tokens[0]
+    merged_model = transformers.DeepseekV3ForCausalLM.from_pretrained(out).eval()
+    theirs = merged_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert ours == theirs[0, len(prompt) :].tolist()
+    with pytest.raises(ConfigError, match="MLA's adapters are not mapped to PEFT"):
+        hf.save_peft(params, cfg, tmp_path / "adapter", log=lambda _: None)
+
+
 def test_deepseek_routing_starts_from_mixtral_with_a_zero_bias_and_refuses_to_export_as_it(hf_dirs, devices):
     """`--init-from` a Mixtral with DeepSeek-V3's routing switched on: every weight is the
     checkpoint's and the router bias (which Mixtral has not) starts at zero; exporting that model as

@@ -50,6 +50,13 @@ def _validate_lora(m: ModelConfig) -> None:
     _need(m.lora_rank > 0 and m.lora_alpha > 0, "model.lora_rank and model.lora_alpha must be positive")
     _need(0.0 <= m.lora_dropout < 1.0, "model.lora_dropout must be in [0, 1)")
     allowed = LORA_TARGETS[m.family][:4] if m.moe else LORA_TARGETS[m.family]
+    if m.mla:  # no wk/wv: the query path, the key-value latent's down-projection, the output
+        allowed = ("wq_a", "wq_b") if m.q_lora_rank else ("wq",)
+        allowed += ("wkv_a", "wo") + (() if m.moe else LORA_TARGETS["llama"][4:])
+        _need(
+            not m.lora_dropout,
+            "model.lora_dropout with MLA is not built (its LoRA terms run inside the projections' region)",
+        )
     bad = [t for t in m.lora_targets if t not in allowed]
     _need(
         not bad and len(m.lora_targets) > 0 and len(set(m.lora_targets)) == len(m.lora_targets),
@@ -124,10 +131,6 @@ def _validate_mla(m: ModelConfig) -> None:
         "leave model.n_kv_heads and model.head_dim at 0",
     )
     _need(not (m.qk_norm or m.qkv_bias), "MLA normalises its latents itself: model.qk_norm and qkv_bias do not apply")
-    _need(
-        not m.lora_rank,
-        "LoRA targets wq wk wv, which an MLA model does not have (its projections are wq_a/wq_b/wkv_a/wk_b/wv_b)",
-    )
 
 
 def _validate_model(m: ModelConfig) -> None:

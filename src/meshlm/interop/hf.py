@@ -438,6 +438,11 @@ def save_peft(
             "--peft: PEFT adapters are written for the llama family (GPT-2's fused c_attn has one adapter for "
             "Q, K and V together, meshlm's three); export the merged weights with --to-hf instead"
         )
+    if cfg.mla:
+        raise ConfigError(
+            "--peft: MLA's adapters are not mapped to PEFT's module names (q_a_proj, kv_a_proj_with_mqa, ...) yet; "
+            "export the merged weights with --to-hf instead"
+        )
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; export into a new directory")

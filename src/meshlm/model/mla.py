@@ -45,9 +45,22 @@ CACHE_AXES = (None, ax.BATCH, None, None, None)
 
 
 def names(cfg: ModelConfig) -> list[str]:
-    """The weights `project` takes, in order."""
+    """The weights `project` takes, in order (then the LoRA adapters of those that have them)."""
     q = ["wq_a", "q_a_norm", "wq_b"] if cfg.q_lora_rank else ["wq"]
-    return [*q, "wkv_a", "kv_a_norm", "wk_b", "wv_b"]
+    adapted = [w for w in (*q, "wkv_a") if cfg.lora_rank and w in cfg.lora_targets]
+    return [*q, "wkv_a", "kv_a_norm", "wk_b", "wv_b", *(f"{w}_lora_{ab}" for w in adapted for ab in "ab")]
+
+
+# LoRA targets of an MLA model (model.lora_targets): the query projection(s), the key-value latent's
+# down-projection and the output projection; not the per-head up-projections W_UK, W_UV (kv_b_proj)
+LORA_TARGETS = ("wq", "wq_a", "wq_b", "wkv_a", "wo")
+
+
+def _plus_lora(y, equation: str, x, p: dict, name: str, cfg: ModelConfig):
+    """y plus projection `name`'s LoRA term of x (`layers.lora_delta`), if it has adapters."""
+    if f"{name}_lora_a" not in p:
+        return y
+    return y + layers.lora_delta(equation, x, p[f"{name}_lora_a"], p[f"{name}_lora_b"], cfg.lora_scale)
 
 
 @jax.checkpoint  # keeps only its input; backward recomputes the element-wise work
@@ -61,10 +74,13 @@ def _projections(h, p: dict, cfg: ModelConfig, flat: bool):
     b, t, d = h.shape
     down = p["wq_a"] if cfg.q_lora_rank else p["wq"].reshape(d, -1)  # a full query projection: [d, n h]
     q, kv = layers.dense_shared("btd,dc->btc", h, [down, p["wkv_a"]], flat)
+    kv = _plus_lora(kv, "btd,dc->btc", h, p, "wkv_a", cfg)
     if cfg.q_lora_rank:
-        q = layers.dense("btc,cnh->btnh", _latent_norm(q, p["q_a_norm"]), p["wq_b"], flat)
+        q = _plus_lora(q, "btd,dc->btc", h, p, "wq_a", cfg)
+        normed = _latent_norm(q, p["q_a_norm"])
+        q = _plus_lora(layers.dense("btc,cnh->btnh", normed, p["wq_b"], flat), "btc,cnh->btnh", normed, p, "wq_b", cfg)
     else:
-        q = q.reshape(b, t, -1, cfg.dim_head)
+        q = _plus_lora(q.reshape(b, t, -1, cfg.dim_head), "btd,dnh->btnh", h, p, "wq", cfg)
     c = _latent_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"])
     return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], c, kv[..., None, cfg.kv_lora_rank :]
 
@@ -184,4 +200,9 @@ def attention_cached(h_btd, p: dict, cfg: ModelConfig, layout, axes: dict, resid
     else:
         a = absorbed_attention(q_nope, q_rope, c_layer, r_layer, p["wk_b"], p["wv_b"], slots, cache.start, cfg)
     a = constrain(layout, a, heads)
-    return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], heads, axes["wo"], residual), (c_all, r_all)
+    lora = (
+        (p["wo_lora_a"], p["wo_lora_b"], axes["wo_lora_a"], axes["wo_lora_b"], cfg.lora_scale)
+        if "wo_lora_a" in p
+        else None
+    )
+    return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], heads, axes["wo"], residual, lora=lora), (c_all, r_all)

@@ -71,7 +71,20 @@ def param_specs(cfg: ModelConfig) -> dict:
     return tree
 
 
-LORA_IN_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_fc": 1, "w_proj": 1, "w_gate": 1, "w_up": 1, "w_down": 1}
+LORA_IN_DIMS = {
+    "wq": 1,
+    "wk": 1,
+    "wv": 1,
+    "wo": 2,
+    "w_fc": 1,
+    "w_proj": 1,
+    "w_gate": 1,
+    "w_up": 1,
+    "w_down": 1,
+    "wq_a": 1,
+    "wq_b": 1,
+    "wkv_a": 1,
+}
 
 
 def lora_specs(cfg: ModelConfig, layer: dict) -> dict:

@@ -327,6 +327,7 @@ def test_parameter_counts_and_flops_of_mla_and_mtp():
         (dict(n_kv_heads=2), "leave model.n_kv_heads and model.head_dim at 0"),
         (dict(lora_rank=4, mtp_depth=0), "lora_targets=wq,wk,wv,wo: each once, from wq_a, wq_b, wkv_a, wo"),
         (dict(lora_rank=4, mtp_depth=0, lora_targets=("wo",), lora_dropout=0.1), "lora_dropout with MLA"),
+        (dict(lora_rank=4), "from wq_a, wq_b, wkv_a, wo; LoRA on this model also needs model.mtp_depth=0"),
         (dict(lora_rank=4, kv_lora_rank=0, q_lora_rank=0), "fine-tune an MTP model with model.mtp_depth=0"),
         (dict(qk_rope_head_dim=3), "even model.qk_rope_head_dim"),
         (dict(kv_lora_rank=0), "model.q_lora_rank needs MLA"),

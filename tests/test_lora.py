@@ -30,6 +30,11 @@ TARGETS = {
 }
 
 
+# an MoE model (experts frozen, attention adapted) whose first layer is dense: adapters in both stacks
+MOE_PREFIX = dict(n_experts=4, experts_per_token=2, expert_d_ff=32, first_k_dense=1, n_layers=3)
+MOE_PREFIX |= dict(lora_targets=("wq", "wk", "wv", "wo"))
+
+
 def lora_config(family: str, mesh: dict | None = None, sp: bool = False, **train):
     cfg = tiny_config(family, mesh, **train)
     model = dataclasses.replace(cfg.model, lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS[family], dropout=0.0)
@@ -73,19 +78,22 @@ def test_forward_equals_the_merged_model_and_counts_are_exact(family):
 
 
 @pytest.mark.parametrize(
-    "parallel",
-    [{}, dict(stage=2, pipeline_schedule="1f1b")],
-    ids=["one", "1f1b"],
+    "parallel, moe",
+    [({}, {}), (dict(stage=2, pipeline_schedule="1f1b"), {}), (dict(stage=2, pipeline_schedule="1f1b"), MOE_PREFIX)],
+    ids=["one", "1f1b", "1f1b, MoE with a dense first layer"],
 )
-def test_the_base_has_no_gradient_and_no_optimizer_state(parallel):
+def test_the_base_has_no_gradient_and_no_optimizer_state(parallel, moe):
     """In the compiled gradient step of a LoRA run, every matmul that makes a weight-shaped output
     (neither dimension a microbatch's rows) has the rank as a dimension: the frozen weights' d_in x
     d_out gradient GEMMs are not in the program - nor in a pipeline's, whose stages differentiate
     and accumulate the adapters only (full fine-tuning's are: the check fails there, as it did by
     hand on 1F1B with the frozen weights accumulated; the program's exact GEMM FLOPs:
-    tests/test_flops.py). Adam's moments exist for the adapters only."""
+    tests/test_flops.py). Adam's moments exist for the adapters only. With a dense first layer (MoE)
+    in a pipeline, its adapters train among the weights outside the stages, and still the output
+    layer gets no gradient GEMM (it did, by hand, when the pipeline differentiated every top weight)."""
     cfg = lora_config("llama", microbatches=2 if parallel else 1)
-    cfg = validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel)))
+    model = dataclasses.replace(cfg.model, **moe)
+    cfg = validate(dataclasses.replace(cfg, model=model, parallel=dataclasses.replace(cfg.parallel, **parallel)))
     full = validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0)))
     layout = make_layout(cfg.parallel, jax.devices()[: cfg.parallel.n_devices])
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), random_batches(cfg, 1)[0])

@@ -320,13 +320,17 @@ def test_the_emulated_ragged_all_to_all_is_the_documented_one():
 @pytest.fixture
 def ragged_exchange(monkeypatch):
     """The grouped exchange on CPU moving its rows by (the emulated) `ragged_all_to_all`; yields the
-    list of each call's send sizes, as they run."""
+    list of each call's send sizes, as they run (None where they disagree with the receivers')."""
     from meshlm.model import moe as moe_module
 
     sizes = []
 
     def op(*args, axis_name, **_):
-        jax.debug.callback(lambda s: sizes.append(np.asarray(s)), args[3])
+        # the op's precondition: what I send each peer is what it expects from me
+        expected = jax.lax.all_to_all(args[5], axis_name, 0, 0, tiled=True)
+        jax.debug.callback(
+            lambda s, e: sizes.append(np.asarray(s) if np.array_equal(s, e) else None), args[3], expected
+        )
         return emulated_ragged_all_to_all(*args, axis_name=axis_name)
 
     monkeypatch.setitem(moe_module.EXCHANGE_OP, "cpu", "ragged")
@@ -344,6 +348,7 @@ def test_the_ragged_exchange_gives_the_one_device_gradients(mesh, sp, params, re
     assert_same_as_one_device(got, reference(0.0))
     t, m = cfg.train, cfg.model
     routed = t.global_batch // mesh["expert"] * t.seq_len * m.experts_per_token
+    assert all(s is not None for s in ragged_exchange)  # send sizes as the receivers' recv sizes say
     sums = [int(s.sum()) for s in ragged_exchange]  # out: routed each; back: what each device received
     assert sums.count(routed) >= len(sums) // 2 and sum(sums) == len(sums) * routed
     assert max(int(s.max()) for s in ragged_exchange) < routed  # not a whole buffer to any device

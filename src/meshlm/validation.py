@@ -58,10 +58,13 @@ def _validate_lora(m: ModelConfig) -> None:
             "model.lora_dropout with MLA is not built (its LoRA terms run inside the projections' region)",
         )
     bad = [t for t in m.lora_targets if t not in allowed]
+    mla_too = [f"model.{k}=0" for k in ("mtp_depth", "router_bias_rate") if m.mla and getattr(m, k)]
+    mlp = LORA_TARGETS[m.family][4:] if m.moe else ()
     _need(
         not bad and len(m.lora_targets) > 0 and len(set(m.lora_targets)) == len(m.lora_targets),
         f"model.lora_targets={','.join(m.lora_targets)}: each once, from {', '.join(allowed)}"
-        + (" (Mixture of Experts: adapters on the experts are not built yet)" if m.moe and bad else ""),
+        + (" (Mixture of Experts: adapters on the experts are not built yet)" if set(bad) & set(mlp) else "")
+        + (f"; LoRA on this model also needs {' and '.join(mla_too)}" if mla_too else ""),
     )
 
 

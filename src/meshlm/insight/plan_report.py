@@ -123,7 +123,7 @@ def explain_experts(plans: list[Plan], device: Accelerator) -> str | None:
             f"{extra:.3g} s more" + (_exchange_note(device) if part == EXPERT_EXCHANGE else "")
         )
     if par.expert > 1 and kernel != "buffers":
-        said.append(f"its exchange{_exchange_note(device)}")
+        said.append(f"expert={par.expert}'s all_to_all{_exchange_note(device)}")
     return "; ".join(said)
 
 

@@ -224,7 +224,7 @@ def exchange(
     expert ids [R])`), and the outputs come back: each assignment's output [n, d]. `ragged`: the rows
     travel by `ragged_all_to_all`, each destination's used rows only (sender i's at i n, as all_to_all
     leaves them; the rest of each buffer stays zero)."""
-    n, d = expert.shape[0], x_nd.shape[-1]
+    n = expert.shape[0]
     dest = expert // local_experts
     rank, sizes = rank_within(dest, ways)
     slot = dest * n + rank  # packed by destination
@@ -232,15 +232,18 @@ def exchange(
     send = jnp.take(x_nd, filler, axis=0, mode="fill", fill_value=0)
     ids = jnp.full((ways * n,), local_experts, jnp.int32).at[slot].set(expert % local_experts).reshape(ways, n)
     recv_ids = jax.lax.all_to_all(ids, ep, split_axis=0, concat_axis=0, tiled=True)
-    if ragged:
-        move = _ragged_move(ep, ways, n, sizes.astype(jnp.int32))
-    else:
-
-        def move(rows, back=False):
-            return jax.lax.all_to_all(rows.reshape(ways, n, d), ep, 0, 0, tiled=True).reshape(ways * n, d)
-
+    move = _ragged_move(ep, ways, n, sizes.astype(jnp.int32)) if ragged else _whole_move(ep, ways, n)
     out = run(move(send), recv_ids.reshape(ways * n))
     return jnp.take(move(out, back=True), slot, axis=0)
+
+
+def _whole_move(ep: str, ways: int, n: int) -> Callable:
+    """The exchange's two moves by all_to_all: the whole [ways, n] buffer, padding included."""
+
+    def move(rows, back=False):  # the same both ways
+        return jax.lax.all_to_all(rows.reshape(ways, n, -1), ep, 0, 0, tiled=True).reshape(ways * n, -1)
+
+    return move
 
 
 def _ragged_move(ep: str, ways: int, n: int, sizes: jax.Array) -> Callable:

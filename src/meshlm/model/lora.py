@@ -22,8 +22,8 @@ def lora_param_count(cfg: ModelConfig) -> int:
     sizes = {"wq": d + q, "wk": d + kv, "wv": d + kv, "wo": cfg.n_heads * cfg.value_dim + d}
     sizes |= {"w_fc": d + f, "w_proj": f + d, "w_gate": d + f, "w_up": d + f, "w_down": f + d}
     # MLA's: the query latent and its up-projection, the key-value latent (+ the shared RoPE key)
-    sizes |= {"wq_a": d + cfg.q_lora_rank, "wq_b": cfg.q_lora_rank + q, "wkv_a": d + cfg.kv_lora_rank}
-    sizes["wkv_a"] += cfg.qk_rope_head_dim
+    kv_a = d + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    sizes |= {"wq_a": d + cfg.q_lora_rank, "wq_b": cfg.q_lora_rank + q, "wkv_a": kv_a}
     return cfg.n_layers * cfg.lora_rank * sum(sizes[t] for t in cfg.lora_targets)
 
 

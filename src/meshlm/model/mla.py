@@ -51,13 +51,9 @@ def names(cfg: ModelConfig) -> list[str]:
     return [*q, "wkv_a", "kv_a_norm", "wk_b", "wv_b", *(f"{w}_lora_{ab}" for w in adapted for ab in "ab")]
 
 
-# LoRA targets of an MLA model (model.lora_targets): the query projection(s), the key-value latent's
-# down-projection and the output projection; not the per-head up-projections W_UK, W_UV (kv_b_proj)
-LORA_TARGETS = ("wq", "wq_a", "wq_b", "wkv_a", "wo")
-
-
-def _plus_lora(y, equation: str, x, p: dict, name: str, cfg: ModelConfig):
-    """y plus projection `name`'s LoRA term of x (`layers.lora_delta`), if it has adapters."""
+def _plus_lora(y, equation: str, x, p: dict, name: str, cfg: ModelConfig) -> jax.Array:
+    """y plus projection `name`'s LoRA term of x (`layers.lora_delta`), if it has adapters: the query
+    path, the key-value latent's down-projection (validation's list; not W_UK, W_UV)."""
     if f"{name}_lora_a" not in p:
         return y
     return y + layers.lora_delta(equation, x, p[f"{name}_lora_a"], p[f"{name}_lora_b"], cfg.lora_scale)

@@ -129,9 +129,10 @@ def expert_exchange_bytes(cfg: RunConfig, platform: str = "cpu") -> float:
     out to the experts' devices and back, forward and again (as cotangents) backward, and once more
     forward where the policy recomputes the layer (`full`) or the experts (`dots`, `offload`);
     (X-1)/X of it leaves the device. Capacity buffers move [E, b, C, d]; the grouped exchange its
-    worst-case [X, b t k, d] (`ragged` on `platform`, `EXCHANGE`: the b t k routed rows) and, forward
-    only, the assignments' expert ids (int32, worst case). The compiled step has exactly these
-    all-to-alls (tests/test_moe.py)."""
+    worst-case [X, b t k, d] (`ragged` on `platform`, `EXCHANGE_OP`: the b t k routed rows) and, forward
+    only, the assignments' expert ids (int32, worst case). On CPU the compiled step has exactly these
+    all-to-alls (tests/test_moe.py); `ragged` adds a few int32 per layer (each peer's row count, and
+    in the backward the offsets), not counted."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     if not m.moe or par.expert == 1:
         return 0.0

@@ -106,11 +106,11 @@ class _Stage:
         self.x_shape = (b, s_len, cfg.model.d_model)
         self.stage = jax.lax.axis_index(AXIS)
         specs = param_specs(cfg.model)
-        self.top_shardings = sl.top_shardings(layout, specs, inside=True)
-        # LoRA: only the adapters are differentiated; the frozen weights and the embeddings and
-        # output layer (all frozen) get no gradient and no accumulator
+        # LoRA: only the adapters are differentiated and accumulated (a dense prefix's among the top
+        # weights); the frozen weights, the embeddings and the output layer get no gradient
+        self.top_shardings = sl.trained_top(sl.top_shardings(layout, specs, inside=True), specs)
         self.trained = {n for n, spec in specs["layers"].items() if spec.trainable}
-        self.top_trained = sl.top_trained(specs)
+        self.top_train, self.top_trained = sl.trained_top(top, specs), sl.top_trained(specs)
         self.split = tab.weight_slots > 0  # zb1: B and W apart
         self.unbranched = runs_unbranched(cfg.parallel)  # the ring inside the stages (see `phase`)
         self.w_inputs, self.w_grads = [], []  # zb1: a weight slot's region inputs and output gradients
@@ -208,7 +208,8 @@ class _Stage:
             sums, stats = mtp.objective(top, y, mb, m, self.layout, k, self.cfg.remat.policy)
             return (ls + mtp.weighted(sums, m), stats), (ls, cnt, sums)
 
-        f, args = (objective, (y, self.top)) if self.top_trained else (lambda y: objective(y, self.top), (y,))
+        with_top = lambda y, t: objective(y, sl.with_trained(self.top, t))
+        f, args = (with_top, (y, self.top_train)) if self.top_trained else (lambda y: objective(y, self.top), (y,))
         (obj, stats), vjp_fn, (ls, cnt, sums) = jax.vjp(f, *args, has_aux=True)
         cot = None
         if stats is not None:
@@ -310,7 +311,7 @@ class _Stage:
             out_taps = [g.astype(a.dtype) for g, a in zip(taps[0], self.w_grads, strict=True)] if taps else []
 
             def through_embedding():
-                _, vjp_embed = jax.vjp(lambda t: self.embed(t, mb, k), self.top)
+                _, vjp_embed = jax.vjp(lambda t: self.embed(sl.with_trained(self.top, t), mb, k), self.top_train)
                 return self.top_layout(jax.tree.map(jnp.add, g_top, vjp_embed(dx)[0]))
 
             first = r["b_first"].astype(bool)
@@ -392,7 +393,7 @@ class _Stage:
             w_grad=weight_slots(self.w_grads) if self.split else [],
             w_in_next=(jnp.int32(self.tab.weight_slots - 1), self.spare(self.w_inputs)) if self.split else None,
             g_layers={n: jnp.zeros_like(w) for n, w in self.local.items() if n in self.trained},
-            g_top=jax.tree.map(jnp.zeros_like, self.top) if self.top_trained else {},
+            g_top=jax.tree.map(jnp.zeros_like, self.top_train) if self.top_trained else {},
             loss=jnp.zeros((), jnp.float32),
             count=jnp.zeros((), jnp.float32),
             mtp=jnp.zeros((self.depth,), jnp.float32),
@@ -559,7 +560,7 @@ def pipeline_gradients(
     tokens = sl.microbatch_tokens(micro)
     trained = [n for n, spec in specs["layers"].items() if spec.trainable]
     top_in = sl.top_region_specs(layout, specs)  # whole, but MTP's experts (split over `expert`)
-    top_out = top_in if sl.top_trained(specs) else P()
+    top_out = sl.trained_top(top_in, specs) if sl.top_trained(specs) else P()  # the trained weights' gradients
 
     def body(stacked, top, micro, tokens, key_arr=None):
         local = jax.tree.map(lambda w: w[0], stacked)  # [v, L/(pv), ...]
@@ -570,7 +571,7 @@ def pipeline_gradients(
         g_layers = {n: jax.lax.psum(g, reduce_over[n])[None] for n, g in c.g_layers.items()}
         # each weight outside the layers: summed over the stages and the batch axes that do not split it
         over = lambda g, s: jax.lax.psum(g, (AXIS, *sl.unsplit(batch_axes, s)))
-        g_top = jax.tree.map(over, c.g_top, top_in) if c.g_top else {}
+        g_top = jax.tree.map(over, c.g_top, top_out) if c.g_top else {}
         out = g_layers, g_top, total(c.loss), total(c.count), total(c.mtp)
         stats = {n: jax.tree.map(lambda a: a[None, :m], s) for n, s in c.moe.items() if "stats" in n} if c.moe else None
         return *out, stats
@@ -590,7 +591,6 @@ def pipeline_gradients(
     ungroup = partial(sl.ungroup, schedule=schedule)
     # frozen leaves (LoRA's base): zeros, constants in the returned tree, as `step.gradients` gives them
     layers = {n: ungroup(g_layers[n]) if n in g_layers else jnp.zeros_like(w) for n, w in params["layers"].items()}
-    zero_if_frozen = lambda g, s: g if s.trainable else jnp.zeros_like(g)  # LoRA's; an MTP module's router bias
-    top = jax.tree.map(zero_if_frozen, g_top or sl.top_specs(params), sl.top_specs(specs))
+    top = sl.with_trained(jax.tree.map(jnp.zeros_like, sl.top_specs(params)), g_top)  # LoRA's; MTP's router bias
     metrics = sl.moe_metrics(stats, cfg, schedule) | ({"mtp_loss_sum": mtp_sums} if cfg.model.mtp_depth else {})
     return {"layers": layers, **top}, loss_sum, count, metrics

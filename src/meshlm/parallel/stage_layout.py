@@ -41,10 +41,29 @@ def top_specs(specs: dict) -> dict:
 
 
 def top_trained(specs: dict) -> bool:
-    """Whether the weights outside the staged layers take gradients (under LoRA only a dense
-    prefix's adapters do: then every top weight is differentiated and the frozen ones' gradients
-    zeroed; an MTP module's router bias, moved by the step, gets zeros)."""
+    """Whether any weight outside the staged layers takes a gradient (`trained_top` says which:
+    under LoRA a dense prefix's adapters only)."""
     return any(s.trainable for s in jax.tree.leaves(top_specs(specs)))
+
+
+def trained_top(tree: dict, specs: dict) -> dict:
+    """A top-shaped tree (every weight but the staged layers, or their shardings or gradients) cut to
+    the leaves whose spec is trainable: all of them but LoRA's, where only a dense prefix's adapters
+    train, and an MTP module's router bias. The pipeline differentiates and accumulates these alone."""
+
+    def cut(t, s):
+        if not isinstance(s, dict):
+            return t if s.trainable else None
+        kept = {k: cut(t[k], s[k]) for k in s}
+        return {k: v for k, v in kept.items() if v is not None and not (isinstance(v, dict) and not v)}
+
+    return cut({n: tree[n] for n in top_specs(specs)}, top_specs(specs))
+
+
+def with_trained(top: dict, trained: dict) -> dict:
+    """`top` with `trained_top`'s leaves put back in their places."""
+    merge = lambda v, t: with_trained(v, t) if isinstance(v, dict) else t
+    return {k: merge(v, trained[k]) if k in trained else v for k, v in top.items()}
 
 
 def top_shardings(layout: Layout, specs: dict, inside: bool = False) -> dict:

@@ -29,9 +29,9 @@ back. How the rows travel (`moe_costs.EXCHANGE_OP`, by platform):
 - `all_to_all` (CPU): the whole buffer, padding included: X x the routed rows.
 - `ragged` (GPU, TPU): `jax.lax.ragged_all_to_all` sends each destination's used rows only (the
   routed rows) into the same places of the same buffers; the ids (int32) still go by all_to_all.
-  XLA:CPU does not implement the op, so the suite runs this path with the op replaced by a NumPy-checked
-  emulation of its documented semantics (tests/test_moe.py); the op itself has run on one TPU v5e
-  chip only, as a self-exchange (benchmarks/tpu.py), never across devices: untested there.
+  XLA:CPU does not implement the op, so the suite runs this path with the op replaced by an emulation
+  of its documented semantics (tests/test_moe.py); the op itself has run on one TPU v5e chip only
+  (benchmarks/tpu.py: a self-exchange, and uneven slices), never across devices: untested there.
 
 On a TPU v5e (benchmarks/tpu.sh), megablox and ragged_dot gave moe-tiny's raw gradients to 1.5e-6 of
 the tiled kernel's on the host CPU; at Qwen3-30B-A3B's expert shapes ragged_dot ran 1.5x megablox's

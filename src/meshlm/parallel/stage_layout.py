@@ -48,8 +48,8 @@ def top_trained(specs: dict) -> bool:
 
 def trained_top(tree: dict, specs: dict) -> dict:
     """A top-shaped tree (every weight but the staged layers, or their shardings or gradients) cut to
-    the leaves whose spec is trainable: all of them but LoRA's, where only a dense prefix's adapters
-    train, and an MTP module's router bias. The pipeline differentiates and accumulates these alone."""
+    the leaves whose spec is trainable: without LoRA all but an MTP module's router bias, under LoRA
+    a dense prefix's adapters only. The pipeline differentiates and accumulates these alone."""
 
     def cut(t, s):
         if not isinstance(s, dict):

@@ -65,6 +65,15 @@ def lora_delta(equation: str, x: jax.Array, a: jax.Array, b: jax.Array, scale: f
     return (scale * jnp.einsum(from_rank, jnp.einsum(to_rank, x, a), b)).astype(x.dtype)
 
 
+def with_lora(equation: str, x: jax.Array, outputs: list, weights: tuple[str, ...], p: dict, scale: float) -> list:
+    """`outputs` (the projections `weights` of x by `equation`) plus their LoRA terms (`lora_delta`),
+    where p has their adapters."""
+    return [
+        o + lora_delta(equation, x, p[f"{w}_lora_a"], p[f"{w}_lora_b"], scale) if f"{w}_lora_a" in p else o
+        for o, w in zip(outputs, weights, strict=True)
+    ]
+
+
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """silu(gate) * up."""
     return jax.nn.silu(gate) * up

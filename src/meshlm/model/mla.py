@@ -51,14 +51,6 @@ def names(cfg: ModelConfig) -> list[str]:
     return [*q, "wkv_a", "kv_a_norm", "wk_b", "wv_b", *(f"{w}_lora_{ab}" for w in adapted for ab in "ab")]
 
 
-def _plus_lora(y, equation: str, x, p: dict, name: str, cfg: ModelConfig) -> jax.Array:
-    """y plus projection `name`'s LoRA term of x (`layers.lora_delta`), if it has adapters: the query
-    path, the key-value latent's down-projection (validation's list; not W_UK, W_UV)."""
-    if f"{name}_lora_a" not in p:
-        return y
-    return y + layers.lora_delta(equation, x, p[f"{name}_lora_a"], p[f"{name}_lora_b"], cfg.lora_scale)
-
-
 @jax.checkpoint  # keeps only its input; backward recomputes the element-wise work
 def _latent_norm(x, scale):
     return layers.rms_norm(x, scale, LATENT_EPS)
@@ -70,13 +62,14 @@ def _projections(h, p: dict, cfg: ModelConfig, flat: bool):
     b, t, d = h.shape
     down = p["wq_a"] if cfg.q_lora_rank else p["wq"].reshape(d, -1)  # a full query projection: [d, n h]
     q, kv = layers.dense_shared("btd,dc->btc", h, [down, p["wkv_a"]], flat)
-    kv = _plus_lora(kv, "btd,dc->btc", h, p, "wkv_a", cfg)
+    # LoRA (the targets validation allows: the query path, the key-value latent; not W_UK, W_UV)
+    lora = partial(layers.with_lora, p=p, scale=cfg.lora_scale)
+    kv = lora("btd,dc->btc", h, [kv], ("wkv_a",))[0]
     if cfg.q_lora_rank:
-        q = _plus_lora(q, "btd,dc->btc", h, p, "wq_a", cfg)
-        normed = _latent_norm(q, p["q_a_norm"])
-        q = _plus_lora(layers.dense("btc,cnh->btnh", normed, p["wq_b"], flat), "btc,cnh->btnh", normed, p, "wq_b", cfg)
+        q = _latent_norm(lora("btd,dc->btc", h, [q], ("wq_a",))[0], p["q_a_norm"])
+        q = lora("btc,cnh->btnh", q, [layers.dense("btc,cnh->btnh", q, p["wq_b"], flat)], ("wq_b",))[0]
     else:
-        q = _plus_lora(q.reshape(b, t, -1, cfg.dim_head), "btd,dnh->btnh", h, p, "wq", cfg)
+        q = lora("btd,dnh->btnh", h, [q.reshape(b, t, -1, cfg.dim_head)], ("wq",))[0]
     c = _latent_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"])
     return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], c, kv[..., None, cfg.kv_lora_rank :]
 
@@ -166,11 +159,14 @@ def write_cache(layout, kv, new: tuple, index, axes) -> tuple:
 LATENT_ACT = (ax.BATCH, ax.SEQ, None, None)  # [b, t, 1, r]: one shared "head", every tensor rank reads it
 
 
-def attention_cached(h_btd, p: dict, cfg: ModelConfig, layout, axes: dict, residual, kv, cache, positions_bt, prefill):
+def attention_cached(
+    h_btd, p: dict, cfg: ModelConfig, layout, axes: dict, residual, kv, cache, positions_bt, prefill, wo_lora=None
+):
     """`transformer._attention_cached` for MLA: the new tokens' latents written at slots
     index..index+t-1 of layer `kv[2]` of the whole latent cache `kv[:2]` (c_kv, RoPE(k_r)), then
     absorbed attention over the valid slots; a prompt (`prefill`) of a blockwise or fused model
     attends among its tokens with the O(s) kernel instead, its keys and values expanded once.
+    `wo_lora`: the output projection's LoRA adapters for `row_parallel` (`transformer._lora`).
     Returns (output, (whole c_kv, whole k_r))."""
     heads = (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None)
     ws = names(cfg)
@@ -196,9 +192,5 @@ def attention_cached(h_btd, p: dict, cfg: ModelConfig, layout, axes: dict, resid
     else:
         a = absorbed_attention(q_nope, q_rope, c_layer, r_layer, p["wk_b"], p["wv_b"], slots, cache.start, cfg)
     a = constrain(layout, a, heads)
-    lora = (
-        (p["wo_lora_a"], p["wo_lora_b"], axes["wo_lora_a"], axes["wo_lora_b"], cfg.lora_scale)
-        if "wo_lora_a" in p
-        else None
-    )
-    return row_parallel(layout, "btnh,nhd->btd", a, p["wo"], heads, axes["wo"], residual, lora=lora), (c_all, r_all)
+    out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], heads, axes["wo"], residual, lora=wo_lora)
+    return out, (c_all, r_all)

@@ -116,16 +116,6 @@ def _lora_terms(x, p: dict, key, equation: str, targets: dict, cfg: ModelConfig,
     return out
 
 
-def _with_lora(equation: str, x, outputs: list, weights: tuple[str, ...], p: dict, cfg: ModelConfig) -> list:
-    """`outputs` (the projections `weights` of x by `equation`) plus their LoRA terms, where they have adapters."""
-    return [
-        o + layers.lora_delta(equation, x, p[f"{w}_lora_a"], p[f"{w}_lora_b"], cfg.lora_scale)
-        if f"{w}_lora_a" in p
-        else o
-        for o, w in zip(outputs, weights, strict=True)
-    ]
-
-
 _QKV_TERMS = {"wq": HEADS_ACT, "wk": KV_ACT, "wv": KV_ACT}
 
 
@@ -141,7 +131,7 @@ def _project(h_btd, *ws, cfg: ModelConfig, flat: bool = True, terms: tuple[str, 
     given = dict(zip(terms, ws, strict=False))
     p = dict(zip(_qkv_names(cfg), ws[len(terms) :], strict=True))
     q, k, v = layers.dense_shared("btd,dnh->btnh", h_btd, [p["wq"], p["wk"], p["wv"]], flat)
-    q, k, v = _with_lora("btd,dnh->btnh", h_btd, [q, k, v], ("wq", "wk", "wv"), p, cfg)
+    q, k, v = layers.with_lora("btd,dnh->btnh", h_btd, [q, k, v], ("wq", "wk", "wv"), p, cfg.lora_scale)
     q, k, v = (o + given[w] if w in given else o for o, w in zip((q, k, v), ("wq", "wk", "wv"), strict=True))
     if cfg.family == "gpt" or cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
@@ -185,7 +175,10 @@ def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cac
     of layer `kv[2]` of the whole cache `kv[:2]`, then every query attends to the valid slots up
     to its own. Returns (output, (whole k, whole v))."""
     if cfg.mla:
-        return mla.attention_cached(h_btd, p, cfg, layout, weight_axes(cfg), RESIDUAL, kv, cache, positions_bt, prefill)
+        wo = _lora(p, "wo", cfg)
+        return mla.attention_cached(
+            h_btd, p, cfg, layout, weight_axes(cfg), RESIDUAL, kv, cache, positions_bt, prefill, wo
+        )
     names, terms = _qkv_names(cfg), _lora_terms(h_btd, p, None, "btd,dnh->btnh", _QKV_TERMS, cfg, layout)
     q, k, v = column_parallel(
         layout,
@@ -304,7 +297,9 @@ def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_poli
     def fc1(h, *ws):
         q = dict(zip(names, ws, strict=True))
         return (
-            _with_lora("btd,df->btf", h, [layers.dense("btd,df->btf", h, q["w_fc"], flat)], ("w_fc",), q, cfg)[0]
+            layers.with_lora(
+                "btd,df->btf", h, [layers.dense("btd,df->btf", h, q["w_fc"], flat)], ("w_fc",), q, cfg.lora_scale
+            )[0]
             + q["b_fc"],
         )
 
@@ -339,7 +334,7 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
     def gate_up(h, *ws):
         q = dict(zip(names, ws, strict=True))
         out = layers.dense_shared("btd,df->btf", h, [q["w_gate"], q["w_up"]], flat)
-        return _with_lora("btd,df->btf", h, out, ("w_gate", "w_up"), q, cfg)
+        return layers.with_lora("btd,df->btf", h, out, ("w_gate", "w_up"), q, cfg.lora_scale)
 
     axes = weight_axes(cfg)
     gate, up = column_parallel(

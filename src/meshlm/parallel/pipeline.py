@@ -51,7 +51,7 @@ from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model import moe, mtp
 from meshlm.model.loss import cross_entropy_sum
-from meshlm.model.params import param_specs
+from meshlm.model.params import param_specs, partition, trainable_mask
 from meshlm.model.transformer import RESIDUAL, embed, logits, region_shapes, run_layers, weight_gradients
 from meshlm.parallel import stage_layout as sl
 from meshlm.parallel.buffers import put as _put
@@ -81,7 +81,7 @@ class Carry(NamedTuple):
     w_grad: list  # zb1, ZB-V: per region output: [weight_slots, L/(pv), ...], B's output gradients for W
     w_in_next: tuple | None  # zb1, ZB-V: (slot, region inputs) of the last forward, written next tick
     g_layers: dict  # the stage's chunk weight gradients [v, L/(pv), ...], accumulated in the phases
-    g_top: dict  # the other weights' gradients: embeddings, dense prefix (stage 0), output layer, MTP (last chunk)
+    g_top: list  # the trained leaves' gradients of the other weights (`params.partition`; embeddings, prefix, MTP)
     loss: jax.Array  # summed token loss of the microbatches whose last chunk ran here
     count: jax.Array  # their counted tokens
     mtp: jax.Array  # [D] the MTP modules' loss sums (`model.mtp_depth`; [0] without)
@@ -108,9 +108,10 @@ class _Stage:
         specs = param_specs(cfg.model)
         # LoRA: only the adapters are differentiated and accumulated (a dense prefix's among the top
         # weights); the frozen weights, the embeddings and the output layer get no gradient
-        self.top_shardings = sl.trained_top(sl.top_shardings(layout, specs, inside=True), specs)
+        mask = trainable_mask(sl.top_specs(specs))
+        self.top_shardings = partition(sl.top_shardings(layout, specs, inside=True), mask)[0]
         self.trained = {n for n, spec in specs["layers"].items() if spec.trainable}
-        self.top_train, self.top_trained = sl.trained_top(top, specs), sl.top_trained(specs)
+        self.top_train, self.top_frozen, self.join_top = partition(top, mask)
         self.split = tab.weight_slots > 0  # zb1: B and W apart
         self.unbranched = runs_unbranched(cfg.parallel)  # the ring inside the stages (see `phase`)
         self.w_inputs, self.w_grads = [], []  # zb1: a weight slot's region inputs and output gradients
@@ -208,15 +209,15 @@ class _Stage:
             sums, stats = mtp.objective(top, y, mb, m, self.layout, k, self.cfg.remat.policy)
             return (ls + mtp.weighted(sums, m), stats), (ls, cnt, sums)
 
-        with_top = lambda y, t: objective(y, sl.with_trained(self.top, t))
-        f, args = (with_top, (y, self.top_train)) if self.top_trained else (lambda y: objective(y, self.top), (y,))
+        with_top = lambda y, t: objective(y, self.join_top(t, self.top_frozen))
+        f, args = (with_top, (y, self.top_train)) if self.top_train else (lambda y: objective(y, self.top), (y,))
         (obj, stats), vjp_fn, (ls, cnt, sums) = jax.vjp(f, *args, has_aux=True)
         cot = None
         if stats is not None:
             total = self.batch_sum(before + stats.counts.sum(axis=(0, 1)))
             cot = self.stats_cotangent(micro_i, (stats, total))
         grads = vjp_fn((jnp.ones_like(obj), cot))
-        return grads[0], grads[1] if self.top_trained else None, ls, cnt, sums, stats
+        return grads[0], grads[1] if self.top_train else None, ls, cnt, sums, stats
 
     def vjp_parts(self, w, x, k, ids, seg):
         """The chunk's output and its MoE layers' RouterStats (None without), their vjp (a function
@@ -311,13 +312,13 @@ class _Stage:
             out_taps = [g.astype(a.dtype) for g, a in zip(taps[0], self.w_grads, strict=True)] if taps else []
 
             def through_embedding():
-                _, vjp_embed = jax.vjp(lambda t: self.embed(sl.with_trained(self.top, t), mb, k), self.top_train)
+                _, vjp_embed = jax.vjp(lambda t: self.embed(self.join_top(t, self.top_frozen), mb, k), self.top_train)
                 return self.top_layout(jax.tree.map(jnp.add, g_top, vjp_embed(dx)[0]))
 
             first = r["b_first"].astype(bool)
             into_top = first if live is None else first & live
             keep_top = lambda: self.top_layout(g_top)
-            top = jax.lax.cond(into_top, through_embedding, keep_top) if self.top_trained else g_top
+            top = jax.lax.cond(into_top, through_embedding, keep_top) if self.top_train else g_top
             return acc, top, jnp.where(first, self.filled(), self.resid(dx.astype(self.dtype))), out_taps
 
         idle = lambda: (g_layers, self.top_layout(g_top), self.filled(), self.spare(self.w_grads))
@@ -393,7 +394,7 @@ class _Stage:
             w_grad=weight_slots(self.w_grads) if self.split else [],
             w_in_next=(jnp.int32(self.tab.weight_slots - 1), self.spare(self.w_inputs)) if self.split else None,
             g_layers={n: jnp.zeros_like(w) for n, w in self.local.items() if n in self.trained},
-            g_top=jax.tree.map(jnp.zeros_like, self.top_train) if self.top_trained else {},
+            g_top=[jnp.zeros_like(w) for w in self.top_train],
             loss=jnp.zeros((), jnp.float32),
             count=jnp.zeros((), jnp.float32),
             mtp=jnp.zeros((self.depth,), jnp.float32),
@@ -560,7 +561,7 @@ def pipeline_gradients(
     tokens = sl.microbatch_tokens(micro)
     trained = [n for n, spec in specs["layers"].items() if spec.trainable]
     top_in = sl.top_region_specs(layout, specs)  # whole, but MTP's experts (split over `expert`)
-    top_out = sl.trained_top(top_in, specs) if sl.top_trained(specs) else P()  # the trained weights' gradients
+    top_out = partition(top_in, top_mask := trainable_mask(sl.top_specs(specs)))[0]  # the trained ones' gradients
 
     def body(stacked, top, micro, tokens, key_arr=None):
         local = jax.tree.map(lambda w: w[0], stacked)  # [v, L/(pv), ...]
@@ -571,7 +572,7 @@ def pipeline_gradients(
         g_layers = {n: jax.lax.psum(g, reduce_over[n])[None] for n, g in c.g_layers.items()}
         # each weight outside the layers: summed over the stages and the batch axes that do not split it
         over = lambda g, s: jax.lax.psum(g, (AXIS, *sl.unsplit(batch_axes, s)))
-        g_top = jax.tree.map(over, c.g_top, top_out) if c.g_top else {}
+        g_top = [over(g, s) for g, s in zip(c.g_top, top_out, strict=True)]
         out = g_layers, g_top, total(c.loss), total(c.count), total(c.mtp)
         stats = {n: jax.tree.map(lambda a: a[None, :m], s) for n, s in c.moe.items() if "stats" in n} if c.moe else None
         return *out, stats
@@ -591,6 +592,7 @@ def pipeline_gradients(
     ungroup = partial(sl.ungroup, schedule=schedule)
     # frozen leaves (LoRA's base): zeros, constants in the returned tree, as `step.gradients` gives them
     layers = {n: ungroup(g_layers[n]) if n in g_layers else jnp.zeros_like(w) for n, w in params["layers"].items()}
-    top = sl.with_trained(jax.tree.map(jnp.zeros_like, sl.top_specs(params)), g_top)  # LoRA's; MTP's router bias
+    _, frozen, join = partition(sl.top_specs(params), top_mask)
+    top = join(g_top, [jnp.zeros_like(w) for w in frozen])  # LoRA's base; an MTP module's router bias
     metrics = sl.moe_metrics(stats, cfg, schedule) | ({"mtp_loss_sum": mtp_sums} if cfg.model.mtp_depth else {})
     return {"layers": layers, **top}, loss_sum, count, metrics

@@ -40,32 +40,6 @@ def top_specs(specs: dict) -> dict:
     return {n: s for n, s in specs.items() if n != "layers"}
 
 
-def top_trained(specs: dict) -> bool:
-    """Whether any weight outside the staged layers takes a gradient (`trained_top` says which:
-    under LoRA a dense prefix's adapters only)."""
-    return any(s.trainable for s in jax.tree.leaves(top_specs(specs)))
-
-
-def trained_top(tree: dict, specs: dict) -> dict:
-    """A top-shaped tree (every weight but the staged layers, or their shardings or gradients) cut to
-    the leaves whose spec is trainable: without LoRA all but an MTP module's router bias, under LoRA
-    a dense prefix's adapters only. The pipeline differentiates and accumulates these alone."""
-
-    def cut(t, s):
-        if not isinstance(s, dict):
-            return t if s.trainable else None
-        kept = {k: cut(t[k], s[k]) for k in s}
-        return {k: v for k, v in kept.items() if v is not None and not (isinstance(v, dict) and not v)}
-
-    return cut({n: tree[n] for n in top_specs(specs)}, top_specs(specs))
-
-
-def with_trained(top: dict, trained: dict) -> dict:
-    """`top` with `trained_top`'s leaves put back in their places."""
-    merge = lambda v, t: with_trained(v, t) if isinstance(v, dict) else t
-    return {k: merge(v, trained[k]) if k in trained else v for k, v in top.items()}
-
-
 def top_shardings(layout: Layout, specs: dict, inside: bool = False) -> dict:
     """`kept` of every weight but the staged layers', as a tree like the parameters'; `inside` the
     stage region (manual over the batch axes, `expert` among them): their `tensor` split only."""

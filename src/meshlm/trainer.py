@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from meshlm import accounting, local_checkpoint
 from meshlm.checkpoint import Checkpointer
@@ -182,6 +183,15 @@ def _cache_hits():
         jax.monitoring.unregister_event_listener(listen)
 
 
+def _cache_hit(mine: bool) -> int:
+    """How many processes found the step in the persistent compilation cache."""
+    if jax.process_count() == 1:
+        return int(mine)
+    from jax.experimental import multihost_utils
+
+    return int(np.sum(multihost_utils.process_allgather(np.int32(mine))))
+
+
 def _compile(cfg: RunConfig, log: MetricsLogger) -> _Setup:
     """The layout, the step compiled ahead of time from abstract shapes (the startup report reads
     the compiled program, and the loop runs this same executable), the peak and the report."""
@@ -193,7 +203,10 @@ def _compile(cfg: RunConfig, log: MetricsLogger) -> _Setup:
     with _cache_hits() as hits:
         step_fn = make_train_step(cfg, layout, tx, shardings).lower(abstract, abstract_batch(cfg, layout)).compile()
     compile_s = time.time() - t0
-    compiled = f"train step compiled in {compile_s:.1f}s" + (" (persistent compilation cache hit)" if hits else "")
+    hit, compiled = _cache_hit(bool(hits)), f"train step compiled in {compile_s:.1f}s"
+    if hit:
+        n = jax.process_count()
+        compiled += f" (persistent compilation cache hit{'' if n == 1 else f' on {hit}/{n} processes'})"
     peak = hardware.peak_flops(cfg.model.dtype, cfg.parallel.n_devices)
     log.peak_label = peak.label
     report = startup_report(cfg, layout, abstract, shardings, step_fn, peak.flops)
@@ -217,7 +230,7 @@ def _compile(cfg: RunConfig, log: MetricsLogger) -> _Setup:
         "peak_flops_per_s": peak.flops,
         "peak_source": peak.source,
         "compile_s": compile_s,
-        "compile_cache_hit": bool(hits),
+        "compile_cache_hit": hit == jax.process_count(),  # on every process
         "startup_report": report,
         "processes": jax.process_count(),
     }

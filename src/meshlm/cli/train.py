@@ -155,9 +155,11 @@ def _compile_cache(on: bool) -> None:
     import jax
 
     from meshlm.config import cache_home
+    from meshlm.platform.compile_cache import write_on_every_cpu_process
 
     jax.config.update("jax_compilation_cache_dir", str(cache_home() / "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the train step, not small helpers
+    write_on_every_cpu_process()  # a restarted CPU group finds its step on every process
 
 
 def _train_command(train_args: list[str]) -> tuple[argparse.Namespace, RunConfig]:

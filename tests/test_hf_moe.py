@@ -220,8 +220,8 @@ def test_lora_on_mla_equals_transformers_on_the_merged_export(hf_dirs, name, tmp
     """LoRA on a DeepSeek-V3 (MLA, a dense first layer, RoPE rows interleaved or not) with random
     adapters on the query path, the key-value latent and the output: meshlm's forward, on one device
     and on expert=2 x tensor=2 + SP, equals `transformers`' on the merged export (the adapters folded,
-    then written as the checkpoint's own tensors), and differs from the base model's."""
-    from meshlm.config import ConfigError
+    then written as the checkpoint's own tensors) and `peft`'s with the adapter `save_peft` writes on the
+    original checkpoint, and differs from the base model's."""
     from meshlm.model import lora
     from meshlm.model.params import init_params
 
@@ -256,8 +256,12 @@ def test_lora_on_mla_equals_transformers_on_the_merged_export(hf_dirs, name, tmp
     merged_model = transformers.DeepseekV3ForCausalLM.from_pretrained(out).eval()
     theirs = merged_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None)
     assert ours == theirs[0, len(prompt) :].tolist()
-    with pytest.raises(ConfigError, match="MLA's adapters are not mapped to PEFT"):
-        hf.save_peft(params, cfg, tmp_path / "adapter", log=lambda _: None)
+    # the adapters alone, as a PEFT adapter of the original checkpoint (its RoPE rows interleaved or not)
+    from peft import PeftModel
+
+    hf.save_peft(params, cfg, tmp_path / "adapter", str(d), log=lambda _: None)
+    theirs = PeftModel.from_pretrained(transformers.DeepseekV3ForCausalLM.from_pretrained(d), tmp_path / "adapter")
+    np.testing.assert_allclose(_hf_logits(theirs.eval(), tokens), got[0], atol=1e-4, rtol=0)
 
 
 def test_deepseek_routing_starts_from_mixtral_with_a_zero_bias_and_refuses_to_export_as_it(hf_dirs, devices):

@@ -381,6 +381,18 @@ def test_checkpoints_hold_the_adapters_and_a_checked_pointer_to_the_base(hf_llam
             np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(w), err_msg=k)
 
 
+# each meshlm target's module in `transformers`' Llama layer
+LLAMA_MODULES = {
+    "wq": "self_attn.q_proj",
+    "wk": "self_attn.k_proj",
+    "wv": "self_attn.v_proj",
+    "wo": "self_attn.o_proj",
+    "w_gate": "mlp.gate_proj",
+    "w_up": "mlp.up_proj",
+    "w_down": "mlp.down_proj",
+}
+
+
 def _peft_dropout_logits(hf_llama, run, tokens, p: float, key):
     """`peft`'s logits in train mode with each adapted module's dropout replaced by meshlm's mask for
     that layer and target (fold_in(fold_in(key, layer), its site), drawn over the module's input)."""
@@ -388,7 +400,6 @@ def _peft_dropout_logits(hf_llama, run, tokens, p: float, key):
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
-    from meshlm.model.lora import PEFT_MODULES
     from meshlm.model.transformer import _LORA_SITES
 
     class Fixed(torch.nn.Module):
@@ -402,7 +413,7 @@ def _peft_dropout_logits(hf_llama, run, tokens, p: float, key):
     model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(hf_llama), run)
     model.train()
     for i, layer in enumerate(model.base_model.model.model.layers):
-        for target, path in PEFT_MODULES.items():
+        for target, path in LLAMA_MODULES.items():
             module = layer.get_submodule(path)
             shape = (*tokens.shape, module.in_features)
             site = jax.random.fold_in(jax.random.fold_in(key, i), _LORA_SITES[target])

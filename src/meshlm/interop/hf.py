@@ -424,13 +424,11 @@ def save_peft(
 ) -> Path:
     """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) of a llama
     family run's adapters, which `peft.PeftModel.from_pretrained(<the base model>, out_dir)` loads:
-    per layer lora_A.weight [r, in] = A^T and lora_B.weight [out, r] = B^T, scaling lora_alpha / r.
-    `base`: the base model's path, recorded as base_model_name_or_path."""
-    import jax
-
-    from meshlm.model.lora import PEFT_MODULES
-    from meshlm.model.params import named_leaves
-
+    per layer lora_A.weight [r, in] = A^T and lora_B.weight [out, r] = B^T, scaling lora_alpha / r,
+    under the modules the import table (`hf_tables.rules`) maps each target to. MLA's query and
+    key-value rows are reordered as its import reorders the base weights' (RoPE's interleaved rows,
+    as the base's config.json says). `base`: the base model's path, recorded as
+    base_model_name_or_path."""
     if not cfg.lora_rank:
         raise ConfigError("this run has no LoRA adapters (model.lora_rank = 0); export it with --to-hf")
     if cfg.family != "llama":
@@ -438,28 +436,15 @@ def save_peft(
             "--peft: PEFT adapters are written for the llama family (GPT-2's fused c_attn has one adapter for "
             "Q, K and V together, meshlm's three); export the merged weights with --to-hf instead"
         )
-    if cfg.mla:
-        raise ConfigError(
-            "--peft: MLA's adapters are not mapped to PEFT's module names (q_a_proj, kv_a_proj_with_mqa, ...) yet; "
-            "export the merged weights with --to-hf instead"
-        )
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; export into a new directory")
-    leaves = named_leaves(params)
-    r = cfg.lora_rank
-    tensors = []
-    # each stack's layers in model order (an MoE model's dense layers are stacked apart)
-    stacks = {"layers": cfg.moe_layer_ids, "dense_layers": cfg.dense_layer_ids} if cfg.moe else {}
-    stacks = {s: ids for s, ids in stacks.items() if ids} or {"layers": range(cfg.n_layers)}
-    for name in cfg.lora_targets:
-        for stack, ids in stacks.items():
-            a = np.asarray(jax.device_get(leaves[f"{stack}/{name}_lora_a"]), np.float32)
-            b = np.asarray(jax.device_get(leaves[f"{stack}/{name}_lora_b"]), np.float32)
-            for j, i in enumerate(ids):
-                prefix = f"base_model.model.model.layers.{i}.{PEFT_MODULES[name]}"
-                tensors.append((f"{prefix}.lora_A.weight", np.ascontiguousarray(a[j].reshape(-1, r).T)))
-                tensors.append((f"{prefix}.lora_B.weight", np.ascontiguousarray(b[j].reshape(r, -1).T)))
+    interleaved = True  # transformers' default and the released DeepSeek-V3 checkpoints'
+    if cfg.mla and base and (Path(base) / "config.json").is_file():
+        interleaved = read_json(Path(base) / "config.json").get("rope_interleave", True) is not False
+    elif cfg.mla:
+        log("  the base's config.json is not at hand: RoPE rows written interleaved (rope_interleave, the default)")
+    tensors, modules = _peft_tensors(params, cfg, interleaved)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -469,10 +454,10 @@ def save_peft(
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
             "base_model_name_or_path": base,
-            "r": r,
+            "r": cfg.lora_rank,
             "lora_alpha": cfg.lora_alpha,
             "lora_dropout": cfg.lora_dropout,
-            "target_modules": sorted(PEFT_MODULES[t].split(".")[-1] for t in cfg.lora_targets),
+            "target_modules": sorted(modules),
             "bias": "none",
             "fan_in_fan_out": False,
             "use_rslora": False,
@@ -484,5 +469,36 @@ def save_peft(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"wrote {out}: a PEFT LoRA adapter, r={r} on {', '.join(cfg.lora_targets)}, {cfg.n_layers} layers")
+    log(f"wrote {out}: a PEFT LoRA adapter, r={cfg.lora_rank} on {', '.join(cfg.lora_targets)}, {cfg.n_layers} layers")
     return out
+
+
+def _peft_tensors(params: dict, cfg: ModelConfig, interleaved: bool) -> tuple[list, set[str]]:
+    """(PEFT's tensors [(name, array)], the module names adapted) of every stack's adapters, each
+    layer under its model index."""
+    import jax
+
+    from meshlm.model.params import named_leaves
+
+    leaves, r = named_leaves(params), cfg.lora_rank
+    table = {rule.leaf: rule for rule in rules(cfg, interleaved)}
+    tensors, modules = [], set()
+    for name in cfg.lora_targets:
+        for leaf in (f"{stack}/{name}" for stack in ("layers", "dense_layers")):
+            if f"{leaf}_lora_a" not in leaves:
+                continue
+            rule = table[leaf]
+            if rule.parts > 1 or (rule.rows is not None and sorted(rule.rows) != list(range(rule.hf_shape[0]))):
+                raise ConfigError(f"--peft: {leaf} is part of {rule.hf}, which one adapter cannot stand for")
+            a = np.asarray(jax.device_get(leaves[f"{leaf}_lora_a"]), np.float32)
+            b = np.asarray(jax.device_get(leaves[f"{leaf}_lora_b"]), np.float32)
+            for j in range(a.shape[0]):
+                module = rule.name(j).removesuffix(".weight")
+                lora_b = b[j].reshape(r, -1).T  # [out, r] in meshlm's row order
+                if rule.rows is not None:  # in HF's: its row rows[k] is meshlm's row k
+                    lora_b = lora_b[np.argsort(rule.rows)]
+                prefix = f"base_model.model.{module}"
+                tensors.append((f"{prefix}.lora_A.weight", np.ascontiguousarray(a[j].reshape(-1, r).T)))
+                tensors.append((f"{prefix}.lora_B.weight", np.ascontiguousarray(lora_b)))
+                modules.add(module.rsplit(".", 1)[-1])
+    return tensors, modules

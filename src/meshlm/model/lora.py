@@ -94,15 +94,3 @@ def merged(params: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
             layers[name] = fold(layers[name], a, b)
         out[stack] = layers
     return out, base_config(cfg)
-
-
-# meshlm target -> the module name `transformers`' Llama uses (peft's target_modules)
-PEFT_MODULES = {
-    "wq": "self_attn.q_proj",
-    "wk": "self_attn.k_proj",
-    "wv": "self_attn.v_proj",
-    "wo": "self_attn.o_proj",
-    "w_gate": "mlp.gate_proj",
-    "w_up": "mlp.up_proj",
-    "w_down": "mlp.down_proj",
-}

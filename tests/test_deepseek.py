@@ -219,14 +219,24 @@ def _np_rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
 
 
-def test_lora_on_mla_gives_the_one_device_adapter_gradients():
+LORA_LAYOUTS = {  # (mesh, sequence parallel, microbatches, attention)
+    "tensor2+sp x expert2": (dict(tensor=2, expert=2), True, 1, "explicit"),
+    "stage2 1f1b x expert2 x tensor2+sp": (dict(stage=2, expert=2, tensor=2), True, 4, "explicit"),
+    "context2 ring x tensor2": (dict(context=2, tensor=2), False, 1, "blockwise"),
+}
+
+
+@pytest.mark.parametrize("name", list(LORA_LAYOUTS))
+def test_lora_on_mla_gives_the_one_device_adapter_gradients(name):
     """LoRA on MLA's query path (down and up), key-value latent and output, in both stacks (the dense
-    first layer's and the MoE layers'), on tensor=2 + SP x expert=2: every adapter's raw gradient
-    equals one device's (the adapters perturbed: B is not zero), every frozen leaf's is zero."""
-    lora = dict(lora_rank=4, lora_targets=("wq_a", "wq_b", "wkv_a", "wo"), mtp_depth=0)
-    one = config(**lora)
+    first layer's and the MoE layers'), on tensor=2 + SP x expert=2, in a 1f1b pipeline (the dense
+    layer's adapters with the embedding on stage 0) and under ring context parallelism: every adapter's
+    raw gradient equals one device's (the adapters perturbed: B is not zero), every frozen leaf's is zero."""
+    mesh, sp, micro, attention = LORA_LAYOUTS[name]
+    lora = dict(lora_rank=4, lora_targets=("wq_a", "wq_b", "wkv_a", "wo"), mtp_depth=0, attention=attention)
+    one = _with_micro(config(**lora), micro)
     params = _perturbed(param_specs(one.model))
-    got, ref = (named_leaves(grads(c, params)["grads"]) for c in (config(dict(tensor=2, expert=2), True, **lora), one))
+    got, ref = (named_leaves(grads(c, params)["grads"]) for c in (_with_micro(config(mesh, sp, **lora), micro), one))
     adapters = [n for n in ref if "_lora_" in n]
     assert len(adapters) == 16 and {n.split("/")[0] for n in adapters} == {"layers", "dense_layers"}
     assert sum(ref[n].size for n in adapters) == lora_param_count(one.model)  # accounting's (and its FLOPs')

@@ -99,7 +99,7 @@ def main() -> None:
         lost = statistics.median(x[0] for x in runs)
         took = statistics.median(x[1] for x in runs)
         back = statistics.median(x[1] + x[0] * x[2] for x in runs)
-        lines.append(f"| {source} | {lost:.0f} | {took:.1f} | {back:.1f} |")
+        lines.append(f"| {source} | {lost:g} | {took:.1f} | {back:.1f} |")  # a median of 0 and 1 is 0.5
     lines += [
         "",
         f"Cost per step of in-memory copies every step: {1e3 * base:.1f} ms without, {1e3 * with_copies:.1f} ms with "

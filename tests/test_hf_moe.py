@@ -40,6 +40,8 @@ def _hf_model(name: str):
     if name.startswith("deepseek_v3"):  # 3 layers, the first dense; "full q": V2-Lite's query projection,
         # RoPE rows not interleaved, and an rms_norm_eps that MLA's latent norms must not take (they use 1e-6)
         full_q = dict(q_lora_rank=None, rope_interleave=False, rms_norm_eps=1e-3) if "full q" in name else {}
+        # interleaved: 8 rotated dimensions, whose reordering is not its own inverse (4's is)
+        full_q = full_q or dict(qk_rope_head_dim=8)
         config = transformers.DeepseekV3Config(**(DEEPSEEK_HF | full_q), num_hidden_layers=3)
         return transformers.DeepseekV3ForCausalLM(config)
     if name == "mixtral":
@@ -222,6 +224,7 @@ def test_lora_on_mla_equals_transformers_on_the_merged_export(hf_dirs, name, tmp
     and on expert=2 x tensor=2 + SP, equals `transformers`' on the merged export (the adapters folded,
     then written as the checkpoint's own tensors) and `peft`'s with the adapter `save_peft` writes on the
     original checkpoint, and differs from the base model's."""
+    from meshlm.config import ConfigError
     from meshlm.model import lora
     from meshlm.model.params import init_params
 
@@ -262,6 +265,8 @@ def test_lora_on_mla_equals_transformers_on_the_merged_export(hf_dirs, name, tmp
     hf.save_peft(params, cfg, tmp_path / "adapter", str(d), log=lambda _: None)
     theirs = PeftModel.from_pretrained(transformers.DeepseekV3ForCausalLM.from_pretrained(d), tmp_path / "adapter")
     np.testing.assert_allclose(_hf_logits(theirs.eval(), tokens), got[0], atol=1e-4, rtol=0)
+    with pytest.raises(ConfigError, match="its rope_interleave"):  # the row order needs the base's config.json
+        hf.save_peft(params, cfg, tmp_path / "no base", "", log=lambda _: None)
 
 
 def test_deepseek_routing_starts_from_mixtral_with_a_zero_bias_and_refuses_to_export_as_it(hf_dirs, devices):

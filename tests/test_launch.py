@@ -388,3 +388,45 @@ def test_a_placement_that_fails_is_a_failed_attempt_and_the_group_is_resized(mon
     )  # fmt: skip
     assert sup.run() == 0
     assert [a.outcome for a in sup.attempts] == ["Ray could not place 2 processes one a node", "ok"]
+
+
+def test_every_cpu_process_writes_its_own_compilation_cache_entry(monkeypatch):
+    """`platform.compile_cache`: JAX's write on process 0 and off CPU; on another CPU process, the
+    entry under that process's key - not with host callbacks or under the minimum compile time; a
+    failed write warns, or raises where JAX is set to raise."""
+    from types import SimpleNamespace
+
+    from jax._src import compilation_cache, compiler, distributed
+
+    from meshlm.platform.compile_cache import write_on_every_cpu_process
+
+    jax_writes, puts = [], []
+
+    def jax_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        jax_writes.append(cache_key)
+
+    monkeypatch.setattr(compiler, "_cache_write", jax_write)
+    monkeypatch.setattr(compilation_cache, "put_executable_and_time", lambda key, *a: puts.append(key))
+    assert write_on_every_cpu_process() and write_on_every_cpu_process()  # installed once, then found
+    cpu, gpu = SimpleNamespace(platform="cpu"), SimpleNamespace(platform="gpu")
+    for process, backend, callbacks, seconds, key in [
+        (0, cpu, [], 5.0, "process 0"),
+        (1, gpu, [], 5.0, "gpu"),
+        (1, cpu, [], 5.0, "cpu 1"),
+        (1, cpu, ["callback"], 5.0, "callbacks"),
+        (1, cpu, [], 0.0, "quick"),
+    ]:
+        monkeypatch.setattr(distributed.global_state, "process_id", process)
+        compiler._cache_write(key, seconds, "jit_step", backend, object(), callbacks)
+    assert jax_writes == ["process 0", "gpu"] and puts == ["cpu 1"]
+
+    def full(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(compilation_cache, "put_executable_and_time", full)
+    with pytest.warns(UserWarning, match="disk full"):
+        compiler._cache_write("k", 5.0, "jit_step", cpu, object(), [])
+    from jax._src import config
+
+    with config.raise_persistent_cache_errors(True), pytest.raises(OSError, match="disk full"):
+        compiler._cache_write("k", 5.0, "jit_step", cpu, object(), [])

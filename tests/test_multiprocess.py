@@ -172,7 +172,8 @@ def test_a_hung_then_a_killed_worker_recover_from_the_in_memory_copies_bit_for_b
     # 20 s: the resumed attempt must not be read as hung on a busy 2-core host (CI runs two workers)
     options = ["--max-restarts", "2", "--hang-timeout", "20"]
     args = [*_train_args(dataset, run), "--set", "checkpoint.every=100", "--set", "checkpoint.local_every=1"]
-    proc = _popen(_launch_cmd(args, *options))
+    cache = tmp_path / "cache"  # a cold compilation cache of its own: one step entry per process
+    proc = _popen(_launch_cmd(args, *options), MESHLM_CACHE=str(cache))
     pid = _wait_for_step(run, 1, 5, proc)
     store = lc.store_dir(lc.default_root(), run, lc.run_id(run, first=False))
     assert (store / "process-1" / "own").is_dir() and (store / "process-0" / "held-1").is_dir()
@@ -187,6 +188,9 @@ def test_a_hung_then_a_killed_worker_recover_from_the_in_memory_copies_bit_for_b
     # every process of a restarted group finds its step in the persistent cache (XLA:CPU keys differ by
     # process, and JAX writes process 0's only: meshlm.platform.compile_cache)
     assert out.count("(persistent compilation cache hit on 2/2 processes)") >= 2, out[-4000:]
+    assert json.loads((run / "run.json").read_text())["compile_cache_hit"] is True  # the last attempt's: on both
+    # each process wrote its own entry: their keys differ (were they equal, both would write one file at once)
+    assert len(list((cache / "xla").glob("jit_step-*"))) == 2
     events = [r for r in _records(run) if r.get("event") == "recovered"]
     assert [e["source"] for e in events] == ["memory", "memory"] and all(e["lost_steps"] <= 1 for e in events)
     # a heartbeat names a step once it is dispatched: its copy may not have been made when the fault came
@@ -267,8 +271,8 @@ def _losses_of_one_process(train_args: list[str]) -> dict[int, float]:
     return logged_losses(Path(train_args[train_args.index("--run-dir") + 1]))
 
 
-def _popen(cmd) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+def _popen(cmd, **env) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env() | env)
 
 
 def _pid(run: Path, process: int) -> int:

@@ -183,7 +183,7 @@ def _cache_hits():
         jax.monitoring.unregister_event_listener(listen)
 
 
-def _cache_hit(mine: bool) -> int:
+def _hits_on_processes(mine: bool) -> int:
     """How many processes found the step in the persistent compilation cache."""
     if jax.process_count() == 1:
         return int(mine)
@@ -203,10 +203,11 @@ def _compile(cfg: RunConfig, log: MetricsLogger) -> _Setup:
     with _cache_hits() as hits:
         step_fn = make_train_step(cfg, layout, tx, shardings).lower(abstract, abstract_batch(cfg, layout)).compile()
     compile_s = time.time() - t0
-    hit, compiled = _cache_hit(bool(hits)), f"train step compiled in {compile_s:.1f}s"
+    hit, n = _hits_on_processes(bool(hits)), jax.process_count()
+    compiled = f"train step compiled in {compile_s:.1f}s"
     if hit:
-        n = jax.process_count()
-        compiled += f" (persistent compilation cache hit{'' if n == 1 else f' on {hit}/{n} processes'})"
+        where = "" if n == 1 else f" on {hit}/{n} processes"
+        compiled += f" (persistent compilation cache hit{where})"
     peak = hardware.peak_flops(cfg.model.dtype, cfg.parallel.n_devices)
     log.peak_label = peak.label
     report = startup_report(cfg, layout, abstract, shardings, step_fn, peak.flops)
@@ -230,7 +231,7 @@ def _compile(cfg: RunConfig, log: MetricsLogger) -> _Setup:
         "peak_flops_per_s": peak.flops,
         "peak_source": peak.source,
         "compile_s": compile_s,
-        "compile_cache_hit": hit == jax.process_count(),  # on every process
+        "compile_cache_hit": hit == n,  # on every process
         "startup_report": report,
         "processes": jax.process_count(),
     }

@@ -439,11 +439,16 @@ def save_peft(
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; export into a new directory")
-    interleaved = True  # transformers' default and the released DeepSeek-V3 checkpoints'
-    if cfg.mla and base and (Path(base) / "config.json").is_file():
-        interleaved = read_json(Path(base) / "config.json").get("rope_interleave", True) is not False
-    elif cfg.mla:
-        log("  the base's config.json is not at hand: RoPE rows written interleaved (rope_interleave, the default)")
+    interleaved, reordered = True, [t for t in cfg.lora_targets if cfg.mla and t in ("wq", "wq_b", "wkv_a")]
+    if reordered:  # rows in the base checkpoint's RoPE order: its config.json says which
+        config_json = Path(base) / "config.json" if base else None
+        if config_json is None or not config_json.is_file():
+            raise ConfigError(
+                f"--peft: MLA's {', '.join(reordered)} adapters are written in the base checkpoint's row order "
+                f"(its rope_interleave), and its config.json is not at hand ({base or 'no base recorded'}); "
+                "export the merged weights with --to-hf instead"
+            )
+        interleaved = read_json(config_json).get("rope_interleave", True) is not False
     tensors, modules = _peft_tensors(params, cfg, interleaved)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

@@ -167,8 +167,10 @@ def estimate(
     pipeline: int = 1,
     interleave: int = 1,
     bytes_per_param: float = MESHLM_BYTES_PER_PARAM,
+    time_unfit: bool = True,
 ) -> Plan:
-    """Predicted memory and step time of one layout. A run's own pipeline (`parallel.stage`) is
+    """Predicted memory and step time of one layout (`time_unfit=False`: a layout that does not fit
+    is rejected untimed). A run's own pipeline (`parallel.stage`) is
     counted exactly (stage-sharded layers, embeddings stored split over stage and gathered for the
     step, the executor's first-stage activations). An explicit `pipeline` > 1 on an unpipelined
     config models P2's Table 3 layouts as Megatron runs them: states split p ways, P2's
@@ -181,10 +183,6 @@ def estimate(
     plan = Plan(cfg, pipeline)
     limit = device.memory if memory_limit is None else memory_limit
     plan.memory = _memory_parts(cfg, own, pipeline, interleave, bytes_per_param)
-    plan.time = _roofline_parts(cfg, device, own, pipeline, interleave)
-    peak = device_peak(device, cfg)
-    plan.mfu = accounting.causal_flops_per_step(cfg) / (plan.step_time * n * peak)
-    plan.calibrated = calibrated_time(cfg, device, plan.time, pipeline, interleave, bytes_per_param)
     if plan.total_memory > limit:
         act = plan.memory["activations"]
         states = sum(v for k, v in plan.memory.items() if k.startswith(("parameters", "optimizer")))
@@ -192,6 +190,12 @@ def estimate(
             f"needs {plan.total_memory / GiB:.1f} GiB > {limit / GiB:.1f} GiB "
             f"(activations {act / GiB:.1f} GiB, states {states / GiB:.1f} GiB)"
         )
+        if not time_unfit:
+            return plan
+    plan.time = _roofline_parts(cfg, device, own, pipeline, interleave)
+    peak = device_peak(device, cfg)
+    plan.mfu = accounting.causal_flops_per_step(cfg) / (plan.step_time * n * peak)
+    plan.calibrated = calibrated_time(cfg, device, plan.time, pipeline, interleave, bytes_per_param)
     return plan
 
 
@@ -501,9 +505,9 @@ def enumerate_plans(
     policies: tuple[str, ...] = ("elementwise", "selective", "full"),
 ) -> list[Plan]:
     """Every layout x SP x policy x microbatch count, feasible ones first (fastest first), then the
-    rejected ones with their reason. 1F1B with single ticks is weighed only where paired ticks do
-    not fit but would without their activations: it is never faster
-    (`pipeline_costs.pipeline_overhead`: (m - 1)(b - f) more, more sends), and it saves activations only."""
+    rejected ones with their reason (those that do not fit: their memory, untimed). 1F1B with single
+    ticks is weighed only where paired ticks do not fit but would without their activations: it is never
+    faster (`pipeline_costs.pipeline_overhead`: (m - 1)(b - f) more, more sends), and it saves activations only."""
     plans, no_single = [], set()  # paired 1F1B configs whose single-tick twin cannot help
     limit = device.memory if memory_limit is None else memory_limit
     for c in _candidates(cfg, n_devices, policies):
@@ -518,7 +522,7 @@ def enumerate_plans(
             if one_f_one_b:  # its single-tick twin fails the same way
                 no_single.add(c)
             continue
-        plan = estimate(c, device, memory_limit)
+        plan = estimate(c, device, memory_limit, time_unfit=False)  # most candidates of a big model do not fit
         plans.append(plan)
         floor = plan.total_memory - plan.memory["activations"]  # what single ticks cannot shrink
         if one_f_one_b and par.pipeline_ticks == "paired" and (not plan.rejected or floor > limit):

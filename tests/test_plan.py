@@ -159,7 +159,7 @@ def test_plans_are_ranked_and_rejections_explained():
     reasons = {p.rejected for p in plans if p.rejected}
     assert "model.n_kv_heads=8 is not divisible by mesh axis 'tensor' (size 16)" in reasons
     unfit = [p for p in plans if p.rejected.startswith("needs")]  # rejected on memory before being timed
-    assert unfit and all(p.total_memory > 80 * 2**30 and not p.time and p.calibrated is None for p in unfit)
+    assert unfit and all(p.total_memory > 80 * 2**30 and not p.time and not p.mfu for p in unfit)
     lines = plan_report.format_plans(plans, 5, ACCELERATORS["h100"], 80 * 2**30)
     assert any("n_kv_heads=8" in line for line in lines)
 

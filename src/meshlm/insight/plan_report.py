@@ -228,7 +228,7 @@ def closest_miss(cfg: RunConfig, plans: list[Plan], n_devices: int, device: Acce
     while seq > 128:
         seq //= 2
         shorter = dataclasses.replace(best.cfg, train=dataclasses.replace(best.cfg.train, seq_len=seq))
-        if estimate(shorter, device, limit).total_memory <= limit:
+        if estimate(shorter, device, limit, time_unfit=False).total_memory <= limit:
             hints.append(f"or train.seq_len={seq}")
             break
     return f"nothing fits; closest: {best.describe()} needs " + ", ".join(hints)

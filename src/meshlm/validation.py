@@ -37,10 +37,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-LORA_TARGETS = {
-    "gpt": ("wq", "wk", "wv", "wo", "w_fc", "w_proj"),
-    "llama": ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"),
-}
+ATTENTION_TARGETS = ("wq", "wk", "wv", "wo")
+MLP_TARGETS = {"gpt": ("w_fc", "w_proj"), "llama": ("w_gate", "w_up", "w_down")}
 
 
 def _validate_lora(m: ModelConfig) -> None:
@@ -49,21 +47,21 @@ def _validate_lora(m: ModelConfig) -> None:
         return
     _need(m.lora_rank > 0 and m.lora_alpha > 0, "model.lora_rank and model.lora_alpha must be positive")
     _need(0.0 <= m.lora_dropout < 1.0, "model.lora_dropout must be in [0, 1)")
-    allowed = LORA_TARGETS[m.family][:4] if m.moe else LORA_TARGETS[m.family]
+    mlp = MLP_TARGETS[m.family]
+    allowed = ATTENTION_TARGETS + (() if m.moe else mlp)
     if m.mla:  # no wk/wv: the query path, the key-value latent's down-projection, the output
         allowed = ("wq_a", "wq_b") if m.q_lora_rank else ("wq",)
-        allowed += ("wkv_a", "wo") + (() if m.moe else LORA_TARGETS["llama"][4:])
+        allowed += ("wkv_a", "wo") + (() if m.moe else mlp)
         _need(
             not m.lora_dropout,
             "model.lora_dropout with MLA is not built (its LoRA terms run inside the projections' region)",
         )
     bad = [t for t in m.lora_targets if t not in allowed]
     mla_too = [f"model.{k}=0" for k in ("mtp_depth", "router_bias_rate") if m.mla and getattr(m, k)]
-    mlp = LORA_TARGETS[m.family][4:] if m.moe else ()
     _need(
         not bad and len(m.lora_targets) > 0 and len(set(m.lora_targets)) == len(m.lora_targets),
         f"model.lora_targets={','.join(m.lora_targets)}: each once, from {', '.join(allowed)}"
-        + (" (Mixture of Experts: adapters on the experts are not built yet)" if set(bad) & set(mlp) else "")
+        + (" (Mixture of Experts: adapters on the experts are not built yet)" if m.moe and set(bad) & set(mlp) else "")
         + (f"; LoRA on this model also needs {' and '.join(mla_too)}" if mla_too else ""),
     )
 

@@ -439,17 +439,7 @@ def save_peft(
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; export into a new directory")
-    interleaved, reordered = True, [t for t in cfg.lora_targets if cfg.mla and t in ("wq", "wq_b", "wkv_a")]
-    if reordered:  # rows in the base checkpoint's RoPE order: its config.json says which
-        config_json = Path(base) / "config.json" if base else None
-        if config_json is None or not config_json.is_file():
-            raise ConfigError(
-                f"--peft: MLA's {', '.join(reordered)} adapters are written in the base checkpoint's row order "
-                f"(its rope_interleave), and its config.json is not at hand ({base or 'no base recorded'}); "
-                "export the merged weights with --to-hf instead"
-            )
-        interleaved = read_json(config_json).get("rope_interleave", True) is not False
-    tensors, modules = _peft_tensors(params, cfg, interleaved)
+    tensors, modules = _peft_tensors(params, cfg, _peft_table(cfg, base))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -478,18 +468,38 @@ def save_peft(
     return out
 
 
-def _peft_tensors(params: dict, cfg: ModelConfig, interleaved: bool) -> tuple[list, set[str]]:
+def _peft_table(cfg: ModelConfig, base: str) -> dict[str, Rule]:
+    """The import table (leaf -> Rule) in the base checkpoint's row order: the rows an MLA import
+    moves depend on its rope_interleave, read from the base's config.json (refused without it)."""
+    from meshlm.model.lora import STACKS
+
+    interleaved, plain = ({r.leaf: r for r in rules(cfg, i)} for i in (True, False))
+    moved = lambda t: any(interleaved.get(f"{s}/{t}") != plain.get(f"{s}/{t}") for s in STACKS)
+    reordered = [t for t in cfg.lora_targets if moved(t)]
+    if not reordered:
+        return interleaved
+    config_json = Path(base) / "config.json" if base else None
+    if config_json is None or not config_json.is_file():
+        raise ConfigError(
+            f"--peft: the {', '.join(reordered)} adapters are written in the base checkpoint's row order "
+            f"(its rope_interleave), and its config.json is not at hand ({base or 'no base recorded'}); "
+            "export the merged weights with --to-hf instead"
+        )
+    return interleaved if read_json(config_json).get("rope_interleave", True) is not False else plain
+
+
+def _peft_tensors(params: dict, cfg: ModelConfig, table: dict[str, Rule]) -> tuple[list, set[str]]:
     """(PEFT's tensors [(name, array)], the module names adapted) of every stack's adapters, each
-    layer under its model index."""
+    layer under its model index, in the HF tensors' order the import `table` (leaf -> Rule) gives."""
     import jax
 
+    from meshlm.model.lora import STACKS
     from meshlm.model.params import named_leaves
 
     leaves, r = named_leaves(params), cfg.lora_rank
-    table = {rule.leaf: rule for rule in rules(cfg, interleaved)}
     tensors, modules = [], set()
     for name in cfg.lora_targets:
-        for leaf in (f"{stack}/{name}" for stack in ("layers", "dense_layers")):
+        for leaf in (f"{stack}/{name}" for stack in STACKS):
             if f"{leaf}_lora_a" not in leaves:
                 continue
             rule = table[leaf]

@@ -151,7 +151,7 @@ def test_plans_are_ranked_and_rejections_explained():
     cfg = dataclasses.replace(
         recipes.get("llama-1b"), train=dataclasses.replace(recipes.get("llama-1b").train, global_batch=64)
     )
-    plans = planner.enumerate_plans(cfg, 64, ACCELERATORS["h100"])
+    plans = planner.enumerate_plans(cfg, 16, ACCELERATORS["h100"])  # 29k layouts (64 devices: 117k, 2.6x the time)
     feasible = [p for p in plans if not p.rejected]
     assert feasible and all(p.total_memory <= 80 * 2**30 for p in feasible)
     times = [p.step_time for p in feasible]

@@ -176,3 +176,32 @@ DEEPSEEK_HF = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+
+def peft_logits_with_masks(model, modules: dict[str, str], tokens: np.ndarray, p: float, key) -> np.ndarray:
+    """`peft` `model`'s logits in train mode, each adapted module's dropout replaced by meshlm's keep
+    mask for that layer and target (fold_in(fold_in(key, layer), its site), drawn over the module's
+    input). `modules`: each meshlm target's module path in a `transformers` decoder layer."""
+    import torch
+
+    from meshlm.model.transformer import _LORA_SITES
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, keep):
+            super().__init__()
+            self.keep = torch.from_numpy(keep.astype(np.float32))
+
+        def forward(self, x):
+            return x * self.keep.reshape(x.shape) / (1 - p)
+
+    model.train()
+    for i, layer in enumerate(model.base_model.model.model.layers):
+        for target, path in modules.items():
+            module = layer.get_submodule(path)
+            if "default" not in getattr(module, "lora_dropout", {}):
+                continue  # not adapted
+            shape = (*tokens.shape, module.in_features)
+            site = jax.random.fold_in(jax.random.fold_in(key, i), _LORA_SITES[target])
+            module.lora_dropout["default"] = Fixed(np.asarray(jax.random.bernoulli(site, 1 - p, shape)))
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens).long()).logits.numpy()

@@ -219,21 +219,24 @@ def _np_rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
 
 
-LORA_LAYOUTS = {  # (mesh, sequence parallel, microbatches, attention)
-    "tensor2+sp x expert2": (dict(tensor=2, expert=2), True, 1, "explicit"),
-    "stage2 1f1b x expert2 x tensor2+sp": (dict(stage=2, expert=2, tensor=2), True, 4, "explicit"),
-    "context2 ring x tensor2": (dict(context=2, tensor=2), False, 1, "blockwise"),
+LORA_LAYOUTS = {  # (mesh, sequence parallel, microbatches, attention, lora_dropout)
+    "tensor2+sp x expert2, lora_dropout": (dict(tensor=2, expert=2), True, 1, "explicit", 0.25),
+    "stage2 1f1b x expert2 x tensor2+sp": (dict(stage=2, expert=2, tensor=2), True, 4, "explicit", 0.0),
+    "context2 ring x tensor2, lora_dropout": (dict(context=2, tensor=2), False, 1, "blockwise", 0.25),
 }
 
 
 @pytest.mark.parametrize("name", list(LORA_LAYOUTS))
 def test_lora_on_mla_gives_the_one_device_adapter_gradients(name):
     """LoRA on MLA's query path (down and up), key-value latent and output, in both stacks (the dense
-    first layer's and the MoE layers'), on tensor=2 + SP x expert=2, in a 1f1b pipeline (the dense
-    layer's adapters with the embedding on stage 0) and under ring context parallelism: every adapter's
-    raw gradient equals one device's (the adapters perturbed: B is not zero), every frozen leaf's is zero."""
-    mesh, sp, micro, attention = LORA_LAYOUTS[name]
+    first layer's and the MoE layers'): in a 1f1b pipeline x tensor=2 + SP (the adapters inside the
+    regions; the dense layer's with the embedding on stage 0), and with `lora_dropout` (the terms and
+    the query latent outside the regions, `mla.outside`; the bits drawn at each element's global
+    position) on tensor=2 + SP x expert=2 and under ring context parallelism: every adapter's raw
+    gradient equals one device's (the adapters perturbed: B is not zero), every frozen leaf's is zero."""
+    mesh, sp, micro, attention, rate = LORA_LAYOUTS[name]
     lora = dict(lora_rank=4, lora_targets=("wq_a", "wq_b", "wkv_a", "wo"), mtp_depth=0, attention=attention)
+    lora |= dict(lora_dropout=rate)
     one = _with_micro(config(**lora), micro)
     params = _perturbed(param_specs(one.model))
     got, ref = (named_leaves(grads(c, params)["grads"]) for c in (_with_micro(config(mesh, sp, **lora), micro), one))
@@ -336,7 +339,6 @@ def test_parameter_counts_and_flops_of_mla_and_mtp():
     [
         (dict(n_kv_heads=2), "leave model.n_kv_heads and model.head_dim at 0"),
         (dict(lora_rank=4, mtp_depth=0), "lora_targets=wq,wk,wv,wo: each once, from wq_a, wq_b, wkv_a, wo"),
-        (dict(lora_rank=4, mtp_depth=0, lora_targets=("wo",), lora_dropout=0.1), "lora_dropout with MLA"),
         (dict(lora_rank=4), "from wq_a, wq_b, wkv_a, wo; LoRA on this model also needs model.mtp_depth=0"),
         (dict(lora_rank=4, kv_lora_rank=0, q_lora_rank=0), "fine-tune an MTP model with model.mtp_depth=0"),
         (dict(qk_rope_head_dim=3), "even model.qk_rope_head_dim"),
@@ -639,10 +641,10 @@ def test_meshlm_check_shrinks_mla_and_catches_a_doubled_latent_gradient(monkeypa
         f.defvjp(lambda w: (w, None), lambda _, g: (2 * g,))
         return f(w)
 
-    def buggy(h, p, cfg, flat):
+    def buggy(h, p, cfg, flat, given):
         if "tensor" in jax.sharding.get_abstract_mesh().manual_axes:
             p = p | {"wkv_a": doubled(p["wkv_a"])}
-        return real(h, p, cfg, flat)
+        return real(h, p, cfg, flat, given)
 
     monkeypatch.setattr(mla_model, "_projections", buggy)
     result = check.run_check(validate(cfg))

@@ -183,13 +183,15 @@ def test_mtp_modules_run_their_counted_flops(policy):
     assert _lowered_dot_flops(lowered.as_text()) == hardware == hlo.dot_flops(compiled.as_text())
 
 
-@pytest.mark.parametrize("family, rate", [("gpt", 0.0), ("llama", 0.0), ("llama", 0.1)])
+@pytest.mark.parametrize("family, rate", [("gpt", 0.0), ("llama", 0.0), ("llama", 0.1), ("mla", 0.1)])
 def test_lora_runs_no_weight_gradient_gemms(family, rate):
     """LoRA (r=4 on every projection): the program's GEMM FLOPs are exactly the model FLOPs
     `accounting` counts for it - the frozen weights' GEMMs twice (forward, input gradient), the
     attention core's and the adapters' three times - which MFU then divides by; with `lora_dropout`,
-    plus x A of every target once more (its rematerialised term), which HFU counts."""
-    targets = ("wq", "wk", "wv", "wo") + (("w_fc", "w_proj") if family == "gpt" else ("w_gate", "w_up", "w_down"))
+    plus x A of every target once more (its rematerialised term), which HFU counts (MLA's too: the
+    query latent's up-projection reads the latent, the output projection n_heads x v_head_dim)."""
+    attention = ("wq_a", "wq_b", "wkv_a", "wo") if family == "mla" else ("wq", "wk", "wv", "wo")
+    targets = attention + (("w_fc", "w_proj") if family == "gpt" else ("w_gate", "w_up", "w_down"))
     cfg, lowered, _ = _step_programs(family, "elementwise", lora_rank=4, lora_targets=targets, lora_dropout=rate)
     assert _lowered_dot_flops(lowered.as_text()) == accounting.hardware_flops_per_step(cfg)
     assert (accounting.recompute_flops_per_step(cfg) > 0) == (rate > 0)

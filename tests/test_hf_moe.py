@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import DEEPSEEK_HF
+from helpers import DEEPSEEK_HF, peft_logits_with_masks
 from meshlm import inference
 from meshlm.config import ParallelConfig, RunConfig
 from meshlm.interop import hf, hf_tables
@@ -217,13 +217,25 @@ def test_lora_adapters_on_dense_and_moe_layers_load_in_peft(hf_dirs, tmp_path, d
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+# each MLA target's module in `transformers`' DeepSeek-V3 layer
+MLA_MODULES = {
+    "wq_a": "self_attn.q_a_proj",
+    "wq_b": "self_attn.q_b_proj",
+    "wq": "self_attn.q_proj",
+    "wkv_a": "self_attn.kv_a_proj_with_mqa",
+    "wo": "self_attn.o_proj",
+}
+
+
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3, full q"])
 def test_lora_on_mla_equals_transformers_on_the_merged_export(hf_dirs, name, tmp_path, devices):
     """LoRA on a DeepSeek-V3 (MLA, a dense first layer, RoPE rows interleaved or not) with random
     adapters on the query path, the key-value latent and the output: meshlm's forward, on one device
     and on expert=2 x tensor=2 + SP, equals `transformers`' on the merged export (the adapters folded,
     then written as the checkpoint's own tensors) and `peft`'s with the adapter `save_peft` writes on the
-    original checkpoint, and differs from the base model's."""
+    original checkpoint, and differs from the base model's. With `lora_dropout`, the same without a
+    dropout key (one device, the sharded layout, decoding), and with one, `peft`'s in train mode given
+    meshlm's keep masks."""
     from meshlm.config import ConfigError
     from meshlm.model import lora
     from meshlm.model.params import init_params
@@ -267,6 +279,19 @@ def test_lora_on_mla_equals_transformers_on_the_merged_export(hf_dirs, name, tmp
     np.testing.assert_allclose(_hf_logits(theirs.eval(), tokens), got[0], atol=1e-4, rtol=0)
     with pytest.raises(ConfigError, match="its rope_interleave"):  # the row order needs the base's config.json
         hf.save_peft(params, cfg, tmp_path / "no base", "", log=lambda _: None)
+    # `lora_dropout` moves the terms and the query latent out of the region (`mla.outside`): without a
+    # key (evaluation, decoding) the same function; with one, peft's in train mode given meshlm's masks
+    drop = dataclasses.replace(cfg, lora_dropout=0.5)
+    for q, lay in ((params, None), (sharded, layout)):
+        logits = jax.jit(lambda p, t, lay=lay: forward(p, t, drop, lay))(q, tokens)
+        np.testing.assert_allclose(np.asarray(logits), want, atol=1e-4, rtol=0)
+    m = inference.Model(RunConfig(model=drop, parallel=EP_TP), m.params, m.layout)
+    assert inference.Generator(m).generate([prompt], 6, stop_at_eos=False).tokens[0] == ours
+    key = jax.random.key(11)
+    keyed = np.asarray(jax.jit(lambda p, t: forward(p, t, drop, None, key=key))(params, tokens))
+    masked = peft_logits_with_masks(theirs, {t: MLA_MODULES[t] for t in targets}, tokens, 0.5, key)
+    np.testing.assert_allclose(keyed, masked, atol=1e-4, rtol=0)
+    assert np.abs(keyed - got[0]).max() > 1e-2  # it drops
 
 
 def test_deepseek_routing_starts_from_mixtral_with_a_zero_bias_and_refuses_to_export_as_it(hf_dirs, devices):

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import random_batches, save_tiny_llama, tiny_config
+from helpers import peft_logits_with_masks, random_batches, save_tiny_llama, tiny_config
 from meshlm import accounting
 from meshlm.config import ConfigError, RematConfig, apply_overrides
 from meshlm.model import lora
@@ -394,32 +394,11 @@ LLAMA_MODULES = {
 
 
 def _peft_dropout_logits(hf_llama, run, tokens, p: float, key):
-    """`peft`'s logits in train mode with each adapted module's dropout replaced by meshlm's mask for
-    that layer and target (fold_in(fold_in(key, layer), its site), drawn over the module's input)."""
-    import torch
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
-    from meshlm.model.transformer import _LORA_SITES
-
-    class Fixed(torch.nn.Module):
-        def __init__(self, keep):
-            super().__init__()
-            self.keep = torch.from_numpy(keep.astype(np.float32))
-
-        def forward(self, x):
-            return x * self.keep.reshape(x.shape) / (1 - p)
-
     model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(hf_llama), run)
-    model.train()
-    for i, layer in enumerate(model.base_model.model.model.layers):
-        for target, path in LLAMA_MODULES.items():
-            module = layer.get_submodule(path)
-            shape = (*tokens.shape, module.in_features)
-            site = jax.random.fold_in(jax.random.fold_in(key, i), _LORA_SITES[target])
-            module.lora_dropout["default"] = Fixed(np.asarray(jax.random.bernoulli(site, 1 - p, shape)))
-    with torch.no_grad():
-        return model(torch.from_numpy(tokens).long()).logits.numpy()
+    return peft_logits_with_masks(model, LLAMA_MODULES, tokens, p, key)
 
 
 def test_lora_dropout_sits_where_peft_puts_it(hf_llama, tmp_path):

@@ -52,10 +52,6 @@ def _validate_lora(m: ModelConfig) -> None:
     if m.mla:  # no wk/wv: the query path, the key-value latent's down-projection, the output
         allowed = ("wq_a", "wq_b") if m.q_lora_rank else ("wq",)
         allowed += ("wkv_a", "wo") + (() if m.moe else mlp)
-        _need(
-            not m.lora_dropout,
-            "model.lora_dropout with MLA is not built (its LoRA terms run inside the projections' region)",
-        )
     bad = [t for t in m.lora_targets if t not in allowed]
     mla_too = [f"model.{k}=0" for k in ("mtp_depth", "router_bias_rate") if m.mla and getattr(m, k)]
     _need(

@@ -27,13 +27,23 @@ def lora_param_count(cfg: ModelConfig) -> int:
     return cfg.n_layers * cfg.lora_rank * sum(sizes[t] for t in cfg.lora_targets)
 
 
+def outside_regions(cfg: ModelConfig) -> bool:
+    """Where the LoRA terms are computed. Without dropout, inside the tensor-parallel regions beside
+    their base projections (the adapters are region weights: one input-gradient reduction for both).
+    With `lora_dropout`, outside them, under GSPMD (`transformer._lora_terms`; MLA's `mla.outside`):
+    the dropout bits must be those of the global tensor, which a region (manual over every axis) does
+    not see; x A then moves between devices as a rank-r tensor, not a d-wide one."""
+    return cfg.lora_rank > 0 and cfg.lora_dropout > 0
+
+
 def recompute_flops_per_token(cfg: ModelConfig) -> int:
     """Forward FLOPs per token that `lora_dropout`'s rematerialised terms run again in the backward
     pass: x A of every target (2 r in per target and layer); none without dropout."""
     if not (cfg.lora_rank and cfg.lora_dropout):
         return 0
-    d, q, f = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.ffn
-    ins = {"wq": d, "wk": d, "wv": d, "wo": q, "w_fc": d, "w_proj": f, "w_gate": d, "w_up": d, "w_down": f}
+    d, f = cfg.d_model, cfg.ffn
+    ins = {"wq": d, "wk": d, "wv": d, "wo": cfg.n_heads * cfg.value_dim, "w_fc": d, "w_proj": f}
+    ins |= {"w_gate": d, "w_up": d, "w_down": f, "wq_a": d, "wq_b": cfg.q_lora_rank, "wkv_a": d}  # MLA's last
     return 2 * cfg.n_layers * cfg.lora_rank * sum(ins[t] for t in cfg.lora_targets)
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
-from meshlm.model import layers, rotary
+from meshlm.model import layers, lora, rotary
 from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.mla_costs import padded
 from meshlm.parallel.collectives import column_parallel, row_parallel
@@ -44,11 +44,40 @@ LATENT_EPS = 1e-6
 CACHE_AXES = (None, ax.BATCH, None, None, None)
 
 
+# what `outside` hands the region: the query latent and latent-wide terms [b, t, c], heads-wide ones
+LATENT_IN = (ax.BATCH, ax.SEQ, None)
+HEADS_IN = (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None)
+
+
 def names(cfg: ModelConfig) -> list[str]:
-    """The weights `project` takes, in order (then the LoRA adapters of those that have them)."""
+    """The weights `project` takes, in order (then the LoRA adapters of those that have them). With
+    `lora_dropout` no adapters, and no query down-projection: `outside` computes the query latent."""
+    if lora.outside_regions(cfg):
+        return ["wq_b" if cfg.q_lora_rank else "wq", "wkv_a", "kv_a_norm", "wk_b", "wv_b"]
     q = ["wq_a", "q_a_norm", "wq_b"] if cfg.q_lora_rank else ["wq"]
     adapted = [w for w in (*q, "wkv_a") if cfg.lora_rank and w in cfg.lora_targets]
     return [*q, "wkv_a", "kv_a_norm", "wk_b", "wv_b", *(f"{w}_lora_{ab}" for w in adapted for ab in "ab")]
+
+
+def outside(h_btd, p: dict, cfg: ModelConfig, terms) -> dict[str, tuple]:
+    """With `lora_dropout` (`lora.outside_regions`: the LoRA terms computed under GSPMD, their dropout
+    bits the global tensor's), what the projections' region reads besides h, in the order `project`
+    takes it: {name: (array, logical axes)} - the normed query latent c_q (wq_a's term added before
+    the norm, as peft adds it to q_a_proj's output), then the terms of wq_b (of c_q, peft's q_b_proj
+    input) or of wq, then wkv_a's. `terms(x, equation, targets)`: the layer's `transformer._lora_terms`.
+    Without dropout: {} (the adapters are region weights)."""
+    if not lora.outside_regions(cfg):
+        return {}
+    out = {}
+    if cfg.q_lora_rank:
+        c = layers.dense("btd,dc->btc", h_btd, p["wq_a"], False)  # over b and t: GSPMD shards them
+        c_q = _latent_norm(c + terms(h_btd, "btd,dc->btc", {"wq_a": LATENT_IN}).get("wq_a", 0), p["q_a_norm"])
+        out["c_q"] = (c_q, LATENT_IN)
+        q = terms(c_q, "btc,cnh->btnh", {"wq_b": HEADS_IN})
+    else:
+        q = terms(h_btd, "btd,dnh->btnh", {"wq": HEADS_IN})
+    kv = terms(h_btd, "btd,dc->btc", {"wkv_a": LATENT_IN})
+    return out | {n: (t, HEADS_IN) for n, t in q.items()} | {n: (t, LATENT_IN) for n, t in kv.items()}
 
 
 @jax.checkpoint  # keeps only its input; backward recomputes the element-wise work
@@ -56,20 +85,27 @@ def _latent_norm(x, scale):
     return layers.rms_norm(x, scale, LATENT_EPS)
 
 
-def _projections(h, p: dict, cfg: ModelConfig, flat: bool):
+def _projections(h, p: dict, cfg: ModelConfig, flat: bool, given: dict):
     """(q_nope [b, t, n, e], q_r [b, t, n, p], c_kv [b, t, r] normed, k_r [b, t, 1, p]), RoPE not yet
-    applied. Both down-projections read h in one call, so backward keeps h once for their gradients."""
+    applied. Both down-projections read h in one call, so backward keeps h once for their gradients.
+    `given`: what `outside` computed (the query latent, the LoRA terms), else {}."""
     b, t, d = h.shape
-    down = p["wq_a"] if cfg.q_lora_rank else p["wq"].reshape(d, -1)  # a full query projection: [d, n h]
-    q, kv = layers.dense_shared("btd,dc->btc", h, [down, p["wkv_a"]], flat)
-    # LoRA (the targets validation allows: the query path, the key-value latent; not W_UK, W_UV)
-    lora = partial(layers.with_lora, p=p, scale=cfg.lora_scale)
-    kv = lora("btd,dc->btc", h, [kv], ("wkv_a",))[0]
-    if cfg.q_lora_rank:
-        q = _latent_norm(lora("btd,dc->btc", h, [q], ("wq_a",))[0], p["q_a_norm"])
-        q = lora("btc,cnh->btnh", q, [layers.dense("btc,cnh->btnh", q, p["wq_b"], flat)], ("wq_b",))[0]
+    plus = lambda x, name: x + given[name] if name in given else x
+    if "c_q" in given:
+        q, kv = given["c_q"], layers.dense("btd,dc->btc", h, p["wkv_a"], flat)
     else:
-        q = lora("btd,dnh->btnh", h, [q.reshape(b, t, -1, cfg.dim_head)], ("wq",))[0]
+        down = p["wq_a"] if cfg.q_lora_rank else p["wq"].reshape(d, -1)  # a full query projection: [d, n h]
+        q, kv = layers.dense_shared("btd,dc->btc", h, [down, p["wkv_a"]], flat)
+    # LoRA (the targets validation allows: the query path, the key-value latent; not W_UK, W_UV)
+    with_lora = partial(layers.with_lora, p=p, scale=cfg.lora_scale)
+    kv = plus(with_lora("btd,dc->btc", h, [kv], ("wkv_a",))[0], "wkv_a")
+    if cfg.q_lora_rank:
+        if "c_q" not in given:
+            q = _latent_norm(with_lora("btd,dc->btc", h, [q], ("wq_a",))[0], p["q_a_norm"])
+        q = with_lora("btc,cnh->btnh", q, [layers.dense("btc,cnh->btnh", q, p["wq_b"], flat)], ("wq_b",))[0]
+        q = plus(q, "wq_b")
+    else:
+        q = plus(with_lora("btd,dnh->btnh", h, [q.reshape(b, t, -1, cfg.dim_head)], ("wq",))[0], "wq")
     c = _latent_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"])
     return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :], c, kv[..., None, cfg.kv_lora_rank :]
 
@@ -81,14 +117,15 @@ def _rotate(q_rope, k_rope, positions, cfg: ModelConfig):
     )
 
 
-def project(h_btd, *args, cfg: ModelConfig, context: bool = False, pad: int = 0):
+def project(h_btd, *args, cfg: ModelConfig, context: bool = False, pad: int = 0, given: tuple[str, ...] = ()):
     """q, k [b, t, n, e + p] and v [b, t, n, v_head_dim] (all padded with zeros to `pad` if > 0) from
-    the normed stream; `args`: under context parallelism this rank's token positions, then the
-    weights `names` lists. q carries YaRN's softmax factor (`rotary.softmax_factor`)."""
+    the normed stream; `args`: under context parallelism this rank's token positions, then what
+    `outside` computed (named `given`), then the weights `names` lists. q carries YaRN's softmax
+    factor (`rotary.softmax_factor`)."""
     positions = args[0] if context else None
-    p = dict(zip(names(cfg), args[1 if context else 0 :], strict=True))
+    g, p = _split(args[1 if context else 0 :], given, cfg)
     flat = not context
-    q_nope, q_rope, c, k_rope = _projections(h_btd, p, cfg, flat)
+    q_nope, q_rope, c, k_rope = _projections(h_btd, p, cfg, flat, g)
     k_nope, v = layers.dense_shared("btc,cnh->btnh", c, [p["wk_b"], p["wv_b"]], flat)
     q_rope, k_rope = _rotate(q_rope, k_rope, positions, cfg)
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
@@ -99,6 +136,11 @@ def project(h_btd, *args, cfg: ModelConfig, context: bool = False, pad: int = 0)
     if scale != 1.0:  # in fp32: a bf16 factor would move the softmax's temperature (1.8739 -> 1.875)
         q = (q.astype(jnp.float32) * scale).astype(q.dtype)
     return _widened((q, k, v), pad)
+
+
+def _split(args: tuple, given: tuple[str, ...], cfg: ModelConfig) -> tuple[dict, dict]:
+    """`outside`'s arrays by name, then the weights by name, from a region's arguments."""
+    return dict(zip(given, args, strict=False)), dict(zip(names(cfg), args[len(given) :], strict=True))
 
 
 def _widened(qkv: tuple, pad: int) -> tuple:
@@ -116,11 +158,11 @@ def cache_rows(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
     return (cfg.kv_heads, cfg.dim_head), (cfg.kv_heads, cfg.value_dim)
 
 
-def latents(h_btd, positions_bt, *ws, cfg: ModelConfig):
+def latents(h_btd, positions_bt, *args, cfg: ModelConfig, given: tuple[str, ...] = ()):
     """Decoding's projections: (q_nope [b, t, n, e], RoPE(q_r) [b, t, n, p], c_kv [b, t, 1, r],
-    RoPE(k_r) [b, t, 1, p]) - what `attention_cached` absorbs and caches."""
-    p = dict(zip(names(cfg), ws, strict=True))
-    q_nope, q_rope, c, k_rope = _projections(h_btd, p, cfg, True)
+    RoPE(k_r) [b, t, 1, p]) - what `attention_cached` absorbs and caches. `args` as `project`'s."""
+    g, p = _split(args, given, cfg)
+    q_nope, q_rope, c, k_rope = _projections(h_btd, p, cfg, True, g)
     q_rope, k_rope = _rotate(q_rope, k_rope, positions_bt, cfg)
     return q_nope, q_rope, c[:, :, None], k_rope
 
@@ -160,25 +202,37 @@ LATENT_ACT = (ax.BATCH, ax.SEQ, None, None)  # [b, t, 1, r]: one shared "head", 
 
 
 def attention_cached(
-    h_btd, p: dict, cfg: ModelConfig, layout, axes: dict, residual, kv, cache, positions_bt, prefill, wo_lora=None
+    h_btd,
+    p: dict,
+    cfg: ModelConfig,
+    layout,
+    axes: dict,
+    residual,
+    kv,
+    cache,
+    positions_bt,
+    prefill,
+    wo_lora=None,
+    terms=None,
 ):
     """`transformer._attention_cached` for MLA: the new tokens' latents written at slots
     index..index+t-1 of layer `kv[2]` of the whole latent cache `kv[:2]` (c_kv, RoPE(k_r)), then
     absorbed attention over the valid slots; a prompt (`prefill`) of a blockwise or fused model
     attends among its tokens with the O(s) kernel instead, its keys and values expanded once.
-    `wo_lora`: the output projection's LoRA adapters for `row_parallel` (`transformer._lora`).
+    `wo_lora`: the output projection's LoRA adapters for `row_parallel` (`transformer._lora`);
+    `terms`: with `lora_dropout`, the layer's terms computed outside (`outside`, no dropout here).
     Returns (output, (whole c_kv, whole k_r))."""
-    heads = (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None)
-    ws = names(cfg)
+    heads = HEADS_IN
+    ws, given = names(cfg), outside(h_btd, p, cfg, terms)
     q_nope, q_rope, c, r = column_parallel(
         layout,
-        partial(latents, cfg=cfg),
+        partial(latents, cfg=cfg, given=tuple(given)),
         h_btd,
         [p[n] for n in ws],
         [axes[n] for n in ws],
         (heads, heads, LATENT_ACT, LATENT_ACT),
         residual,
-        [(positions_bt, (ax.BATCH, ax.SEQ))],
+        [(positions_bt, (ax.BATCH, ax.SEQ)), *given.values()],
     )
     (c_all, r_all), (c_layer, r_layer) = write_cache(layout, kv, (c, r), cache.index, CACHE_AXES)
     slots = cache.index + jnp.arange(h_btd.shape[1])
@@ -193,4 +247,6 @@ def attention_cached(
         a = absorbed_attention(q_nope, q_rope, c_layer, r_layer, p["wk_b"], p["wv_b"], slots, cache.start, cfg)
     a = constrain(layout, a, heads)
     out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], heads, axes["wo"], residual, lora=wo_lora)
+    if lora.outside_regions(cfg):
+        out = out + terms(a, "btnh,nhd->btd", {"wo": residual}).get("wo", 0)
     return out, (c_all, r_all)

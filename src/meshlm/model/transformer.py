@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from meshlm import axes as ax
 from meshlm.config import ModelConfig
-from meshlm.model import kernels, layers, mixed, mla, moe, rotary
+from meshlm.model import kernels, layers, lora, mixed, mla, moe, rotary
 from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.params import param_specs
 from meshlm.parallel import remat
@@ -36,7 +36,8 @@ MLP_ACT = (ax.BATCH, ax.SEQ, ax.ACT_MLP)
 
 # Dropout sites inside a layer; each gets its own fold_in of the layer key (LoRA's: one per target).
 _ATTN_PROBS, _ATTN_OUT, _MLP_OUT = 0, 1, 2
-_LORA_SITES = {n: 3 + i for i, n in enumerate(("wq", "wk", "wv", "wo", "w_fc", "w_proj", "w_gate", "w_up", "w_down"))}
+_LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_fc", "w_proj", "w_gate", "w_up", "w_down", "wq_a", "wq_b", "wkv_a")
+_LORA_SITES = {n: 3 + i for i, n in enumerate(_LORA_TARGETS)}
 
 
 def _site_key(key: jax.Array | None, site: int) -> jax.Array | None:
@@ -79,28 +80,19 @@ def _qkv_names(cfg: ModelConfig) -> list[str]:
     return names + _lora_names(cfg, ("wq", "wk", "wv"))
 
 
-def _lora_outside(cfg: ModelConfig) -> bool:
-    """Where the LoRA terms are computed. Without dropout, inside the tensor-parallel regions beside
-    their base projections (the adapters are region weights: one input-gradient reduction for both).
-    With `lora_dropout`, outside them, under GSPMD (`_lora_terms`): the dropout bits must be those of
-    the global tensor, which a region (manual over every axis) does not see; x A then moves between
-    devices as a rank-r tensor, not a d-wide one."""
-    return cfg.lora_rank > 0 and cfg.lora_dropout > 0
-
-
 def _lora_names(cfg: ModelConfig, weights: tuple[str, ...]) -> list[str]:
     """The adapters of `weights` that enter the regions (none when computed outside them)."""
-    if _lora_outside(cfg):
+    if lora.outside_regions(cfg):
         return []
     return [f"{w}_lora_{ab}" for w in weights if cfg.lora_rank and w in cfg.lora_targets for ab in "ab"]
 
 
 def _lora_terms(x, p: dict, key, equation: str, targets: dict, cfg: ModelConfig, layout: Layout | None) -> dict:
-    """`_lora_outside`'s terms {target: scale x dropout(x) A B, laid out as targets[target]} of the
-    projections `equation` of x, for those of `targets` that have adapters. Each target draws its own
+    """The LoRA terms computed outside the regions (`lora.outside_regions`): {target: scale x
+    dropout(x) A B, laid out as targets[target]} of the projections `equation` of x, for those of `targets` that have adapters. Each target draws its own
     mask (PEFT: one nn.Dropout per adapted module) at every element's global position; no key (eval,
     decoding): no dropout."""
-    if not _lora_outside(cfg):
+    if not lora.outside_regions(cfg):
         return {}
     at = _drop_positions(layout, x.shape[1])
 
@@ -114,6 +106,11 @@ def _lora_terms(x, p: dict, key, equation: str, targets: dict, cfg: ModelConfig,
             a, b = p[f"{name}_lora_a"], p[f"{name}_lora_b"]
             out[name] = constrain(layout, term(x, a, b, _site_key(key, _LORA_SITES[name])), axes)
     return out
+
+
+def _layer_terms(p: dict, key, cfg: ModelConfig, layout: Layout | None):
+    """`_lora_terms` of this layer's adapters as f(x, equation, targets) (MLA's `mla.outside`)."""
+    return lambda x, equation, targets: _lora_terms(x, p, key, equation, targets, cfg, layout)
 
 
 _QKV_TERMS = {"wq": HEADS_ACT, "wk": KV_ACT, "wv": KV_ACT}
@@ -142,7 +139,7 @@ def _project(h_btd, *ws, cfg: ModelConfig, flat: bool = True, terms: tuple[str, 
 
 def _lora(p: dict, name: str, cfg: ModelConfig):
     """A row-parallel projection's LoRA adapters for `row_parallel` (None without, or outside it)."""
-    if f"{name}_lora_a" not in p or _lora_outside(cfg):
+    if f"{name}_lora_a" not in p or lora.outside_regions(cfg):
         return None
     axes = weight_axes(cfg)
     a, b = f"{name}_lora_a", f"{name}_lora_b"
@@ -175,9 +172,9 @@ def _attention_cached(h_btd, p, cfg: ModelConfig, layout: Layout | None, kv, cac
     of layer `kv[2]` of the whole cache `kv[:2]`, then every query attends to the valid slots up
     to its own. Returns (output, (whole k, whole v))."""
     if cfg.mla:
-        wo = _lora(p, "wo", cfg)
+        wo, terms = _lora(p, "wo", cfg), _layer_terms(p, None, cfg, layout)
         return mla.attention_cached(
-            h_btd, p, cfg, layout, weight_axes(cfg), RESIDUAL, kv, cache, positions_bt, prefill, wo
+            h_btd, p, cfg, layout, weight_axes(cfg), RESIDUAL, kv, cache, positions_bt, prefill, wo, terms
         )
     names, terms = _qkv_names(cfg), _lora_terms(h_btd, p, None, "btd,dnh->btnh", _QKV_TERMS, cfg, layout)
     q, k, v = column_parallel(
@@ -214,14 +211,16 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
     names = mla.names(cfg) if cfg.mla else _qkv_names(cfg)
     context = _context(layout)
     extras = [(jnp.asarray(layout.seq_index(h_btd.shape[1])), (ax.SEQ,))] if context else []
-    terms = _lora_terms(h_btd, p, key, "btd,dnh->btnh", _QKV_TERMS, cfg, layout)
-    extras += [(t, _QKV_TERMS[n]) for n, t in terms.items()]
     explicit = cfg.attention == "explicit" and not context
     pad = mla.padded(cfg, explicit)  # MLA: one head size for q, k and v where the kernel needs it
-    if cfg.mla:
-        project = partial(mla.project, cfg=cfg, context=context, pad=pad)
+    if cfg.mla:  # with lora_dropout, the query latent and the LoRA terms come computed (`mla.outside`)
+        given = mla.outside(h_btd, p, cfg, _layer_terms(p, key, cfg, layout))
+        project = partial(mla.project, cfg=cfg, context=context, pad=pad, given=tuple(given))
     else:
+        terms = _lora_terms(h_btd, p, key, "btd,dnh->btnh", _QKV_TERMS, cfg, layout)
+        given = {n: (t, _QKV_TERMS[n]) for n, t in terms.items()}
         project = partial(_qkv, cfg=cfg, context=context, terms=tuple(terms))
+    extras += list(given.values())
     q, k, v = column_parallel(
         layout,
         project,
@@ -255,8 +254,8 @@ def _attention(h_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_pol
         a = a[..., : cfg.value_dim]
     if explicit:  # the O(s) kernels keep their output for their own backward
         a = constrain(layout, a, HEADS_ACT)  # pass: a constrained copy (or a rows view) would be stored twice
-    wo_axes, lora = weight_axes(cfg)["wo"], _lora(p, "wo", cfg)
-    out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, wo_axes, RESIDUAL, explicit, lora=lora)
+    wo_axes, wo_lora = weight_axes(cfg)["wo"], _lora(p, "wo", cfg)
+    out = row_parallel(layout, "btnh,nhd->btd", a, p["wo"], HEADS_ACT, wo_axes, RESIDUAL, explicit, lora=wo_lora)
     return _plus(out, _lora_terms(a, p, key, "btnh,nhd->btd", {"wo": RESIDUAL}, cfg, layout)), None
 
 

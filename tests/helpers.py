@@ -198,8 +198,6 @@ def peft_logits_with_masks(model, modules: dict[str, str], tokens: np.ndarray, p
     for i, layer in enumerate(model.base_model.model.model.layers):
         for target, path in modules.items():
             module = layer.get_submodule(path)
-            if "default" not in getattr(module, "lora_dropout", {}):
-                continue  # not adapted
             shape = (*tokens.shape, module.in_features)
             site = jax.random.fold_in(jax.random.fold_in(key, i), _LORA_SITES[target])
             module.lora_dropout["default"] = Fixed(np.asarray(jax.random.bernoulli(site, 1 - p, shape)))

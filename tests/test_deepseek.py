@@ -220,8 +220,8 @@ def _np_rms(x, w, eps):
 
 
 LORA_LAYOUTS = {  # (mesh, sequence parallel, microbatches, attention, lora_dropout)
-    "tensor2+sp x expert2, lora_dropout": (dict(tensor=2, expert=2), True, 1, "explicit", 0.25),
-    "stage2 1f1b x expert2 x tensor2+sp": (dict(stage=2, expert=2, tensor=2), True, 4, "explicit", 0.0),
+    "tensor2+sp x expert2": (dict(tensor=2, expert=2), True, 1, "explicit", 0.0),
+    "stage2 1f1b x expert2 x tensor2+sp, lora_dropout": (dict(stage=2, expert=2, tensor=2), True, 4, "explicit", 0.25),
     "context2 ring x tensor2, lora_dropout": (dict(context=2, tensor=2), False, 1, "blockwise", 0.25),
 }
 
@@ -229,11 +229,12 @@ LORA_LAYOUTS = {  # (mesh, sequence parallel, microbatches, attention, lora_drop
 @pytest.mark.parametrize("name", list(LORA_LAYOUTS))
 def test_lora_on_mla_gives_the_one_device_adapter_gradients(name):
     """LoRA on MLA's query path (down and up), key-value latent and output, in both stacks (the dense
-    first layer's and the MoE layers'): in a 1f1b pipeline x tensor=2 + SP (the adapters inside the
-    regions; the dense layer's with the embedding on stage 0), and with `lora_dropout` (the terms and
-    the query latent outside the regions, `mla.outside`; the bits drawn at each element's global
-    position) on tensor=2 + SP x expert=2 and under ring context parallelism: every adapter's raw
-    gradient equals one device's (the adapters perturbed: B is not zero), every frozen leaf's is zero."""
+    first layer's and the MoE layers'): on tensor=2 + SP x expert=2 (the adapters inside the regions),
+    and with `lora_dropout` (the terms and the query latent outside the regions, `mla.outside`; the
+    bits drawn at each element's global position) in a 1f1b pipeline x tensor=2 + SP (the dense
+    layer's adapters with the embedding on stage 0) and under ring context parallelism: every
+    adapter's raw gradient equals one device's (the adapters perturbed: B is not zero), every frozen
+    leaf's is zero."""
     mesh, sp, micro, attention, rate = LORA_LAYOUTS[name]
     lora = dict(lora_rank=4, lora_targets=("wq_a", "wq_b", "wkv_a", "wo"), mtp_depth=0, attention=attention)
     lora |= dict(lora_dropout=rate)

@@ -32,14 +32,15 @@ def outside_regions(cfg: ModelConfig) -> bool:
     their base projections (the adapters are region weights: one input-gradient reduction for both).
     With `lora_dropout`, outside them, under GSPMD (`transformer._lora_terms`; MLA's `mla.outside`):
     the dropout bits must be those of the global tensor, which a region (manual over every axis) does
-    not see; x A then moves between devices as a rank-r tensor, not a d-wide one."""
+    not see; x A then moves between devices as a rank-r tensor, not a d-wide one (MLA's query latent,
+    and wkv_a's term, enter its region as latent-wide ones)."""
     return cfg.lora_rank > 0 and cfg.lora_dropout > 0
 
 
 def recompute_flops_per_token(cfg: ModelConfig) -> int:
     """Forward FLOPs per token that `lora_dropout`'s rematerialised terms run again in the backward
     pass: x A of every target (2 r in per target and layer); none without dropout."""
-    if not (cfg.lora_rank and cfg.lora_dropout):
+    if not outside_regions(cfg):
         return 0
     d, f = cfg.d_model, cfg.ffn
     ins = {"wq": d, "wk": d, "wv": d, "wo": cfg.n_heads * cfg.value_dim, "w_fc": d, "w_proj": f}

@@ -25,6 +25,7 @@ e the query-key no-RoPE size, p the RoPE size, h a head size.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -44,9 +45,10 @@ LATENT_EPS = 1e-6
 CACHE_AXES = (None, ax.BATCH, None, None, None)
 
 
-# what `outside` hands the region: the query latent and latent-wide terms [b, t, c], heads-wide ones
-LATENT_IN = (ax.BATCH, ax.SEQ, None)
-HEADS_IN = (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None)
+LATENT_IN = (ax.BATCH, ax.SEQ, None)  # what `outside` hands the region [b, t, c]: the query latent, latent terms
+HEADS_ACT = (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None)  # per-head activations [b, t, n, h] (transformer's too)
+# `transformer._lora_terms` of one layer: (x, equation, {target: logical axes}) -> {target: term}
+Terms = Callable[[jax.Array, str, dict], dict]
 
 
 def names(cfg: ModelConfig) -> list[str]:
@@ -59,7 +61,7 @@ def names(cfg: ModelConfig) -> list[str]:
     return [*q, "wkv_a", "kv_a_norm", "wk_b", "wv_b", *(f"{w}_lora_{ab}" for w in adapted for ab in "ab")]
 
 
-def outside(h_btd, p: dict, cfg: ModelConfig, terms) -> dict[str, tuple]:
+def outside(h_btd: jax.Array, p: dict, cfg: ModelConfig, terms: Terms | None) -> dict[str, tuple]:
     """With `lora_dropout` (`lora.outside_regions`: the LoRA terms computed under GSPMD, their dropout
     bits the global tensor's), what the projections' region reads besides h, in the order `project`
     takes it: {name: (array, logical axes)} - the normed query latent c_q (wq_a's term added before
@@ -73,11 +75,11 @@ def outside(h_btd, p: dict, cfg: ModelConfig, terms) -> dict[str, tuple]:
         c = layers.dense("btd,dc->btc", h_btd, p["wq_a"], False)  # over b and t: GSPMD shards them
         c_q = _latent_norm(c + terms(h_btd, "btd,dc->btc", {"wq_a": LATENT_IN}).get("wq_a", 0), p["q_a_norm"])
         out["c_q"] = (c_q, LATENT_IN)
-        q = terms(c_q, "btc,cnh->btnh", {"wq_b": HEADS_IN})
+        q = terms(c_q, "btc,cnh->btnh", {"wq_b": HEADS_ACT})
     else:
-        q = terms(h_btd, "btd,dnh->btnh", {"wq": HEADS_IN})
+        q = terms(h_btd, "btd,dnh->btnh", {"wq": HEADS_ACT})
     kv = terms(h_btd, "btd,dc->btc", {"wkv_a": LATENT_IN})
-    return out | {n: (t, HEADS_IN) for n, t in q.items()} | {n: (t, LATENT_IN) for n, t in kv.items()}
+    return out | {n: (t, HEADS_ACT) for n, t in q.items()} | {n: (t, LATENT_IN) for n, t in kv.items()}
 
 
 @jax.checkpoint  # keeps only its input; backward recomputes the element-wise work
@@ -87,8 +89,8 @@ def _latent_norm(x, scale):
 
 def _projections(h, p: dict, cfg: ModelConfig, flat: bool, given: dict):
     """(q_nope [b, t, n, e], q_r [b, t, n, p], c_kv [b, t, r] normed, k_r [b, t, 1, p]), RoPE not yet
-    applied. Both down-projections read h in one call, so backward keeps h once for their gradients.
-    `given`: what `outside` computed (the query latent, the LoRA terms), else {}."""
+    applied. Both down-projections read h in one call, so backward keeps h once for their gradients
+    (with `lora_dropout` the query's runs in `outside`). `given`: what `outside` computed, else {}."""
     b, t, d = h.shape
     plus = lambda x, name: x + given[name] if name in given else x
     if "c_q" in given:
@@ -140,7 +142,8 @@ def project(h_btd, *args, cfg: ModelConfig, context: bool = False, pad: int = 0,
 
 def _split(args: tuple, given: tuple[str, ...], cfg: ModelConfig) -> tuple[dict, dict]:
     """`outside`'s arrays by name, then the weights by name, from a region's arguments."""
-    return dict(zip(given, args, strict=False)), dict(zip(names(cfg), args[len(given) :], strict=True))
+    n = len(given)
+    return dict(zip(given, args[:n], strict=True)), dict(zip(names(cfg), args[n:], strict=True))
 
 
 def _widened(qkv: tuple, pad: int) -> tuple:
@@ -212,8 +215,8 @@ def attention_cached(
     cache,
     positions_bt,
     prefill,
-    wo_lora=None,
-    terms=None,
+    wo_lora,
+    terms: Terms,
 ):
     """`transformer._attention_cached` for MLA: the new tokens' latents written at slots
     index..index+t-1 of layer `kv[2]` of the whole latent cache `kv[:2]` (c_kv, RoPE(k_r)), then
@@ -222,7 +225,7 @@ def attention_cached(
     `wo_lora`: the output projection's LoRA adapters for `row_parallel` (`transformer._lora`);
     `terms`: with `lora_dropout`, the layer's terms computed outside (`outside`, no dropout here).
     Returns (output, (whole c_kv, whole k_r))."""
-    heads = HEADS_IN
+    heads = HEADS_ACT
     ws, given = names(cfg), outside(h_btd, p, cfg, terms)
     q_nope, q_rope, c, r = column_parallel(
         layout,

@@ -31,7 +31,7 @@ from meshlm.parallel.rules import Layout, constrain
 from meshlm.parallel.taps import Recorder, recording
 
 RESIDUAL = (ax.BATCH, ax.ACT_SEQ, ax.ACT_EMBED)  # the residual stream (sequence-sharded under SP)
-HEADS_ACT = (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None)
+HEADS_ACT = mla.HEADS_ACT
 MLP_ACT = (ax.BATCH, ax.SEQ, ax.ACT_MLP)
 
 # Dropout sites inside a layer; each gets its own fold_in of the layer key (LoRA's: one per target).
@@ -89,7 +89,8 @@ def _lora_names(cfg: ModelConfig, weights: tuple[str, ...]) -> list[str]:
 
 def _lora_terms(x, p: dict, key, equation: str, targets: dict, cfg: ModelConfig, layout: Layout | None) -> dict:
     """The LoRA terms computed outside the regions (`lora.outside_regions`): {target: scale x
-    dropout(x) A B, laid out as targets[target]} of the projections `equation` of x, for those of `targets` that have adapters. Each target draws its own
+    dropout(x) A B, laid out as targets[target]} of the projections `equation` of x, for those of
+    `targets` that have adapters. Each target draws its own
     mask (PEFT: one nn.Dropout per adapted module) at every element's global position; no key (eval,
     decoding): no dropout."""
     if not lora.outside_regions(cfg):
@@ -108,7 +109,7 @@ def _lora_terms(x, p: dict, key, equation: str, targets: dict, cfg: ModelConfig,
     return out
 
 
-def _layer_terms(p: dict, key, cfg: ModelConfig, layout: Layout | None):
+def _layer_terms(p: dict, key, cfg: ModelConfig, layout: Layout | None) -> mla.Terms:
     """`_lora_terms` of this layer's adapters as f(x, equation, targets) (MLA's `mla.outside`)."""
     return lambda x, equation, targets: _lora_terms(x, p, key, equation, targets, cfg, layout)
 
@@ -306,8 +307,9 @@ def gpt_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_poli
     (f,) = column_parallel(layout, fc1, h, [p[n] for n in names], [axes[n] for n in names], (MLP_ACT,), RESIDUAL)
     f = _plus(f, _lora_terms(h, p, key, "btd,df->btf", {"w_fc": MLP_ACT}, cfg, layout))
     f = remat.wrap_elementwise(layers.gelu, remat_policy)(f)
-    lora = _lora(p, "w_proj", cfg)
-    o = row_parallel(layout, "btf,fd->btd", f, p["w_proj"], MLP_ACT, axes["w_proj"], RESIDUAL, lora=lora) + p["b_proj"]
+    proj_lora = _lora(p, "w_proj", cfg)
+    o = row_parallel(layout, "btf,fd->btd", f, p["w_proj"], MLP_ACT, axes["w_proj"], RESIDUAL, lora=proj_lora)
+    o = o + p["b_proj"]
     o = _plus(o, _lora_terms(f, p, key, "btf,fd->btd", {"w_proj": RESIDUAL}, cfg, layout))
     x_btd = constrain(layout, x_btd + layers.dropout(o, rate, _site_key(key, _MLP_OUT), at), RESIDUAL)
     return x_btd, kv
@@ -342,8 +344,8 @@ def llama_block(x_btd, p, key, cfg: ModelConfig, layout: Layout | None, remat_po
     terms = _lora_terms(h, p, key, "btd,df->btf", {"w_gate": MLP_ACT, "w_up": MLP_ACT}, cfg, layout)
     gate, up = gate + terms.get("w_gate", 0), up + terms.get("w_up", 0)
     act = remat.wrap_elementwise(layers.swiglu, remat_policy)(gate, up)
-    lora = _lora(p, "w_down", cfg)
-    o = row_parallel(layout, "btf,fd->btd", act, p["w_down"], MLP_ACT, axes["w_down"], RESIDUAL, lora=lora)
+    down_lora = _lora(p, "w_down", cfg)
+    o = row_parallel(layout, "btf,fd->btd", act, p["w_down"], MLP_ACT, axes["w_down"], RESIDUAL, lora=down_lora)
     o = _plus(o, _lora_terms(act, p, key, "btf,fd->btd", {"w_down": RESIDUAL}, cfg, layout))
     x_btd = constrain(layout, x_btd + o, RESIDUAL)
     return x_btd, kv

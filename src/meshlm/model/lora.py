@@ -14,17 +14,21 @@ import math
 from meshlm.config import ModelConfig
 
 
+def widths(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each target's (input, output) width: an adapter is A [in, r] and B [r, out] per layer."""
+    d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head, cfg.ffn
+    out = {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (cfg.n_heads * cfg.value_dim, d)}
+    out |= {"w_fc": (d, f), "w_proj": (f, d), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    # MLA's: the query latent and its up-projection, the key-value latent (+ the shared RoPE key)
+    kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return out | {"wq_a": (d, cfg.q_lora_rank), "wq_b": (cfg.q_lora_rank, q), "wkv_a": (d, kv_a)}
+
+
 def lora_param_count(cfg: ModelConfig) -> int:
     """The LoRA adapters' parameters (the trainable ones of a LoRA run): r (in + out) per target and layer."""
     if not cfg.lora_rank:
         return 0
-    d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head, cfg.ffn
-    sizes = {"wq": d + q, "wk": d + kv, "wv": d + kv, "wo": cfg.n_heads * cfg.value_dim + d}
-    sizes |= {"w_fc": d + f, "w_proj": f + d, "w_gate": d + f, "w_up": d + f, "w_down": f + d}
-    # MLA's: the query latent and its up-projection, the key-value latent (+ the shared RoPE key)
-    kv_a = d + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    sizes |= {"wq_a": d + cfg.q_lora_rank, "wq_b": cfg.q_lora_rank + q, "wkv_a": kv_a}
-    return cfg.n_layers * cfg.lora_rank * sum(sizes[t] for t in cfg.lora_targets)
+    return cfg.n_layers * cfg.lora_rank * sum(sum(widths(cfg)[t]) for t in cfg.lora_targets)
 
 
 def outside_regions(cfg: ModelConfig) -> bool:
@@ -42,10 +46,7 @@ def recompute_flops_per_token(cfg: ModelConfig) -> int:
     pass: x A of every target (2 r in per target and layer); none without dropout."""
     if not outside_regions(cfg):
         return 0
-    d, f = cfg.d_model, cfg.ffn
-    ins = {"wq": d, "wk": d, "wv": d, "wo": cfg.n_heads * cfg.value_dim, "w_fc": d, "w_proj": f}
-    ins |= {"w_gate": d, "w_up": d, "w_down": f, "wq_a": d, "wq_b": cfg.q_lora_rank, "wkv_a": d}  # MLA's last
-    return 2 * cfg.n_layers * cfg.lora_rank * sum(ins[t] for t in cfg.lora_targets)
+    return 2 * cfg.n_layers * cfg.lora_rank * sum(widths(cfg)[t][0] for t in cfg.lora_targets)
 
 
 def base_config(cfg: ModelConfig) -> ModelConfig:

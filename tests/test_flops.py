@@ -13,7 +13,8 @@ import pytest
 from meshlm import accounting, recipes
 from meshlm.config import ModelConfig, ParallelConfig, RematConfig, RunConfig, TrainConfig
 from meshlm.insight import hlo
-from meshlm.model import mla_costs
+from meshlm.model import lora as lora_costs
+from meshlm.model import mla_costs, tensor_costs
 from meshlm.parallel.mesh import make_layout
 from meshlm.step import make_train_step
 from meshlm.train_state import init_state, setup
@@ -80,7 +81,14 @@ def test_model_flops_is_eq7_and_generalises():
     assert terms["qkv"] == 2 * 256 * (8 + 2 * 2) * 32 and terms["mlp"] == 2 * 3 * 256 * 512
 
 
-def _step_programs(family: str, policy: str, n_layers: int = 1, capacity_factor: float = 1.5, **lora):
+def _step_programs(
+    family: str,
+    policy: str,
+    n_layers: int = 1,
+    capacity_factor: float = 1.5,
+    parallel: ParallelConfig | None = None,
+    **lora,
+):
     """moe: llama with 4 experts of width 32, top-2, capacity factor 1.5 (48 slots per expert for
     the 2 x 64 assignments of a sequence: the buffers run 1.5x the routed FLOPs); moe-grouped:
     dropless, on the grouped CPU kernel (`model.grouped`: 1,024 tile rows for 512 assignments)."""
@@ -102,8 +110,9 @@ def _step_programs(family: str, policy: str, n_layers: int = 1, capacity_factor:
         **(moe if family.startswith("moe") else {}),
         **({"n_kv_heads": 2} | lora),
     )
-    cfg = RunConfig(model=model, remat=RematConfig(policy), train=TrainConfig(global_batch=4, seq_len=64, steps=3))
-    layout = make_layout(ParallelConfig(), jax.devices()[:1])
+    train, parallel = TrainConfig(global_batch=4, seq_len=64, steps=3), parallel or ParallelConfig()
+    cfg = RunConfig(model=model, parallel=parallel, remat=RematConfig(policy), train=train)
+    layout = make_layout(parallel, jax.devices()[: parallel.tensor])
     specs, tx, shardings = setup(cfg, layout)
     state = jax.eval_shape(lambda: init_state(specs, layout, tx, 0))
     step = make_train_step(cfg, layout, tx, shardings)
@@ -197,6 +206,40 @@ def test_lora_runs_no_weight_gradient_gemms(family, rate):
     assert (accounting.recompute_flops_per_step(cfg) > 0) == (rate > 0)
     full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0))
     assert accounting.hardware_flops_per_step(cfg) < 0.8 * accounting.hardware_flops_per_step(full)
+
+
+TENSOR_CASES = [  # (family, policy, SP, LoRA): each term of `tensor_costs` at least once
+    ("mla", "elementwise", True, ""),  # SP: every rank reruns the latents for the up-projections' gradients
+    ("mla", "dots", True, ""),  # dots keeps them: no rerun
+    ("mla", "full", False, ""),  # every rank reruns its down-projections
+    ("mla", "elementwise", True, "lora"),  # the region's adapters: wq_b's x A, wq_a's and wkv_a's whole
+    ("mla", "full", False, "lora"),  # the adapters' forward rerun; frozen W_DQ, W_DKV: no weight gradient
+    ("mla", "elementwise", False, "dropout"),  # under GSPMD, without SP: the adapters' x A whole, redrawn
+    ("mla", "full", True, "dropout"),  # sequence-sharded; the query latent's x A redrawn on every rank
+    ("llama", "full", False, "dropout"),  # the last MLP projection's terms: only the redrawn x A
+    ("llama", "dots", True, "dropout"),  # dots keeps x A: nothing redrawn
+]
+
+
+@pytest.mark.parametrize("family, policy, sp, lora", TENSOR_CASES)
+def test_tensor_parallel_layers_run_their_counted_flops(family, policy, sp, lora):
+    """tensor=2, two layers (a scan, so XLA cannot merge a rerun with the forward pass): the compiled
+    step on each rank, loop bodies x trip counts, times 2 is exactly the hardware FLOPs, whose
+    `tensor_costs` terms (MLA's replicated down-projections, LoRA's unsplit halves, and what the
+    policy reruns of them) are part of it; without them it falls short."""
+    attention = ("wq_a", "wq_b", "wkv_a", "wo") if family == "mla" else ("wq", "wk", "wv", "wo")
+    targets = dict(lora_rank=4, lora_targets=(*attention, "w_gate", "w_up", "w_down")) if lora else {}
+    if lora == "dropout":
+        targets |= dict(lora_dropout=0.1)
+    parallel = ParallelConfig(tensor=2, sequence_parallel=sp)
+    cfg, _, compiled = _step_programs(family, policy, n_layers=2, parallel=parallel, **targets)
+    hardware = accounting.hardware_flops_per_step(cfg)
+    assert 2 * hlo.executed_dot_flops(compiled.as_text()) == hardware
+    m, t = cfg.model, cfg.train
+    extra = tensor_costs.extra_flops_per_token(m, policy, 2, sp) * t.global_batch * t.seq_len
+    if policy == "dots" and lora:  # sharded, nothing whole: the term left out is the redrawn x A
+        extra = t.global_batch * t.seq_len * lora_costs.recompute_flops_per_token(m)
+    assert extra > 0.01 * hardware
 
 
 def test_moe_at_capacity_factor_one_runs_exactly_the_active_flops():

@@ -18,6 +18,7 @@ from meshlm.config import ModelConfig, RunConfig
 from meshlm.model import mla_costs
 from meshlm.model.lora import lora_param_count, recompute_flops_per_token
 from meshlm.model.moe_costs import expert_slot_flops, moe_terms
+from meshlm.model.tensor_costs import extra_flops_per_token
 from meshlm.parallel.context_costs import context_block_pairs, context_comm_bytes  # noqa: F401 (their home here)
 from meshlm.parallel.schedules import SPLIT, first_stage_in_flight, megatron_in_flight
 from meshlm.parallel.slots import slot_counts
@@ -165,9 +166,7 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     frac = attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
     scores, values = _core_terms(cfg)
     counted, executed = expert_slot_flops(cfg)
-    again = t.global_batch * t.seq_len * recompute_flops_per_token(m)  # LoRA's dropout: x A again
-    if m.mla and cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1:  # the SP region's latents
-        again += tokens_layers * mla_costs.down_projection_flops(m)
+    again = 0 if policy in ("dots", "offload") else t.global_batch * t.seq_len * recompute_flops_per_token(m)
     if policy == "full":
         tokens = t.global_batch * t.seq_len  # (tokens x layers) x per token, as one kind always multiplied
         core, kinds = frac * (scores + values), layer_kinds(m)
@@ -311,10 +310,8 @@ def hardware_flops_per_step(cfg: RunConfig) -> int:
     `p2_eq8_flops`.)"""
     counted, executed = expert_slot_flops(cfg)  # MoE: every capacity slot or tile row runs, filled or not
     extra = (2 if cfg.model.lora_rank else 3) * (executed - counted)  # LoRA: the experts are frozen
-    m, t, tp = cfg.model, cfg.train, cfg.parallel.tensor  # MLA's down-projections run on every tensor rank
-    extra += (
-        3 * (tp - 1) * t.global_batch * t.seq_len * attention_layers(m) * m.mla * mla_costs.down_projection_flops(m)
-    )
+    m, p, t = cfg.model, cfg.parallel, cfg.train  # what every tensor rank runs, and reruns (`tensor_costs`)
+    extra += t.global_batch * t.seq_len * extra_flops_per_token(m, cfg.remat.policy, p.tensor, p.sequence_parallel)
     return model_flops_per_step(cfg) + recompute_flops_per_step(cfg) + _attention_kernel_flops_adjustment(cfg) + extra
 
 

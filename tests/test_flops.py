@@ -218,6 +218,9 @@ TENSOR_CASES = [  # (family, policy, SP, LoRA): each term of `tensor_costs` at l
     ("mla", "full", True, "dropout"),  # sequence-sharded; the query latent's x A redrawn on every rank
     ("llama", "full", False, "dropout"),  # the last MLP projection's terms: only the redrawn x A
     ("llama", "dots", True, "dropout"),  # dots keeps x A: nothing redrawn
+    ("mla-mtp", "elementwise", False, ""),  # an MTP module's down-projections and [2d, d] projection whole
+    ("mla-mtp", "full", True, ""),  # with SP the projection is sharded; the module's region rerun is merged
+    ("moe", "full", True, ""),  # the router on every rank, and rerun
 ]
 
 
@@ -231,15 +234,15 @@ def test_tensor_parallel_layers_run_their_counted_flops(family, policy, sp, lora
     targets = dict(lora_rank=4, lora_targets=(*attention, "w_gate", "w_up", "w_down")) if lora else {}
     if lora == "dropout":
         targets |= dict(lora_dropout=0.1)
-    parallel = ParallelConfig(tensor=2, sequence_parallel=sp)
-    cfg, _, compiled = _step_programs(family, policy, n_layers=2, parallel=parallel, **targets)
+    parallel, mtp = ParallelConfig(tensor=2, sequence_parallel=sp), dict(mtp_depth=1) if "mtp" in family else {}
+    cfg, _, compiled = _step_programs(family, policy, n_layers=2, parallel=parallel, **targets, **mtp)
     hardware = accounting.hardware_flops_per_step(cfg)
     assert 2 * hlo.executed_dot_flops(compiled.as_text()) == hardware
     m, t = cfg.model, cfg.train
-    extra = tensor_costs.extra_flops_per_token(m, policy, 2, sp) * t.global_batch * t.seq_len
-    if policy == "dots" and lora:  # sharded, nothing whole: the term left out is the redrawn x A
-        extra = t.global_batch * t.seq_len * lora_costs.recompute_flops_per_token(m)
-    assert extra > 0.01 * hardware
+    per_token = tensor_costs.replicated_flops_per_token(m, 2, sp) + tensor_costs.rerun_flops_per_token(m, policy, 2, sp)
+    if policy == "dots" and lora == "dropout":  # sequence-sharded, nothing whole: what counts is no redraw
+        per_token = lora_costs.recompute_flops_per_token(m)
+    assert per_token * t.global_batch * t.seq_len > 0.005 * hardware
 
 
 def test_moe_at_capacity_factor_one_runs_exactly_the_active_flops():

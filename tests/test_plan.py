@@ -85,7 +85,7 @@ def test_pipeline_overhead_is_the_lockstep_time_of_the_schedule():
     textbook bubble, whatever recomputation does to the backward/forward ratio. Single ticks last
     their slowest stage's action, so 1F1B's price follows the ratio the policy gives (p f + (2m + p
     - 2) b over m (f + b)): 2 without recomputation, above 2.5 with `full` here; 1 + recomputation with
-    LoRA (frozen weights: no weight-gradient GEMM)."""
+    LoRA (frozen weights: no weight-gradient GEMM; `full` also reruns the adapters)."""
     from meshlm.insight.pipeline_costs import backward_over_forward
 
     base = recipes.get("llama-tiny")
@@ -104,7 +104,8 @@ def test_pipeline_overhead_is_the_lockstep_time_of_the_schedule():
         assert r > 2.5 if policy == "full" else r == pytest.approx(2.0, abs=0.05)  # what `full` recomputes
         assert overhead("1f1b", policy, ticks="single") == pytest.approx((2 + 16 * r) / (8 * (1 + r)) - 1)
         lora = dataclasses.replace(config("1f1b", policy), model=dataclasses.replace(base.model, lora_rank=8))
-        assert backward_over_forward(lora) == pytest.approx(r - 1, abs=1e-3)
+        ratio = backward_over_forward(lora)  # `full` reruns the adapters' rank-8 products too (`tensor_costs`)
+        assert ratio == pytest.approx(r - 1, abs=1e-3) if policy == "elementwise" else r - 1 < ratio < r - 1 + 0.05
 
 
 @pytest.mark.parametrize(

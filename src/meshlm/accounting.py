@@ -18,7 +18,7 @@ from meshlm.config import ModelConfig, RunConfig
 from meshlm.model import mla_costs
 from meshlm.model.lora import lora_param_count, recompute_flops_per_token
 from meshlm.model.moe_costs import expert_slot_flops, moe_terms
-from meshlm.model.tensor_costs import extra_flops_per_token
+from meshlm.model.tensor_costs import replicated_flops_per_token, rerun_flops_per_token
 from meshlm.parallel.context_costs import context_block_pairs, context_comm_bytes  # noqa: F401 (their home here)
 from meshlm.parallel.schedules import SPLIT, first_stage_in_flight, megatron_in_flight
 from meshlm.parallel.slots import slot_counts
@@ -158,15 +158,17 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     MoE: the routed experts' GEMMs run over the rows `expert_slot_flops` counts (capacity slots, or
     the grouped kernel's tiles), and `full` recomputes all of them, down projection included (the
     combine's weight gradient reads its output); `dots` and `offload` recompute them too (batched or
-    looped matmuls, like the attention core).
+    looped matmuls, like the attention core). Plus LoRA's reruns and those of what every tensor rank
+    runs (`tensor_costs.rerun_flops_per_token`).
     """
-    m, t = cfg.model, cfg.train
+    m, t, par = cfg.model, cfg.train, cfg.parallel
     tokens_layers = t.global_batch * t.seq_len * attention_layers(m)
     policy = cfg.remat.policy
     frac = attention_executed_fraction(m, t.seq_len, context_chunk(cfg))
     scores, values = _core_terms(cfg)
     counted, executed = expert_slot_flops(cfg)
-    again = 0 if policy in ("dots", "offload") else t.global_batch * t.seq_len * recompute_flops_per_token(m)
+    again = t.global_batch * t.seq_len * rerun_flops_per_token(m, policy, par.tensor, par.sequence_parallel)
+    again += 0 if policy in ("dots", "offload") else t.global_batch * t.seq_len * recompute_flops_per_token(m)
     if policy == "full":
         tokens = t.global_batch * t.seq_len  # (tokens x layers) x per token, as one kind always multiplied
         core, kinds = frac * (scores + values), layer_kinds(m)
@@ -310,8 +312,8 @@ def hardware_flops_per_step(cfg: RunConfig) -> int:
     `p2_eq8_flops`.)"""
     counted, executed = expert_slot_flops(cfg)  # MoE: every capacity slot or tile row runs, filled or not
     extra = (2 if cfg.model.lora_rank else 3) * (executed - counted)  # LoRA: the experts are frozen
-    m, p, t = cfg.model, cfg.parallel, cfg.train  # what every tensor rank runs, and reruns (`tensor_costs`)
-    extra += t.global_batch * t.seq_len * extra_flops_per_token(m, cfg.remat.policy, p.tensor, p.sequence_parallel)
+    m, p, t = cfg.model, cfg.parallel, cfg.train  # what every tensor rank runs (`tensor_costs`)
+    extra += t.global_batch * t.seq_len * replicated_flops_per_token(m, p.tensor, p.sequence_parallel)
     return model_flops_per_step(cfg) + recompute_flops_per_step(cfg) + _attention_kernel_flops_adjustment(cfg) + extra
 
 

@@ -16,8 +16,10 @@ Sections (each runs on, a failure is reported and the next one starts):
 - `grouped`: one MoE layer's expert SwiGLU (Qwen3-30B-A3B's widths: d=2048, f=768, 128 experts, top-8)
   forward + backward with megablox and ragged_dot, beside capacity-free dense GEMMs of the same
   routed FLOPs (the planner's grouped-GEMM rate);
-- `steps`: train steps of recipes at the planner's best layout for one chip: tokens/s, MFU, peak
-  memory beside the planner's predicted step time and memory.
+- `steps`: train steps of recipes at the planner's best layout for one chip: tokens/s, MFU, the
+  step program's peak memory beside the planner's predicted step time and memory;
+- `memory`: gpt-125m's train step compiled (nothing run) for layouts of one chip, the program's peak
+  (XLA's buffer assignment) beside the planner's memory (states + stored activations) and its logits.
 
     benchmarks/tpu.sh [--sections kernels attention ...]   # on a TPU machine, under 10 minutes
 """
@@ -385,6 +387,60 @@ def section_steps(recipes_: list[str], steps: int) -> dict:
             except Exception as e:
                 out[key] = f"FAILED: {type(e).__name__}: {str(e)[:400]}"
             print(key, out[key], flush=True)
+    return out
+
+
+MEMORY_LAYOUTS = [  # (attention, remat policy, microbatches, vocabulary or 0: the recipe's, dropout or None)
+    ("explicit", "elementwise", 128, 0, None),
+    ("explicit", "elementwise", 256, 0, None),
+    ("blockwise", "elementwise", 32, 0, None),
+    ("blockwise", "dots", 32, 0, None),
+    ("blockwise", "full", 8, 0, None),
+    ("fused", "elementwise", 32, 0, 0.0),
+    ("fused", "elementwise", 128, 0, 0.0),
+    ("explicit", "elementwise", 128, 8192, None),
+    ("fused", "elementwise", 16, 8192, 0.0),
+]  # ("explicit", "selective", 32): XLA:TPU's compiler died of a stack overflow (SIGSEGV), 2026-12-07
+
+
+def section_memory() -> dict:
+    from meshlm import accounting, recipes
+    from meshlm.config import ParallelConfig, RematConfig
+    from meshlm.insight import plan as planner
+    from meshlm.parallel.mesh import make_layout
+    from meshlm.step import make_train_step
+    from meshlm.train_state import init_state, setup
+    from meshlm.validation import validate
+
+    base, GiB, out = recipes.get("gpt-125m"), 2**30, {}
+    for attention, policy, micro, vocab, dropout in MEMORY_LAYOUTS:
+        m = dataclasses.replace(base.model, attention=attention, vocab_size=vocab or base.model.vocab_size)
+        m = m if dropout is None else dataclasses.replace(m, dropout=dropout)
+        if SMOKE:
+            m = dataclasses.replace(m, n_layers=2, d_model=128, n_heads=2, vocab_size=1024)
+        train = dataclasses.replace(base.train, microbatches=micro)
+        c = validate(
+            dataclasses.replace(base, model=m, parallel=ParallelConfig(), remat=RematConfig(policy), train=train)
+        )
+        key = f"{attention} {policy} micro={micro} vocab={m.vocab_size} dropout={m.dropout}"
+        plan = planner.estimate(c, _accelerator())
+        rec = {"planner GiB": plan.total_memory / GiB, "rejected": plan.rejected}
+        rec["planner's logits GiB"] = accounting.activation_memory(c)["outside"]["logits"] / GiB
+        try:
+            layout = make_layout(c.parallel)
+            specs, tx, shardings = setup(c, layout)
+            state = jax.eval_shape(lambda specs=specs, layout=layout, tx=tx: init_state(specs, layout, tx, 0))
+            batch = {
+                k: jax.ShapeDtypeStruct((c.train.global_batch, c.train.seq_len), jnp.int32)
+                for k in ("inputs", "targets")
+            }
+            analysis = make_train_step(c, layout, tx, shardings).lower(state, batch).compile().memory_analysis()
+            rec["program peak GiB"] = analysis.peak_memory_in_bytes / GiB
+            rec["peak / planner"] = analysis.peak_memory_in_bytes / plan.total_memory
+        except Exception as e:  # a layout that does not fit: XLA says by how much
+            rec["program"] = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+        out[key] = rec
+        print(key, rec, flush=True)
     return out
 
 

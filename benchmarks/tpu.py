@@ -378,7 +378,7 @@ def section_steps(recipes_: list[str], steps: int) -> dict:
                     "MFU": accounting.causal_flops_per_step(c) / step_s / acc.peak["bf16"],
                     "predicted MFU": plan.mfu,
                     "program peak GiB": getattr(analysis, "peak_memory_in_bytes", 0) / 2**30,
-                    "reserved peak GiB": stats.get("peak_bytes_reserved", 0) / 2**30,
+                    "process's reserved peak so far GiB": stats.get("peak_bytes_reserved", 0) / 2**30,
                     "predicted GiB": plan.total_memory / 2**30,
                     "compile s": compile_s,
                     "loss": float(m["loss"]),

@@ -19,7 +19,9 @@ Sections (each runs on, a failure is reported and the next one starts):
 - `steps`: train steps of recipes at the planner's best layout for one chip: tokens/s, MFU, the
   step program's peak memory beside the planner's predicted step time and memory;
 - `memory`: gpt-125m's train step compiled (nothing run) for layouts of one chip, the program's peak
-  (XLA's buffer assignment) beside the planner's memory (states + stored activations) and its logits.
+  (XLA's buffer assignment) beside the planner's memory (states, stored activations, the loss's
+  transients) and its logits, the loss whole and in token chunks (`remat.loss_chunks`);
+- `loss`: gpt-125m's train step timed with the loss whole and in 4 and 16 chunks.
 
     benchmarks/tpu.sh [--sections kernels attention ...]   # on a TPU machine, under 10 minutes
 """
@@ -333,13 +335,32 @@ def section_grouped() -> dict:
     return out
 
 
-def section_steps(recipes_: list[str], steps: int) -> dict:
-    from meshlm import accounting, recipes
-    from meshlm.insight import plan as planner
+def timed_steps(c, steps: int) -> tuple:
+    """c's train step compiled, one warm step, then `steps` timed: (the compiled step, the last step's
+    metrics, the median step seconds, compile seconds). The state is freed on return."""
     from meshlm.parallel.mesh import make_layout
 
     sys.path.insert(0, os.path.dirname(__file__))
     from _timing import prepared_step
+
+    fn, state, batch = prepared_step(c, make_layout(c.parallel))
+    t0 = time.perf_counter()
+    compiled = fn.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    return compiled, metrics, statistics.median(times), compile_s
+
+
+def section_steps(recipes_: list[str], steps: int) -> dict:
+    from meshlm import accounting, recipes
+    from meshlm.insight import plan as planner
 
     acc = _accelerator()
     out = {}
@@ -355,19 +376,7 @@ def section_steps(recipes_: list[str], steps: int) -> dict:
             plan = planner.estimate(c, acc)
             key = f"{name} {planner.Plan(c).describe()} attention={attention}"
             try:
-                fn, state, batch = prepared_step(c, make_layout(c.parallel))
-                t0 = time.perf_counter()
-                compiled = fn.lower(state, batch).compile()
-                compile_s = time.perf_counter() - t0
-                state, m = compiled(state, batch)
-                jax.block_until_ready(m)
-                times = []
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    state, m = compiled(state, batch)
-                    jax.block_until_ready(m)
-                    times.append(time.perf_counter() - t0)
-                step_s = statistics.median(times)
+                compiled, m, step_s, compile_s = timed_steps(c, steps)
                 # peak_bytes_in_use counts arrays live between programs (the state), not a program's
                 # temporaries, where the activations are: 1.44 GiB for a step whose program peaks at 11.7
                 stats, analysis = jax.devices()[0].memory_stats() or {}, compiled.memory_analysis()
@@ -383,23 +392,24 @@ def section_steps(recipes_: list[str], steps: int) -> dict:
                     "compile s": compile_s,
                     "loss": float(m["loss"]),
                 }
-                del state, fn, compiled  # the next variant's state must not sit beside this one's
+                del compiled  # the next variant's program must not sit beside this one's
             except Exception as e:
                 out[key] = f"FAILED: {type(e).__name__}: {str(e)[:400]}"
             print(key, out[key], flush=True)
     return out
 
 
-MEMORY_LAYOUTS = [  # (attention, remat policy, microbatches, vocabulary or 0: the recipe's, dropout or None)
-    ("explicit", "elementwise", 128, 0, None),
-    ("explicit", "elementwise", 256, 0, None),
-    ("blockwise", "elementwise", 32, 0, None),
-    ("blockwise", "dots", 32, 0, None),
-    ("blockwise", "full", 8, 0, None),
-    ("fused", "elementwise", 32, 0, 0.0),
-    ("fused", "elementwise", 128, 0, 0.0),
-    ("explicit", "elementwise", 128, 8192, None),
-    ("fused", "elementwise", 16, 8192, 0.0),
+# (attention, remat policy, microbatches, vocabulary or 0: the recipe's, dropout or None, loss chunks)
+MEMORY_LAYOUTS = [
+    ("explicit", "elementwise", 128, 0, None, 1),
+    ("explicit", "elementwise", 128, 0, None, 4),
+    ("blockwise", "elementwise", 32, 0, None, 1),
+    ("blockwise", "elementwise", 32, 0, None, 16),
+    ("blockwise", "full", 8, 0, None, 1),  # the planner chunks it where the whole logits do not fit
+    ("blockwise", "full", 8, 0, None, 64),
+    ("fused", "elementwise", 32, 0, 0.0, 1),
+    ("fused", "elementwise", 32, 0, 0.0, 16),
+    ("fused", "elementwise", 8, 0, 0.0, 64),
 ]  # ("explicit", "selective", 32): XLA:TPU's compiler died of a stack overflow (SIGSEGV), 2026-12-07
 
 
@@ -407,25 +417,28 @@ def section_memory() -> dict:
     from meshlm import accounting, recipes
     from meshlm.config import ParallelConfig, RematConfig
     from meshlm.insight import plan as planner
+    from meshlm.model.loss_costs import transient_terms
     from meshlm.parallel.mesh import make_layout
     from meshlm.step import make_train_step
     from meshlm.train_state import init_state, setup
     from meshlm.validation import validate
 
     base, GiB, out = recipes.get("gpt-125m"), 2**30, {}
-    for attention, policy, micro, vocab, dropout in MEMORY_LAYOUTS:
+    for attention, policy, micro, vocab, dropout, chunks in MEMORY_LAYOUTS:
         m = dataclasses.replace(base.model, attention=attention, vocab_size=vocab or base.model.vocab_size)
         m = m if dropout is None else dataclasses.replace(m, dropout=dropout)
         if SMOKE:
             m = dataclasses.replace(m, n_layers=2, d_model=128, n_heads=2, vocab_size=1024)
         train = dataclasses.replace(base.train, microbatches=micro)
-        c = validate(
-            dataclasses.replace(base, model=m, parallel=ParallelConfig(), remat=RematConfig(policy), train=train)
-        )
-        key = f"{attention} {policy} micro={micro} vocab={m.vocab_size} dropout={m.dropout}"
+        remat = RematConfig(policy, loss_chunks=chunks)
+        c = validate(dataclasses.replace(base, model=m, parallel=ParallelConfig(), remat=remat, train=train))
+        key = f"{attention} {policy} micro={micro} vocab={m.vocab_size} dropout={m.dropout} loss_chunks={chunks}"
         plan = planner.estimate(c, _accelerator())
-        rec = {"planner GiB": plan.total_memory / GiB, "rejected": plan.rejected}
-        rec["planner's logits GiB"] = accounting.activation_memory(c)["outside"]["logits"] / GiB
+        c = plan.cfg  # the planner's loss chunks where the whole logits do not fit
+        rec = {"planner GiB": plan.total_memory / GiB, "rejected": plan.rejected, "loss chunks": c.remat.loss_chunks}
+        outside = accounting.activation_memory(c)["outside"]
+        rec["planner's logits GiB"] = outside.get("logits", 0.0) / GiB
+        rec["planner's loss transients GiB"] = sum(transient_terms(c).values()) / GiB
         try:
             layout = make_layout(c.parallel)
             specs, tx, shardings = setup(c, layout)
@@ -621,6 +634,33 @@ def section_exchange() -> dict:
             rel_err(a, b) for a, b in zip(got, ref, strict=True)
         ],
     }
+
+
+def section_loss(steps: int = 5) -> dict:
+    """gpt-125m's train step (fused attention, elementwise, 32 microbatches) with the output layer and
+    loss whole and in 4 and 16 token chunks (`remat.loss_chunks`): seconds per step (the median of
+    `steps` after one warm step) and the program's peak, one variant at a time."""
+    from meshlm import recipes
+    from meshlm.config import ParallelConfig, RematConfig
+
+    base, out = recipes.get("gpt-125m"), {}
+    m = dataclasses.replace(base.model, attention="fused", dropout=0.0)
+    train = dataclasses.replace(base.train, microbatches=32)
+    if SMOKE:
+        m = dataclasses.replace(m, n_layers=2, d_model=128, n_heads=2, vocab_size=1024)
+        train = dataclasses.replace(base.train, global_batch=8, seq_len=256, microbatches=2)
+    for chunks in (1, 4, 16):
+        c = dataclasses.replace(base, model=m, parallel=ParallelConfig(), remat=RematConfig(loss_chunks=chunks))
+        c = dataclasses.replace(c, train=train)
+        try:
+            compiled, metrics, step_s, _ = timed_steps(c, steps)
+            peak = compiled.memory_analysis().peak_memory_in_bytes / 2**30
+            out[f"loss_chunks={chunks}"] = {"step s": step_s, "program peak GiB": peak, "loss": float(metrics["loss"])}
+            del compiled
+        except Exception as e:
+            out[f"loss_chunks={chunks}"] = f"FAILED: {type(e).__name__}: {str(e)[:400]}"
+        print(chunks, out[f"loss_chunks={chunks}"], flush=True)
+    return out
 
 
 OUT_DIR = "."

@@ -87,6 +87,7 @@ def _step_programs(
     n_layers: int = 1,
     capacity_factor: float = 1.5,
     parallel: ParallelConfig | None = None,
+    loss_chunks: int = 1,
     **lora,
 ):
     """moe: llama with 4 experts of width 32, top-2, capacity factor 1.5 (48 slots per expert for
@@ -111,7 +112,7 @@ def _step_programs(
         **({"n_kv_heads": 2} | lora),
     )
     train, parallel = TrainConfig(global_batch=4, seq_len=64, steps=3), parallel or ParallelConfig()
-    cfg = RunConfig(model=model, parallel=parallel, remat=RematConfig(policy), train=train)
+    cfg = RunConfig(model=model, parallel=parallel, remat=RematConfig(policy, loss_chunks), train=train)
     layout = make_layout(parallel, jax.devices()[: parallel.tensor])
     specs, tx, shardings = setup(cfg, layout)
     state = jax.eval_shape(lambda: init_state(specs, layout, tx, 0))
@@ -217,8 +218,11 @@ TENSOR_CASES = [  # (family, policy, SP, LoRA): each term of `tensor_costs` at l
     ("mla", "elementwise", False, "dropout"),  # under GSPMD, without SP: the adapters' x A whole, redrawn
     ("mla", "full", True, "dropout"),  # sequence-sharded; the query latent's x A redrawn on every rank
     ("llama", "full", False, "dropout"),  # the last MLP projection's terms: only the redrawn x A
-    ("llama", "dots", True, "dropout"),  # dots keeps x A: nothing redrawn
-    ("mla-mtp", "elementwise", False, ""),  # an MTP module's down-projections and [2d, d] projection whole
+    # dots keeps x A: nothing redrawn; the loss in chunks, the frozen output layer with no weight gradient
+    ("llama+chunks", "dots", True, "dropout"),
+    # an MTP module's down-projections and [2d, d] projection whole; both output layers and losses in
+    # chunks, each GEMM once (their gradients made in the forward pass, not recomputed)
+    ("mla-mtp+chunks", "elementwise", False, ""),
     ("mla-mtp", "full", True, ""),  # with SP the projection is sharded; the module's region rerun is merged
     ("moe", "full", True, ""),  # the router on every rank, and rerun
 ]
@@ -235,7 +239,9 @@ def test_tensor_parallel_layers_run_their_counted_flops(family, policy, sp, lora
     if lora == "dropout":
         targets |= dict(lora_dropout=0.1)
     parallel, mtp = ParallelConfig(tensor=2, sequence_parallel=sp), dict(mtp_depth=1) if "mtp" in family else {}
-    cfg, _, compiled = _step_programs(family, policy, n_layers=2, parallel=parallel, **targets, **mtp)
+    chunks = 4 if family.endswith("+chunks") else 1
+    family = family.removesuffix("+chunks")
+    cfg, _, compiled = _step_programs(family, policy, 2, parallel=parallel, loss_chunks=chunks, **targets, **mtp)
     hardware = accounting.hardware_flops_per_step(cfg)
     assert 2 * hlo.executed_dot_flops(compiled.as_text()) == hardware
     m, t = cfg.model, cfg.train

@@ -86,8 +86,12 @@ def test_table2_measured_per_layer(row, devices):
 def test_formula_equals_measurement_whole_model(family, policy, sp, devices):
     """Every policy x SP x family, explicit attention in query chunks (the default; 8 chunks of 64):
     the model-level total (layers and the terms outside them) and the host-offloaded bytes match
-    the formula within 0.5%."""
+    the formula within 0.5%. Under `dots` the output layer and loss run in 4 token chunks (no logits
+    kept: `loss.chunked_output_loss`)."""
     cfg = paper_config(2, T, sp, policy, family, chunk=64)
+    if policy == "dots":
+        cfg = validate(dataclasses.replace(cfg, remat=RematConfig(policy, loss_chunks=4)))
+        assert "logits" not in accounting.activation_memory(cfg)["outside"]
     m = _measure(cfg)
     f = accounting.activation_memory(cfg)
     assert m.activation_bytes == pytest.approx(f["total"], rel=5e-3)
@@ -258,7 +262,8 @@ MLA = dict(kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_di
 MLA_CASES = [  # (policy, mesh, model changes)
     ("elementwise", {}, dict(mtp_depth=1)),  # the latents before and after their norms, v of 32 beside q, k of 48
     ("selective", dict(tensor=2, sp=True), {}),  # the SP region keeps no latent
-    ("dots", dict(tensor=2, sp=True), dict(mtp_depth=1)),  # the down-projections' outputs, SP or not
+    # the down-projections' outputs, SP or not; the loss in chunks (the heads keep their inputs' gradients)
+    ("dots", dict(tensor=2, sp=True, loss_chunks=4), dict(mtp_depth=1)),
     ("full", {}, dict(q_lora_rank=0, mtp_depth=1)),  # a module checkpointed as a layer
     ("offload", dict(tensor=2), dict(mtp_depth=1)),  # the module's dot outputs in host memory too
     ("elementwise", dict(context=2), dict(attention="blockwise")),  # v padded to 48, the padded output kept
@@ -272,13 +277,14 @@ def test_mla_and_mtp_formula_equals_measurement(policy, mesh, model, devices):
     the padded kernel output) and an MTP module's (a layer, the norms' and projection's inputs, its
     logits and tokens): the formula equals the bytes the compiled program keeps, per device, on
     every policy, with SP, context parallelism, and DeepSeek's MoE."""
-    sp = mesh.pop("sp", False) if "sp" in (mesh := dict(mesh)) else False
+    mesh = dict(mesh)
+    sp, chunks = mesh.pop("sp", False), mesh.pop("loss_chunks", 1)
     m = ModelConfig(family="llama", vocab_size=512, d_model=256, n_layers=2, n_heads=8, dtype="bfloat16", **MLA)
     cfg = validate(
         RunConfig(
             model=dataclasses.replace(m, **model),
             parallel=ParallelConfig(sequence_parallel=sp, **mesh),
-            remat=RematConfig(policy),
+            remat=RematConfig(policy, loss_chunks=chunks),
             train=TrainConfig(global_batch=8, seq_len=256),
         )
     )

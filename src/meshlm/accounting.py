@@ -452,25 +452,23 @@ def _dot_output_terms(m: ModelConfig, s: int, b: int, t: int, r: int) -> dict[st
 
 
 def outside_activation_terms(
-    m: ModelConfig, seq_len: int, micro_batch: int, tensor: int = 1, sequence_parallel: bool = False, pipeline: int = 1
+    m: ModelConfig, s: int, b: int, t: int = 1, sp: bool = False, pipeline: int = 1, loss_chunks: int = 1
 ) -> dict[str, float]:
     """P2 section 4.3: embedding dropout (x p microbatches in flight on the first pipeline stage),
     and - only when p = 1 - final norm input, output-layer input and fp32 logits. Token ids,
     targets (int32) and the cross-entropy's fp32 log-sum-exp per token are listed too: P2 ignores
-    them as small; we keep every byte we store."""
-    e, s, b, t, d, v = dtype_bytes(m.dtype), seq_len, micro_batch, tensor, m.d_model, m.vocab_size
-    r = t if sequence_parallel else 1
+    them as small; we keep every byte we store. With `loss_chunks` > 1 (`loss.chunked_output_loss`)
+    the output layer's input gradient, made in the forward pass, is kept instead of its input, the
+    logits, log-sum-exp and targets."""
+    e, d, v, r = dtype_bytes(m.dtype), m.d_model, m.vocab_size, t if sp else 1
     terms: dict[str, float] = {"token_ids": 4 * s * b * pipeline}
     if m.dropout > 0:
         terms["embedding_dropout_mask"] = MASK_BYTES * s * b * d * pipeline / r
-    if pipeline == 1:
-        terms |= {
-            "final_norm_input": e * s * b * d / r,
-            "output_layer_input": e * s * b * d / r,
-            "logits": 4 * s * b * v / t,
-            "logsumexp": 4 * s * b,
-            "targets": 4 * s * b,
-        }
+    if pipeline == 1 and loss_chunks > 1:
+        terms |= {"final_norm_input": e * s * b * d / r, "output_layer_input_gradient": e * s * b * d / r}
+    elif pipeline == 1:
+        terms |= {"final_norm_input": e * s * b * d / r, "output_layer_input": e * s * b * d / r}
+        terms |= {"logits": 4 * s * b * v / t, "logsumexp": 4 * s * b, "targets": 4 * s * b}
     return terms
 
 
@@ -578,12 +576,12 @@ def activation_memory(
             dataclasses.replace(cfg, parallel=dataclasses.replace(par, sequence_parallel=sp))
         )
     else:
-        outside = outside_activation_terms(m, s, b, par.tensor, sp, p)
+        outside = outside_activation_terms(m, s, b, par.tensor, sp, p, cfg.remat.loss_chunks)
     if prefix:
         outside["dense_first_layers"] = prefix * sum(each[1].values())
     e, mtp_host = dtype_bytes(m.dtype), 0.0
     if m.mtp_depth:  # each module: a layer of the first kind, and its own tensors (offload: its projection's output)
-        mtp = mla_costs.mtp_module_terms(m, e, s, b, par.tensor, r, policy)
+        mtp = mla_costs.mtp_module_terms(m, e, s, b, par.tensor, r, policy, cfg.remat.loss_chunks)
         outside["mtp_modules"] = m.mtp_depth * (sum(each[0].values()) + sum(mtp.values()))
         if policy == "offload":
             mtp_host = m.mtp_depth * (sum(host[0].values()) + e * s * b * m.d_model / r)

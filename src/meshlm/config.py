@@ -26,12 +26,10 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what `meshlm convert --to-
 Attention = Literal["explicit", "blockwise", "fused"]
 RopeScaling = Literal["none", "llama3", "yarn"]
 OnNonFinite = Literal["stop", "skip"]
-# Recomputation policies: the names are owned here, their meaning by meshlm.parallel.remat.POLICIES
-# (a test keeps the two equal), so validating a config imports no JAX.
 ContextStrategy = Literal["all_gather", "ring", "all_to_all"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1", "zbv"]
 PipelineTicks = Literal["paired", "single"]
-RematPolicy = Literal["elementwise", "selective", "full", "dots", "offload"]
+RematPolicy = Literal["elementwise", "selective", "full", "dots", "offload"]  # meaning: remat.POLICIES (tested)
 
 
 class ConfigError(ValueError):
@@ -105,8 +103,7 @@ class ModelConfig:
     # on CPU that helped gpt medium most (1.26x tokens/s on one device), elsewhere mixed (BENCHMARKS.md)
     scan_unroll: int = 1
     init_std: float = 0.02
-    # llama family: RMSNorm of queries and keys over head_dim before RoPE (Qwen3), biases on the
-    # Q, K and V projections (Qwen2)
+    # llama family: RMSNorm of queries and keys over head_dim before RoPE (Qwen3), biases on Q, K, V (Qwen2)
     qk_norm: bool = False
     qkv_bias: bool = False
     # Multi-head Latent Attention (DeepSeek-V2/V3, docs/deepseek.md; llama family): kv_lora_rank > 0
@@ -336,9 +333,12 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class RematConfig:
-    """Activation recomputation policy: what each name keeps is in `meshlm.parallel.remat.POLICIES`."""
+    """Activation recomputation policy: what each name keeps is in `meshlm.parallel.remat.POLICIES`.
+    `loss_chunks` > 1: the output layer and loss run in that many token chunks, each chunk's logits and
+    their gradient made and dropped in the forward pass (`model.loss`); the whole logits otherwise."""
 
     policy: RematPolicy = "elementwise"
+    loss_chunks: int = 1
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +26,9 @@ import optax
 from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model import mtp
-from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.moe import MOE_METRICS, moe_losses, over_microbatches, update_router_bias, without_capacity
 from meshlm.model.params import param_specs, partition, trainable_mask
-from meshlm.model.transformer import forward
+from meshlm.model.transformer import forward, output_loss
 from meshlm.optim import lr_schedule
 from meshlm.parallel.pipeline import pipeline_gradients
 from meshlm.parallel.rules import Layout
@@ -69,6 +69,14 @@ def _forward(params, batch: Batch, cfg: RunConfig, layout: Layout, key=None, rem
     )
 
 
+def _loss_head(params, batch: Batch, cfg: RunConfig, layout: Layout, policy: str) -> Callable:
+    """The output layer and loss as the forward's head: (loss sum, token count) in place of the logits."""
+    targets, mask, chunks = batch["targets"], batch.get("mask"), cfg.remat.loss_chunks
+    return partial(
+        output_loss, params, targets=targets, mask=mask, cfg=cfg.model, layout=layout, policy=policy, chunks=chunks
+    )
+
+
 def objective_sum(params, batch: Batch, cfg: RunConfig, layout: Layout, key):
     """(objective summed over the microbatch's tokens, (cross-entropy sum, token count, metrics)).
 
@@ -76,14 +84,13 @@ def objective_sum(params, batch: Batch, cfg: RunConfig, layout: Layout, key):
     the one division by the batch's token count each microbatch's router losses weigh as its tokens.
     MTP (`model.mtp`): it adds mtp_loss_coef / D x the modules' loss sums (DeepSeek-V3's 1/T: the same
     division), reported apart as `mtp_loss_sum` [D]; their MoE layers' statistics join the model's."""
-    m = cfg.model
+    m, policy, chunks = cfg.model, cfg.remat.policy, cfg.remat.loss_chunks
     kw = {"hidden": True} if m.mtp_depth else {"router_stats": True} if m.moe else {}
-    out = _forward(params, batch, cfg, layout, key, cfg.remat.policy, **kw)
-    logits, stats, x = out if m.mtp_depth else (*out, None) if m.moe else (out, None, None)
-    ce, count = cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
+    out = _forward(params, batch, cfg, layout, key, policy, head=_loss_head(params, batch, cfg, layout, policy), **kw)
+    (ce, count), stats, x = out if m.mtp_depth else (*out, None) if m.moe else (out, None, None)
     objective, metrics = ce, {}
     if m.mtp_depth:
-        sums, mtp_stats = mtp.objective(params, x, batch, m, layout, key, cfg.remat.policy)
+        sums, mtp_stats = mtp.objective(params, x, batch, m, layout, key, policy, chunks)
         objective += mtp.weighted(sums, m)
         metrics["mtp_loss_sum"] = sums
         if mtp_stats is not None:  # the modules' MoE layers after the model's
@@ -282,8 +289,7 @@ def make_eval_step(cfg: RunConfig, layout: Layout, param_shardings: dict) -> Cal
     cfg = dataclasses.replace(cfg, model=without_capacity(cfg.model))
 
     def evaluate(params, batch: Batch):
-        logits = _forward(params, batch, cfg, layout)
-        return cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
+        return _forward(params, batch, cfg, layout, head=_loss_head(params, batch, cfg, layout, "elementwise"))
 
     return jax.jit(
         evaluate,

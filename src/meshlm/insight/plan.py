@@ -12,12 +12,9 @@ hops, which overlap the attention they feed), then rank the layouts that fit. Wh
 has measured rates (`CALIBRATIONS`: A100, from P2 Table 4), a calibrated step time is shown beside
 the roofline (`calibrated_time`; within 7% of P2 Table 5 for its four models).
 
-For a model configured with explicit attention, every layout is also planned with
-`model.attention=blockwise` (which ring and all_gather context parallelism need, all_gather unless
-`fused` takes a causal offset on the device; all_to_all runs either); such plans say so.
-`plan_report` presents the plans (table, JSON, why the best one splits the sequence or not).
-
-Pure arithmetic on the config: nothing is compiled here (`plan_report.verify` compiles on request).
+Explicit attention is also planned as `model.attention=blockwise` (which ring and all_gather context
+parallelism need; all_to_all runs either), and the loss in chunks where the whole logits do not fit.
+`plan_report` presents the plans. Pure arithmetic: nothing is compiled here (`plan_report.verify` can).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ import jax
 from meshlm import accounting
 from meshlm import axes as ax
 from meshlm.axes import MESH_AXES
-from meshlm.config import ConfigError, ContextStrategy, ParallelConfig, RematConfig, RunConfig
+from meshlm.config import ConfigError, ContextStrategy, ParallelConfig, RunConfig
 from meshlm.insight.attention_rates import attention_kernel, expert_kernel_rate
 from meshlm.insight.pipeline_costs import (
     per_flops_key,
@@ -43,6 +40,7 @@ from meshlm.insight.pipeline_costs import (
     pipeline_send_bytes,
     stage_extra_flops,
 )
+from meshlm.model.loss_costs import planned_loss_chunks, transient_terms
 from meshlm.model.moe_costs import expert_exchange_bytes, expert_hardware_flops
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel import rules
@@ -59,8 +57,7 @@ def device_peak(device: Accelerator, cfg: RunConfig) -> float:
     return peak_for(device, matmul_precision(cfg.model.dtype, device.platform))
 
 
-# meshlm keeps fp32 master weights, fp32 gradients and AdamW's two fp32 moments: 16 bytes per
-# parameter. (Megatron's mixed-precision Adam, P2's setting, is 18.)
+# fp32 master weights, fp32 gradients and AdamW's two fp32 moments (Megatron's mixed-precision Adam: 18)
 MESHLM_BYTES_PER_PARAM = 16
 
 
@@ -98,6 +95,7 @@ class Plan:
         kernel = " blockwise" if self.cfg.model.attention == "blockwise" else ""
         zero = " ZeRO-1" if p.shard_optimizer else ""
         zero += " offload" if self.cfg.optim.offload_state else ""
+        zero += f" loss-chunks={self.cfg.remat.loss_chunks}" if self.cfg.remat.loss_chunks > 1 else ""
         return f"{p.describe()}{sp}{cp}{pp}{kernel}{zero} remat={r} micro={self.cfg.train.microbatches}"
 
 
@@ -183,6 +181,9 @@ def estimate(
     plan = Plan(cfg, pipeline)
     limit = device.memory if memory_limit is None else memory_limit
     plan.memory = _memory_parts(cfg, own, pipeline, interleave, bytes_per_param)
+    if plan.total_memory > limit and pipeline == 1 and cfg.remat.loss_chunks == 1 < (k := planned_loss_chunks(cfg)):
+        plan.cfg = cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, loss_chunks=k))  # no logits
+        plan.memory = _memory_parts(cfg, own, pipeline, interleave, bytes_per_param)
     if plan.total_memory > limit:
         act = plan.memory["activations"]
         states = sum(v for k, v in plan.memory.items() if k.startswith(("parameters", "optimizer")))
@@ -211,6 +212,7 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
     params, trainable = (sharded_params(cfg, trainable=t) / (1 if own else pipeline) for t in (False, True))
     out = _state_parts(cfg, params, trainable, bytes_per_param, own or pipeline == 1, act["total"])
     out["activations"] = act["total"]
+    out |= transient_terms(cfg) if pipeline == 1 else {}  # what the loss holds at its peak beside them
     if own and par.stage > 1 and (copies := _pipeline_gathered(cfg)):
         # the executor gathers its fp32 weights once per step (a stage's layers over fsdp, the
         # embeddings and output layer over fsdp x stage) and accumulates their gradients unsharded
@@ -265,8 +267,6 @@ def _state_parts(cfg: RunConfig, params: float, trainable: float, bytes_per_para
 CONTEXT_STRATEGIES: tuple[str, ...] = typing.get_args(ContextStrategy)
 EXCHANGE = "context-parallel exchange"  # the roofline part of K/V (ring, all_gather) or Q/K/V/output (all_to_all)
 EXPERT_EXCHANGE = "expert all_to_all"  # MoE's dispatch and return over the expert axis
-
-
 ATTENTION = "attention core"  # the part of the step the attention kernel takes, at its own rate
 EXPERTS = "grouped expert GEMMs"  # dropless MoE's, where their kernel's rate is measured (`EXPERT_RATES`)
 
@@ -596,4 +596,5 @@ def _candidates(cfg: RunConfig, n_devices: int, policies: tuple[str, ...]):
                 for policy, k, shard in itertools.product(pols, _divisors(cfg.train.global_batch), zero1):
                     train = dataclasses.replace(cfg.train, microbatches=k)
                     run = dataclasses.replace(par, shard_optimizer=shard)
-                    yield dataclasses.replace(cfg, model=model, parallel=run, remat=RematConfig(policy), train=train)
+                    remat = dataclasses.replace(cfg.remat, policy=policy)
+                    yield dataclasses.replace(cfg, model=model, parallel=run, remat=remat, train=train)

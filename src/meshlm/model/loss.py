@@ -10,9 +10,17 @@ from the fp32 logits and the per-token log-sum-exp kept from the forward pass. L
 XLA:CPU recomputed the softmax and built that vocabulary-sized gradient twice, once per consumer
 (BENCHMARKS-history.md, "Where the step's time goes"). Kept for backward: the fp32 logits (P2's 4sbv/t
 bytes), the log-sum-exp (4 bytes per token), the targets and the token mask if there is one.
+
+`chunked_output_loss` runs the output layer and this loss over token chunks instead (`remat.loss_chunks`):
+each chunk's logits, their gradient and the chunk's input and weight gradients are made in the
+forward pass and the logits dropped, so no [b, t, v] tensor exists and backward only scales what
+the forward kept: the input's gradient (like the input) and the output layer's (like the weight).
+The same GEMMs run as without chunks (no recomputation), in a loop of `chunks` steps.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,3 +68,59 @@ def cross_entropy_sum(
         return _nll_sum(logits_btv.astype(jnp.float32), targets_bt, None), jnp.float32(targets_bt.size)
     mask_bt = mask_bt.astype(jnp.float32)
     return _nll_sum(logits_btv.astype(jnp.float32), targets_bt, mask_bt), jnp.sum(mask_bt)
+
+
+def _split(a: jax.Array, n: int) -> jax.Array:
+    """[b, t, ...] -> [n, b, t/n, ...]: chunk j holds positions j, j + n, j + 2n... (strided, so a
+    sequence sharded in contiguous blocks, over context or SP, is split alike in every chunk)."""
+    b, t = a.shape[:2]
+    return jnp.moveaxis(a.reshape(b, t // n, n, *a.shape[2:]), 2, 0)
+
+
+def _merge(a: jax.Array) -> jax.Array:
+    """`_split`'s inverse."""
+    n, b, tc = a.shape[:3]
+    return jnp.moveaxis(a, 0, 2).reshape(b, tc * n, *a.shape[3:])
+
+
+def chunked_output_loss(
+    project: Callable, x_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array | None, chunks: int
+) -> tuple[jax.Array, jax.Array]:
+    """`cross_entropy_sum(project(x_btd, w), targets_bt, mask_bt)` over `chunks` token chunks:
+    `project(x [b, t/n, d], w)` gives a chunk's fp32 logits. Its gradients are formed chunk by chunk in
+    the forward pass (the weight's only when w is differentiated: LoRA's frozen output layer gets none)."""
+    mask = None if mask_bt is None else mask_bt.astype(jnp.float32)
+    chunked = lambda x, t, m: (_split(x, chunks), _split(t, chunks), None if m is None else _split(m, chunks))
+
+    @jax.custom_vjp
+    def loss(x, w, t, m):  # without differentiation: the chunks' losses only
+        def body(total, chunk):
+            xj, tj, mj = chunk
+            return total + _nll_sum_fwd(project(xj, w), tj, mj)[0], None
+
+        return jax.lax.scan(body, jnp.zeros((), jnp.float32), chunked(x, t, m))[0]
+
+    def forward(x, w, t, m):  # symbolic zeros: `.perturbed` says whether the weight needs a gradient
+        with_w, w = w.perturbed, w.value
+
+        def body(carry, chunk):
+            total, dw = carry
+            xj, tj, mj = chunk
+            logits, vjp = jax.vjp(project, xj, w) if with_w else jax.vjp(lambda a: project(a, w), xj)
+            nll, res = _nll_sum_fwd(logits, tj, mj)
+            grads = vjp(_nll_sum_bwd(res, jnp.ones((), jnp.float32))[0])
+            return (total + nll, dw + grads[1].astype(jnp.float32) if with_w else dw), grads[0]
+
+        dw0 = jnp.zeros(w.shape, jnp.float32) if with_w else None
+        (total, dw), dx = jax.lax.scan(
+            body, (jnp.zeros((), jnp.float32), dw0), chunked(x.value, t.value, m and m.value)
+        )
+        return total, (_merge(dx), dw)
+
+    def backward(res, g):
+        dx, dw = res
+        return (g * dx).astype(dx.dtype), None if dw is None else (g * dw).astype(w.dtype), None, None
+
+    loss.defvjp(forward, backward, symbolic_zeros=True)
+    count = jnp.float32(targets_bt.size) if mask is None else jnp.sum(mask)
+    return loss(x_btd, w, targets_bt, mask), count

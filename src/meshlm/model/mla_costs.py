@@ -66,15 +66,21 @@ def cache_bytes_per_token(m: ModelConfig, itemsize: int) -> int:
     return m.n_layers * cache_values_per_token(m) * itemsize
 
 
-def mtp_module_terms(m: ModelConfig, e: int, s: int, b: int, t: int, r: int, policy: str) -> dict[str, float]:
+def mtp_module_terms(m: ModelConfig, e: int, s: int, b: int, t: int, r: int, policy: str, chunks: int = 1) -> dict:
     """Bytes one device keeps per multi-token-prediction module beside its layer's terms under
     `policy` (`r`: the residual stream's split, t under SP): the inputs of the post norm and of the
     output layer, the fp32 logits (vocabulary split by t) and log-sum-exp, the targets and loss
     mask; without a module checkpoint (elementwise, selective) also the embedding and h^{k-1} (their
     norms' inputs), their projection's input [2d] and the tokens; under dots also the module's input
-    (its layer's input being the projection's output)."""
+    (its layer's input being the projection's output). With loss `chunks` > 1 the output layer's
+    input gradient instead of its input, no logits, log-sum-exp or targets, but the tokens on every
+    policy (the first module's are the targets, which the whole loss keeps anyway: stored once)."""
     unit, row = e * s * b * m.d_model / r, 4 * s * b
-    terms = {"mtp_head_inputs": 2 * unit, "mtp_logits": 4 * s * b * m.vocab_size / t + row, "mtp_targets": 2 * row}
+    terms = {"mtp_head_inputs": 2 * unit}
+    if chunks == 1:
+        terms |= {"mtp_logits": 4 * s * b * m.vocab_size / t + row, "mtp_targets": 2 * row}
+    else:
+        terms["mtp_tokens"] = row
     if policy in ("elementwise", "selective"):
         terms |= {"mtp_norm_inputs": 2 * unit, "mtp_projection_input": 2 * unit, "mtp_tokens": row}
     elif policy == "dots":

@@ -27,8 +27,7 @@ import jax.numpy as jnp
 
 from meshlm.config import ModelConfig
 from meshlm.model import layers
-from meshlm.model.loss import cross_entropy_sum
-from meshlm.model.transformer import RESIDUAL, cast_layer, embed, llama_block, logits
+from meshlm.model.transformer import RESIDUAL, cast_layer, embed, llama_block, logits, output_loss
 from meshlm.parallel import remat
 from meshlm.parallel.rules import Layout, constrain
 
@@ -61,7 +60,8 @@ def targets(batch_targets, mask, segments, k: int, layout: Layout | None):
 
 
 def _modules(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout, key, remat_policy: str):
-    """Per module k = 1..D: (its logits [b, t, v] fp32, targets t_{i+k+1}, loss mask, MoE RouterStats)."""
+    """Per module k = 1..D: (the output layer's weights with its norm, its output before that norm,
+    targets t_{i+k+1}, loss mask, MoE RouterStats)."""
     segments = batch.get("segment_ids")
     norm = remat.wrap_elementwise(partial(layers.rms_norm, eps=cfg.norm_eps), remat_policy)
 
@@ -79,16 +79,17 @@ def _modules(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout, key, re
         tokens, goal, valid = targets(batch["targets"], batch.get("mask"), segments, k, layout)
         depth_key = None if key is None else jax.random.fold_in(key, cfg.n_layers + 1 + k)
         h, stats = module(h, p, tokens, depth_key)  # before post_norm: the shared head normalises with it
-        yield logits(params | {"final_norm": p["post_norm"]}, h, cfg, layout, remat_policy), goal, valid, stats
+        yield params | {"final_norm": p["post_norm"]}, h, goal, valid, stats
         h = norm(h, p["post_norm"])  # h^k, the next module's input
 
 
-def objective(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout, key, remat_policy: str):
+def objective(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout, key, remat_policy: str, chunks: int = 1):
     """([D] loss sums of the modules, their MoE layers' RouterStats [D, ...] or None) from the main
-    model's last layer output `x_btd` (before the final norm, which h^0 then gets)."""
+    model's last layer output `x_btd` (before the final norm, which h^0 then gets); the output layer
+    and loss in `chunks` token chunks (`remat.loss_chunks`)."""
     sums, stats = [], []
-    for out, goal, valid, st in _modules(params, x_btd, batch, cfg, layout, key, remat_policy):
-        sums.append(cross_entropy_sum(out, goal, valid)[0])
+    for head, h, goal, valid, st in _modules(params, x_btd, batch, cfg, layout, key, remat_policy):
+        sums.append(output_loss(head, h, goal, valid, cfg, layout, remat_policy, chunks)[0])
         stats.append(st)
     stacked = None if stats[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *stats)
     return jnp.stack(sums), stacked
@@ -102,4 +103,6 @@ def weighted(sums: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def module_logits(params: dict, x_btd, batch: dict, cfg: ModelConfig, layout=None) -> list:
     """Each module's logits [b, t, v] (position i predicting t_{i+k+1}), deterministic."""
-    return [out for out, *_ in _modules(params, x_btd, batch, cfg, layout, None, "elementwise")]
+    return [
+        logits(head, h, cfg, layout) for head, h, *_ in _modules(params, x_btd, batch, cfg, layout, None, "elementwise")
+    ]

@@ -13,6 +13,7 @@ Shape legend: b batch, t sequence, d d_model, n heads, k kv heads, h head_dim, f
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ from meshlm import axes as ax
 from meshlm.config import ModelConfig
 from meshlm.model import kernels, layers, lora, mixed, mla, moe, rotary
 from meshlm.model.blockwise import blockwise_attention
+from meshlm.model.loss import chunked_output_loss, cross_entropy_sum
 from meshlm.model.params import param_specs
 from meshlm.parallel import remat
 from meshlm.parallel.collectives import column_parallel, row_parallel, vocab_parallel_embed
@@ -488,24 +490,42 @@ def logits(
     params: dict, x_btd: jax.Array, cfg: ModelConfig, layout: Layout | None = None, remat_policy: str = "elementwise"
 ):
     """Final norm and the vocabulary-parallel output layer: fp32 logits [b, t, v]."""
-    dtype = jnp.dtype(cfg.dtype)
+    project, w_out = _output_layer(params, cfg, layout)
+    return project(_final_norm(params, x_btd, cfg, remat_policy), w_out)
+
+
+def output_loss(params: dict, x_btd, targets, mask, cfg: ModelConfig, layout=None, policy="elementwise", chunks=1):
+    """(summed token loss, counted tokens) of `logits` and `loss.cross_entropy_sum`; with `chunks` > 1
+    (`remat.loss_chunks`) the output layer and loss run chunk by chunk (`loss.chunked_output_loss`)."""
+    if chunks == 1:
+        return cross_entropy_sum(logits(params, x_btd, cfg, layout, policy), targets, mask)
+    project, w_out = _output_layer(params, cfg, layout)
+    return chunked_output_loss(project, _final_norm(params, x_btd, cfg, policy), w_out, targets, mask, chunks)
+
+
+def _final_norm(params: dict, x_btd, cfg: ModelConfig, remat_policy: str):
     if cfg.family == "gpt":
         final_norm = partial(layers.layer_norm, eps=cfg.norm_eps)
-        x = remat.wrap_elementwise(final_norm, remat_policy)(x_btd, params["ln_f_scale"], params["ln_f_bias"])
-    else:
-        final_norm = partial(layers.rms_norm, eps=cfg.norm_eps)
-        x = remat.wrap_elementwise(final_norm, remat_policy)(x_btd, params["final_norm"])
-    out_name, equation = ("wte", "btd,vd->btv") if cfg.tied_embeddings else ("lm_head", "btd,dv->btv")
-    w_out, w_axes = params[out_name], weight_axes(cfg)[out_name]
+        return remat.wrap_elementwise(final_norm, remat_policy)(x_btd, params["ln_f_scale"], params["ln_f_bias"])
+    final_norm = partial(layers.rms_norm, eps=cfg.norm_eps)
+    return remat.wrap_elementwise(final_norm, remat_policy)(x_btd, params["final_norm"])
 
-    flat = not _context(layout)
+
+def _output_layer(params: dict, cfg: ModelConfig, layout):
+    """(project(x, w) -> fp32 logits: the vocabulary-parallel output layer, w cast to the compute
+    dtype inside; the fp32 weight w)."""
+    out_name, equation = ("wte", "btd,vd->btv") if cfg.tied_embeddings else ("lm_head", "btd,dv->btv")
+    w_axes, flat, dtype = weight_axes(cfg)[out_name], not _context(layout), jnp.dtype(cfg.dtype)
+
+    logits_axes = (ax.BATCH, ax.SEQ, ax.ACT_VOCAB)
 
     def unembed(x_btd, w):  # vocabulary-parallel output layer, fp32 logits
         return (layers.dense(equation, x_btd, w, flat, preferred_element_type=jnp.float32),)
 
-    logits_axes = (ax.BATCH, ax.SEQ, ax.ACT_VOCAB)
-    (out,) = column_parallel(layout, unembed, x, [w_out.astype(dtype)], [w_axes], (logits_axes,), RESIDUAL)
-    return out
+    def project(x_btd, w):
+        return column_parallel(layout, unembed, x_btd, [w.astype(dtype)], [w_axes], (logits_axes,), RESIDUAL)[0]
+
+    return project, params[out_name]
 
 
 def forward(
@@ -522,6 +542,7 @@ def forward(
     prefill: bool = False,
     router_stats: bool = False,
     hidden: bool = False,
+    head: Callable | None = None,
 ) -> jax.Array | tuple:
     """Logits [b, t, v] in fp32 for int tokens [b, t]: `embed` -> `run_layers` -> `logits`.
 
@@ -534,7 +555,8 @@ def forward(
     `prefill`: the cache is empty (index 0), so a blockwise/fused model attends among the new
     tokens with its O(s) kernel instead of over the whole cache.
     `router_stats` (MoE, no cache): returns (logits, the layers' RouterStats [L, b, ...]); `hidden`
-    (no cache): (logits, RouterStats or None, the last layer's output before the final norm).
+    (no cache): (logits, RouterStats or None, the last layer's output before the final norm). `head`
+    (no cache): `head(last layer's output)` in place of the logits (`output_loss` over chunks, say).
     """
     t = tokens_bt.shape[1]
     if cache is not None:
@@ -555,7 +577,7 @@ def forward(
         else:
             chain = cfg.scan_unroll >= cfg.n_layers > 1  # fully unrolled: no loop at all
             x, stats = run_layers(x, params["layers"], ids, cfg, layout, key, remat_policy, segment_ids, chain)
-        out = logits(params, x, cfg, layout, remat_policy)
+        out = logits(params, x, cfg, layout, remat_policy) if head is None else head(x)
         return (out, stats, x) if hidden else (out, stats) if router_stats else out
 
     def decode_layer(carry, p, i):

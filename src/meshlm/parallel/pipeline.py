@@ -50,9 +50,8 @@ from jax.sharding import PartitionSpec as P
 from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model import moe, mtp
-from meshlm.model.loss import cross_entropy_sum
 from meshlm.model.params import param_specs, partition, trainable_mask
-from meshlm.model.transformer import RESIDUAL, embed, logits, region_shapes, run_layers, weight_gradients
+from meshlm.model.transformer import RESIDUAL, embed, output_loss, region_shapes, run_layers, weight_gradients
 from meshlm.parallel import stage_layout as sl
 from meshlm.parallel.buffers import put as _put
 from meshlm.parallel.buffers import slots as _slots
@@ -102,6 +101,7 @@ class _Stage:
         self.depth = cfg.model.mtp_depth  # MTP modules, run with the loss on the last chunk
         self.per_chunk = cfg.model.staged_layers // (self.p * cfg.parallel.virtual_stages)
         self.dtype = jnp.dtype(cfg.model.dtype)
+        self.policy_chunks = cfg.remat.policy, cfg.remat.loss_chunks  # the output layer and loss (`output_loss`)
         b, s_len = micro["inputs"].shape[1:3]
         self.x_shape = (b, s_len, cfg.model.d_model)
         self.stage = jax.lax.axis_index(AXIS)
@@ -179,8 +179,7 @@ class _Stage:
         return x.astype(self.dtype)
 
     def loss(self, y, top, mb):
-        out = logits(top, y, self.cfg.model, self.layout, self.cfg.remat.policy)
-        return cross_entropy_sum(out, mb["targets"], mb.get("mask"))
+        return output_loss(top, y, mb["targets"], mb.get("mask"), self.cfg.model, self.layout, *self.policy_chunks)
 
     @staticmethod
     def counts(first: jax.Array, arrived: jax.Array, stats) -> jax.Array:
@@ -206,7 +205,7 @@ class _Stage:
             ls, cnt = self.loss(y, top, mb)
             if not self.depth:
                 return (ls, None), (ls, cnt, jnp.zeros((0,), jnp.float32))
-            sums, stats = mtp.objective(top, y, mb, m, self.layout, k, self.cfg.remat.policy)
+            sums, stats = mtp.objective(top, y, mb, m, self.layout, k, *self.policy_chunks)
             return (ls + mtp.weighted(sums, m), stats), (ls, cnt, sums)
 
         with_top = lambda y, t: objective(y, self.join_top(t, self.top_frozen))

@@ -22,7 +22,7 @@ from _markdown import publish
 from _timing import median_step_seconds, prepared_step
 from meshlm import accounting
 from meshlm.config import ModelConfig, OptimConfig, RematConfig, RunConfig, TrainConfig
-from meshlm.model.loss_costs import transient_terms
+from meshlm.insight.step_peak import transient_terms
 from meshlm.parallel.mesh import make_layout
 
 CHUNKS = (1, 4, 16)

@@ -417,7 +417,7 @@ def section_memory() -> dict:
     from meshlm import accounting, recipes
     from meshlm.config import ParallelConfig, RematConfig
     from meshlm.insight import plan as planner
-    from meshlm.model.loss_costs import transient_terms
+    from meshlm.insight.step_peak import transient_terms
     from meshlm.parallel.mesh import make_layout
     from meshlm.step import make_train_step
     from meshlm.train_state import init_state, setup

@@ -110,7 +110,8 @@ def test_loss_chunks_must_split_the_sequence_shards_evenly():
 
 def test_the_planner_counts_the_logits_gradient_and_chunks_what_does_not_fit():
     """gpt-125m on one TPU v5e (vocabulary 50,304, 2048-token rows): at 32 microbatches the whole loss
-    fits and the plan counts its logits' gradient beside the kept logits; at 8 (12.3 GiB of logits)
+    fits and the plan counts its logits' gradient beside the kept logits (and the microbatch's gradient
+    beside the accumulator); at 8 (12.3 GiB of logits)
     the plan runs the loss in chunks of 1024 tokens, fits, and keeps the whole loss's step time: the
     layout `benchmarks/tpu.sh --sections memory` measured at 6.50 GiB (whole: out of memory)."""
     from meshlm import accounting, recipes
@@ -130,6 +131,8 @@ def test_the_planner_counts_the_logits_gradient_and_chunks_what_does_not_fit():
     assert not whole.rejected and whole.cfg.remat.loss_chunks == 1
     logits = accounting.activation_memory(whole.cfg)["outside"]["logits"]
     assert whole.memory["logits gradient"] == logits == 4 * 8 * 2048 * 50304
+    # and the microbatch's fp32 gradient beside the accumulator (32 microbatches)
+    assert whole.memory["microbatch gradient"] == 4 * planner.sharded_params(whole.cfg, trainable=True) > 4 * 1.2e8
 
     asked = validate(layout(8, "full"))
     chunked = planner.estimate(asked, tpu)

@@ -40,7 +40,7 @@ from meshlm.insight.pipeline_costs import (
     pipeline_send_bytes,
     stage_extra_flops,
 )
-from meshlm.model.loss_costs import planned_loss_chunks, transient_terms
+from meshlm.insight.step_peak import planned_loss_chunks, transient_terms
 from meshlm.model.moe_costs import expert_exchange_bytes, expert_hardware_flops
 from meshlm.model.params import ParamSpec, param_specs
 from meshlm.parallel import rules
@@ -212,7 +212,7 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
     params, trainable = (sharded_params(cfg, trainable=t) / (1 if own else pipeline) for t in (False, True))
     out = _state_parts(cfg, params, trainable, bytes_per_param, own or pipeline == 1, act["total"])
     out["activations"] = act["total"]
-    out |= transient_terms(cfg) if pipeline == 1 else {}  # what the loss holds at its peak beside them
+    out |= transient_terms(cfg, trainable) if pipeline == 1 else {}  # beside them at the peak (`step_peak`)
     if own and par.stage > 1 and (copies := _pipeline_gathered(cfg)):
         # the executor gathers its fp32 weights once per step (a stage's layers over fsdp, the
         # embeddings and output layer over fsdp x stage) and accumulates their gradients unsharded

@@ -1,11 +1,16 @@
-"""What the output layer and loss hold at their peak, beside the activations the formula keeps for
-backward (`accounting.outside_activation_terms`), and how many token chunks the planner gives a
-layout whose whole logits do not fit (`remat.loss_chunks`, `loss.chunked_output_loss`).
+"""What a train step holds at its peak beside the states and the activations kept for backward
+(`accounting.activation_memory`), in an unpipelined run: the loss's transients, and with gradient
+accumulation one microbatch's gradient beside the accumulator; and how many token chunks the planner
+gives a layout whose whole logits do not fit (`remat.loss_chunks`, `loss.chunked_output_loss`).
 
 Without chunks the loss's backward forms the logits' fp32 gradient [b, s, v/t] while the logits
 themselves are still held (`loss._nll_sum_bwd`): a second copy at the step's peak. In chunks, one
 chunk's logits and their gradient exist at a time, during the forward pass. (Both also make the
-output layer's weight gradient, as the step's own gradient does; the planner's states hold it.)
+output layer's weight gradient, as the step's own gradient does.) With k > 1 microbatches
+`step.gradients` adds each microbatch's fp32 gradient (sharded as the trainable weights) to the
+accumulator, which the planner's states count: the microbatch's is a second copy.
+Measured against the compiled step's peak on one TPU v5e in BENCHMARKS-history.md ("The loss in
+token chunks").
 """
 
 from __future__ import annotations
@@ -29,13 +34,17 @@ def _logits_bytes(cfg: RunConfig) -> float:
     return 4 * _tokens(cfg) * cfg.model.vocab_size / cfg.parallel.tensor
 
 
-def transient_terms(cfg: RunConfig) -> dict[str, float]:
-    """Bytes per device the loss holds beyond the kept activations at its peak (an unpipelined run):
-    the logits' gradient beside the logits, or (in chunks) one chunk's logits and their gradient."""
+def transient_terms(cfg: RunConfig, trainable: float = 0.0) -> dict[str, float]:
+    """Bytes per device an unpipelined step holds beyond its states and kept activations at its peak:
+    the logits' gradient beside the logits, or (in chunks) one chunk's logits and their gradient; with
+    k > 1 microbatches, the microbatch's fp32 gradient of the `trainable` parameters a device holds."""
     chunks = cfg.remat.loss_chunks
-    if chunks == 1:
-        return {"logits gradient": _logits_bytes(cfg)}
-    return {"loss chunk (logits and gradient)": 2 * _logits_bytes(cfg) / chunks}
+    out = {"logits gradient": _logits_bytes(cfg)} if chunks == 1 else {}
+    if chunks > 1:
+        out["loss chunk (logits and gradient)"] = 2 * _logits_bytes(cfg) / chunks
+    if cfg.train.microbatches > 1:
+        out["microbatch gradient"] = 4 * trainable
+    return out
 
 
 def planned_loss_chunks(cfg: RunConfig) -> int:

@@ -218,10 +218,10 @@ TENSOR_CASES = [  # (family, policy, SP, LoRA): each term of `tensor_costs` at l
     ("mla", "elementwise", False, "dropout"),  # under GSPMD, without SP: the adapters' x A whole, redrawn
     ("mla", "full", True, "dropout"),  # sequence-sharded; the query latent's x A redrawn on every rank
     ("llama", "full", False, "dropout"),  # the last MLP projection's terms: only the redrawn x A
-    # dots keeps x A: nothing redrawn; the loss in chunks, the frozen output layer with no weight gradient
-    ("llama+chunks", "dots", True, "dropout"),
-    # an MTP module's down-projections and [2d, d] projection whole; both output layers and losses in
-    # chunks, each GEMM once (their gradients made in the forward pass, not recomputed)
+    ("llama", "dots", True, "dropout"),  # dots keeps x A: nothing redrawn
+    ("llama+chunks", "dots", True, "dropout"),  # the loss in chunks; the frozen output layer: no weight gradient
+    ("mla-mtp", "elementwise", False, ""),  # an MTP module's down-projections and [2d, d] projection whole
+    # both output layers and losses in chunks, each GEMM once (gradients made in the forward, not recomputed)
     ("mla-mtp+chunks", "elementwise", False, ""),
     ("mla-mtp", "full", True, ""),  # with SP the projection is sharded; the module's region rerun is merged
     ("moe", "full", True, ""),  # the router on every rank, and rerun

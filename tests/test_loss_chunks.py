@@ -14,8 +14,9 @@ import pytest
 
 from helpers import build, loss_mask, random_batches, tiny_config
 from meshlm.config import ConfigError, ParallelConfig, RematConfig
+from meshlm.model import transformer
 from meshlm.model.loss import chunked_output_loss
-from meshlm.step import make_grad_step
+from meshlm.step import make_eval_step, make_grad_step
 from meshlm.validation import validate
 
 RTOL = 1e-5
@@ -78,14 +79,18 @@ def _grads(cfg, batch) -> dict:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_chunked_loss_gives_the_whole_losss_gradients(case, devices):
+def test_chunked_loss_gives_the_whole_loss_gradients(case, devices, monkeypatch):
     family, mesh, model, train = CASES[case]
     cfg = tiny_config(family, mesh, n_layers=2, **train)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
     cfg = validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, loss_mask=True)))
     batch = random_batches(cfg, 1)[0] | {"mask": loss_mask((cfg.train.global_batch, cfg.train.seq_len))}
     whole = _grads(cfg, batch)
+    traced = []  # each head that runs chunked (the main loss; an MTP module's), as the step is traced
+    real = transformer.chunked_output_loss
+    monkeypatch.setattr(transformer, "chunked_output_loss", lambda *a: traced.append(a[-1]) or real(*a))
     chunked = _grads(validate(dataclasses.replace(cfg, remat=RematConfig(loss_chunks=4))), batch)
+    assert traced.count(4) >= 1 + cfg.model.mtp_depth
     assert chunked.keys() == whole.keys()
     for key in whole:
         if key != "grads":
@@ -101,11 +106,31 @@ def test_chunked_loss_gives_the_whole_losss_gradients(case, devices):
 
 
 def test_loss_chunks_must_split_the_sequence_shards_evenly():
-    cfg = tiny_config("llama", dict(tensor=2, sequence_parallel=True))  # seq_len 32, 2 shards under SP
-    validate(dataclasses.replace(cfg, remat=RematConfig(loss_chunks=16)))
-    for bad in (0, 3, 32):
-        with pytest.raises(ConfigError, match=f"remat.loss_chunks={bad} must be >= 1 and split"):
-            validate(dataclasses.replace(cfg, remat=RematConfig(loss_chunks=bad)))
+    sp = tiny_config("llama", dict(tensor=2, sequence_parallel=True))  # seq_len 32, 2 shards under SP
+    context = tiny_config("gpt", dict(context=2, context_strategy="all_to_all"))  # 2 shards over context
+    for cfg in (sp, context):
+        validate(dataclasses.replace(cfg, remat=RematConfig(loss_chunks=16)))
+        for bad in (0, 3, 32):
+            with pytest.raises(ConfigError, match=f"remat.loss_chunks={bad} must be >= 1 and divide"):
+                validate(dataclasses.replace(cfg, remat=RematConfig(loss_chunks=bad)))
+
+
+def test_eval_runs_the_loss_in_chunks_and_whole_on_a_length_they_do_not_split(devices, monkeypatch):
+    """Eval (`make_eval_step`, what `meshlm eval` and the run's validation use): the chunked loss sum
+    equals the whole loss's at the training length, and at a length 4 chunks do not split (30) the
+    loss runs whole instead of failing."""
+    cfg = tiny_config("llama", dict(data=2, tensor=2, sequence_parallel=True))
+    layout, _, _, shardings, state = build(cfg)
+    chunked = validate(dataclasses.replace(cfg, remat=RematConfig(loss_chunks=4)))
+    tokens, real = random_batches(cfg, 1)[0], transformer.chunked_output_loss
+    for length, runs_chunked in ((32, True), (30, False)):
+        batch = {k: v[:, :length] for k, v in tokens.items()}
+        whole = make_eval_step(cfg, layout, shardings.params)(state.params, batch)
+        traced = []
+        monkeypatch.setattr(transformer, "chunked_output_loss", lambda *a, t=traced: t.append(1) or real(*a))
+        got = make_eval_step(chunked, layout, shardings.params)(state.params, batch)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(whole), rtol=1e-6)
+        assert bool(traced) == runs_chunked
 
 
 def test_the_planner_counts_the_logits_gradient_and_chunks_what_does_not_fit():
@@ -116,6 +141,7 @@ def test_the_planner_counts_the_logits_gradient_and_chunks_what_does_not_fit():
     layout `benchmarks/tpu.sh --sections memory` measured at 6.50 GiB (whole: out of memory)."""
     from meshlm import accounting, recipes
     from meshlm.insight import plan as planner
+    from meshlm.insight.step_peak import planned_loss_chunks
     from meshlm.platform.hardware import ACCELERATORS
 
     tpu, base = ACCELERATORS["tpu-v5e"], recipes.get("gpt-125m")
@@ -143,3 +169,6 @@ def test_the_planner_counts_the_logits_gradient_and_chunks_what_does_not_fit():
     assert unchunked.cfg.remat.loss_chunks == 1 and unchunked.total_memory > tpu.memory
     assert chunked.step_time == unchunked.step_time
     assert "loss-chunks=64" in chunked.describe()
+    # where the token floor does not bind: the fewest chunks whose logits fit in the hidden state's bytes
+    small_vocab = dataclasses.replace(asked, model=dataclasses.replace(model, vocab_size=8192))
+    assert planned_loss_chunks(small_vocab) == 32  # 4 x 8192 / (2 x 768) = 21.3 -> the next divisor of 2048

@@ -86,10 +86,10 @@ def test_table2_measured_per_layer(row, devices):
 def test_formula_equals_measurement_whole_model(family, policy, sp, devices):
     """Every policy x SP x family, explicit attention in query chunks (the default; 8 chunks of 64):
     the model-level total (layers and the terms outside them) and the host-offloaded bytes match
-    the formula within 0.5%. Under `dots` the output layer and loss run in 4 token chunks (no logits
-    kept: `loss.chunked_output_loss`)."""
+    the formula within 0.5%. llama under `dots` runs the output layer and loss in 4 token chunks (no
+    logits kept: `loss.chunked_output_loss`)."""
     cfg = paper_config(2, T, sp, policy, family, chunk=64)
-    if policy == "dots":
+    if policy == "dots" and family == "llama":
         cfg = validate(dataclasses.replace(cfg, remat=RematConfig(policy, loss_chunks=4)))
         assert "logits" not in accounting.activation_memory(cfg)["outside"]
     m = _measure(cfg)

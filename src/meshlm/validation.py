@@ -336,8 +336,8 @@ def _validate_run(cfg: RunConfig) -> None:
     seq_split = par.context * (par.tensor if par.sequence_parallel else 1)  # the shards of a chunk's tokens
     _need(
         chunks >= 1 and t.seq_len % (chunks * seq_split) == 0,
-        f"remat.loss_chunks={chunks} must be >= 1 and split train.seq_len={t.seq_len} into chunks of whole "
-        f"shards of the sequence's {seq_split} (context x tensor under sequence parallelism)",
+        f"remat.loss_chunks={chunks} must be >= 1 and divide the tokens of each of the sequence's {seq_split} "
+        f"shards (train.seq_len={t.seq_len} over context x tensor under sequence parallelism)",
     )
     _need(t.steps >= 0 and t.seq_len > 0 and t.global_batch > 0, "train.steps/seq_len/global_batch must be positive")
     _need(t.microbatches >= 1, "train.microbatches must be >= 1")

@@ -12,9 +12,9 @@ hops, which overlap the attention they feed), then rank the layouts that fit. Wh
 has measured rates (`CALIBRATIONS`: A100, from P2 Table 4), a calibrated step time is shown beside
 the roofline (`calibrated_time`; within 7% of P2 Table 5 for its four models).
 
-Explicit attention is also planned as `model.attention=blockwise` (which ring and all_gather context
-parallelism need; all_to_all runs either), and the loss in chunks where the whole logits do not fit.
-`plan_report` presents the plans. Pure arithmetic: nothing is compiled here (`plan_report.verify` can).
+Explicit attention is also planned as `model.attention=blockwise` (which ring needs, and all_gather unless `fused` takes
+a causal offset on the device; all_to_all runs either; such plans say so), the loss in chunks where its logits do not
+fit. `plan_report` presents the plans (table, JSON, why the best one splits the sequence or not). Pure arithmetic.
 """
 
 from __future__ import annotations

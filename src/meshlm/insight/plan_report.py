@@ -292,6 +292,7 @@ def to_json(plans: list[Plan], device: Accelerator, verified: str | None = None)
             "attention_kernel": dataclasses.asdict(attention_kernel(p.cfg, device)),
             "sequence_parallel": par.sequence_parallel,
             "remat": p.cfg.remat.policy,
+            "loss_chunks": p.cfg.remat.loss_chunks,
             "microbatches": p.cfg.train.microbatches,
             "memory_bytes": p.memory,
             "total_memory_bytes": p.total_memory,

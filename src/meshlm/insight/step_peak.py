@@ -18,8 +18,9 @@ from __future__ import annotations
 from meshlm.accounting import dtype_bytes
 from meshlm.config import RunConfig
 
-# the fewest tokens per device a planned chunk runs through the output layer: GEMMs of fewer rows
-# leave a TPU's 128 x 128 systolic array or a GPU's tensor cores partly idle
+# the fewest tokens per device a planned chunk runs through the output layer, so that its GEMMs keep
+# their size: on one TPU v5e, chunks of 1024 tokens ran at 0.99-1.00x the whole loss's step time
+# (BENCHMARKS-history.md, "The loss in token chunks"); smaller ones are unmeasured
 MIN_CHUNK_TOKENS = 1024
 
 
@@ -49,9 +50,10 @@ def transient_terms(cfg: RunConfig, trainable: float = 0.0) -> dict[str, float]:
 
 def planned_loss_chunks(cfg: RunConfig) -> int:
     """The chunks the planner gives a layout whose whole logits do not fit: the fewest that keep a
-    chunk's fp32 logits within the bytes of the hidden state they come from (Liger-Kernel's rule of
-    a chunk per V / d), but none under `MIN_CHUNK_TOKENS` tokens per device; a divisor of what each
-    sequence shard holds (validation's rule). 1 when no such count exceeds 1."""
+    chunk's fp32 logits within the bytes of the hidden state they come from (about 4V / (t e d) chunks
+    for a compute dtype of e bytes; Liger-Kernel's count is V / d), but none under `MIN_CHUNK_TOKENS`
+    tokens per device; a divisor of what each sequence shard holds (validation's rule). 1 when no
+    such count exceeds 1."""
     t, par, m = cfg.train, cfg.parallel, cfg.model
     per_shard = t.seq_len // (par.context * (par.tensor if par.sequence_parallel else 1))
     hidden = dtype_bytes(m.dtype) * m.d_model * _tokens(cfg)

@@ -89,7 +89,7 @@ def chunked_output_loss(
     """`cross_entropy_sum(project(x_btd, w), targets_bt, mask_bt)` over `chunks` token chunks:
     `project(x [b, t/n, d], w)` gives a chunk's fp32 logits. Its gradients are formed chunk by chunk in
     the forward pass (the weight's only when w is differentiated: LoRA's frozen output layer gets none)."""
-    mask = None if mask_bt is None else mask_bt.astype(jnp.float32)
+    mask, w_dtype = None if mask_bt is None else mask_bt.astype(jnp.float32), w.dtype
     chunked = lambda x, t, m: (_split(x, chunks), _split(t, chunks), None if m is None else _split(m, chunks))
 
     @jax.custom_vjp
@@ -119,7 +119,7 @@ def chunked_output_loss(
 
     def backward(res, g):
         dx, dw = res
-        return (g * dx).astype(dx.dtype), None if dw is None else (g * dw).astype(w.dtype), None, None
+        return (g * dx).astype(dx.dtype), None if dw is None else (g * dw).astype(w_dtype), None, None
 
     loss.defvjp(forward, backward, symbolic_zeros=True)
     count = jnp.float32(targets_bt.size) if mask is None else jnp.sum(mask)

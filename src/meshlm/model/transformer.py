@@ -496,8 +496,9 @@ def logits(
 
 def output_loss(params: dict, x_btd, targets, mask, cfg: ModelConfig, layout=None, policy="elementwise", chunks=1):
     """(summed token loss, counted tokens) of `logits` and `loss.cross_entropy_sum`; with `chunks` > 1
-    (`remat.loss_chunks`) the output layer and loss run chunk by chunk (`loss.chunked_output_loss`)."""
-    if chunks == 1:
+    (`remat.loss_chunks`) the output layer and loss run chunk by chunk (`loss.chunked_output_loss`), but
+    whole on a sequence the chunks do not split (eval at another length than training's)."""
+    if chunks == 1 or x_btd.shape[1] % chunks:
         return cross_entropy_sum(logits(params, x_btd, cfg, layout, policy), targets, mask)
     project, w_out = _output_layer(params, cfg, layout)
     return chunked_output_loss(project, _final_norm(params, x_btd, cfg, policy), w_out, targets, mask, chunks)

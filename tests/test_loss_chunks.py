@@ -57,6 +57,12 @@ CASES = {  # (family, mesh, model changes, train changes)
         dict(tie_embeddings=True),
         {},
     ),
+    "llama bf16, data=2 x tensor=2 + SP": (
+        "llama",
+        dict(data=2, tensor=2, sequence_parallel=True),
+        dict(dtype="bfloat16"),
+        {},
+    ),
     "gpt, context=2 x tensor=2": ("gpt", dict(context=2, tensor=2, context_strategy="all_to_all"), {}, {}),
     "llama + MTP, 1f1b stage=2 x tensor=2 + SP": (
         "llama",
@@ -92,15 +98,16 @@ def test_chunked_loss_gives_the_whole_loss_gradients(case, devices, monkeypatch)
     chunked = _grads(validate(dataclasses.replace(cfg, remat=RematConfig(loss_chunks=4))), batch)
     assert traced.count(4) >= 1 + cfg.model.mtp_depth
     assert chunked.keys() == whole.keys()
+    tol = 2e-2 if cfg.model.dtype == "bfloat16" else RTOL  # bf16: rounding (dx before the scaling, dw per chunk)
     for key in whole:
         if key != "grads":
-            np.testing.assert_allclose(chunked[key], whole[key], rtol=RTOL, err_msg=key)
+            np.testing.assert_allclose(chunked[key], whole[key], rtol=tol, err_msg=key)
     trained = 0
     for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(whole["grads"]), jax.tree.leaves(chunked["grads"]), strict=True
     ):
         scale = np.max(np.abs(a))
-        assert np.max(np.abs(a - b)) <= RTOL * scale, jax.tree_util.keystr(path)
+        assert np.max(np.abs(a - b)) <= tol * scale, jax.tree_util.keystr(path)
         trained += scale > 0
     assert trained >= 3  # LoRA: B starts at zero, so only the three B leaves have a gradient
 
@@ -141,6 +148,7 @@ def test_the_planner_counts_the_logits_gradient_and_chunks_what_does_not_fit():
     layout `benchmarks/tpu.sh --sections memory` measured at 6.50 GiB (whole: out of memory)."""
     from meshlm import accounting, recipes
     from meshlm.insight import plan as planner
+    from meshlm.insight import plan_report
     from meshlm.insight.step_peak import planned_loss_chunks
     from meshlm.platform.hardware import ACCELERATORS
 
@@ -169,6 +177,28 @@ def test_the_planner_counts_the_logits_gradient_and_chunks_what_does_not_fit():
     assert unchunked.cfg.remat.loss_chunks == 1 and unchunked.total_memory > tpu.memory
     assert chunked.step_time == unchunked.step_time
     assert "loss-chunks=64" in chunked.describe()
+    assert plan_report.to_json([chunked], tpu)["plans"][0]["loss_chunks"] == 64
     # where the token floor does not bind: the fewest chunks whose logits fit in the hidden state's bytes
     small_vocab = dataclasses.replace(asked, model=dataclasses.replace(model, vocab_size=8192))
     assert planned_loss_chunks(small_vocab) == 32  # 4 x 8192 / (2 x 768) = 21.3 -> the next divisor of 2048
+
+
+def test_a_split_batch_reduces_the_output_gradient_in_every_chunk(devices):
+    """A known cost, not priced (docs/memory.md): on data=2, XLA:CPU reduces the output layer's [d, v]
+    weight gradient inside the chunk loop's body (once per chunk); without chunks, once, outside any
+    loop. A fix that reduces once after the loop makes this test fail: update the docs with it."""
+    shape = "f32[64,256]"  # tiny llama's lm_head [d, v]
+
+    def reductions(chunks: int) -> list[str]:
+        cfg = validate(dataclasses.replace(tiny_config("llama", dict(data=2)), remat=RematConfig(loss_chunks=chunks)))
+        layout, _, _, shardings, state = build(cfg)
+        batch = random_batches(cfg, 1)[0]
+        text = make_grad_step(cfg, layout, shardings.params).lower(state.params, batch, 0).compile().as_text()
+        return [  # the computations (ENTRY or a loop body) that all-reduce a [d, v] gradient
+            comp.split("\n")[0].split()[0]
+            for comp in text.split("\n\n")
+            if any("all-reduce" in line and shape in line.split("all-reduce")[0] for line in comp.split("\n"))
+        ]
+
+    assert reductions(1) == ["ENTRY"]
+    assert reductions(4) and "ENTRY" not in reductions(4)

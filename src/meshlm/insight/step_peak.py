@@ -19,8 +19,8 @@ from meshlm.accounting import dtype_bytes
 from meshlm.config import RunConfig
 
 # the fewest tokens per device a planned chunk runs through the output layer, so that its GEMMs keep
-# their size: on one TPU v5e, chunks of 1024 tokens ran at 0.99-1.00x the whole loss's step time
-# (BENCHMARKS-history.md, "The loss in token chunks"); smaller ones are unmeasured
+# their size: on one TPU v5e, 16 chunks of 1024 tokens ran at 0.992x the whole loss's step time
+# (BENCHMARKS-history.md, "The loss in token chunks"; on CPU, 256-token chunks at 1.002x)
 MIN_CHUNK_TOKENS = 1024
 
 
@@ -51,7 +51,7 @@ def transient_terms(cfg: RunConfig, trainable: float = 0.0) -> dict[str, float]:
 def planned_loss_chunks(cfg: RunConfig) -> int:
     """The chunks the planner gives a layout whose whole logits do not fit: the fewest that keep a
     chunk's fp32 logits within the bytes of the hidden state they come from (about 4V / (t e d) chunks
-    for a compute dtype of e bytes; Liger-Kernel's count is V / d), but none under `MIN_CHUNK_TOKENS`
+    for `tensor` = t and a compute dtype of e bytes; Liger-Kernel's count is V / d), but none under `MIN_CHUNK_TOKENS`
     tokens per device; a divisor of what each sequence shard holds (validation's rule). 1 when no
     such count exceeds 1."""
     t, par, m = cfg.train, cfg.parallel, cfg.model

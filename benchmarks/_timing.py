@@ -28,6 +28,28 @@ def prepared_step(cfg: RunConfig, layout: Layout) -> tuple:
     return make_train_step(cfg, layout, tx, shardings), state, batch
 
 
+def timed_steps(cfg: RunConfig, steps: int, warm: int = 1) -> tuple:
+    """One variant alone (an accelerator's own figures, not interleaved): `cfg`'s train step compiled
+    on its own mesh, `warm` untimed steps, then `steps` timed: (the compiled step, the last step's
+    metrics, the median step seconds, compile seconds). The state is freed on return."""
+    from meshlm.parallel.mesh import make_layout
+
+    fn, state, batch = prepared_step(cfg, make_layout(cfg.parallel))
+    t0 = time.perf_counter()
+    compiled = fn.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(warm):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    return compiled, metrics, statistics.median(times), compile_s
+
+
 SETTLED_FAULTS = 2000  # minor page faults per step (8 MiB) below which the host heap counts as settled
 
 

@@ -5,7 +5,9 @@ For each recipe (bf16 weights in compute, fp32 masters, as the recipes set): `me
 feasible plan for the visible devices (the device kind matched in `meshlm.platform.hardware`; its memory as
 the limit), with `blockwise` attention promoted to `fused` (cuDNN flash attention where it applies);
 the train step compiled (timed), two warm-up steps, then `--steps` timed steps on random tokens
-(median). Peak memory is `memory_stats()["peak_bytes_in_use"]`, the largest over local devices.
+(median; `_timing.timed_steps`). Peak memory is `memory_stats()["peak_bytes_in_use"]`, the largest over
+local devices, beside the step program's own peak (`memory_analysis().peak_memory_in_bytes`): on a TPU
+the allocator's figure counted no program's temporaries (BENCHMARKS-history.md, "Step memory on one TPU v5e").
 The backend's XLA flags are `meshlm.platform.xla_flags` (set before JAX starts; `MESHLM_XLA_TUNING=0` for a
 run without them).
 
@@ -18,9 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
-import time
 
 from meshlm.platform import xla_flags
 
@@ -29,11 +29,10 @@ os.environ["XLA_FLAGS"] = xla_flags.flags_for()  # before JAX starts a backend
 import jax
 
 from _markdown import write_section
-from _timing import prepared_step
+from _timing import timed_steps
 from meshlm import accounting, recipes
 from meshlm.config import RunConfig
 from meshlm.insight import plan as planner
-from meshlm.parallel.mesh import make_layout
 from meshlm.platform import hardware
 from meshlm.validation import validate
 
@@ -60,21 +59,8 @@ def measure(name: str, steps: int, seq_len: int | None) -> dict:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len))
     n = len(jax.devices())
     cfg, how = planned(cfg, n)
-    fn, state, batch = prepared_step(cfg, make_layout(cfg.parallel))
     shape = (cfg.train.global_batch, cfg.train.seq_len)
-    t0 = time.perf_counter()
-    compiled = fn.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    for _ in range(2):
-        state, m = compiled(state, batch)
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, m = compiled(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
+    compiled, m, step_s, compile_s = timed_steps(cfg, steps, warm=2)
     peak = hardware.peak_flops(cfg.model.dtype, n)
     stats = [d.memory_stats() or {} for d in jax.local_devices()]
     peak_bytes = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0)
@@ -89,6 +75,7 @@ def measure(name: str, steps: int, seq_len: int | None) -> dict:
         "mfu_eq7": accounting.utilisation(accounting.model_flops_per_step(cfg), step_s, peak.flops),
         "hfu": accounting.utilisation(accounting.hardware_flops_per_step(cfg), step_s, peak.flops),
         "peak_gib": peak_bytes / 2**30 if peak_bytes else None,
+        "program_peak_gib": getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0) / 2**30 or None,
         "compile_s": compile_s,
         "loss": float(m["loss"]),
         "peak_source": peak.source,

@@ -335,32 +335,12 @@ def section_grouped() -> dict:
     return out
 
 
-def timed_steps(c, steps: int) -> tuple:
-    """c's train step compiled, one warm step, then `steps` timed: (the compiled step, the last step's
-    metrics, the median step seconds, compile seconds). The state is freed on return."""
-    from meshlm.parallel.mesh import make_layout
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from _timing import prepared_step
-
-    fn, state, batch = prepared_step(c, make_layout(c.parallel))
-    t0 = time.perf_counter()
-    compiled = fn.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    state, metrics = compiled(state, batch)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-    return compiled, metrics, statistics.median(times), compile_s
-
-
 def section_steps(recipes_: list[str], steps: int) -> dict:
     from meshlm import accounting, recipes
     from meshlm.insight import plan as planner
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _timing import timed_steps
 
     acc = _accelerator()
     out = {}
@@ -643,6 +623,9 @@ def section_loss(steps: int = 5) -> dict:
     from meshlm import recipes
     from meshlm.config import ParallelConfig, RematConfig
     from meshlm.validation import validate
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _timing import timed_steps
 
     base, out = recipes.get("gpt-125m"), {}
     m = dataclasses.replace(base.model, attention="fused", dropout=0.0)

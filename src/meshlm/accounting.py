@@ -16,7 +16,7 @@ import dataclasses
 
 from meshlm.config import ModelConfig, RunConfig
 from meshlm.model import mla_costs
-from meshlm.model.lora import lora_param_count, recompute_flops_per_token
+from meshlm.model.lora import lora_param_count
 from meshlm.model.moe_costs import expert_slot_flops, moe_terms
 from meshlm.model.tensor_costs import replicated_flops_per_token, rerun_flops_per_token
 from meshlm.parallel.context_costs import context_block_pairs, context_comm_bytes  # noqa: F401 (their home here)
@@ -158,8 +158,8 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     MoE: the routed experts' GEMMs run over the rows `expert_slot_flops` counts (capacity slots, or
     the grouped kernel's tiles), and `full` recomputes all of them, down projection included (the
     combine's weight gradient reads its output); `dots` and `offload` recompute them too (batched or
-    looped matmuls, like the attention core). Plus LoRA's reruns and those of what every tensor rank
-    runs (`tensor_costs.rerun_flops_per_token`).
+    looped matmuls, like the attention core). Plus LoRA's reruns (its dropout's redrawn x A among
+    them) and those of what every tensor rank runs (`tensor_costs.rerun_flops_per_token`).
     """
     m, t, par = cfg.model, cfg.train, cfg.parallel
     tokens_layers = t.global_batch * t.seq_len * attention_layers(m)
@@ -168,7 +168,6 @@ def recompute_flops_per_step(cfg: RunConfig) -> int:
     scores, values = _core_terms(cfg)
     counted, executed = expert_slot_flops(cfg)
     again = t.global_batch * t.seq_len * rerun_flops_per_token(m, policy, par.tensor, par.sequence_parallel)
-    again += 0 if policy in ("dots", "offload") else t.global_batch * t.seq_len * recompute_flops_per_token(m)
     if policy == "full":
         tokens = t.global_batch * t.seq_len  # (tokens x layers) x per token, as one kind always multiplied
         core, kinds = frac * (scores + values), layer_kinds(m)

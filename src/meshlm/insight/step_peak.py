@@ -51,7 +51,7 @@ def transient_terms(cfg: RunConfig, trainable: float = 0.0) -> dict[str, float]:
 def planned_loss_chunks(cfg: RunConfig) -> int:
     """The chunks the planner gives a layout whose whole logits do not fit: the fewest that keep a
     chunk's fp32 logits within the bytes of the hidden state they come from (about 4V / (t e d) chunks
-    for `tensor` = t and a compute dtype of e bytes; Liger-Kernel's count is V / d), but none under `MIN_CHUNK_TOKENS`
+    for `tensor` = t and a compute dtype of e bytes), but none under `MIN_CHUNK_TOKENS`
     tokens per device; a divisor of what each sequence shard holds (validation's rule). 1 when no
     such count exceeds 1."""
     t, par, m = cfg.train, cfg.parallel, cfg.model

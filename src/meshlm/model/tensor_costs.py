@@ -89,23 +89,26 @@ def replicated_flops_per_token(m: ModelConfig, tensor: int, sp: bool) -> int:
 
 def rerun_flops_per_token(m: ModelConfig, policy: str, tensor: int, sp: bool) -> int:
     """What `policy` runs again per token (all layers) of the `whole` parts, on every rank, and of the
-    adapters (module docstring)."""
+    adapters (module docstring): with `lora_dropout`, on one device too, x A of every target
+    (`lora.recompute_flops_per_token`), which dots and offload keep instead."""
     sp = sp and tensor > 1
     outside, adapters = lora.outside_regions(m), _adapters(m)
     down = sum(_down(m, sp))
     redrawn = sum(a for t, (a, _) in adapters.items() if t in COLUMN + WHOLE) if outside and not sp else 0
     if outside and sp and "wq_b" in adapters:  # measured: GSPMD redraws the query latent's x A whole
         redrawn = adapters["wq_b"][0]
+    if policy in ("dots", "offload"):  # they keep matmul outputs: nothing of these runs again
+        return 0
+    one_device = lora.recompute_flops_per_token(m)  # `lora_dropout`'s x A, redrawn
     if policy in ("elementwise", "selective"):
         region = 0  # the SP region's rerun, on every rank: the latents and the adapters in it
         if sp:
             in_region = {t: ab for t, ab in adapters.items() if not outside}
             region = tensor * (down + sum(a + b * (t in WHOLE) for t, (a, b) in in_region.items() if t not in ROW))
-        return m.n_layers * ((tensor - 1) * redrawn + region)
-    if policy != "full":  # dots and offload keep matmul outputs: nothing of these runs again
-        return 0
+        return one_device + m.n_layers * ((tensor - 1) * redrawn + region)
     rerun = {t: (a * (t not in LAST or not outside), b * (t not in LAST)) for t, (a, b) in adapters.items()}
     whole = 0 if outside and sp else sum(_whole(t, a, b) for t, (a, b) in rerun.items())
     mla_layers, routers, mtp = _counts(m)
     again = mla_layers * down + routers * 2 * m.d_model * m.n_experts + mtp * (not sp)
-    return m.n_layers * sum(a + b for a, b in rerun.values()) + (tensor - 1) * (again + m.n_layers * (whole + redrawn))
+    whole_reruns = (tensor - 1) * (again + m.n_layers * (whole + redrawn))
+    return one_device + m.n_layers * sum(a + b for a, b in rerun.values()) + whole_reruns

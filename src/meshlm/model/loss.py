@@ -83,12 +83,24 @@ def _merge(a: jax.Array) -> jax.Array:
     return jnp.moveaxis(a, 0, 2).reshape(b, tc * n, *a.shape[3:])
 
 
+def _whole(run: Callable, x, w, t, m, with_w: bool):
+    return run(x, w, t, m)
+
+
 def chunked_output_loss(
-    project: Callable, x_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array | None, chunks: int
+    project: Callable,
+    x_btd: jax.Array,
+    w: jax.Array,
+    targets_bt: jax.Array,
+    mask_bt: jax.Array | None,
+    chunks: int,
+    split: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`cross_entropy_sum(project(x_btd, w), targets_bt, mask_bt)` over `chunks` token chunks:
     `project(x [b, t/n, d], w)` gives a chunk's fp32 logits. Its gradients are formed chunk by chunk in
-    the forward pass (the weight's only when w is differentiated: LoRA's frozen output layer gets none)."""
+    the forward pass (the weight's only when w is differentiated: LoRA's frozen output layer gets none).
+    `split(run, x, w, t, m, with_w)` runs that loop on each device's own tokens and sums its results over
+    the devices once (`collectives.over_tokens`); None runs it as is."""
     mask, w_dtype = None if mask_bt is None else mask_bt.astype(jnp.float32), w.dtype
     chunked = lambda x, t, m: (_split(x, chunks), _split(t, chunks), None if m is None else _split(m, chunks))
 
@@ -103,19 +115,21 @@ def chunked_output_loss(
     def forward(x, w, t, m):  # symbolic zeros: `.perturbed` says whether the weight needs a gradient
         with_w, w = w.perturbed, w.value
 
-        def body(carry, chunk):
-            total, dw = carry
-            xj, tj, mj = chunk
-            logits, vjp = jax.vjp(project, xj, w) if with_w else jax.vjp(lambda a: project(a, w), xj)
-            nll, res = _nll_sum_fwd(logits, tj, mj)
-            grads = vjp(_nll_sum_bwd(res, jnp.ones((), jnp.float32))[0])
-            return (total + nll, dw + grads[1].astype(jnp.float32) if with_w else dw), grads[0]
+        def run(x, w, t, m):  # -> (summed loss, dx, summed dw or None)
+            def body(carry, chunk):
+                total, dw = carry
+                xj, tj, mj = chunk
+                logits, vjp = jax.vjp(project, xj, w) if with_w else jax.vjp(lambda a: project(a, w), xj)
+                nll, res = _nll_sum_fwd(logits, tj, mj)
+                grads = vjp(_nll_sum_bwd(res, jnp.ones((), jnp.float32))[0])
+                return (total + nll, dw + grads[1].astype(jnp.float32) if with_w else dw), grads[0]
 
-        dw0 = jnp.zeros(w.shape, jnp.float32) if with_w else None
-        (total, dw), dx = jax.lax.scan(
-            body, (jnp.zeros((), jnp.float32), dw0), chunked(x.value, t.value, m and m.value)
-        )
-        return total, (_merge(dx), dw)
+            dw0 = jnp.zeros(w.shape, jnp.float32) if with_w else None
+            (total, dw), dx = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dw0), chunked(x, t, m))
+            return total, _merge(dx), dw
+
+        total, dx, dw = (split or _whole)(run, x.value, w, t.value, m and m.value, with_w)
+        return total, (dx, dw)
 
     def backward(res, g):
         dx, dw = res

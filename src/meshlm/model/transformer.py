@@ -27,7 +27,7 @@ from meshlm.model.blockwise import blockwise_attention
 from meshlm.model.loss import chunked_output_loss, cross_entropy_sum
 from meshlm.model.params import param_specs
 from meshlm.parallel import remat
-from meshlm.parallel.collectives import column_parallel, row_parallel, vocab_parallel_embed
+from meshlm.parallel.collectives import column_parallel, over_tokens, row_parallel, vocab_parallel_embed
 from meshlm.parallel.context import context_attention
 from meshlm.parallel.rules import Layout, constrain
 from meshlm.parallel.taps import Recorder, recording
@@ -490,18 +490,18 @@ def logits(
     params: dict, x_btd: jax.Array, cfg: ModelConfig, layout: Layout | None = None, remat_policy: str = "elementwise"
 ):
     """Final norm and the vocabulary-parallel output layer: fp32 logits [b, t, v]."""
-    project, w_out = _output_layer(params, cfg, layout)
+    project, w_out, _ = _output_layer(params, cfg, layout)
     return project(_final_norm(params, x_btd, cfg, remat_policy), w_out)
 
 
 def output_loss(params: dict, x_btd, targets, mask, cfg: ModelConfig, layout=None, policy="elementwise", chunks=1):
     """(summed token loss, counted tokens) of `logits` and `loss.cross_entropy_sum`; with `chunks` > 1
-    (`remat.loss_chunks`) the output layer and loss run chunk by chunk (`loss.chunked_output_loss`), but
-    whole on a sequence the chunks do not split (eval at another length than training's)."""
+    (`remat.loss_chunks`) chunk by chunk on each device's tokens (`loss.chunked_output_loss`, reduced once:
+    `collectives.over_tokens`), but whole on a sequence the chunks do not split (eval at another length)."""
     if chunks == 1 or x_btd.shape[1] % chunks:
         return cross_entropy_sum(logits(params, x_btd, cfg, layout, policy), targets, mask)
-    project, w_out = _output_layer(params, cfg, layout)
-    return chunked_output_loss(project, _final_norm(params, x_btd, cfg, policy), w_out, targets, mask, chunks)
+    (project, w_out, w_axes), x_btd = _output_layer(params, cfg, layout), _final_norm(params, x_btd, cfg, policy)
+    return chunked_output_loss(project, x_btd, w_out, targets, mask, chunks, partial(over_tokens, layout, w_axes))
 
 
 def _final_norm(params: dict, x_btd, cfg: ModelConfig, remat_policy: str):
@@ -514,7 +514,7 @@ def _final_norm(params: dict, x_btd, cfg: ModelConfig, remat_policy: str):
 
 def _output_layer(params: dict, cfg: ModelConfig, layout):
     """(project(x, w) -> fp32 logits: the vocabulary-parallel output layer, w cast to the compute
-    dtype inside; the fp32 weight w)."""
+    dtype inside; the fp32 weight w; its logical axes)."""
     out_name, equation = ("wte", "btd,vd->btv") if cfg.tied_embeddings else ("lm_head", "btd,dv->btv")
     w_axes, flat, dtype = weight_axes(cfg)[out_name], not _context(layout), jnp.dtype(cfg.dtype)
 
@@ -526,7 +526,7 @@ def _output_layer(params: dict, cfg: ModelConfig, layout):
     def project(x_btd, w):
         return column_parallel(layout, unembed, x_btd, [w.astype(dtype)], [w_axes], (logits_axes,), RESIDUAL)[0]
 
-    return project, params[out_name]
+    return project, params[out_name], w_axes
 
 
 def forward(

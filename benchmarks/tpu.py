@@ -389,6 +389,12 @@ MEMORY_LAYOUTS = [
     ("fused", "elementwise", 32, 0, 0.0, 1),
     ("fused", "elementwise", 32, 0, 0.0, 16),
     ("fused", "elementwise", 8, 0, 0.0, 64),
+    # the layer-level policies' rerun layer (`step_peak.recomputed_layer_bytes`)
+    ("blockwise", "full", 32, 0, None, 16),
+    ("explicit", "full", 128, 0, None, 4),
+    ("blockwise", "dots", 32, 0, None, 16),
+    ("explicit", "dots", 128, 0, None, 4),
+    ("blockwise", "offload", 32, 0, None, 16),
 ]  # ("explicit", "selective", 32): XLA:TPU's compiler died of a stack overflow (SIGSEGV), 2026-12-07
 
 
@@ -418,7 +424,9 @@ def section_memory() -> dict:
         rec = {"planner GiB": plan.total_memory / GiB, "rejected": plan.rejected, "loss chunks": c.remat.loss_chunks}
         outside = accounting.activation_memory(c)["outside"]
         rec["planner's logits GiB"] = outside.get("logits", 0.0) / GiB
-        rec["planner's loss transients GiB"] = sum(transient_terms(c).values()) / GiB
+        terms = transient_terms(c)
+        rec["planner's recomputed layer GiB"] = terms.pop("recomputed layer", 0.0) / GiB
+        rec["planner's loss transients GiB"] = sum(terms.values()) / GiB
         try:
             layout = make_layout(c.parallel)
             specs, tx, shardings = setup(c, layout)

@@ -661,16 +661,20 @@ def test_context_parallelism_is_planned_inside_pipeline_stages():
 
 def test_deepseek_v3_plans_on_h800s_with_its_latent_cache_and_its_own_layout_beside():
     """A DeepSeek-V3 layout on 2048 H800s (the one `meshlm plan --recipe deepseek-v3 --devices 2048
-    --device h800` ranked first on 2026-12-05, BENCHMARKS.md; enumerating all 2.1M layouts takes
-    minutes, so this prices that one) fits 80 GiB at a plausible roofline MFU; the report states the
+    --device h800` ranked first on 2026-12-07, BENCHMARKS.md; enumerating all 2.8M layouts takes
+    minutes, so this prices that one) fits 80 GiB at a plausible roofline MFU, in 2 microbatches: in
+    one, `full`'s rerun layer (60 sequences' MoE dispatch buffers) does not fit; the report states the
     decoding cache (61 x (512 + 64) bf16 values per token) and DeepSeek's own layout, which meshlm
     cannot run."""
     cfg = recipes.get("deepseek-v3")
     par = ParallelConfig(data=4, fsdp=64, tensor=8, sequence_parallel=True, shard_optimizer=True)
     best = dataclasses.replace(cfg, parallel=par, remat=dataclasses.replace(cfg.remat, policy="full"))
     best = dataclasses.replace(best, model=dataclasses.replace(cfg.model, attention="blockwise"))
-    plan = planner.estimate(best, ACCELERATORS["h800"])
+    micro = lambda m: dataclasses.replace(best, train=dataclasses.replace(best.train, microbatches=m))
+    plan = planner.estimate(micro(2), ACCELERATORS["h800"])
     assert not plan.rejected and plan.total_memory < 80 * 2**30 and 0.10 < plan.mfu < 0.30
+    assert plan.cfg.remat.loss_chunks == 8
+    assert "needs 118.4 GiB > 80.0 GiB" in planner.estimate(micro(1), ACCELERATORS["h800"]).rejected
     assert plan_report.decoding_cache(cfg).startswith("decoding cache: 70,272 bytes per token (MLA's latent, 512 + 64")
     # 48 layers x 4 KV heads x (key + value) x 128 x 2 bytes
     want = "decoding cache: 98,304 bytes per token (keys and values of 4 KV heads, 1024 values per layer, bfloat16)"

@@ -8,15 +8,18 @@ themselves are still held (`loss._nll_sum_bwd`): a second copy at the step's pea
 chunk's logits and their gradient exist at a time, during the forward pass. (Both also make the
 output layer's weight gradient, as the step's own gradient does.) With k > 1 microbatches
 `step.gradients` adds each microbatch's fp32 gradient (sharded as the trainable weights) to the
-accumulator, which the planner's states count: the microbatch's is a second copy.
+accumulator, which the planner's states count: the microbatch's is a second copy. Under a layer-level
+policy (`full`, `dots`, `offload`) each layer's backward reruns its forward, whose activations live
+while it runs (`recomputed_layer_bytes`).
 Measured against the compiled step's peak on one TPU v5e in BENCHMARKS-history.md ("The loss in
 token chunks").
 """
 
 from __future__ import annotations
 
-from meshlm.accounting import dtype_bytes
+from meshlm.accounting import dtype_bytes, layer_activation_terms, layer_kinds
 from meshlm.config import RunConfig
+from meshlm.parallel.remat import POLICIES
 
 # the fewest tokens per device a planned chunk runs through the output layer, so that its GEMMs keep
 # their size: on one TPU v5e, 16 chunks of 1024 tokens ran at 0.992x the whole loss's step time
@@ -45,7 +48,24 @@ def transient_terms(cfg: RunConfig, trainable: float = 0.0) -> dict[str, float]:
         out["loss chunk (logits and gradient)"] = 2 * _logits_bytes(cfg) / chunks
     if cfg.train.microbatches > 1:
         out["microbatch gradient"] = 4 * trainable
+    if POLICIES[cfg.remat.policy].layer is not None:
+        out["recomputed layer"] = recomputed_layer_bytes(cfg)
     return out
+
+
+def recomputed_layer_bytes(cfg: RunConfig) -> float:
+    """A layer-level policy (`full`, `dots`, `offload`) reruns each layer's forward in its backward pass:
+    while that layer's backward runs, the activations `elementwise` would keep for it exist beside what
+    the policy stored (offload's dot outputs are back from the host by then). The largest kind of layer,
+    one microbatch, per device."""
+    par, t = cfg.parallel, cfg.train
+    b, s = t.global_batch // t.microbatches // par.batch_shards, t.seq_len // par.context
+    ulysses = par.context if par.context_strategy == "all_to_all" else 1
+    args = (s, b, par.tensor, par.sequence_parallel)
+    rest = (ulysses, par.expert, par.context > 1)
+    kept = lambda k, policy: sum(layer_activation_terms(k, *args, policy, *rest).values())
+    # offload's device terms are full's (its dot outputs are counted as host memory)
+    return max(kept(k, "elementwise") - kept(k, cfg.remat.policy) for k, _ in layer_kinds(cfg.model))
 
 
 def planned_loss_chunks(cfg: RunConfig) -> int:

@@ -6,6 +6,7 @@ mask, dropout, microbatches and LoRA's frozen output layer. Memory and FLOPs: te
 test_flops (no logits kept; no GEMM more than without chunks)."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -59,9 +60,9 @@ CASES = {  # (family, mesh, model changes, train changes)
         dict(tie_embeddings=True),
         {},
     ),
-    "llama bf16, data=2 x tensor=2 + SP": (
+    "llama bf16, fsdp=2 x tensor=2 + SP": (
         "llama",
-        dict(data=2, tensor=2, sequence_parallel=True),
+        dict(fsdp=2, tensor=2, sequence_parallel=True),
         dict(dtype="bfloat16"),
         {},
     ),
@@ -196,22 +197,29 @@ def _moves_data(line: str) -> bool:
 def test_a_split_batch_reduces_the_output_gradient_once_after_the_chunks(mesh, devices):
     """Each device loops over its own tokens' chunks (`collectives.over_tokens`), so the output layer's
     weight gradient is reduced once, outside the loop, as without chunks: on data=2 (GSPMD's layout) and
-    on fsdp=2 x tensor=2 + SP (a reduce-scatter, inside the tensor region's nesting). Left to GSPMD
-    (before over_tokens), XLA reduced the [d, v] gradient in the chunk loop's body, once per chunk."""
-    shapes = {f"f32[{d},{v}]" for d in (64, 32) for v in (256, 128)}  # tiny llama's lm_head [d, v] and its shards
+    on fsdp=2 x tensor=2 + SP (inside the tensor region's nesting). Left to GSPMD (before over_tokens), XLA
+    reduced the [d, v] gradient in the chunk loop's body, once per chunk; a reduce-scatter over fsdp in the
+    region made GSPMD all-gather the gradient over `tensor` first (more [d, v] bytes than without chunks)."""
+    shape = re.compile(r"f32\[(64|32),(256|128)\]")  # tiny llama's lm_head [d, v] and its shards
 
-    def reductions(chunks: int) -> list[str]:
+    def collectives(chunks: int) -> list[tuple[str, str, int]]:
+        """(computation, op, bytes) of each collective of a [d, v]-sized array that moves data."""
         cfg = validate(dataclasses.replace(tiny_config("llama", mesh), remat=RematConfig(loss_chunks=chunks)))
         layout, _, _, shardings, state = build(cfg)
         batch = random_batches(cfg, 1)[0]
         text = make_grad_step(cfg, layout, shardings.params).lower(state.params, batch, 0).compile().as_text()
-        found = []  # the computations (ENTRY or a loop body) that reduce a [d, v]-sized gradient
+        found = []
         for comp in text.split("\n\n"):
             for line in comp.split("\n"):
-                op = next((o for o in ("all-reduce(", "reduce-scatter(", "all-reduce-start(") if o in line), None)
-                if op and any(shape in line.split(op)[0] for shape in shapes) and _moves_data(line):
-                    found.append(comp.split("\n")[0].split()[0])
+                op = re.search(r" (all-reduce|reduce-scatter|all-gather)(-start)?\(", line)
+                sizes = [int(d) * int(v) * 4 for d, v in shape.findall(line[: op.start()])] if op else []
+                if sizes and _moves_data(line):
+                    found.append((comp.split("\n")[0].split()[0], op.group(1), sum(sizes)))
         return found
 
-    assert reductions(1) and set(reductions(1)) == {"ENTRY"}
-    assert set(reductions(4)) == {"ENTRY"}
+    once, chunked = collectives(1), collectives(4)
+    reduced = lambda found: [op for _, op, _ in found if op != "all-gather"]
+    assert reduced(once) and {c for c, _, _ in once} == {"ENTRY"}
+    assert {c for c, _, _ in chunked} == {"ENTRY"}  # nothing in the loop's body
+    assert len(reduced(chunked)) == len(reduced(once))  # as many (an unrolled loop's per-chunk ones would add)
+    assert sum(b for *_, b in chunked) <= sum(b for *_, b in once)

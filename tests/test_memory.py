@@ -150,17 +150,19 @@ def test_outside_terms_match_p2_section_4_3():
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_a_layer_level_policy_holds_its_rerun_layer_at_the_peak(sp):
-    """`full` reruns each layer's forward in its backward: beside the 2sbh(/t under SP) it stored, the
-    planner counts that layer's Table 2 'no recomputation' bytes less them (P2's formulas, explicit
-    attention with dropout); `offload` the same (its dot outputs are back on the device by then);
-    `dots` less (it stored those outputs); the policies that keep the layer's activations, nothing."""
+    """`full` reruns each layer's forward in its backward: beside its stored input (2sbh, /t under SP)
+    the planner counts that layer's Table 2 'no recomputation' bytes less the input; `offload` the same
+    (its dot outputs are back on the device by then); `dots` also less what it stored of them: Q, K, V
+    (2sbh/t each) and the GeLU's input (8sbh/t), by P2 4.1's per-tensor sizes (explicit attention with
+    dropout); the policies that keep the layer's activations, nothing."""
     from meshlm.insight.step_peak import recomputed_layer_bytes, transient_terms
 
     cfg = lambda policy: paper_config(2, T, sp, policy)
     kept = (34 / T if sp else 10 + 24 / T) + 5 * A * S / (H * T)  # Table 2, units of sbh bytes
-    assert recomputed_layer_bytes(cfg("full")) == pytest.approx(SBH * (kept - (2 / T if sp else 2)), rel=1e-12)
+    rerun_full = kept - (2 / T if sp else 2)
+    assert recomputed_layer_bytes(cfg("full")) == pytest.approx(SBH * rerun_full, rel=1e-12)
     assert transient_terms(cfg("offload"))["recomputed layer"] == recomputed_layer_bytes(cfg("full"))
-    assert 0 < recomputed_layer_bytes(cfg("dots")) < recomputed_layer_bytes(cfg("full"))
+    assert recomputed_layer_bytes(cfg("dots")) == pytest.approx(SBH * (rerun_full - 3 * 2 / T - 8 / T), rel=1e-12)
     for keeps_the_layer in ("elementwise", "selective"):
         assert "recomputed layer" not in transient_terms(cfg(keeps_the_layer))
 

@@ -185,12 +185,11 @@ def estimate(
         plan.cfg = cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, loss_chunks=k))  # no logits
         plan.memory = _memory_parts(cfg, own, pipeline, interleave, bytes_per_param)
     if plan.total_memory > limit:
-        act = plan.memory["activations"]
         states = sum(v for k, v in plan.memory.items() if k.startswith(("parameters", "optimizer")))
-        plan.rejected = (
-            f"needs {plan.total_memory / GiB:.1f} GiB > {limit / GiB:.1f} GiB "
-            f"(activations {act / GiB:.1f} GiB, states {states / GiB:.1f} GiB)"
-        )
+        most = max(((v, k) for k, v in plan.memory.items() if not k.startswith(("activ", "param", "optim"))), default=0)
+        parts = [("activations", plan.memory["activations"]), ("states", states), *([most[::-1]] if most else [])]
+        listed = ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in parts)  # and the largest other: it may not fit
+        plan.rejected = f"needs {plan.total_memory / GiB:.1f} GiB > {limit / GiB:.1f} GiB ({listed})"
         if not time_unfit:
             return plan
     plan.time = _roofline_parts(cfg, device, own, pipeline, interleave)

@@ -53,19 +53,26 @@ def transient_terms(cfg: RunConfig, trainable: float = 0.0) -> dict[str, float]:
     return out
 
 
+# what a layer-level policy stores, by the name of the `elementwise` term for the same tensor
+_STORED_AS = {"layer_input": "norm1_input", "fc1_out": "gelu_input"}
+
+
 def recomputed_layer_bytes(cfg: RunConfig) -> float:
     """A layer-level policy (`full`, `dots`, `offload`) reruns each layer's forward in its backward pass:
-    while that layer's backward runs, the activations `elementwise` would keep for it exist beside what
-    the policy stored (offload's dot outputs are back from the host by then). The largest kind of layer,
-    one microbatch, per device."""
+    while that layer's backward runs, the activations `elementwise` would keep for it exist, less those
+    the policy stored (its layer input; `dots`' matmul outputs; offload's are back from the host by
+    then, and its device terms are full's). The largest kind of layer, one microbatch, per device."""
     par, t = cfg.parallel, cfg.train
     b, s = t.global_batch // t.microbatches // par.batch_shards, t.seq_len // par.context
     ulysses = par.context if par.context_strategy == "all_to_all" else 1
     args = (s, b, par.tensor, par.sequence_parallel)
     rest = (ulysses, par.expert, par.context > 1)
-    kept = lambda k, policy: sum(layer_activation_terms(k, *args, policy, *rest).values())
-    # offload's device terms are full's (its dot outputs are counted as host memory)
-    return max(kept(k, "elementwise") - kept(k, cfg.remat.policy) for k, _ in layer_kinds(cfg.model))
+
+    def rerun(kind) -> float:
+        stored = {_STORED_AS.get(n, n) for n in layer_activation_terms(kind, *args, cfg.remat.policy, *rest)}
+        return sum(v for n, v in layer_activation_terms(kind, *args, "elementwise", *rest).items() if n not in stored)
+
+    return max(rerun(k) for k, _ in layer_kinds(cfg.model))
 
 
 def planned_loss_chunks(cfg: RunConfig) -> int:

@@ -500,8 +500,8 @@ def output_loss(params: dict, x_btd, targets, mask, cfg: ModelConfig, layout=Non
     `collectives.over_tokens`), but whole on a sequence the chunks do not split (eval at another length)."""
     if chunks == 1 or x_btd.shape[1] % chunks:
         return cross_entropy_sum(logits(params, x_btd, cfg, layout, policy), targets, mask)
-    (project, w_out, w_axes), x_btd = _output_layer(params, cfg, layout), _final_norm(params, x_btd, cfg, policy)
-    return chunked_output_loss(project, x_btd, w_out, targets, mask, chunks, partial(over_tokens, layout, w_axes))
+    (project, w_out, split), x_btd = _output_layer(params, cfg, layout), _final_norm(params, x_btd, cfg, policy)
+    return chunked_output_loss(project, x_btd, w_out, targets, mask, chunks, split)
 
 
 def _final_norm(params: dict, x_btd, cfg: ModelConfig, remat_policy: str):
@@ -514,7 +514,7 @@ def _final_norm(params: dict, x_btd, cfg: ModelConfig, remat_policy: str):
 
 def _output_layer(params: dict, cfg: ModelConfig, layout):
     """(project(x, w) -> fp32 logits: the vocabulary-parallel output layer, w cast to the compute
-    dtype inside; the fp32 weight w; its logical axes)."""
+    dtype inside; the fp32 weight w; `over_tokens` for it, `loss.chunked_output_loss`'s `split`)."""
     out_name, equation = ("wte", "btd,vd->btv") if cfg.tied_embeddings else ("lm_head", "btd,dv->btv")
     w_axes, flat, dtype = weight_axes(cfg)[out_name], not _context(layout), jnp.dtype(cfg.dtype)
 
@@ -526,7 +526,7 @@ def _output_layer(params: dict, cfg: ModelConfig, layout):
     def project(x_btd, w):
         return column_parallel(layout, unembed, x_btd, [w.astype(dtype)], [w_axes], (logits_axes,), RESIDUAL)[0]
 
-    return project, params[out_name], w_axes
+    return project, params[out_name], partial(over_tokens, layout)
 
 
 def forward(

@@ -74,32 +74,27 @@ def manual_region(layout: Layout, fn, in_specs, out_specs, axes: set[str] | None
     )
 
 
-def over_tokens(layout: Layout | None, w_axes: Sequence[str | None], fn: Callable, x_btd, w, t_bt, m_bt, with_w: bool):
+def over_tokens(layout: Layout | None, fn: Callable, x_btd, w, t_bt, m_bt, with_w: bool):
     """`fn(x, w, t, m)` -> (summed loss, dx, summed dw if `with_w`) on each device's own tokens: manual over
     the mesh axes that split them (the batch axes and `context`; those an outer region, a pipeline stage,
     left automatic), so that what `fn` sums in a loop over token chunks is summed over the devices once,
-    after it: the loss by a psum, dw by a reduce-scatter over the axes its storage splits it on (fsdp) and
-    an all-reduce over the rest. (Left to GSPMD, the loop reduced dw in every iteration.) `m` may be None."""
+    after it, by one all-reduce each, the same collective as the unchunked layer's weight gradient (left to
+    GSPMD, the loop reduced dw in every iteration; a psum_scatter over fsdp here made GSPMD all-gather dw
+    over `tensor` first). The weight enters whole over these axes, gathered as for any matmul. `m` may be None."""
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     free = lambda logical: tuple(a for a in layout.mesh_axes(logical) if a not in manual) if layout else ()
     batch, seq = free(ax.BATCH), free(ax.SEQ)
     if not batch + seq:  # one device, or inside a region already manual over them (a pipeline stage)
         return fn(x_btd, w, t_bt, m_bt)
-    axes, w_spec = (*batch, *seq), region_weight_spec(layout, w_axes, keep=(*batch, *seq))
-    split = [(dim, part_names(part)) for dim, part in enumerate(w_spec) if part_names(part)]
-    rest = tuple(a for a in axes if all(a not in names for _, names in split))
-    tokens = P(as_part(batch), as_part(seq))
+    axes, tokens = (*batch, *seq), P(as_part(batch), as_part(seq))
 
     def local(x, w, t, *m):
         total, dx, dw = fn(x, w, t, m[0] if m else None)
-        for dim, names in split if with_w else ():
-            dw = jax.lax.psum_scatter(dw, names, scatter_dimension=dim, tiled=True)
-        dw = jax.lax.psum(dw, rest) if with_w and rest else dw
-        return (jax.lax.psum(total, axes), dx) + ((dw,) if with_w else ())
+        return (jax.lax.psum(total, axes), dx) + ((jax.lax.psum(dw, axes),) if with_w else ())
 
     masks = () if m_bt is None else (m_bt,)
     specs = (P(*tokens, None), P(), tokens) + ((tokens,) if masks else ())
-    region = manual_region(layout, local, specs, (P(), P(*tokens, None)) + ((w_spec,) if with_w else ()), set(axes))
+    region = manual_region(layout, local, specs, (P(), P(*tokens, None)) + ((P(),) if with_w else ()), set(axes))
     out = region(x_btd, w, t_bt, *masks)
     return out if with_w else (*out, None)
 

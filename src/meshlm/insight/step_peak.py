@@ -17,7 +17,7 @@ token chunks").
 
 from __future__ import annotations
 
-from meshlm.accounting import dtype_bytes, layer_activation_terms, layer_kinds
+from meshlm.accounting import activation_memory, dtype_bytes
 from meshlm.config import RunConfig
 from meshlm.parallel.remat import POLICIES
 
@@ -61,18 +61,14 @@ def recomputed_layer_bytes(cfg: RunConfig) -> float:
     """A layer-level policy (`full`, `dots`, `offload`) reruns each layer's forward in its backward pass:
     while that layer's backward runs, the activations `elementwise` would keep for it exist, less those
     the policy stored (its layer input; `dots`' matmul outputs; offload's are back from the host by
-    then, and its device terms are full's). The largest kind of layer, one microbatch, per device."""
-    par, t = cfg.parallel, cfg.train
-    b, s = t.global_batch // t.microbatches // par.batch_shards, t.seq_len // par.context
-    ulysses = par.context if par.context_strategy == "all_to_all" else 1
-    args = (s, b, par.tensor, par.sequence_parallel)
-    rest = (ulysses, par.expert, par.context > 1)
+    then, and its device terms are full's). The larger kind of layer, one microbatch, per device."""
+    stored, rerun = (activation_memory(cfg, policy=p) for p in (cfg.remat.policy, "elementwise"))
 
-    def rerun(kind) -> float:
-        stored = {_STORED_AS.get(n, n) for n in layer_activation_terms(kind, *args, cfg.remat.policy, *rest)}
-        return sum(v for n, v in layer_activation_terms(kind, *args, "elementwise", *rest).items() if n not in stored)
+    def new(kept: dict, all_of_them: dict) -> float:
+        names = {_STORED_AS.get(n, n) for n in kept}
+        return sum(v for n, v in all_of_them.items() if n not in names)
 
-    return max(rerun(k) for k, _ in layer_kinds(cfg.model))
+    return max(new(stored[k], rerun[k]) for k in ("per_layer", "dense_per_layer"))  # MoE's, a dense one's
 
 
 def planned_loss_chunks(cfg: RunConfig) -> int:

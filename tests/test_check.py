@@ -346,3 +346,15 @@ def test_the_matrix_goes_on_from_its_journal_after_a_crash(monkeypatch, tmp_path
     assert compat.main(["--write", "--out", str(out)]) == 0
     assert checked == ["data=1", "data=2", "data=2", "data=3"]  # data=1 came from the journal
     assert out.read_text().count("| checked, 1.0e-07 (tol 1e-05) |") == 3
+
+
+@pytest.mark.parametrize("layers, stages, shrunk", [(8, 4, 8), (7, 4, 5), (11, 4, 7), (58, 16, 31)])
+def test_the_check_keeps_uneven_stages_uneven(layers, stages, shrunk):
+    """`check.shrink` cuts a pipeline to two layers a chunk (one where the chunks have one); where the
+    stages split the layers unevenly, the shrunk model does too (one pad slot), so the pads run."""
+    from meshlm.parallel.stage_layout import layer_slots
+
+    cfg = check.validate(_cfg("llama", f"model.n_layers={layers}", f"parallel.stage={stages}"))
+    small = check.shrink(cfg)
+    assert small.model.n_layers == shrunk
+    assert (layer_slots(shrunk, stages) < 0).any() == bool(layers % stages)

@@ -140,9 +140,10 @@ def test_mla_mtp_moe_layouts_give_the_one_device_gradients(name, params, referen
     assert_same_as_one_device(grads(config(mesh, sp, policy, **model), params), reference(**model))
 
 
-# a dense first layer (run on stage 0 with the embedding), 4 MoE layers split over the stages and an
-# MTP module (with the loss on the last chunk), DeepSeek-V3's router with both balance losses on
-PIPELINED = dict(first_k_dense=1, mtp_depth=1, n_layers=5, moe_aux_loss_coef=1e-2, moe_seq_aux_loss_coef=1e-2)
+# a dense first layer (run on stage 0 with the embedding), 5 MoE layers split unevenly over the stages
+# (zb1: 2 + 3; interleaved: 1, 1, 2, 1 - pad slots on stage 0 and the last chunk) and an MTP module (with
+# the loss on the last chunk), DeepSeek-V3's router with both balance losses on
+PIPELINED = dict(first_k_dense=1, mtp_depth=1, n_layers=6, moe_aux_loss_coef=1e-2, moe_seq_aux_loss_coef=1e-2)
 
 
 def _with_micro(cfg: RunConfig, microbatches: int = 4) -> RunConfig:

@@ -616,7 +616,7 @@ def test_dropless_moe_under_context_parallelism_equals_one_device(context_refere
     "change, message",
     [
         (dict(parallel=ParallelConfig(stage=2), model=dict(dense_layers=(2,))), "dense layers among its MoE ones"),
-        (dict(parallel=ParallelConfig(stage=2), model=dict(first_k_dense=1)), "less the 1 dense first layers"),
+        (dict(parallel=ParallelConfig(stage=2), model=dict(first_k_dense=3)), "less the 3 dense first layers"),
         (
             dict(
                 parallel=ParallelConfig(stage=2, context=2, context_strategy="ring"),

@@ -448,9 +448,9 @@ def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
     assert {m["expert"] for m in meshes} == {1, 2, 4, 8}
     assert any(m["stage"] > 1 and m["expert"] > 1 for m in meshes)
     assert any(m["context"] > 1 and m["expert"] > 1 for m in meshes)
-    # DeepSeek-V3's 3 dense first layers run with the embedding: its 58 MoE layers split over 2 stages, not 4;
-    # dense layers among MoE ones (Qwen's decoder_sparse_step) get no pipeline
-    assert {m["stage"] for m in planner._meshes(recipes.get("deepseek-v3"), 64)} == {1, 2}
+    # DeepSeek-V3's 3 dense first layers run with the embedding: its 58 MoE layers split over up to 58 stages
+    # (unevenly but for 2); dense layers among MoE ones (Qwen's decoder_sparse_step) get no pipeline
+    assert {m["stage"] for m in planner._meshes(recipes.get("deepseek-v3"), 64)} == {1, 2, 4, 8, 16, 32}
     sparse_step = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_layer_step=2))
     assert all(m["stage"] == 1 for m in planner._meshes(sparse_step, 64))
     assert all(m["context"] == 1 for m in planner._meshes(recipes.get("moe-tiny"), 8))
@@ -720,3 +720,26 @@ def test_a_dense_prefix_and_mtp_are_priced_on_their_stages():
     assert both[pipeline_costs.FIRST_LAYERS] < 0.1 * both["compute"]
     flat = dataclasses.replace(cfg, parallel=dataclasses.replace(par, stage=1, data=4))
     assert not {pipeline_costs.FIRST_LAYERS, pipeline_costs.MTP_MODULES} & planner.estimate(flat, h800).time.keys()
+
+
+def test_uneven_stages_are_planned_with_their_pad_slots_priced():
+    """DeepSeek-V3's 58 MoE layers over 16 stages (its own PP16, with EP64): chunks of 3 and 4 layers,
+    each stage running 4 slots a microbatch - 6 pad slots in all. The planner enumerates stage counts
+    that do not divide the layers and prices the pads: 6/16 x (1 + b/f) x one MoE layer's forward
+    FLOPs, that count taken from two models one layer apart, on a stage's devices at the GEMM peak."""
+    from meshlm.insight import pipeline_costs
+
+    base = recipes.get("deepseek-v3")
+    par = ParallelConfig(stage=16, data=2, expert=64)
+    m, h800 = base.model, ACCELERATORS["h800"]
+    cfg = validate(dataclasses.replace(base, parallel=par))
+    flops = lambda n: accounting.forward_flops_per_step(
+        dataclasses.replace(cfg, model=dataclasses.replace(m, n_layers=n, mtp_depth=0))
+    )
+    want = (flops(62) - flops(61)) * (1 + pipeline_costs.backward_over_forward(cfg)) * 6 / 16
+    assert pipeline_costs.stage_extra_flops(cfg)[pipeline_costs.PAD_SLOTS] == pytest.approx(want)
+    seconds = planner.estimate(cfg, h800).time[pipeline_costs.PAD_SLOTS]
+    assert seconds == pytest.approx(want * 16 / (2048 * planner.device_peak(h800, cfg)))
+    assert {mesh["stage"] for mesh in planner._meshes(base, 2048)} == {1, 2, 4, 8, 16, 32}
+    even = dataclasses.replace(cfg, parallel=dataclasses.replace(par, stage=2, data=16))
+    assert pipeline_costs.PAD_SLOTS not in pipeline_costs.stage_extra_flops(even)

@@ -159,25 +159,47 @@ def test_zero_bubble_v(p, m):
         validate(dataclasses.replace(z, table=tuple(tuple(r) for r in t)))
 
 
-@pytest.mark.parametrize("name, v", [("1f1b", 1), ("interleaved", 3), ("zbv", 2)])
-def test_the_weights_are_regrouped_as_the_stages_hold_the_chunks(name, v):
+@pytest.mark.parametrize("name, v, layers", [("1f1b", 1, 8), ("interleaved", 3, 24), ("zbv", 2, 16), ("zbv", 2, 13)])
+def test_the_weights_are_regrouped_as_the_stages_hold_the_chunks(name, v, layers):
     """One statement of which chunks a stage holds (`Schedule.held_chunks`) serves the executor's
     layer ids; `stage_layout.regroup` puts each stage's weights there by a reshape, ZB-V's reversed
-    second arm and a transpose, and `_ungroup` undoes it: checked on layer numbers (p = 4, 2 layers
-    a chunk)."""
-    from meshlm.parallel.stage_layout import regroup, ungroup
+    second arm and a transpose, and `ungroup` undoes it: checked on layer numbers (p = 4, 2 layers
+    a chunk; 13 layers: uneven, their pad slots zero)."""
+    from meshlm.parallel.schedules import chunk_layers
+    from meshlm.parallel.stage_layout import layer_slots, regroup, ungroup
 
-    p, per_chunk = 4, 2
+    p = 4
     z = build(name, p, 8, v, "single" if name == "zbv" else "paired")
-    layers = np.arange(p * v * per_chunk)
-    grouped = np.asarray(regroup(layers, z, per_chunk))
+    layers_ = np.arange(1, layers + 1)  # layer j holds j + 1 (a pad slot 0)
+    slots = layer_slots(layers, p * v)
+    grouped = np.asarray(regroup(layers_, z, slots))
     chunks = {"1f1b": [[s] for s in range(p)], "interleaved": [[s, s + p, s + 2 * p] for s in range(p)]}
     chunks["zbv"] = [[s, 2 * p - 1 - s] for s in range(p)]
     assert [list(row) for row in z.held_chunks()] == chunks[name]
+    table = chunk_layers(layers, p * v)
     for s, held in enumerate(z.held_chunks()):
         for lc, c in enumerate(held):
-            assert list(grouped[s, lc]) == list(range(c * per_chunk, (c + 1) * per_chunk))
-    assert list(np.asarray(ungroup(grouped, z))) == list(layers)
+            assert list(grouped[s, lc]) == [j + 1 for j in table[c]] + [0] * (slots.shape[1] - len(table[c]))
+    assert list(np.asarray(ungroup(grouped, z, slots))) == list(layers_)
+
+
+def test_uneven_stages_put_their_pads_at_both_ends():
+    """`chunk_layers`: every layer once, in order; chunk sizes differ by at most one; the lighter
+    chunks are the first and the last, alternately inward (Megatron's lighter first and last
+    stages). DeepSeek-V3's 58 MoE layers over 16 stages, and 4 over 3."""
+    from meshlm.parallel.schedules import chunk_layers
+
+    assert [len(c) for c in chunk_layers(58, 16)] == [3, 3, 3] + [4] * 10 + [3, 3, 3]
+    assert chunk_layers(4, 3) == ((0,), (1, 2), (3,))
+    for layers in range(4, 40):
+        for chunks in range(1, layers + 1):
+            table = chunk_layers(layers, chunks)
+            assert [j for c in table for j in c] == list(range(layers))
+            sizes = [len(c) for c in table]
+            assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+            short = [i for i, n in enumerate(sizes) if n < max(sizes)]
+            ends = sorted(min(i, chunks - 1 - i) for i in short)  # distance from the nearer end
+            assert ends == [i // 2 for i in range(len(short))], (layers, chunks, sizes)
 
 
 def test_single_ticks_pictures():
@@ -322,8 +344,8 @@ def test_a_deadlocking_order_is_refused(monkeypatch):
 def test_schedules_that_cannot_run_are_refused(args, message):
     with pytest.raises(ScheduleError, match=message):
         check_sizes(*args)
-    with pytest.raises(ScheduleError, match="n_layers=10 does not split into stage x virtual_stages = 8"):
-        check_sizes("interleaved", 4, 8, 2, layers=10)
+    with pytest.raises(ScheduleError, match="n_layers=6 leaves a chunk of stage x virtual_stages = 8 without a layer"):
+        check_sizes("interleaved", 4, 8, 2, layers=6)
 
 
 def test_pictures():

@@ -513,7 +513,7 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
         "cotangent_inbox": grad_slots * slot,
     }
     if weight_slots:
-        per_chunk, rows = m.staged_layers / (par.stage * par.virtual_stages), e * t.seq_len * b / par.tensor
+        per_chunk, rows = -(-m.staged_layers // (par.stage * par.virtual_stages)), e * t.seq_len * b / par.tensor
         # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width):
         # the layer terms the stash of the elementwise policy keeps for them
         layer = layer_activation_terms(m, t.seq_len, b, par.tensor, par.sequence_parallel)
@@ -539,7 +539,8 @@ def activation_memory(
     is an MoE layer's, 'dense_per_layer' a dense one's, and 'layer_total' the mean per layer.
 
     'layers' without a pipeline: L x layer_total. With one, stage 0's: the microbatch-chunks it
-    holds at its peak (`pipeline_in_flight`) x L/(p v) layers each. Megatron's (an explicit
+    holds at its peak (`pipeline_in_flight`) x L/(p v) layers each (uneven stages: ceil, pads
+    stashed too). Megatron's (an explicit
     `pipeline`): P2's Eq. 5, L layers' worth (x (1 + (p-1)/(p v)) interleaved) when m > p. A run's
     own: interleaved the same; 1F1B in lockstep pairs (2p - 1)/p x L; GPipe m/p x L. A run's
     own pipeline (`parallel.stage`) lists its executor's buffers outside the layers; an explicit
@@ -565,7 +566,9 @@ def activation_memory(
     p = par.stage if pipeline is None else pipeline
     v = par.virtual_stages if pipeline is None else (interleave or 1)
     prefix = len(m.dense_layer_ids) if own else 0  # run with the embedding (docstring)
-    held = pipeline_in_flight(cfg, pipeline, interleave) * (m.staged_layers if own else m.n_layers) / (p * v)
+    # a chunk's slots: uneven stages' pads (`schedules.chunk_layers`) are stashed like layers
+    slots = -(-m.staged_layers // (p * v)) if own else m.n_layers / (p * v)
+    held = pipeline_in_flight(cfg, pipeline, interleave) * slots
     stashed = sum(per_layer.values()) if prefix else layer_total
     if own and par.pipeline_schedule in SPLIT:  # its weight slots hold the region inputs (outside)
         stashed -= sum(per_layer.get(k, 0.0) for k in REGION_INPUTS)

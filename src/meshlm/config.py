@@ -266,7 +266,7 @@ class ParallelConfig:
     after any kernel (`all_to_all`, Ulysses). `context_load_balance` (causal): rank i holds the
     sequence chunks i and 2c-1-i, so every rank does the same attention work (docs/long-sequences.md).
 
-    `stage` (pipeline parallelism) splits the layers into `stage` x `virtual_stages` equal chunks;
+    `stage` (pipeline parallelism) splits the layers into `stage` x `virtual_stages` chunks (uneven: pads);
     stage s holds chunks s, s+p, ... (`zbv`: s and 2p - 1 - s) and `train.microbatches` flow through them in the
     order of `pipeline_schedule` (docs/pipeline.md): `1f1b`, `interleaved` (with `virtual_stages`),
     `zb1` (zero bubble: the backward split into B and W, a third of 1F1B's bubble at equal costs

@@ -99,7 +99,10 @@ def shrink(cfg: RunConfig) -> RunConfig:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.stage > 1:  # two layers per pipeline chunk (the scan inside a chunk, its slicing), when it has two
         chunks = p.stage * p.virtual_stages  # (and a dense first layer, run with the embedding)
-        layers = chunks * min(2, m.staged_layers // chunks) + (1 if m.dense_layer_ids else 0)
+        layers = chunks * min(2, m.staged_layers // chunks)
+        if m.staged_layers % chunks:  # uneven stages stay uneven (a pad slot)
+            layers += 1 if layers == chunks else -1
+        layers += 1 if m.dense_layer_ids else 0
     else:  # a partial unroll stays partial; chained layers (unroll >= layers) stay chained
         layers = min(m.n_layers, m.scan_unroll + 1 if 1 < m.scan_unroll < m.n_layers else 2)
         # one layer of the first kind, then the other's scan: one more keeps its unroll partial

@@ -71,6 +71,7 @@ def backward_over_forward(cfg: RunConfig) -> float:
 
 FIRST_LAYERS = "dense first layers on stage 0"  # the planner's parts for `stage_extra_flops`
 MTP_MODULES = "MTP modules on the last stage"
+PAD_SLOTS = "pad slots of uneven stages"
 
 
 @per_flops_key
@@ -84,7 +85,9 @@ def stage_extra_flops(cfg: RunConfig) -> dict[str, float]:
     FLOPs (their layers' and output layers'). In lockstep the two stages' extras fall in the same
     ticks (a steady tick runs chunk 0 on stage 0 and the last chunk on the last stage), so the step
     pays the larger: the MTP part is what it adds beyond the dense layers' (absent when not more).
-    Both at the GEMM rate. {} without a pipeline."""
+    Stages of uneven layer counts (`schedules.chunk_layers`) run ceil(L/(pv)) slots a chunk on every
+    stage, pads (zero-weight layers) included: (pv ceil(L/(pv)) - L)/p x (1 + b/f) x a layer's forward
+    FLOPs. All at the GEMM rate. {} without a pipeline."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     if par.stage == 1:
         return {}
@@ -100,6 +103,13 @@ def stage_extra_flops(cfg: RunConfig) -> dict[str, float]:
         forward = accounting.forward_flops_per_step(cfg) - accounting.forward_flops_per_step(without)
         beyond = forward * (1 + ratio) * (1 - 1 / par.stage) - out.get(FIRST_LAYERS, 0.0)
         out |= {MTP_MODULES: beyond} if beyond > 0 else {}
+    chunks = par.stage * par.virtual_stages
+    pads = -(-m.staged_layers // chunks) * chunks - m.staged_layers
+    if pads:
+        one = dataclasses.replace(accounting.layer_kinds(m)[0][0], n_layers=1, mtp_depth=0)
+        logits = 2 * t.global_batch * t.seq_len * m.d_model * m.vocab_size
+        forward = accounting.forward_flops_per_step(dataclasses.replace(cfg, model=one)) - logits
+        out[PAD_SLOTS] = forward * (1 + ratio) * pads / par.stage
     return out
 
 

@@ -1,13 +1,11 @@
-"""Pipeline parallelism: 1F1B, interleaved 1F1B, zero bubble (zb1, ZB-V) and GPipe inside the
-one jitted train step.
+"""Pipeline parallelism: 1F1B, interleaved 1F1B, zero bubble (zb1, ZB-V) and GPipe in the jitted step.
 
 The schedule is data (`parallel.schedules`): a static table of (tick, stage) -> a cell holding at
 most one backward and one forward (paired ticks) or one action (single ticks). `slots.tables`
 turns it into integer arrays - what each stage does at each tick, which buffer slot it reads and
-writes - and `pipeline_gradients` runs them: one `lax.scan` over ticks inside a `shard_map` manual over the
-`stage` axis and the batch axes. Tensor, context and sequence parallelism stay what they are
-inside each stage (GSPMD plus the tensor-parallel and context regions, which nest: manual over
-the axes the stage left automatic).
+writes - and `pipeline_gradients` runs them: one `lax.scan` over ticks inside a `shard_map` manual over
+`stage` and the batch axes. Tensor, context and sequence parallelism stay what they are inside each
+stage (GSPMD plus the tensor-parallel and context regions, nested: manual over the axes left automatic).
 
 Each tick (`_Stage.tick`) every device runs its cell's backward phase, sends the cotangent to the
 previous stage, runs its forward phase, sends the activation to the next stage. With single ticks
@@ -29,13 +27,13 @@ stage's one message, and chunk p - 1 hands its output to chunk p on the same sta
 Each phase is a `lax.cond` (`_Stage.phase`; with the ring inside, masked), gradients added inside
 the branch that makes them; the two `ppermute`s are entered by every device on every tick, outside
 any branch (what an idle stage sends lands in a spare slot). Buffers are slot arrays sized by the table
-(`parallel.slots`). Gradients are summed over the batch axes once, after the loop. The stacked
-layer axis [L, ...] is sharded over `stage` in contiguous blocks (checkpoints do not depend on the
-pipeline) and regrouped in the step to [p, v, L/(pv), ...] (`stage_layout.regroup`); the embeddings and
-output layer are stored split over fsdp x stage. An MoE model's dense first layers (`model.first_k_dense`)
-run on the first chunk with the embedding, recomputed in its backward (`_Stage.embed`); the other
-layers split over the stages. Dropout draws at each element's global position,
-microbatch i from fold_in(key, i), as `step.gradients` does (docs/pipeline.md).
+(`parallel.slots`). Gradients are summed over the batch axes once, after the loop. The layers [L, ...]
+are regrouped to [p, v, c, ...] (`stage_layout`: c = L/(pv); uneven: ceil, with identity pad slots
+whose RouterStats and their cotangent `routed` zeroes);
+the embeddings and output layer are stored split over fsdp x stage. An MoE model's dense first layers
+(`model.first_k_dense`) run on the first chunk with the embedding, recomputed in its backward
+(`_Stage.embed`). Dropout draws at each element's global position, microbatch i from fold_in(key, i),
+as `step.gradients` does (docs/pipeline.md).
 """
 
 from __future__ import annotations
@@ -45,6 +43,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
@@ -76,10 +75,10 @@ class Carry(NamedTuple):
     act: jax.Array  # [act_slots, b, s, d]: activations arrived, not yet forwarded
     grad: jax.Array  # [grad_slots, b, s, d]: cotangents arrived (or made by the loss), not yet backwarded
     stash: list  # per residual leaf the forward keeps: [stash_slots, ...], one slot per microbatch-chunk in flight
-    w_in: list  # zb1, ZB-V: per region input: [weight_slots, L/(pv), ...], the forwards' inputs for W
-    w_grad: list  # zb1, ZB-V: per region output: [weight_slots, L/(pv), ...], B's output gradients for W
+    w_in: list  # zb1, ZB-V: per region input: [weight_slots, c, ...], the forwards' inputs for W
+    w_grad: list  # zb1, ZB-V: per region output: [weight_slots, c, ...], B's output gradients for W
     w_in_next: tuple | None  # zb1, ZB-V: (slot, region inputs) of the last forward, written next tick
-    g_layers: dict  # the stage's chunk weight gradients [v, L/(pv), ...], accumulated in the phases
+    g_layers: dict  # the stage's chunk weight gradients [v, c, ...], accumulated in the phases
     g_top: list  # the trained leaves' gradients of the other weights (`params.partition`; embeddings, prefix, MTP)
     loss: jax.Array  # summed token loss of the microbatches whose last chunk ran here
     count: jax.Array  # their counted tokens
@@ -92,14 +91,16 @@ class _Stage:
     shapes, the chunk weights of this stage, the residuals' structure) and the phases as methods.
     Built inside the `shard_map` body, so `stage` is this device's stage index."""
 
-    def __init__(self, cfg: RunConfig, layout: Layout, tab, local, top, micro, key, idle_fill: float, tokens=None):
+    def __init__(self, cfg: RunConfig, layout: Layout, tab, local, top, micro, key, idle_fill: float, tokens, ids):
         self.cfg, self.layout, self.tab, self.idle_fill = cfg, layout, tab, idle_fill
         self.local, self.top, self.micro, self.key = local, top, micro, key
         self.moe, self.tokens = cfg.model.moe, tokens  # MoE: each microbatch's counted tokens [m]
         self.p, self.m = cfg.parallel.stage, cfg.train.microbatches
         self.prefix = len(cfg.model.dense_layer_ids)  # dense first layers, run with the embedding
         self.depth = cfg.model.mtp_depth  # MTP modules, run with the loss on the last chunk
-        self.per_chunk = cfg.model.staged_layers // (self.p * cfg.parallel.virtual_stages)
+        slots = sl.layer_slots(cfg.model.staged_layers, self.p * cfg.parallel.virtual_stages)
+        self.per_chunk, self.routed = slots.shape[1], sl.routed if (slots < 0).any() else lambda st, _: st
+        self.layer_ids = ids  # [v, c] the layer ids of this stage's chunks, -1 a pad (`sl.layer_ids`)
         self.dtype = jnp.dtype(cfg.model.dtype)
         self.policy_chunks = cfg.remat.policy, cfg.remat.loss_chunks  # the output layer and loss (`output_loss`)
         b, s_len = micro["inputs"].shape[1:3]
@@ -161,9 +162,8 @@ class _Stage:
         return self.key if self.m == 1 else jax.random.fold_in(self.key, i)
 
     def context(self, micro_i, chunk):
-        """The microbatch, its dropout key and the global layer ids of this stage's local chunk."""
-        first = jnp.asarray(self.tab.held, jnp.int32)[self.stage, chunk] * self.per_chunk + self.prefix
-        ids = first + jnp.arange(self.per_chunk)
+        """The microbatch, its dropout key and the global layer ids of this stage's local chunk (-1: a pad slot)."""
+        ids = _take(self.layer_ids, chunk)
         return jax.tree.map(lambda a: _take(a, micro_i), self.micro), self.mb_key(micro_i), ids
 
     def embed(self, top, mb, k):
@@ -303,8 +303,8 @@ class _Stage:
         the cotangent of the chunk's router statistics (`stats_cotangent`)."""
 
         def run(live):
-            mb, k, _ = self.context(r["b_micro"], r["b_chunk"])
-            cot = (self.resid(dy), self.stats_cotangent(r["b_micro"], moe_in))
+            mb, k, ids = self.context(r["b_micro"], r["b_chunk"])
+            cot = (self.resid(dy), self.routed(self.stats_cotangent(r["b_micro"], moe_in), ids))
             dw, dx, *taps = self.rebuilt_vjp(res, r["b_chunk"])(cot)
             lc = r["b_chunk"]
             acc = self.accumulate(g_layers, lc, dw, live)
@@ -356,6 +356,7 @@ class _Stage:
             x = jax.lax.cond(first, lambda: self.resid(self.embed(self.top, mb, k)), lambda: self.resid(x_in))
             w = self.chunk_weights(r["f_chunk"])
             y, stats, vjp_fn, w_where, inputs = self.vjp_parts(w, x, k, ids, mb.get("segment_ids"))
+            stats = self.routed(stats, ids)
             inputs = [a.astype(b.dtype) for a, b in zip(inputs, self.w_inputs, strict=True)] if self.split else []
 
             def with_loss():
@@ -536,7 +537,8 @@ def pipeline_gradients(
     schedule = schedule_for(cfg)
     tab = tables(schedule)
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
-    regroup = partial(sl.regroup, schedule=schedule, per_chunk=cfg.model.staged_layers // (p * v))
+    slots = sl.layer_slots(cfg.model.staged_layers, p * v)
+    regroup = partial(sl.regroup, schedule=schedule, slots=slots)
     specs = param_specs(cfg.model)
     # Gathered once per step (not once per tick), their gradients summed after the loop and sliced
     # back to the shards by the caller's constraint: each stage's layers over fsdp, and the other
@@ -562,9 +564,9 @@ def pipeline_gradients(
     top_in = sl.top_region_specs(layout, specs)  # whole, but MTP's experts (split over `expert`)
     top_out = partition(top_in, top_mask := trainable_mask(sl.top_specs(specs)))[0]  # the trained ones' gradients
 
-    def body(stacked, top, micro, tokens, key_arr=None):
-        local = jax.tree.map(lambda w: w[0], stacked)  # [v, L/(pv), ...]
-        stage = _Stage(cfg, layout, tab, local, top, micro, key_arr, idle_fill, tokens)
+    def body(stacked, top, micro, tokens, ids, key_arr=None):
+        local = jax.tree.map(lambda w: w[0], stacked)  # [v, c, ...]
+        stage = _Stage(cfg, layout, tab, local, top, micro, key_arr, idle_fill, tokens, ids[0])
         rows = jax.tree.map(jnp.asarray, tab.rows)
         c, _ = jax.lax.scan(stage.tick, stage.carry(), rows)
         total = lambda t: jax.lax.psum(t, (AXIS, *batch_axes))
@@ -576,19 +578,20 @@ def pipeline_gradients(
         stats = {n: jax.tree.map(lambda a: a[None, :m], s) for n, s in c.moe.items() if "stats" in n} if c.moe else None
         return *out, stats
 
-    args = (stacked, top, micro, tokens) + ((key,) if key is not None else ())
+    ids = jnp.asarray(sl.layer_ids(cfg, slots)[np.asarray(schedule.held_chunks())])  # [p, v, c]
+    args = (stacked, top, micro, tokens, ids) + ((key,) if key is not None else ())
     rows_split = P(None, batch_axes or None)  # every microbatch array is [m, b, ...]
     region = jax.shard_map(
         body,
         mesh=layout.mesh,
-        in_specs=({n: in_layers[n] for n in stacked}, top_in, rows_split, P()) + ((P(),) if key is not None else ()),
+        in_specs=({n: in_layers[n] for n in stacked}, top_in, rows_split, P(), P(AXIS)) + ((P(),) * (key is not None)),
         out_specs=({n: in_layers[n] for n in trained}, top_out, P(), P(), P(), sl.stats_specs(cfg, batch_axes)),
         axis_names={AXIS, *batch_axes},
         check_vma=False,
     )
     g_layers, g_top, loss_sum, count, mtp_sums, stats = region(*args)
 
-    ungroup = partial(sl.ungroup, schedule=schedule)
+    ungroup = partial(sl.ungroup, schedule=schedule, slots=slots)
     # frozen leaves (LoRA's base): zeros, constants in the returned tree, as `step.gradients` gives them
     layers = {n: ungroup(g_layers[n]) if n in g_layers else jnp.zeros_like(w) for n, w in params["layers"].items()}
     _, frozen, join = partition(sl.top_specs(params), top_mask)

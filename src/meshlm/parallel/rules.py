@@ -155,9 +155,9 @@ class Layout:
         """A parameter's storage sharding: `sharding`, except that `stage` is left off a dimension
         it does not divide (the embeddings' width is split over fsdp x stage where it divides - 1/p
         of them per device - and kept whole on every stage where it does not, e.g. d=20480 over 35
-        stages). The staged layer axis must divide (validation says so first); an MoE model's dense
-        first layers (`model.first_k_dense`), which every stage runs whole, take `stage` on their width
-        where it does not divide their count, as the embeddings do."""
+        stages). A layer axis `stage` does not divide - an MoE model's dense first layers
+        (`model.first_k_dense`), which every stage runs whole, or uneven stages' layers
+        (`schedules.chunk_layers`) - takes it on its width instead, as the embeddings do."""
         spec = self.spec(logical_axes)
         parts, homeless = [], False
         size = lambda names: math.prod(self.mesh.shape[n] for n in names)

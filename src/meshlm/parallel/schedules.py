@@ -246,11 +246,30 @@ def check_sizes(
             f"the interleaved schedule runs microbatches in groups of the stage count: train.microbatches="
             f"{microbatches} is not a multiple of stage={stages}"
         )
-    if layers is not None and layers % (stages * virtual):
+    if layers is not None and layers < stages * virtual:
         what = f"model.n_layers={layers + prefix}"
         if prefix:  # an MoE model's dense first layers run with the embedding
             what += f" less the {prefix} dense first layers (run with the embedding), {layers},"
-        raise ScheduleError(f"{what} does not split into stage x virtual_stages = {stages * virtual} equal chunks")
+        raise ScheduleError(f"{what} leaves a chunk of stage x virtual_stages = {stages * virtual} without a layer")
+
+
+def chunk_layers(layers: int, chunks: int) -> tuple[tuple[int, ...], ...]:
+    """Each pipeline chunk's layers (indices among the `layers` the stages split, in model order), by
+    global chunk. Every chunk has ceil(layers / chunks) slots. Where the chunks do not split the layers
+    evenly, the r = slots x chunks - layers chunks that hold one layer fewer (their last slot a pad,
+    run as the identity: `pipeline._Stage.context`) are the first and the last, alternately inward:
+    the first chunk's stage also embeds (and runs an MoE model's dense first layers), the last's the
+    output layer, the loss and MTP - Megatron's lighter first and last stages. DeepSeek-V3's 58 MoE
+    layers over 16 stages: 3, 3, 3, 4 x 10, 3, 3, 3."""
+    per = -(-layers // chunks)
+    ends = [j for pair in zip(range(chunks), range(chunks - 1, -1, -1), strict=True) for j in pair]
+    short = set(list(dict.fromkeys(ends))[: per * chunks - layers])  # first, last, second, last but one, ...
+    out, at = [], 0
+    for c in range(chunks):
+        n = per - (c in short)
+        out.append(tuple(range(at, at + n)))
+        at += n
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4096)

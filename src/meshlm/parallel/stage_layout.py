@@ -4,8 +4,13 @@ layers, which run with the embedding on the first chunk), and how the step's MoE
 counts come back from the stages.
 
 The stacked layer axis [L, ...] is stored split over `stage` in contiguous blocks (checkpoints do
-not depend on the pipeline) and regrouped in the step to [p, v, L/(pv), ...]: stage s holds the
-chunks `Schedule.held_chunks` names (a reshape, ZB-V's second arm reversed, a transpose)."""
+not depend on the pipeline) and regrouped in the step to [p, v, c, ...], c = L/(pv): stage s holds the
+chunks `Schedule.held_chunks` names (a reshape, ZB-V's second arm reversed, a transpose). Stages of
+uneven layer counts (`schedules.chunk_layers`: c = ceil(L/(pv)), pad slots in the lighter chunks)
+store the layer axis whole and `stage` on the weights' width (`Layout.param_sharding`), and the
+regroup fills the pad slots with zero weights: a pre-norm layer whose weights are all zero adds
+exactly zero to the residual stream (its output projections are zero), so a pad slot is the
+identity, and its input gradient passes through unchanged. Its routing statistics are dropped."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -21,7 +27,7 @@ from meshlm.config import RunConfig
 from meshlm.model import moe
 from meshlm.parallel.collectives import region_weight_spec
 from meshlm.parallel.rules import Layout, part_names
-from meshlm.parallel.schedules import Schedule
+from meshlm.parallel.schedules import Schedule, chunk_layers
 
 AXIS = "stage"
 PREFIX = "dense_layers"  # an MoE model's dense first layers (`model.first_k_dense`): with the embedding
@@ -54,7 +60,7 @@ def top_region_specs(layout: Layout, specs: dict) -> dict:
 
 
 def region_spec(layout: Layout, axes) -> P:
-    """A stacked weight [p, v, L/(pv), ...] (logical `axes`) entering the stage region, which is manual over `stage`
+    """A stacked weight [p, v, c, ...] (logical `axes`) entering the stage region, which is manual over `stage`
     and the batch axes: split over `stage`, and an MoE expert weight over `expert` (a batch axis
     too), so that each device holds its own experts, as the MoE region inside a layer expects."""
     return P(AXIS, None, None, *region_weight_spec(layout, axes[3:], ("expert",)))
@@ -66,20 +72,47 @@ def _v(arms: jax.Array, schedule: Schedule) -> jax.Array:
     return jnp.stack([arms[0], arms[1][::-1]]) if schedule.name == "zbv" else arms
 
 
-def regroup(w: jax.Array, schedule: Schedule, per_chunk: int) -> jax.Array:
-    """[L, ...] -> [p, v, L/(pv), ...], stage s's the chunks `Schedule.held_chunks` names: a reshape,
-    ZB-V's second arm reversed, a transpose (GSPMD moves it with permutes; no data moves at v = 1)."""
+def layer_slots(layers: int, chunks: int) -> np.ndarray:
+    """[chunks, c] the staged layer (index in params["layers"]) each chunk's slot holds, by global
+    chunk (`schedules.chunk_layers`); -1 a pad slot (uneven stages only)."""
+    table = chunk_layers(layers, chunks)
+    per = max(len(c) for c in table)
+    return np.array([[*c, *[-1] * (per - len(c))] for c in table], np.int32)
+
+
+def layer_ids(cfg: RunConfig, slots: np.ndarray) -> np.ndarray:
+    """[chunks, c] each chunk slot's layer id in the whole model (`layer_slots` after an MoE model's
+    dense first layers), -1 a pad slot."""
+    return np.where(slots >= 0, slots + len(cfg.model.dense_layer_ids), -1).astype(np.int32)
+
+
+def routed(stats, ids: jax.Array):
+    """A chunk's RouterStats, or their cotangent, with its pad slots' (`ids` < 0) zeroed: a pad
+    slot's zero-weight layer is the identity, but its router still picks experts."""
+    if stats is None:
+        return None
+    return jax.tree.map(lambda a: jnp.where((ids >= 0).reshape(-1, *[1] * (a.ndim - 1)), a, 0), stats)
+
+
+def regroup(w: jax.Array, schedule: Schedule, slots: np.ndarray) -> jax.Array:
+    """[L, ...] -> [p, v, c, ...], stage s's the chunks `Schedule.held_chunks` names: a reshape,
+    ZB-V's second arm reversed, a transpose (GSPMD moves it with permutes; no data moves at v = 1).
+    `slots`: `layer_slots`; its pads take zero weights (the identity)."""
     p, v = schedule.stages, schedule.virtual
-    return jnp.swapaxes(_v(w.reshape(v, p, per_chunk, *w.shape[1:]), schedule), 0, 1)
+    if (slots < 0).any():
+        flat = slots.reshape(-1)
+        w = jnp.concatenate([w, jnp.zeros_like(w[:1])])[np.where(flat >= 0, flat, w.shape[0])]
+    return jnp.swapaxes(_v(w.reshape(v, p, slots.shape[1], *w.shape[1:]), schedule), 0, 1)
 
 
-def ungroup(g: jax.Array, schedule: Schedule) -> jax.Array:
-    """`regroup`'s inverse: [p, v, L/(pv), ...] -> [L, ...]."""
-    return _v(jnp.swapaxes(g, 0, 1), schedule).reshape(-1, *g.shape[3:])
+def ungroup(g: jax.Array, schedule: Schedule, slots: np.ndarray) -> jax.Array:
+    """`regroup`'s inverse: [p, v, c, ...] -> [L, ...], the pad slots dropped."""
+    flat = _v(jnp.swapaxes(g, 0, 1), schedule).reshape(-1, *g.shape[3:])
+    return flat[np.flatnonzero(slots.reshape(-1) >= 0)] if (slots < 0).any() else flat
 
 
 def stats_specs(cfg: RunConfig, batch_axes: tuple[str, ...]) -> dict | None:
-    """How the stage region returns the MoE router statistics: the staged layers' [p, m, v, L/(pv), b,
+    """How the stage region returns the MoE router statistics: the staged layers' [p, m, v, c, b,
     ...] and the MTP modules' [p, m, D, b, ...], each stage's own; None for a dense model."""
     if not cfg.model.moe:
         return None
@@ -90,14 +123,15 @@ def stats_specs(cfg: RunConfig, batch_axes: tuple[str, ...]) -> dict | None:
 
 
 def moe_metrics(stats: dict | None, cfg: RunConfig, schedule: Schedule) -> dict:
-    """The step's MoE metrics from every stage's RouterStats (`stats`: [p, m, v, L/(pv), b, ...] of the
+    """The step's MoE metrics from every stage's RouterStats (`stats`: [p, m, v, c, b, ...] of the
     staged layers, MTP's [p, m, D, b, ...] of which the last chunk's stage holds the real ones), put
-    in layer order [m, L (+ D), b, ...] (layer (c p + s) L/(pv) + j, then the MTP modules'), as
+    in layer order [m, L (+ D), b, ...] (global chunk j p + s's slots in order, pads dropped, then MTP's), as
     `step.gradients` computes them; {} dense. ZB-V's V would reorder the layers: MoE refuses it."""
     if stats is None:
         return {}
-    m = schedule.microbatches
-    layer_major = lambda a: jnp.moveaxis(a, 0, 2).reshape(m, cfg.model.staged_layers, *a.shape[4:])
+    m, slots = schedule.microbatches, layer_slots(cfg.model.staged_layers, schedule.stages * schedule.virtual)
+    real = np.flatnonzero(slots.reshape(-1) >= 0)  # uneven stages: the pad slots' stats dropped
+    layer_major = lambda a: jnp.moveaxis(a, 0, 2).reshape(m, slots.size, *a.shape[4:])[:, real]
     layers = jax.tree.map(layer_major, stats["stats"])
     if "mtp_stats" in stats:
         chunks = schedule.stages * schedule.virtual

@@ -21,7 +21,7 @@ executor's time goes, compile time against m and p.
 The process runs under meshlm's host allocator settings (`meshlm.platform.host_memory`), as
 `meshlm train` does on CPU.
 
-    python benchmarks/pipeline.py [--rounds 5] [--write] [--ring] [--heap] [--memory]
+    python benchmarks/pipeline.py [--rounds 5] [--write] [--ring] [--heap] [--memory] [--uneven]
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ MICRO = 2  # sequences per microbatch
 SETTLE = 15  # untimed rounds at most, until the host heap stops growing (`median_step_seconds`)
 
 
-def config(m: int, mesh: dict, schedule: str = "1f1b", v: int = 1, ticks: str = "paired") -> RunConfig:
+def config(m: int, mesh: dict, schedule: str = "1f1b", v: int = 1, ticks: str = "paired", layers: int = 8) -> RunConfig:
     model = ModelConfig(
-        family="llama", vocab_size=4096, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=256
+        family="llama", vocab_size=4096, d_model=256, n_layers=layers, n_heads=8, n_kv_heads=4, max_seq_len=256
     )
     parallel = ParallelConfig(**mesh, pipeline_schedule=schedule, virtual_stages=v, pipeline_ticks=ticks)
     train = TrainConfig(global_batch=MICRO * m, microbatches=m, seq_len=256, steps=1000)
@@ -272,6 +272,27 @@ def ring_rows(rounds: int, m: int = 8) -> list[str]:
     return lines
 
 
+def uneven_rows(rounds: int, m: int = 8) -> list[str]:
+    """Uneven stages (docs/pipeline.md): 1F1B at p = 4 over 7 layers (chunks of 1, 2, 2, 2: every stage
+    runs 2 slots, stage 0's pad a zero-weight layer) and over 8, each against its own one-device
+    baseline in the same rounds. Predicted: the even ratio x 7/8 (the pad slot costs a layer; the
+    planner's "pad slots of uneven stages")."""
+    cfgs = {
+        f"{name}, {n} layers": config(m, mesh, layers=n)
+        for n in (7, 8)
+        for name, mesh in (("1 device", {}), ("1f1b stage=4", dict(stage=4)))
+    }
+    runs = {k: (c, make_layout(c.parallel, jax.devices()[: c.parallel.n_devices])) for k, c in cfgs.items()}
+    seconds = median_step_seconds(runs, rounds, settle=SETTLE)
+    ratio = {n: seconds[f"1 device, {n} layers"] / seconds[f"1f1b stage=4, {n} layers"] for n in (7, 8)}
+    head = "| layers (m = 8) | slots a stage | 1 device ms / microbatch | 1F1B stage=4 ms / microbatch | vs 1 device"
+    lines = [head + " | predicted |", "|---:|---:|---:|---:|---:|---:|"]
+    for n in (7, 8):
+        one, piped = (1e3 * seconds[f"{k}, {n} layers"] / m for k in ("1 device", "1f1b stage=4"))
+        lines.append(f"| {n} | 2 | {one:.1f} | {piped:.1f} | {ratio[n]:.2f}x | {ratio[8] * n / 8:.2f}x |")
+    return lines
+
+
 def heap_lines(schedule: str = "zb1", m: int = 8, steps: int = 40) -> list[str]:
     """One schedule alone at p = 4 for `steps` steps: per step its seconds, the fresh pages it
     faulted in and the process's resident memory - whether the host heap keeps growing."""
@@ -301,12 +322,16 @@ def main() -> None:
     ap.add_argument("--memory", action="store_true", help="print the compiled memory table only (nothing written)")
     ap.add_argument("--ring", action="store_true", help="the ring inside the stages only (section pipeline_ring)")
     ap.add_argument("--heap", action="store_true", help="zb1 alone for 40 steps: heap growth per step (printed)")
+    ap.add_argument("--uneven", action="store_true", help="1F1B over 7 layers and over 8 on 4 stages (printed)")
     args = ap.parse_args()
     if args.memory:
         print("\n".join(memory_rows()))
         return
     if args.heap:
         print("\n".join(heap_lines()))
+        return
+    if args.uneven:
+        print("\n".join(uneven_rows(args.rounds)))
         return
     if args.ring:
         flags = f"--ring --rounds {args.rounds}{' --write' if args.write else ''}"

@@ -260,7 +260,7 @@ def test_every_schedule_gives_the_one_device_gradients(family, schedule, layout,
     [
         ("llama", 6, "zb1", "stage4_tensor2", "elementwise", True),  # chunks of 1, 2, 2, 1 layers
         ("gpt", 7, "interleaved", "stage2_tensor2_data2+sp", "dots", False),  # 1, 2, 2, 2
-        ("gpt", 7, "zbv:single", "stage2_tensor2_data2+sp", "elementwise", False),  # stage 0: the 1 and the last 2
+        ("gpt", 7, "zbv:single", "stage2_fsdp2_tensor2", "elementwise", False),  # stage 0: the 1 and the last 2
     ],
 )
 def test_uneven_stages_give_the_one_device_gradients(family, layers, schedule, layout, policy, document_mask, params):
@@ -268,7 +268,8 @@ def test_uneven_stages_give_the_one_device_gradients(family, layers, schedule, l
     is a pad of zero weights, the identity. Raw gradients, loss and norm equal one device's model of
     the same layers (with layer 0's weights in the pads instead, every case fails)."""
     cut = dict(params[family], layers={n: w[:layers] for n, w in params[family]["layers"].items()})
-    piped = config(family, LAYOUTS[layout], schedule, policy=policy, layers=layers, document_mask=document_mask)
+    mesh = LAYOUTS.get(layout, dict(stage=2, fsdp=2, tensor=2))  # ZB-V: the weights stored over fsdp x stage
+    piped = config(family, mesh, schedule, policy=policy, layers=layers, document_mask=document_mask)
     assert (stage_layout.layer_slots(layers, piped.parallel.stage * piped.parallel.virtual_stages) < 0).any()
     key = (family, layers, document_mask)
     if key not in _REFERENCE:
@@ -555,6 +556,27 @@ def test_uneven_stages_stash_their_pad_slots():
     assert formula[8] - formula[4] > 4 * 2 * per_layer
     assert big - small == pytest.approx(formula[8] - formula[4], rel=0.05)
     assert big - small > 1.1 * (formula[8] - formula[4] - 4 * 2 * per_layer + 4 * 7 / 4 * per_layer)
+
+
+def test_uneven_stages_gather_their_own_chunks():
+    """6 layers over 4 stages x fsdp=2: the layer axis is stored whole, `stage` on the width, and
+    the step trades that split for the chunks' with one all_to_all over `stage` per weight, and the
+    gradients come back the same way (`stage_layout.regroup_stored`, `ungroup_stored`): no collective
+    of the compiled gradient step moves an array as long as the layer stack (6) or the padded one (8)
+    - GSPMD alone brought the gradients back as an all-reduce of the [6, d/2, ...] stacks."""
+    from meshlm.insight import hlo
+
+    cfg = tiny_config("llama", dict(stage=4, fsdp=2), n_layers=6, microbatches=4)
+    layout = make_layout(cfg.parallel, jax.devices()[:8])
+    shardings = state_shardings(param_specs(cfg.model), layout, optax.sgd(1.0)).params
+    assert shardings["layers"]["wq"].spec == P(None, ("fsdp", "stage"))
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), param_specs(cfg.model))
+    text = make_grad_step(cfg, layout, shardings).lower(abstract, abstract_batch(cfg, layout), 0).compile().as_text()
+    kinds = "all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
+    moved = [m.group(1) for m in re.finditer(rf"= (.*?) (?:{kinds})(?:-start)?\(", text)]
+    lengths = {d.split(",")[0] for t in moved for d in re.findall(r"f32\[([\d,]+)\]", t)}
+    assert lengths and not lengths & {"6", "8"}, lengths
+    assert hlo.collectives(text)["all-to-all"] >= 2 * len(shardings["layers"])  # each weight's, both ways
 
 
 def _with_micro(cfg: RunConfig, m: int) -> RunConfig:

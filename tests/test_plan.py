@@ -723,14 +723,16 @@ def test_a_dense_prefix_and_mtp_are_priced_on_their_stages():
 
 
 def test_uneven_stages_are_planned_with_their_pad_slots_priced():
-    """DeepSeek-V3's 58 MoE layers over 16 stages (its own PP16, with EP64): chunks of 3 and 4 layers,
-    each stage running 4 slots a microbatch - 6 pad slots in all. The planner enumerates stage counts
-    that do not divide the layers and prices the pads: 6/16 x (1 + b/f) x one MoE layer's forward
-    FLOPs, that count taken from two models one layer apart, on a stage's devices at the GEMM peak."""
+    """DeepSeek-V3's 58 MoE layers over 16 stages (its own PP16, here with EP32 x TP2): chunks of 3 and
+    4 layers, each stage running 4 slots a microbatch - 6 pad slots in all. The planner enumerates
+    stage counts that do not divide the layers and prices the pads: 6/16 x (1 + b/f) x one MoE
+    layer's forward FLOPs, that count taken from two models one layer apart, on a stage's devices at
+    the GEMM peak; their all_to_alls and tensor-parallel collectives as a 64-layer model's."""
     from meshlm.insight import pipeline_costs
+    from meshlm.model.moe_costs import expert_exchange_bytes
 
     base = recipes.get("deepseek-v3")
-    par = ParallelConfig(stage=16, data=2, expert=64)
+    par = ParallelConfig(stage=16, data=2, expert=32, tensor=2)
     m, h800 = base.model, ACCELERATORS["h800"]
     cfg = validate(dataclasses.replace(base, parallel=par))
     flops = lambda n: accounting.forward_flops_per_step(
@@ -740,6 +742,13 @@ def test_uneven_stages_are_planned_with_their_pad_slots_priced():
     assert pipeline_costs.stage_extra_flops(cfg)[pipeline_costs.PAD_SLOTS] == pytest.approx(want)
     seconds = planner.estimate(cfg, h800).time[pipeline_costs.PAD_SLOTS]
     assert seconds == pytest.approx(want * 16 / (2048 * planner.device_peak(h800, cfg)))
+    # the pads' collectives: as many as 64 MoE layers' (4 a stage, no pads) send, over tensor and expert
+    slots = validate(dataclasses.replace(base, parallel=par, model=dataclasses.replace(m, n_layers=67)))
+    assert expert_exchange_bytes(cfg, "gpu") == pytest.approx(expert_exchange_bytes(slots, "gpu"))
+    tp = lambda c: planner.estimate(c, h800).time["tensor-parallel collectives"]
+    assert tp(cfg) == pytest.approx(tp(slots)) and pipeline_costs.PAD_SLOTS not in planner.estimate(slots, h800).time
     assert {mesh["stage"] for mesh in planner._meshes(base, 2048)} == {1, 2, 4, 8, 16, 32}
     even = dataclasses.replace(cfg, parallel=dataclasses.replace(par, stage=2, data=16))
     assert pipeline_costs.PAD_SLOTS not in pipeline_costs.stage_extra_flops(even)
+    v3 = dataclasses.replace(even.parallel, pipeline_schedule="interleaved", virtual_stages=3)  # 6 chunks of 10: 2 pads
+    assert pipeline_costs.PAD_SLOTS in pipeline_costs.stage_extra_flops(dataclasses.replace(even, parallel=v3))

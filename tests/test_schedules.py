@@ -164,7 +164,7 @@ def test_the_weights_are_regrouped_as_the_stages_hold_the_chunks(name, v, layers
     """One statement of which chunks a stage holds (`Schedule.held_chunks`) serves the executor's
     layer ids; `stage_layout.regroup` puts each stage's weights there by a reshape, ZB-V's reversed
     second arm and a transpose, and `ungroup` undoes it: checked on layer numbers (p = 4, 2 layers
-    a chunk; 13 layers: uneven, their pad slots zero)."""
+    a chunk; 13 layers: uneven, their pad slots zero, but an MoE router's and its norm's layer 0's)."""
     from meshlm.parallel.schedules import chunk_layers
     from meshlm.parallel.stage_layout import layer_slots, regroup, ungroup
 
@@ -181,6 +181,8 @@ def test_the_weights_are_regrouped_as_the_stages_hold_the_chunks(name, v, layers
         for lc, c in enumerate(held):
             assert list(grouped[s, lc]) == [j + 1 for j in table[c]] + [0] * (slots.shape[1] - len(table[c]))
     assert list(np.asarray(ungroup(grouped, z, slots))) == list(layers_)
+    routers = np.asarray(regroup(layers_, z, slots, "w_router"))  # an MoE pad routes as layer 0 does
+    assert (routers[grouped == 0] == 1).all() and (routers[grouped > 0] == grouped[grouped > 0]).all()
 
 
 def test_uneven_stages_put_their_pads_at_both_ends():

@@ -74,7 +74,6 @@ MTP_MODULES = "MTP modules on the last stage"
 PAD_SLOTS = "pad slots of uneven stages"
 
 
-@per_flops_key
 def stage_extra_flops(cfg: RunConfig) -> dict[str, float]:
     """FLOPs per step that one stage runs beyond an even share of the step's, by part; time on that
     stage's devices: this x p / (devices x rate). A run's own pipeline runs on stage 0 an MoE model's
@@ -87,10 +86,35 @@ def stage_extra_flops(cfg: RunConfig) -> dict[str, float]:
     pays the larger: the MTP part is what it adds beyond the dense layers' (absent when not more).
     Stages of uneven layer counts (`schedules.chunk_layers`) run ceil(L/(pv)) slots a chunk on every
     stage, pads (zero-weight layers) included: (pv ceil(L/(pv)) - L)/p x (1 + b/f) x a layer's forward
-    FLOPs. All at the GEMM rate. {} without a pipeline."""
-    m, par, t = cfg.model, cfg.parallel, cfg.train
-    if par.stage == 1:
+    FLOPs (the pads' collectives: `pad_slots`). All at the GEMM rate. {} without a pipeline."""
+    if cfg.parallel.stage == 1:
         return {}
+    out = _prefix_and_mtp_flops(cfg)
+    if pads := pad_slots(cfg):
+        out = out | {
+            PAD_SLOTS: _layer_forward_flops(cfg) * (1 + backward_over_forward(cfg)) * pads / cfg.parallel.stage
+        }
+    return out
+
+
+def pad_slots(cfg: RunConfig) -> int:
+    """Uneven stages' pad slots (`schedules.chunk_layers`): p v ceil(L/(pv)) - L; each runs as a layer."""
+    chunks = cfg.parallel.stage * cfg.parallel.virtual_stages
+    return -(-cfg.model.staged_layers // chunks) * chunks - cfg.model.staged_layers
+
+
+@per_flops_key
+def _layer_forward_flops(cfg: RunConfig) -> float:
+    """One staged layer's forward FLOPs per step (an MoE model's: an MoE layer)."""
+    m, t = cfg.model, cfg.train
+    one = dataclasses.replace(accounting.layer_kinds(m)[0][0], n_layers=1, mtp_depth=0)
+    logits = 2 * t.global_batch * t.seq_len * m.d_model * m.vocab_size
+    return accounting.forward_flops_per_step(dataclasses.replace(cfg, model=one)) - logits
+
+
+@per_flops_key
+def _prefix_and_mtp_flops(cfg: RunConfig) -> dict[str, float]:
+    m, par, t = cfg.model, cfg.parallel, cfg.train
     ratio, out = backward_over_forward(cfg), {}
     if m.dense_layer_ids:
         dense = accounting.layer_kinds(m)[1][0]
@@ -103,13 +127,6 @@ def stage_extra_flops(cfg: RunConfig) -> dict[str, float]:
         forward = accounting.forward_flops_per_step(cfg) - accounting.forward_flops_per_step(without)
         beyond = forward * (1 + ratio) * (1 - 1 / par.stage) - out.get(FIRST_LAYERS, 0.0)
         out |= {MTP_MODULES: beyond} if beyond > 0 else {}
-    chunks = par.stage * par.virtual_stages
-    pads = -(-m.staged_layers // chunks) * chunks - m.staged_layers
-    if pads:
-        one = dataclasses.replace(accounting.layer_kinds(m)[0][0], n_layers=1, mtp_depth=0)
-        logits = 2 * t.global_batch * t.seq_len * m.d_model * m.vocab_size
-        forward = accounting.forward_flops_per_step(dataclasses.replace(cfg, model=one)) - logits
-        out[PAD_SLOTS] = forward * (1 + ratio) * pads / par.stage
     return out
 
 

@@ -34,6 +34,7 @@ from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ContextStrategy, ParallelConfig, RunConfig
 from meshlm.insight.attention_rates import attention_kernel, expert_kernel_rate
 from meshlm.insight.pipeline_costs import (
+    pad_slots,
     per_flops_key,
     pipeline_overhead,
     pipeline_schedules,
@@ -333,7 +334,7 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
     # a dense prefix on stage 0 alone, MTP modules on the last stage alone: beyond the even share
     out |= {part: flops * pipeline / (n * peak) for part, flops in stage_extra_flops(cfg).items()}
     if par.tensor > 1:
-        layers_here = accounting.attention_layers(m) / pipeline  # with MTP's
+        layers_here = (accounting.attention_layers(m) + pad_slots(cfg)) / pipeline  # with MTP's, pads
         out["tensor-parallel collectives"] = (
             t.microbatches * layers_here * tp_layer_bytes(cfg) / _link(device, par.tensor)
         )

@@ -339,7 +339,8 @@ def router_objective_share(
     z = stats.z_sum.sum() / (pairs / L) / L
     share = cfg.moe_aux_loss_coef * aux + cfg.moe_z_loss_coef * z
     if cfg.moe_seq_aux_loss_coef:
-        row_tokens = jnp.maximum(stats.counts.sum(axis=-1, keepdims=True) / k, 1.0)  # a pad slot's: 0 (`run_layers`)
+        # at least 1: a pipeline's pad slot has none (`stage_layout.routed`), a real row its tokens
+        row_tokens = jnp.maximum(stats.counts.sum(axis=-1, keepdims=True) / k, 1.0)
         seq = jnp.sum(E / k * stats.counts * stats.prob_sum / jnp.square(row_tokens)) / (L * rows)
         share += cfg.moe_seq_aux_loss_coef * seq
     return count * share

@@ -144,7 +144,9 @@ def expert_exchange_bytes(cfg: RunConfig, platform: str = "cpu") -> float:
         n = par.expert * b * s * m.experts_per_token
         rows = n // par.expert if EXCHANGE_OP[platform] == "ragged" else n
         per_layer = (6 if again else 4) * rows * m.d_model * e + (2 if again else 1) * n * 4
-    layers = len(m.moe_stat_layer_ids) / par.stage  # MTP's too; a pipeline stage's share
+    chunks = par.stage * par.virtual_stages  # uneven stages' pad slots exchange too (`schedules.chunk_layers`)
+    pads = -(-m.staged_layers // chunks) * chunks - m.staged_layers
+    layers = (len(m.moe_stat_layer_ids) + pads) / par.stage  # MTP's too; a pipeline stage's share
     return t.microbatches * layers * per_layer * (par.expert - 1) / par.expert
 
 

@@ -538,7 +538,7 @@ def pipeline_gradients(
     tab = tables(schedule)
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
     slots = sl.layer_slots(cfg.model.staged_layers, p * v)
-    regroup = partial(sl.regroup, schedule=schedule, slots=slots)
+    regroup = partial(sl.regroup_stored, schedule=schedule, slots=slots, layout=layout)
     specs = param_specs(cfg.model)
     # Gathered once per step (not once per tick), their gradients summed after the loop and sliced
     # back to the shards by the caller's constraint: each stage's layers over fsdp, and the other
@@ -547,7 +547,7 @@ def pipeline_gradients(
     # splits remain.
     keep = lambda w, axes: jax.lax.with_sharding_constraint(w, sl.kept(layout, axes))
     stacked_axes = {n: (ax.LAYERS, None, None, *specs["layers"][n].axes[1:]) for n in params["layers"]}
-    stacked = {n: keep(regroup(w), stacked_axes[n]) for n, w in params["layers"].items()}
+    stacked = {n: keep(regroup(w, n, specs["layers"][n]), stacked_axes[n]) for n, w in params["layers"].items()}
     top = {n: w for n, w in params.items() if n != "layers"}
     top = jax.tree.map(jax.lax.with_sharding_constraint, top, sl.top_shardings(layout, specs))
     micro = split_microbatches(batch, m)
@@ -591,9 +591,9 @@ def pipeline_gradients(
     )
     g_layers, g_top, loss_sum, count, mtp_sums, stats = region(*args)
 
-    ungroup = partial(sl.ungroup, schedule=schedule, slots=slots)
+    ungroup = lambda n: sl.ungroup_stored(g_layers[n], specs["layers"][n], schedule, slots, layout)
     # frozen leaves (LoRA's base): zeros, constants in the returned tree, as `step.gradients` gives them
-    layers = {n: ungroup(g_layers[n]) if n in g_layers else jnp.zeros_like(w) for n, w in params["layers"].items()}
+    layers = {n: ungroup(n) if n in g_layers else jnp.zeros_like(w) for n, w in params["layers"].items()}
     _, frozen, join = partition(sl.top_specs(params), top_mask)
     top = join(g_top, [jnp.zeros_like(w) for w in frozen])  # LoRA's base; an MTP module's router bias
     metrics = sl.moe_metrics(stats, cfg, schedule) | ({"mtp_loss_sum": mtp_sums} if cfg.model.mtp_depth else {})

@@ -157,18 +157,24 @@ class Layout:
         of them per device - and kept whole on every stage where it does not, e.g. d=20480 over 35
         stages). A layer axis `stage` does not divide - an MoE model's dense first layers
         (`model.first_k_dense`), which every stage runs whole, or uneven stages' layers
-        (`schedules.chunk_layers`) - takes it on its width instead, as the embeddings do."""
+        (`schedules.chunk_layers`) - takes it on its width instead, as the embeddings do, or where
+        it has none (MLA's up-projections [L, r, heads, d]) on the first other dimension it divides."""
         spec = self.spec(logical_axes)
-        parts, homeless = [], False
+        parts, homeless = [], None
         size = lambda names: math.prod(self.mesh.shape[n] for n in names)
-        for dim, part, logical in zip(shape, (*spec, *[None] * (len(shape) - len(spec))), logical_axes, strict=True):
+        for i, (dim, part, logical) in enumerate(
+            zip(shape, (*spec, *[None] * (len(shape) - len(spec))), logical_axes, strict=True)
+        ):
             names = part_names(part)
             if "stage" in names and dim % size(names):
-                names, homeless = tuple(n for n in names if n != "stage"), True
-            elif homeless and logical == ax.EMBED and not dim % size((*names, "stage")):
-                names, homeless = (*names, "stage"), False
-            parts.append(as_part(names))
-        return NamedSharding(self.mesh, spec_of(parts))
+                names, homeless = tuple(n for n in names if n != "stage"), i
+            elif homeless is not None and logical == ax.EMBED and not dim % size((*names, "stage")):
+                names, homeless = (*names, "stage"), None
+            parts.append(names)
+        fits = [i for i, d in enumerate(shape) if homeless not in (None, i) and not d % size((*parts[i], "stage"))]
+        if fits:  # no width it divides: the first other dimension
+            parts[fits[0]] = (*parts[fits[0]], "stage")
+        return NamedSharding(self.mesh, spec_of([as_part(n) for n in parts]))
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())

@@ -23,7 +23,6 @@ class Tables:
     weight_slots: int  # zb1: region inputs and output gradients of pending weight passes (peak + 1 spare)
     act_slots: int  # activations arrived, not yet forwarded (+1 spare slot for idle sends)
     grad_slots: int  # cotangents arrived (or made by the loss), not yet backwarded (+1 spare)
-    held: tuple  # [p][v]: the chunks each stage holds (`Schedule.held_chunks`)
     single: bool = False  # one action per tick: both sends at its end (`Schedule.single`)
     v_shape: bool = False  # ZB-V: messages go either way (`route`)
 
@@ -182,7 +181,7 @@ def tables(schedule: Schedule) -> Tables:
                 rows[k][t, s] = int(val)
     weight_slots = n_weight + 1 if w_read else 0
     v_shape = schedule.name == "zbv"
-    return Tables(rows, n_stash, weight_slots, n_act + 1, n_grad + 1, schedule.held_chunks(), schedule.single, v_shape)
+    return Tables(rows, n_stash, weight_slots, n_act + 1, n_grad + 1, schedule.single, v_shape)
 
 
 @functools.lru_cache(maxsize=1024)

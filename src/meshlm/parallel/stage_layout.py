@@ -7,10 +7,10 @@ The stacked layer axis [L, ...] is stored split over `stage` in contiguous block
 not depend on the pipeline) and regrouped in the step to [p, v, c, ...], c = L/(pv): stage s holds the
 chunks `Schedule.held_chunks` names (a reshape, ZB-V's second arm reversed, a transpose). Stages of
 uneven layer counts (`schedules.chunk_layers`: c = ceil(L/(pv)), pad slots in the lighter chunks)
-store the layer axis whole and `stage` on the weights' width (`Layout.param_sharding`), and the
-regroup fills the pad slots with zero weights: a pre-norm layer whose weights are all zero adds
-exactly zero to the residual stream (its output projections are zero), so a pad slot is the
-identity, and its input gradient passes through unchanged. Its routing statistics are dropped."""
+store the layer axis whole and `stage` on another dimension (`Layout.param_sharding`), and the
+regroup fills the pad slots with zero weights: a pre-norm layer whose output projections are zero
+adds exactly zero to the residual stream, so a pad slot is the identity, and its input gradient
+passes through unchanged. Its routing statistics are dropped (`routed`)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,13 @@ from jax.sharding import PartitionSpec as P
 from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model import moe
+from meshlm.model.params import ParamSpec
 from meshlm.parallel.collectives import region_weight_spec
-from meshlm.parallel.rules import Layout, part_names
+from meshlm.parallel.rules import Layout, as_part, part_names, spec_of
 from meshlm.parallel.schedules import Schedule, chunk_layers
 
 AXIS = "stage"
+ROUTING = ("w_router", "mlp_norm")  # what a pad slot takes from layer 0 (`regroup`): the MoE router and its input norm
 PREFIX = "dense_layers"  # an MoE model's dense first layers (`model.first_k_dense`): with the embedding
 
 
@@ -94,15 +96,61 @@ def routed(stats, ids: jax.Array):
     return jax.tree.map(lambda a: jnp.where((ids >= 0).reshape(-1, *[1] * (a.ndim - 1)), a, 0), stats)
 
 
-def regroup(w: jax.Array, schedule: Schedule, slots: np.ndarray) -> jax.Array:
+def regroup(w: jax.Array, schedule: Schedule, slots: np.ndarray, name: str = "") -> jax.Array:
     """[L, ...] -> [p, v, c, ...], stage s's the chunks `Schedule.held_chunks` names: a reshape,
-    ZB-V's second arm reversed, a transpose (GSPMD moves it with permutes; no data moves at v = 1).
-    `slots`: `layer_slots`; its pads take zero weights (the identity)."""
+    ZB-V's second arm reversed, a transpose (GSPMD moves it with permutes; no data moves at v = 1
+    when the stages split the layers evenly). `slots`: `layer_slots`; its pads take zero weights (the
+    identity), but for the weights `ROUTING` names layer 0's: a zero router, or a zero norm before
+    it, would send every token to the experts its tie-break puts first, one device's, which would do
+    the pad's expert work for the whole group (the experts' weights stay zero: the output too)."""
     p, v = schedule.stages, schedule.virtual
     if (slots < 0).any():
         flat = slots.reshape(-1)
-        w = jnp.concatenate([w, jnp.zeros_like(w[:1])])[np.where(flat >= 0, flat, w.shape[0])]
+        pad = w[:1] if name in ROUTING else jnp.zeros_like(w[:1])
+        w = jnp.concatenate([w, pad])[np.where(flat >= 0, flat, w.shape[0])]
     return jnp.swapaxes(_v(w.reshape(v, p, slots.shape[1], *w.shape[1:]), schedule), 0, 1)
+
+
+def _uneven_split(layout: Layout, spec: ParamSpec, slots: np.ndarray) -> tuple | None:
+    """Uneven stages, a stored weight that `stage` splits on a dimension k (innermost there:
+    `Layout.param_sharding`): (its storage spec, the spec of its [p, v, c, ...] regrouped with `stage`
+    on the first axis instead, k + 2); None otherwise (even stages, or `stage` splits it nowhere)."""
+    if not (slots < 0).any():
+        return None
+    shape, spec = spec.shape, layout.param_sharding(spec.axes, spec.shape).spec
+    parts = [part_names(p) for p in (*spec, *[None] * (len(shape) - len(spec)))]
+    k = next((i for i, n in enumerate(parts) if AXIS in n), None)
+    if k is None:
+        return None
+    out = [(AXIS,), (), (), *[tuple(a for a in n if a != AXIS) for n in parts[1:]]]
+    return spec, spec_of([as_part(n) for n in out]), k + 2
+
+
+def regroup_stored(
+    w: jax.Array, name: str, spec: ParamSpec, schedule: Schedule, slots: np.ndarray, layout: Layout
+) -> jax.Array:
+    """`regroup` of the weight `name` as stored (`spec`: its ParamSpec). Uneven stages store it whole on the layer axis
+    and split over `stage` on another dimension; in a region manual over the mesh each device
+    regroups its shard, and one all_to_all over `stage` trades that split for the chunks': a stage
+    gets its own chunks, 1/p of every device's shard moving (`ungroup_stored`: the same way back).
+    GSPMD alone brought the gradients back as an all-reduce of the whole stack (at the width's fsdp
+    share). A leaf `stage` splits nowhere, or even stages: `regroup`."""
+    split = _uneven_split(layout, spec, slots)
+    if split is None:
+        return regroup(w, schedule, slots, name)
+    stored, grouped, k = split
+    body = lambda x: jax.lax.all_to_all(regroup(x, schedule, slots, name), AXIS, 0, k, tiled=True)
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=stored, out_specs=grouped)(w)
+
+
+def ungroup_stored(g: jax.Array, spec: ParamSpec, schedule: Schedule, slots: np.ndarray, layout: Layout) -> jax.Array:
+    """`ungroup` of a stacked gradient into its weight's storage layout (`regroup_stored` reversed)."""
+    split = _uneven_split(layout, spec, slots)
+    if split is None:
+        return ungroup(g, schedule, slots)
+    stored, grouped, k = split
+    body = lambda x: ungroup(jax.lax.all_to_all(x, AXIS, k, 0, tiled=True), schedule, slots)
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=grouped, out_specs=stored)(g)
 
 
 def ungroup(g: jax.Array, schedule: Schedule, slots: np.ndarray) -> jax.Array:

@@ -748,6 +748,8 @@ def test_uneven_stages_are_planned_with_their_pad_slots_priced():
     tp = lambda c: planner.estimate(c, h800).time["tensor-parallel collectives"]
     assert tp(cfg) == pytest.approx(tp(slots)) and pipeline_costs.PAD_SLOTS not in planner.estimate(slots, h800).time
     assert {mesh["stage"] for mesh in planner._meshes(base, 2048)} == {1, 2, 4, 8, 16, 32}
+    gpt3 = {mesh["stage"] for mesh in planner._meshes(recipes.get("gpt-175b"), 64)}  # 96 layers: 64 stages, 32 pads
+    assert gpt3 == {1, 2, 4, 8, 16, 32}
     even = dataclasses.replace(cfg, parallel=dataclasses.replace(par, stage=2, data=16))
     assert pipeline_costs.PAD_SLOTS not in pipeline_costs.stage_extra_flops(even)
     v3 = dataclasses.replace(even.parallel, pipeline_schedule="interleaved", virtual_stages=3)  # 6 chunks of 10: 2 pads

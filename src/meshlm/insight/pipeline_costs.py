@@ -97,6 +97,13 @@ def stage_extra_flops(cfg: RunConfig) -> dict[str, float]:
     return out
 
 
+def plannable_stages(layers: int, stages: int) -> bool:
+    """Whether the planner weighs `stages` for `layers` (those the stages split): each stage a layer
+    at least, and uneven stages' pads at most 1/8 of them (96 layers over 64 stages would run 128
+    slots; such a layout can still be configured)."""
+    return layers >= stages and 8 * (-(-layers // stages) * stages - layers) <= layers
+
+
 def pad_slots(cfg: RunConfig) -> int:
     """Uneven stages' pad slots (`schedules.chunk_layers`): p v ceil(L/(pv)) - L; each runs as a layer."""
     chunks = cfg.parallel.stage * cfg.parallel.virtual_stages

@@ -39,6 +39,7 @@ from meshlm.insight.pipeline_costs import (
     pipeline_overhead,
     pipeline_schedules,
     pipeline_send_bytes,
+    plannable_stages,
     stage_extra_flops,
 )
 from meshlm.insight.step_peak import planned_loss_chunks, transient_terms
@@ -546,13 +547,12 @@ def _paired(cfg: RunConfig) -> RunConfig:
 
 def _meshes(cfg: RunConfig, n_devices: int) -> list[dict[str, int]]:
     """Every factorisation of the device count over the mesh axes (context inside pipeline stages
-    too); pipelines over stage counts up to the layers they split, unevenly too (an MoE model's: those
-    after its dense first layers; none with dense layers among MoE ones). MoE: `expert` over the sizes that divide
-    the experts, context only dropless (validation's rules)."""
+    too); pipelines over `plannable_stages` (of an MoE model's layers after its dense first ones; none
+    with dense layers among MoE ones). MoE: `expert` over the sizes that divide E, context dropless only."""
     m, out = cfg.model, []
     # an MoE model's dense first layers run with the embedding; dense layers among MoE ones refuse a pipeline
     prefix_only = m.dense_layer_ids == tuple(range(len(m.dense_layer_ids)))
-    for stage in (p for p in _divisors(n_devices) if p == 1 or (prefix_only and m.staged_layers >= p)):
+    for stage in (p for p in _divisors(n_devices) if p == 1 or (prefix_only and plannable_stages(m.staged_layers, p))):
         for tensor in _divisors(n_devices // stage):
             rest = n_devices // stage // tensor
             experts = [e for e in _divisors(rest) if m.n_experts % e == 0] if m.moe else [1]

@@ -130,8 +130,9 @@ def explain_experts(plans: list[Plan], device: Accelerator) -> str | None:
 # layouts the models' own authors trained them on, printed beside meshlm's plans
 PUBLISHED = {
     "deepseek-v3": "DeepSeek-V3's own layout (V3 3.2): 2048 H800s, PP16 (DualPipe) x EP64 over 8 nodes x ZeRO-1 "
-    "data parallel, no tensor parallelism, FP8 GEMMs; meshlm runs its 16 stages (the 58 MoE layers after the 3 "
-    "dense ones, which run with the embedding, in uneven chunks of 3 and 4) but not DualPipe or FP8 training",
+    "data parallel, no tensor parallelism, FP8 GEMMs; meshlm's stages split the 58 MoE layers after the 3 dense "
+    "ones (which run with the embedding) over 16 in uneven chunks of 3 and 4 (checked at small scale), but "
+    "DualPipe and FP8 training are not built",
 }
 
 

@@ -141,7 +141,7 @@ def test_mla_mtp_moe_layouts_give_the_one_device_gradients(name, params, referen
 
 
 # a dense first layer (run on stage 0 with the embedding), 5 MoE layers split unevenly over the stages
-# (zb1: 2 + 3; interleaved: 1, 1, 2, 1 - pad slots on stage 0 and the last chunk) and an MTP module (with
+# (zb1: 2 + 3; interleaved: 1, 1, 2, 1 - pad slots in chunks 0, 1 and 3) and an MTP module (with
 # the loss on the last chunk), DeepSeek-V3's router with both balance losses on
 PIPELINED = dict(first_k_dense=1, mtp_depth=1, n_layers=6, moe_aux_loss_coef=1e-2, moe_seq_aux_loss_coef=1e-2)
 

@@ -261,6 +261,7 @@ def test_every_schedule_gives_the_one_device_gradients(family, schedule, layout,
         ("llama", 6, "zb1", "stage4_tensor2", "elementwise", True),  # chunks of 1, 2, 2, 1 layers
         ("gpt", 7, "interleaved", "stage2_tensor2_data2+sp", "dots", False),  # 1, 2, 2, 2
         ("gpt", 7, "zbv:single", "stage2_fsdp2_tensor2", "elementwise", False),  # stage 0: the 1 and the last 2
+        ("gpt", 6, "zbv:single", "stage2_tensor2_data2+sp", "selective", False),  # 1, 2, 2, 1: stored over stage
     ],
 )
 def test_uneven_stages_give_the_one_device_gradients(family, layers, schedule, layout, policy, document_mask, params):

@@ -730,6 +730,7 @@ def test_uneven_stages_are_planned_with_their_pad_slots_priced():
     the GEMM peak; their all_to_alls and tensor-parallel collectives as a 64-layer model's."""
     from meshlm.insight import pipeline_costs
     from meshlm.model.moe_costs import expert_exchange_bytes
+    from meshlm.parallel.mesh import abstract_layout
 
     base = recipes.get("deepseek-v3")
     par = ParallelConfig(stage=16, data=2, expert=32, tensor=2)
@@ -747,6 +748,17 @@ def test_uneven_stages_are_planned_with_their_pad_slots_priced():
     assert expert_exchange_bytes(cfg, "gpu") == pytest.approx(expert_exchange_bytes(slots, "gpu"))
     tp = lambda c: planner.estimate(c, h800).time["tensor-parallel collectives"]
     assert tp(cfg) == pytest.approx(tp(slots)) and pipeline_costs.PAD_SLOTS not in planner.estimate(slots, h800).time
+    # at fsdp=1 an even stage's layers are a view of its shard; an uneven one's a regrouped fp32 copy of its 4
+    # slots, pads too: as large as the 64-layer model's stored shard of 4 layers
+    gathered = lambda c: planner.estimate(c, h800).memory["gathered weights"]
+    assert gathered(cfg) - gathered(slots) == pytest.approx(4 * planner.sharded_params(slots, part="layers"))
+    # stored: no layer weight whole on every stage (MLA's up-projections take `stage` on their rank): 1.48B
+    # layer parameters a device at DeepSeek's own PP16 x EP64 (4.45B when they stayed whole)
+    own = validate(dataclasses.replace(base, parallel=ParallelConfig(stage=16, data=2, expert=64)))
+    layout = abstract_layout(own.parallel)
+    stored = {n: layout.param_sharding(s.axes, s.shape).spec for n, s in param_specs(m)["layers"].items()}
+    assert all("stage" in str(spec) for spec in stored.values()), stored
+    assert planner.sharded_params(own, part="layers") == pytest.approx(1.483e9, rel=1e-3)
     assert {mesh["stage"] for mesh in planner._meshes(base, 2048)} == {1, 2, 4, 8, 16, 32}
     gpt3 = {mesh["stage"] for mesh in planner._meshes(recipes.get("gpt-175b"), 64)}  # 96 layers: 64 stages, 32 pads
     assert gpt3 == {1, 2, 4, 8, 16, 32}

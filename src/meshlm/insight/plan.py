@@ -1,16 +1,14 @@
 """Choose a mesh, sequence parallelism, recomputation and microbatch for a device budget.
 
-For every factorisation data x fsdp x context x tensor of the device count, SP on/off, context
-strategy (ring, all_gather, all_to_all), ZeRO-1 on/off, remat policy and gradient-accumulation
-count, predict per-device memory (parameters, gradients and optimizer state from the exact
-shardings; activations from `accounting.activation_memory`; FSDP's gathered layer weights) and step
-time from a roofline (GEMMs at peak, the attention core at its kernel's own fraction of peak
-(`attention_rates`: a named, sourced constant per kernel and device kind; plan rows say
-"unmeasured" where meshlm has not run the kernel there), plus tensor-parallel, context-parallel and
-data/FSDP collectives at the device kind's link bandwidths, not overlapped - except the ring's K/V
-hops, which overlap the attention they feed), then rank the layouts that fit. Where a device kind
-has measured rates (`CALIBRATIONS`: A100, from P2 Table 4), a calibrated step time is shown beside
-the roofline (`calibrated_time`; within 7% of P2 Table 5 for its four models).
+For every factorisation data x fsdp x context x tensor of the device count, SP on/off, context strategy (ring,
+all_gather, all_to_all), ZeRO-1 on/off, remat policy and gradient-accumulation count, predict per-device memory
+(parameters, gradients and optimizer state from the exact shardings; activations from `accounting.activation_memory`;
+FSDP's gathered layer weights) and step time from a roofline (GEMMs at peak, the attention core at its kernel's own
+fraction of peak (`attention_rates`: a named, sourced constant per kernel and device kind; plan rows say "unmeasured"
+where meshlm has not run the kernel there), plus tensor-parallel, context-parallel and data/FSDP collectives at the
+device kind's link bandwidths, not overlapped - except the ring's K/V hops, which overlap the attention they feed),
+then rank the layouts that fit. Where a device kind has measured rates (`CALIBRATIONS`: A100, from P2 Table 4), a
+calibrated step time is shown beside the roofline (`calibrated_time`; within 7% of P2 Table 5 for its four models).
 
 Explicit attention is also planned as `model.attention=blockwise` (which ring needs, and all_gather unless `fused` takes
 a causal offset on the device; all_to_all runs either; such plans say so), the loss in chunks where its logits do not
@@ -231,17 +229,19 @@ def _memory_parts(cfg: RunConfig, own: bool, pipeline: int, interleave: int, byt
 
 
 def _pipeline_gathered(cfg: RunConfig, trainable: bool = False) -> dict[str, float]:
-    """The weights meshlm's pipeline step gathers, by part ("layers", "top"): parameters per device
-    of each copy it makes - its stage's layers split over tensor alone (when stored split over fsdp),
-    the embeddings and output layer whole but for tensor (when stored split); `trainable`: LoRA's."""
-    return _gathered(*_shapes_key(cfg), trainable, _rules_key())
+    """The weights meshlm's pipeline step gathers, by part ("layers", "top"): parameters per device of each
+    copy it makes - its stage's layers split over tensor alone (when stored split over fsdp, or uneven), the
+    embeddings and output layer whole but for tensor (when stored split); `trainable`: LoRA's."""
+    return _gathered(*_shapes_key(cfg), trainable, _rules_key(), pad_slots(cfg))
 
 
 @functools.lru_cache(maxsize=16384)
-def _gathered(model, mesh: tuple, trainable: bool, rules_key: tuple) -> dict[str, float]:
+def _gathered(model, mesh: tuple, trainable: bool, rules_key: tuple, pads: int = 0) -> dict[str, float]:
     whole = lambda **sizes: tuple(sizes.get(f, v) for f, v in zip(_MESH_FIELDS, mesh, strict=True))
     count = lambda m, part: _sharded_params(model, m, rules_key, False, part, trainable)
     inside = {"layers": count(whole(fsdp=1), "layers"), "top": count(whole(fsdp=1, stage=1), "top")}
+    if pads:  # uneven stages: a stage's L/p layers stored split over stage are its slots, pads too, regrouped whole
+        inside["layers"] *= (model.staged_layers + pads) / model.staged_layers  # (`stage_layout.regroup_stored`)
     return {k: n for k, n in inside.items() if n > count(mesh, k)}
 
 

@@ -9,7 +9,7 @@ combinations, because the mesh always has all three axes and an axis of size 1 s
 - weight `embed` dims over fsdp: parameters (and, through `optim.py`, optimizer state) are split
   ZeRO-3 style and gathered by XLA just in time for each layer; and over `stage` for the weights
   without a layer axis (embeddings, final norm, output layer: 1/p of them per device, gathered by
-  the pipeline once per step; `Layout.param_sharding` leaves it off a width it does not divide);
+  the pipeline once per step; `Layout.param_sharding` moves it off a width it does not divide);
 - heads / kv_heads / mlp / vocab over tensor: QKV and MLP-in are column-parallel, attention-out
   and MLP-out row-parallel, the embedding and output layer vocabulary-parallel (Megatron, P2 4.2.1);
 - with sequence parallelism (P2 4.2.2), `act_seq` - the sequence axis of the LayerNorm, dropout and
@@ -154,11 +154,12 @@ class Layout:
     def param_sharding(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
         """A parameter's storage sharding: `sharding`, except that `stage` is left off a dimension
         it does not divide (the embeddings' width is split over fsdp x stage where it divides - 1/p
-        of them per device - and kept whole on every stage where it does not, e.g. d=20480 over 35
-        stages). A layer axis `stage` does not divide - an MoE model's dense first layers
-        (`model.first_k_dense`), which every stage runs whole, or uneven stages' layers
-        (`schedules.chunk_layers`) - takes it on its width instead, as the embeddings do, or where
-        it has none (MLA's up-projections [L, r, heads, d]) on the first other dimension it divides."""
+        of them per device - and where it does not, e.g. d=20480 over 35 stages, the first other
+        dimension it divides takes `stage`, else the weight is whole on every stage). A layer axis
+        `stage` does not divide - an MoE model's dense first layers (`model.first_k_dense`), which
+        every stage runs whole, or uneven stages' layers (`schedules.chunk_layers`) - takes it on its
+        width instead, as the embeddings do, or where it has none (MLA's up-projections [L, r, heads,
+        d]) on the first other dimension it divides."""
         spec = self.spec(logical_axes)
         parts, homeless = [], None
         size = lambda names: math.prod(self.mesh.shape[n] for n in names)

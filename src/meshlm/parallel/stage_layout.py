@@ -7,8 +7,9 @@ The stacked layer axis [L, ...] is stored split over `stage` in contiguous block
 not depend on the pipeline) and regrouped in the step to [p, v, c, ...], c = L/(pv): stage s holds the
 chunks `Schedule.held_chunks` names (a reshape, ZB-V's second arm reversed, a transpose). Stages of
 uneven layer counts (`schedules.chunk_layers`: c = ceil(L/(pv)), pad slots in the lighter chunks)
-store the layer axis whole and `stage` on another dimension (`Layout.param_sharding`), and the
-regroup fills the pad slots with zero weights: a pre-norm layer whose output projections are zero
+store the layer axis whole and `stage` on another dimension (`Layout.param_sharding`; where p divides
+L but p v does not, on the layer axis still, and GSPMD regroups), and the regroup fills the pad slots
+with zero weights (but `ROUTING`'s): a pre-norm layer whose output projections are zero
 adds exactly zero to the residual stream, so a pad slot is the identity, and its input gradient
 passes through unchanged. Its routing statistics are dropped (`routed`)."""
 
@@ -112,15 +113,16 @@ def regroup(w: jax.Array, schedule: Schedule, slots: np.ndarray, name: str = "")
 
 
 def _uneven_split(layout: Layout, spec: ParamSpec, slots: np.ndarray) -> tuple | None:
-    """Uneven stages, a stored weight that `stage` splits on a dimension k (innermost there:
+    """Uneven stages, a stored weight that `stage` splits on a dimension k > 0 (innermost there:
     `Layout.param_sharding`): (its storage spec, the spec of its [p, v, c, ...] regrouped with `stage`
-    on the first axis instead, k + 2); None otherwise (even stages, or `stage` splits it nowhere)."""
+    on the first axis instead, k + 2); None otherwise (even stages, `stage` splitting it nowhere, or
+    the layer axis, which it divides when p v does not)."""
     if not (slots < 0).any():
         return None
     shape, spec = spec.shape, layout.param_sharding(spec.axes, spec.shape).spec
     parts = [part_names(p) for p in (*spec, *[None] * (len(shape) - len(spec)))]
     k = next((i for i, n in enumerate(parts) if AXIS in n), None)
-    if k is None:
+    if not k:  # nowhere, or on the layer axis (p divides L, p v does not): GSPMD's regroup of the global array
         return None
     out = [(AXIS,), (), (), *[tuple(a for a in n if a != AXIS) for n in parts[1:]]]
     return spec, spec_of([as_part(n) for n in out]), k + 2

@@ -50,6 +50,7 @@ from _timing import median_step_seconds
 from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.pipeline import schedule_for
+from meshlm.parallel.schedules import chunk_slots
 from meshlm.step import abstract_batch, make_train_step
 from meshlm.train_state import abstract_state, placement, setup
 from meshlm.validation import validate
@@ -289,7 +290,8 @@ def uneven_rows(rounds: int, m: int = 8) -> list[str]:
     lines = [head + " | predicted |", "|---:|---:|---:|---:|---:|---:|"]
     for n in (7, 8):
         one, piped = (1e3 * seconds[f"{k}, {n} layers"] / m for k in ("1 device", "1f1b stage=4"))
-        lines.append(f"| {n} | 2 | {one:.1f} | {piped:.1f} | {ratio[n]:.2f}x | {ratio[8] * n / 8:.2f}x |")
+        slots = chunk_slots(n, 4)
+        lines.append(f"| {n} | {slots} | {one:.1f} | {piped:.1f} | {ratio[n]:.2f}x | {ratio[8] * n / 8:.2f}x |")
     return lines
 
 

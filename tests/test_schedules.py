@@ -187,9 +187,9 @@ def test_the_weights_are_regrouped_as_the_stages_hold_the_chunks(name, v, layers
 
 def test_uneven_stages_put_their_pads_at_both_ends():
     """`chunk_layers`: every layer once, in order; chunk sizes differ by at most one; the lighter
-    chunks are the first and the last, alternately inward (Megatron's lighter first and last
-    stages). DeepSeek-V3's 58 MoE layers over 16 stages, and 4 over 3."""
-    from meshlm.parallel.schedules import chunk_layers
+    chunks are the first and the last, alternately inward; the pads number `pad_count`. DeepSeek-V3's
+    58 MoE layers over 16 stages, and 4 over 3."""
+    from meshlm.parallel.schedules import chunk_layers, chunk_slots, pad_count
 
     assert [len(c) for c in chunk_layers(58, 16)] == [3, 3, 3] + [4] * 10 + [3, 3, 3]
     assert chunk_layers(4, 3) == ((0,), (1, 2), (3,))
@@ -200,6 +200,7 @@ def test_uneven_stages_put_their_pads_at_both_ends():
             sizes = [len(c) for c in table]
             assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
             short = [i for i, n in enumerate(sizes) if n < max(sizes)]
+            assert len(short) == pad_count(layers, chunks) and max(sizes) == chunk_slots(layers, chunks)
             ends = sorted(min(i, chunks - 1 - i) for i in short)  # distance from the nearer end
             assert ends == [i // 2 for i in range(len(short))], (layers, chunks, sizes)
 

@@ -20,7 +20,7 @@ from meshlm.model.lora import lora_param_count
 from meshlm.model.moe_costs import expert_slot_flops, moe_terms
 from meshlm.model.tensor_costs import replicated_flops_per_token, rerun_flops_per_token
 from meshlm.parallel.context_costs import context_block_pairs, context_comm_bytes  # noqa: F401 (their home here)
-from meshlm.parallel.schedules import SPLIT, first_stage_in_flight, megatron_in_flight
+from meshlm.parallel.schedules import SPLIT, chunk_slots, first_stage_in_flight, megatron_in_flight
 from meshlm.parallel.slots import slot_counts
 
 
@@ -513,7 +513,7 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
         "cotangent_inbox": grad_slots * slot,
     }
     if weight_slots:
-        per_chunk, rows = -(-m.staged_layers // (par.stage * par.virtual_stages)), e * t.seq_len * b / par.tensor
+        per_chunk, rows = chunk_slots(m.staged_layers, par.stage * par.virtual_stages), e * t.seq_len * b / par.tensor
         # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width):
         # the layer terms the stash of the elementwise policy keeps for them
         layer = layer_activation_terms(m, t.seq_len, b, par.tensor, par.sequence_parallel)
@@ -567,7 +567,7 @@ def activation_memory(
     v = par.virtual_stages if pipeline is None else (interleave or 1)
     prefix = len(m.dense_layer_ids) if own else 0  # run with the embedding (docstring)
     # a chunk's slots: uneven stages' pads (`schedules.chunk_layers`) are stashed like layers
-    slots = -(-m.staged_layers // (p * v)) if own else m.n_layers / (p * v)
+    slots = chunk_slots(m.staged_layers, p * v) if own else m.n_layers / (p * v)
     held = pipeline_in_flight(cfg, pipeline, interleave) * slots
     stashed = sum(per_layer.values()) if prefix else layer_total
     if own and par.pipeline_schedule in SPLIT:  # its weight slots hold the region inputs (outside)

@@ -105,8 +105,9 @@ def _pipeline_note(cfg) -> str:
     from meshlm import accounting
 
     par, m = cfg.parallel, cfg.model
-    per = -(-m.staged_layers // (par.stage * par.virtual_stages))  # slots a chunk (uneven stages: pads); an MoE
-    # model's dense first layers run with the embedding
+    from meshlm.parallel.schedules import chunk_slots
+
+    per = chunk_slots(m.staged_layers, par.stage * par.virtual_stages)  # uneven: pads too; no dense first layers
     held = accounting.pipeline_in_flight(cfg)
     return (
         f"pipeline: {par.pipeline_schedule} ({par.pipeline_ticks} ticks), {par.stage} stages x "

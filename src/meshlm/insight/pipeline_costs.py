@@ -10,7 +10,7 @@ import functools
 from meshlm import accounting
 from meshlm.config import ParallelConfig, RunConfig
 from meshlm.parallel.schedules import built as _schedule
-from meshlm.parallel.schedules import runs_unbranched
+from meshlm.parallel.schedules import pad_count, runs_unbranched
 
 
 def pipeline_send_bytes(cfg: RunConfig, interleave: int = 1) -> float:
@@ -101,13 +101,12 @@ def plannable_stages(layers: int, stages: int) -> bool:
     """Whether the planner weighs `stages` for `layers` (those the stages split): each stage a layer
     at least, and uneven stages' pads at most 1/8 of them (96 layers over 64 stages would run 128
     slots; such a layout can still be configured)."""
-    return layers >= stages and 8 * (-(-layers // stages) * stages - layers) <= layers
+    return layers >= stages and 8 * pad_count(layers, stages) <= layers
 
 
 def pad_slots(cfg: RunConfig) -> int:
     """Uneven stages' pad slots (`schedules.chunk_layers`): p v ceil(L/(pv)) - L; each runs as a layer."""
-    chunks = cfg.parallel.stage * cfg.parallel.virtual_stages
-    return -(-cfg.model.staged_layers // chunks) * chunks - cfg.model.staged_layers
+    return pad_count(cfg.model.staged_layers, cfg.parallel.stage * cfg.parallel.virtual_stages)
 
 
 @per_flops_key

@@ -56,7 +56,7 @@ from meshlm.parallel.buffers import put as _put
 from meshlm.parallel.buffers import slots as _slots
 from meshlm.parallel.buffers import take as _take
 from meshlm.parallel.rules import Layout, constrain
-from meshlm.parallel.schedules import Schedule, build, runs_unbranched
+from meshlm.parallel.schedules import Schedule, build, pad_count, runs_unbranched
 from meshlm.parallel.slots import tables
 from meshlm.parallel.stage_layout import AXIS
 
@@ -98,8 +98,8 @@ class _Stage:
         self.p, self.m = cfg.parallel.stage, cfg.train.microbatches
         self.prefix = len(cfg.model.dense_layer_ids)  # dense first layers, run with the embedding
         self.depth = cfg.model.mtp_depth  # MTP modules, run with the loss on the last chunk
-        slots = sl.layer_slots(cfg.model.staged_layers, self.p * cfg.parallel.virtual_stages)
-        self.per_chunk, self.routed = slots.shape[1], sl.routed if (slots < 0).any() else lambda st, _: st
+        uneven = pad_count(cfg.model.staged_layers, self.p * cfg.parallel.virtual_stages)
+        self.per_chunk, self.routed = ids.shape[1], sl.routed if uneven else lambda st, _: st
         self.layer_ids = ids  # [v, c] the layer ids of this stage's chunks, -1 a pad (`sl.layer_ids`)
         self.dtype = jnp.dtype(cfg.model.dtype)
         self.policy_chunks = cfg.remat.policy, cfg.remat.loss_chunks  # the output layer and loss (`output_loss`)

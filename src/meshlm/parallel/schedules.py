@@ -253,17 +253,26 @@ def check_sizes(
         raise ScheduleError(f"{what} leaves a chunk of stage x virtual_stages = {stages * virtual} without a layer")
 
 
+def chunk_slots(layers: int, chunks: int) -> int:
+    """The slots every pipeline chunk runs (`chunk_layers`): ceil(layers / chunks)."""
+    return -(-layers // chunks)
+
+
+def pad_count(layers: int, chunks: int) -> int:
+    """Uneven stages' pad slots over all chunks (`chunk_layers`): chunks x `chunk_slots` - layers."""
+    return chunk_slots(layers, chunks) * chunks - layers
+
+
 def chunk_layers(layers: int, chunks: int) -> tuple[tuple[int, ...], ...]:
     """Each pipeline chunk's layers (indices among the `layers` the stages split, in model order), by
-    global chunk. Every chunk has ceil(layers / chunks) slots. Where the chunks do not split the layers
-    evenly, the r = slots x chunks - layers chunks that hold one layer fewer (their last slot a pad,
-    run as the identity: `pipeline._Stage.context`) are the first and the last, alternately inward:
-    the first chunk's stage also embeds (and runs an MoE model's dense first layers), the last's the
-    output layer, the loss and MTP - Megatron's lighter first and last stages. DeepSeek-V3's 58 MoE
-    layers over 16 stages: 3, 3, 3, 4 x 10, 3, 3, 3."""
-    per = -(-layers // chunks)
+    global chunk. Every chunk has `chunk_slots` slots. Where the chunks do not split the layers evenly,
+    the `pad_count` chunks that hold one layer fewer (their last slot a pad, a zero-weight layer:
+    `stage_layout.regroup`) are the first and the last, alternately inward - the stages that also
+    embed and run the loss, should pads ever be skipped (they run at a layer's cost today).
+    DeepSeek-V3's 58 MoE layers over 16 stages: 3, 3, 3, 4 x 10, 3, 3, 3."""
+    per = chunk_slots(layers, chunks)
     ends = [j for pair in zip(range(chunks), range(chunks - 1, -1, -1), strict=True) for j in pair]
-    short = set(list(dict.fromkeys(ends))[: per * chunks - layers])  # first, last, second, last but one, ...
+    short = set(list(dict.fromkeys(ends))[: pad_count(layers, chunks)])  # first, last, second, last but one, ...
     out, at = [], 0
     for c in range(chunks):
         n = per - (c in short)

@@ -49,8 +49,7 @@ from _markdown import write_section
 from _timing import median_step_seconds
 from meshlm.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from meshlm.parallel.mesh import make_layout
-from meshlm.parallel.pipeline import schedule_for
-from meshlm.parallel.schedules import chunk_slots
+from meshlm.parallel.schedules import chunk_slots, schedule_for
 from meshlm.step import abstract_batch, make_train_step
 from meshlm.train_state import abstract_state, placement, setup
 from meshlm.validation import validate

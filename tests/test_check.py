@@ -358,3 +358,15 @@ def test_the_check_keeps_uneven_stages_uneven(layers, stages, shrunk):
     small = check.shrink(cfg)
     assert small.model.n_layers == shrunk
     assert (layer_slots(shrunk, stages) < 0).any() == bool(layers % stages)
+
+
+def test_the_check_keeps_a_pipelines_units_of_dense_and_moe_layers():
+    """Qwen's decoder_sparse_step=2 on 4 stages: 14 layers, 7 units of (dense, MoE) shrink to 5 units
+    (one chunk's a pad still) of the same two layers; a dense first layer then 13 MoE ones, to it and
+    7 MoE layers."""
+    from meshlm.parallel.schedules import pipeline_unit
+
+    for kinds, want in (("model.moe_layer_step=2", (0, (False, True), 5)), ("model.first_k_dense=1", (1, (True,), 7))):
+        cfg = check.validate(_cfg("llama", "model.n_experts=8", "model.n_layers=14", "parallel.stage=4", kinds))
+        small = pipeline_unit(check.shrink(cfg).model)
+        assert (small.prefix, small.kinds, small.count) == want

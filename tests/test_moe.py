@@ -395,12 +395,90 @@ def test_moe_inside_pipelines_gives_the_one_device_gradients(name, params, refer
     np.testing.assert_array_equal(got["expert_counts"], reference(factor, 2)["expert_counts"])
 
 
+# MoE models with dense layers among MoE ones inside pipelines, in units (`schedules.pipeline_unit`):
+# name -> (model, mesh, schedule, virtual stages, SP); 2 microbatches, NaN bubbles
+UNIT_PIPELINES = {
+    "D + (M, D) x 3 over 2 stages (a pad unit), zb1, stage2_expert2_tensor2+sp": (
+        dict(n_layers=7, first_k_dense=1, moe_layer_step=2),
+        dict(stage=2, expert=2, tensor=2),
+        "zb1",
+        1,
+        True,
+    ),
+    "(D, M) x 4, interleaved 2 x 2 chunks, stage2_data2_expert2": (
+        dict(n_layers=8, moe_layer_step=2),
+        dict(stage=2, data=2, expert=2),
+        "interleaved",
+        2,
+        False,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def unit_reference():
+    """One device's parameters and gradients (2 microbatches) per model of UNIT_PIPELINES."""
+    cache = {}
+
+    def get(model: dict):
+        key = tuple(sorted(model.items()))
+        if key not in cache:
+            one = moe_config(microbatches=2, **model)
+            params = jax.device_get(init_params(param_specs(one.model), jax.random.key(4)))
+            cache[key] = params, grads(one, params)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("name", UNIT_PIPELINES)
+def test_dense_and_moe_layers_in_units_inside_pipelines_give_the_one_device_gradients(
+    name, unit_reference, monkeypatch
+):
+    """Qwen's decoder_sparse_step=2 (and a dense first layer before it) in a pipeline: each chunk slot
+    runs a unit of a dense and an MoE layer (their weights strided out of the two stacks and
+    interleaved back into them), a pad unit where the stages split the units unevenly. Raw gradients
+    of both stacks, loss, norm, router losses and expert counts equal one device's, under zb1's split
+    backward with SP and under interleaving with a data axis, idle stages sending NaN."""
+    from meshlm import step
+    from meshlm.parallel import pipeline, schedules
+
+    model, mesh, schedule, virtual, sp = UNIT_PIPELINES[name]
+    monkeypatch.setattr(step, "pipeline_gradients", functools.partial(pipeline.pipeline_gradients, idle_fill=jnp.nan))
+    cfg = moe_config(mesh, sp, microbatches=2, **model)
+    par = dataclasses.replace(cfg.parallel, pipeline_schedule=schedule, virtual_stages=virtual)
+    cfg = validate(dataclasses.replace(cfg, parallel=par))
+    unit = schedules.pipeline_unit(cfg.model)
+    assert len(unit.kinds) == 2 and unit.count * 2 + unit.prefix == model["n_layers"]
+    params, ref = unit_reference(model)
+    got = grads(cfg, params)
+    assert_same_as_one_device(got, ref)
+    np.testing.assert_array_equal(got["expert_counts"], ref["expert_counts"])
+    assert np.abs(got["grads"]["dense_layers"]["w_down"]).max() > 0
+
+
+def test_units_inside_pipelines_run_the_ring_inside_the_stages():
+    """Units of (dense, MoE) run in every stage's chunk (no branch of the first stage's, as dense
+    first layers do), so the ring's permutes, which every stage must enter, may run inside them:
+    stage=2 x context=2 x expert=2, 3 units (a pad), load-balanced order: one device's gradients."""
+    from test_gradients import assert_same_grads
+    from test_gradients import grads as layout_grads
+
+    model = dict(n_layers=6, moe_layer_step=2, attention="blockwise")
+    one = moe_config(microbatches=2, **model)
+    params = jax.device_get(init_params(param_specs(one.model), jax.random.key(4)))
+    ring = moe_config(dict(stage=2, context=2, expert=2), microbatches=2, **model)
+    assert ring.parallel.context_strategy == "ring"
+    assert_same_grads(layout_grads(ring, params), layout_grads(one, params))
+
+
 def test_lora_on_an_moe_model_in_a_1f1b_pipeline_gives_the_one_device_gradients():
     """LoRA on the attention of an MoE model (the experts frozen) with a dense first layer (its
-    adapters in the dense stack, which runs with the embedding on stage 0) on stage=2 x expert=2 x
-    tensor=2, 1F1B, 2 microbatches: the adapters' raw gradients equal one device's (B away from its
-    zero start, so A's are not zero), and every frozen leaf's is zero, as without a pipeline."""
-    lora = dict(lora_rank=4, lora_targets=("wq", "wv"), n_layers=3, first_k_dense=1)
+    adapters in the dense stack, which runs with the embedding on stage 0), then units of (MoE,
+    dense), on stage=2 x expert=2 x tensor=2, 1F1B, 2 microbatches: the adapters' raw gradients equal
+    one device's (B away from its zero start, so A's are not zero), and every frozen leaf's is zero,
+    as without a pipeline."""
+    lora = dict(lora_rank=4, lora_targets=("wq", "wv"), n_layers=5, first_k_dense=1, moe_layer_step=2)
     one = moe_config(microbatches=2, **lora)
     leaves, tree = jax.tree.flatten(init_params(param_specs(one.model), jax.random.key(0)))
     keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -615,7 +693,11 @@ def test_dropless_moe_under_context_parallelism_equals_one_device(context_refere
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(parallel=ParallelConfig(stage=2), model=dict(dense_layers=(2,))), "dense layers among its MoE ones"),
+        (
+            dict(parallel=ParallelConfig(stage=2), model=dict(dense_layers=(2,))),
+            "in 1 units of 4 dense and MoE layers .* leaves a chunk",
+        ),
+        (dict(parallel=ParallelConfig(stage=2), model=dict(n_layers=6, dense_layers=(2,))), "these repeat none"),
         (dict(parallel=ParallelConfig(stage=2), model=dict(first_k_dense=3)), "less the 3 dense first layers"),
         (
             dict(

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from helpers import p2_gpt_model
-from meshlm import accounting, recipes
+from meshlm import accounting, pipeline_memory, recipes
 from meshlm.cli import main
 from meshlm.config import ParallelConfig, RematConfig, RunConfig, TrainConfig
 from meshlm.insight import plan as planner
@@ -449,10 +449,13 @@ def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
     assert any(m["stage"] > 1 and m["expert"] > 1 for m in meshes)
     assert any(m["context"] > 1 and m["expert"] > 1 for m in meshes)
     # DeepSeek-V3's 3 dense first layers run with the embedding: its 58 MoE layers split over up to 58 stages
-    # (unevenly but for 2); dense layers among MoE ones (Qwen's decoder_sparse_step) get no pipeline
+    # (unevenly but for 2); dense layers among MoE ones (Qwen's decoder_sparse_step) in units of (dense, MoE),
+    # 16 of them; dense layers that repeat no unit get no pipeline
     assert {m["stage"] for m in planner._meshes(recipes.get("deepseek-v3"), 64)} == {1, 2, 4, 8, 16, 32}
     sparse_step = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_layer_step=2))
-    assert all(m["stage"] == 1 for m in planner._meshes(sparse_step, 64))
+    assert {m["stage"] for m in planner._meshes(sparse_step, 64)} == {1, 2, 4, 8, 16}
+    odd = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dense_layers=(5,)))
+    assert all(m["stage"] == 1 for m in planner._meshes(odd, 64))
     assert all(m["context"] == 1 for m in planner._meshes(recipes.get("moe-tiny"), 8))
     run = dataclasses.replace(cfg, parallel=ParallelConfig(data=8, expert=2, tensor=4))  # expert x tensor: a node
     cp = dataclasses.replace(cfg, parallel=ParallelConfig(data=4, context=2, expert=2, tensor=4))
@@ -766,3 +769,31 @@ def test_uneven_stages_are_planned_with_their_pad_slots_priced():
     assert pipeline_costs.PAD_SLOTS not in pipeline_costs.stage_extra_flops(even)
     v3 = dataclasses.replace(even.parallel, pipeline_schedule="interleaved", virtual_stages=3)  # 6 chunks of 10: 2 pads
     assert pipeline_costs.PAD_SLOTS in pipeline_costs.stage_extra_flops(dataclasses.replace(even, parallel=v3))
+
+
+def test_units_of_dense_and_moe_layers_are_planned_with_their_pad_units_priced():
+    """Mixtral's shapes with Qwen's decoder_sparse_step=2 in 30 layers: 15 units of (dense, MoE) over 4
+    stages run 4 slots a chunk, one a pad unit. Its price: 1/4 x (1 + b/f) x a unit's forward FLOPs,
+    from two models one unit apart; its expert all_to_alls and tensor-parallel collectives as the
+    32-layer model's (16 units, even); the activation memory counts a dense and an MoE layer a slot."""
+    from meshlm.insight import pipeline_costs
+    from meshlm.model.moe_costs import expert_exchange_bytes
+
+    base, h100 = recipes.get("mixtral-8x7b"), ACCELERATORS["h100"]
+    with_layers = lambda n, **par: validate(
+        dataclasses.replace(
+            base,
+            model=dataclasses.replace(base.model, n_layers=n, moe_layer_step=2),
+            parallel=ParallelConfig(stage=4, data=2, expert=2, tensor=4, **par),
+        )
+    )
+    cfg, full = with_layers(30), with_layers(32)
+    flops = lambda c: accounting.forward_flops_per_step(c)
+    want = (flops(full) - flops(cfg)) * (1 + pipeline_costs.backward_over_forward(cfg)) / 4
+    assert pipeline_costs.stage_extra_flops(cfg)[pipeline_costs.PAD_SLOTS] == pytest.approx(want)
+    assert expert_exchange_bytes(cfg, "gpu") == pytest.approx(expert_exchange_bytes(full, "gpu"))
+    tp = lambda c: planner.estimate(c, h100).time["tensor-parallel collectives"]
+    assert tp(cfg) == pytest.approx(tp(full))
+    act = accounting.activation_memory(cfg)
+    unit = sum(act["per_layer"].values()) + sum(act["dense_per_layer"].values())
+    assert act["layers"] == pytest.approx(pipeline_memory.pipeline_in_flight(cfg) * 4 * unit)

@@ -205,6 +205,39 @@ def test_uneven_stages_put_their_pads_at_both_ends():
             assert ends == [i // 2 for i in range(len(short))], (layers, chunks, sizes)
 
 
+@pytest.mark.parametrize(
+    "layers, kinds, unit",
+    [
+        (61, dict(first_k_dense=3), (3, (True,), 58)),  # DeepSeek-V3
+        (48, dict(moe_layer_step=2), (0, (False, True), 24)),  # Qwen's decoder_sparse_step=2
+        (7, dict(first_k_dense=1, moe_layer_step=2), (1, (True, False), 3)),
+        (4, dict(first_k_dense=3), (3, (True,), 1)),  # not one unit of 4: the shortest unit first
+        (4, dict(dense_layers=(2,)), (0, (True, True, False, True), 1)),
+        (24, dict(dense_layers=(5,)), None),
+        (24, dict(), (0, (True,), 24)),
+    ],
+)
+def test_a_pipeline_splits_dense_and_moe_layers_in_units(layers, kinds, unit):
+    """`pipeline_unit`: dense first layers, then the shortest unit that repeats, as a brute-force
+    search over every prefix and unit of at most MAX_UNIT layers finds it; None where none does."""
+    from meshlm.config import ModelConfig
+    from meshlm.parallel.schedules import MAX_UNIT, pipeline_unit
+
+    m = ModelConfig(family="llama", n_layers=layers, n_experts=4, **kinds)
+    got = pipeline_unit(m)
+    assert (got and (got.prefix, got.kinds, got.count)) == unit
+    order = tuple(i in m.moe_layer_ids for i in range(layers))
+    found = [
+        (len(u), p, u)
+        for p in range(layers)
+        for n in range(1, MAX_UNIT + 1)
+        if (u := order[p : p + n]) and not any(order[:p]) and order == order[:p] + u * ((layers - p) // n)
+    ]
+    assert (got is None) == (not found)
+    if got:
+        assert min(found)[1:] == (got.prefix, got.kinds)
+
+
 def test_single_ticks_pictures():
     """Megatron's 1F1B: p - s - 1 warm-up forwards, then a forward and a backward in turn; zb1
     fills the bubbles with weight passes (ZB-H1, Qi et al. Figure 3)."""

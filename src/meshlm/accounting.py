@@ -20,8 +20,7 @@ from meshlm.model.lora import lora_param_count
 from meshlm.model.moe_costs import expert_slot_flops, moe_terms
 from meshlm.model.tensor_costs import replicated_flops_per_token, rerun_flops_per_token
 from meshlm.parallel.context_costs import context_block_pairs, context_comm_bytes  # noqa: F401 (their home here)
-from meshlm.parallel.schedules import SPLIT, chunk_slots, first_stage_in_flight, megatron_in_flight
-from meshlm.parallel.slots import slot_counts
+from meshlm.parallel.schedules import SPLIT, chunk_slots, pipeline_unit
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -64,9 +63,16 @@ def layer_kinds(cfg: ModelConfig) -> list[tuple[ModelConfig, int]]:
 
 def with_layers(cfg: ModelConfig, n: int) -> ModelConfig:
     """The model cut to n layers (>= 2 when it has dense layers among MoE ones: then its first
-    layer's kind, then the other kind, so that both stay): `meshlm check` and the planner's compile."""
+    layer's kind, then the other kind, so that both stay; a pipeline unit of several layers,
+    `schedules.pipeline_unit`, repeated after at most one dense first layer): `meshlm check` and the
+    planner's compile."""
     if not cfg.dense_layer_ids:
         return dataclasses.replace(cfg, n_layers=n)
+    unit = pipeline_unit(cfg)
+    if unit and len(unit.kinds) > 1:
+        k, u = min(unit.prefix, 1), len(unit.kinds)
+        dense = tuple(i for i in range(k, n) if not unit.kinds[(i - k) % u])
+        return dataclasses.replace(cfg, n_layers=n, first_k_dense=k, moe_layer_step=1, dense_layers=dense)
     first_dense = 0 in cfg.dense_layer_ids
     dense = {"first_k_dense": 1} if first_dense else {"dense_layers": tuple(range(1, n))}
     return dataclasses.replace(cfg, n_layers=n, moe_layer_step=1, **({"first_k_dense": 0, "dense_layers": ()} | dense))
@@ -471,58 +477,12 @@ def outside_activation_terms(
     return terms
 
 
-def pipeline_in_flight(cfg: RunConfig, pipeline: int | None = None, interleave: int | None = None) -> int:
-    """Microbatch-chunks whose stored activations stage 0 holds at its peak (1 without a pipeline).
-    A run's own pipeline (`parallel.stage`) by its schedule; an explicit `pipeline` (P2's Table 3
-    layouts) as Megatron runs it: 1F1B, interleaved when `interleave` > 1."""
-    par, micro = cfg.parallel, cfg.train.microbatches
-    if pipeline is None:
-        if par.stage == 1:
-            return 1
-        return first_stage_in_flight(par.pipeline_schedule, par.stage, micro, par.virtual_stages, par.pipeline_ticks)
-    if pipeline == 1:
-        return 1
-    # Megatron's asynchronous schedules; P2's Eq. 5 assumes a full pipeline (more microbatches than stages)
-    return megatron_in_flight(pipeline, max(micro, 2 * pipeline), interleave or 1)
-
-
-# the layer terms that are the inputs of its tensor-parallel regions, which zb1's weight slots keep
-# instead of its stash (what a policy that recomputes them would not store either)
-REGION_INPUTS = ("qkv_input", "out_proj_input", "mlp_input", "fc2_input", "down_input")
-
-
-def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
-    """What meshlm's executor (`parallel/pipeline.py`) keeps besides the stash: every microbatch's
-    token ids and targets, and the inboxes of arrived activations and cotangents ([b, s, d] each,
-    sequence-sharded under SP) with their spare slots, sized by the schedule's table. zb1 also
-    keeps, per weight slot (the pending weight passes' peak + a spare) and layer of the chunk, the
-    inputs and the output gradients of the layer's tensor-parallel regions (whatever the remat
-    policy), and one chunk's region inputs on their way to a slot; its stash then holds no region
-    input (`activation_memory` leaves `REGION_INPUTS` out of its layers' term). (Pipelines refuse
-    MoE models.)"""
-    m, par, t = cfg.model, cfg.parallel, cfg.train
-    shape = (par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages, par.pipeline_ticks)
-    act_slots, grad_slots, weight_slots = slot_counts(*shape)
-    b = t.global_batch // t.microbatches // par.batch_shards
-    r = par.tensor if par.sequence_parallel else 1
-    e = dtype_bytes(m.dtype)
-    slot = e * t.seq_len * b * m.d_model / r
-    terms = {
-        "token_ids_and_targets": 8 * t.seq_len * b * t.microbatches,
-        "activation_inbox": act_slots * slot,
-        "cotangent_inbox": grad_slots * slot,
-    }
-    if weight_slots:
-        per_chunk, rows = chunk_slots(m.staged_layers, par.stage * par.virtual_stages), e * t.seq_len * b / par.tensor
-        # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width):
-        # the layer terms the stash of the elementwise policy keeps for them
-        layer = layer_activation_terms(m, t.seq_len, b, par.tensor, par.sequence_parallel)
-        inputs = sum(layer.get(k, 0.0) for k in REGION_INPUTS)
-        # Q, K, V, gpt's fc1 or llama's gate and up, and the two row-parallel outputs
-        grads = rows * ((m.n_heads + 2 * m.kv_heads) * m.dim_head + (1 if m.family == "gpt" else 2) * m.ffn) + 2 * slot
-        terms["weight_pass_region_inputs"] = (weight_slots + 1) * per_chunk * inputs  # + the one waiting
-        terms["weight_pass_output_gradients"] = weight_slots * per_chunk * grads
-    return terms
+def _unit_sum(terms: list[dict], kinds: tuple[bool, ...]) -> float:
+    """A pipeline unit's layers' sum of `terms` (one dict per `layer_kinds` kind: MoE first, then dense).
+    A policy that checkpoints whole layers (`full`, `dots`, `offload`: their `layer_input`) checkpoints
+    a unit whole (`transformer.run_layers`): its input is stored once."""
+    total = sum(sum(terms[0 if moe or len(terms) == 1 else 1].values()) for moe in kinds)
+    return total - (len(kinds) - 1) * terms[0].get("layer_input", 0.0)
 
 
 def activation_memory(
@@ -544,9 +504,10 @@ def activation_memory(
     `pipeline`): P2's Eq. 5, L layers' worth (x (1 + (p-1)/(p v)) interleaved) when m > p. A run's
     own: interleaved the same; 1F1B in lockstep pairs (2p - 1)/p x L; GPipe m/p x L. A run's
     own pipeline (`parallel.stage`) lists its executor's buffers outside the layers; an explicit
-    `pipeline` (P2's layouts) follows P2 4.3's outside terms. An MoE model's dense first layers in a
-    run's own pipeline: its chunks hold MoE layers only, and stage 0 one microbatch of the dense ones
-    ('dense_first_layers', outside: recomputed in the first chunk's backward)."""
+    `pipeline` (P2's layouts) follows P2 4.3's outside terms. An MoE model with dense layers in a
+    run's own pipeline: its chunks hold units of layers (`schedules.pipeline_unit`: MoE layers, or
+    dense and MoE ones), and stage 0 one microbatch of the dense first layers ('dense_first_layers',
+    outside: recomputed in the first chunk's backward)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     policy = cfg.remat.policy if policy is None else policy
     sp = par.sequence_parallel if sequence_parallel is None else sequence_parallel
@@ -562,16 +523,21 @@ def activation_memory(
     mean = lambda terms: sum(n * sum(x.values()) for x, (_, n) in zip(terms, kinds, strict=True)) / m.n_layers
     per_layer, host_per_layer = each[0], host[0]
     layer_total = sum(per_layer.values()) if len(kinds) == 1 else mean(each)
+    from meshlm.pipeline_memory import REGION_INPUTS, pipeline_buffer_terms, pipeline_in_flight  # (imports this)
+
     own = pipeline is None and par.stage > 1
     p = par.stage if pipeline is None else pipeline
     v = par.virtual_stages if pipeline is None else (interleave or 1)
-    prefix = len(m.dense_layer_ids) if own else 0  # run with the embedding (docstring)
-    # a chunk's slots: uneven stages' pads (`schedules.chunk_layers`) are stashed like layers
-    slots = chunk_slots(m.staged_layers, p * v) if own else m.n_layers / (p * v)
+    unit = pipeline_unit(m) if own else None
+    prefix = unit.prefix if unit else 0  # run with the embedding (docstring)
+    # a chunk's slots (units of layers): uneven stages' pads (`schedules.chunk_layers`) are stashed like units
+    slots = chunk_slots(unit.count, p * v) if unit else m.n_layers / (p * v)
     held = pipeline_in_flight(cfg, pipeline, interleave) * slots
-    stashed = sum(per_layer.values()) if prefix else layer_total
+    # what a slot stores: its unit's layers of each kind (MoE, dense), else the mean layer
+    per_slot = lambda terms: _unit_sum(terms, unit.kinds) if unit else mean(terms)
+    stashed, host_slot = per_slot(each), per_slot(host)
     if own and par.pipeline_schedule in SPLIT:  # its weight slots hold the region inputs (outside)
-        stashed -= sum(per_layer.get(k, 0.0) for k in REGION_INPUTS)
+        stashed -= per_slot([{n: x.get(n, 0.0) for n in REGION_INPUTS} for x in each])
     layers = held * stashed
     if own:
         outside = pipeline_buffer_terms(
@@ -594,6 +560,6 @@ def activation_memory(
         "outside": outside,
         "total": layers + sum(outside.values()),
         "host_per_layer": host_per_layer,
-        "host_total": held * (sum(host_per_layer.values()) if len(kinds) == 1 or prefix else mean(host)) + mtp_host,
+        "host_total": held * host_slot + mtp_host,
         "dense_per_layer": each[1] if len(kinds) > 1 else {},
     }

@@ -244,10 +244,6 @@ class ModelConfig:
         return self._kinds()[1]
 
     @property
-    def staged_layers(self) -> int:  # params["layers"], which pipeline stages split (stage 0 runs the others first)
-        return self.n_layers - len(self.dense_layer_ids)
-
-    @property
     def shared_ffn(self) -> int:
         """Width of the fused shared experts (0: none)."""
         return self.shared_expert_d_ff or self.n_shared_experts * self.expert_ffn

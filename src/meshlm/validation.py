@@ -11,7 +11,7 @@ import typing
 
 from meshlm.axes import MESH_AXES
 from meshlm.config import ConfigError, ContextStrategy, ModelConfig, RematPolicy, RunConfig
-from meshlm.parallel.schedules import SPLIT  # plain Python, no JAX
+from meshlm.parallel.schedules import MAX_UNIT, SPLIT, pipeline_unit  # plain Python, no JAX
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -215,16 +215,17 @@ def _validate_moe(cfg: RunConfig) -> None:
     _divides(m.expert_ffn, "model.expert_d_ff", p.tensor, "tensor")
     if m.shared_ffn:
         _divides(m.shared_ffn, "model.shared_expert_d_ff", p.tensor, "tensor")
-    dense = m.dense_layer_ids
+    dense, unit = m.dense_layer_ids, pipeline_unit(m)
     _need(
-        p.stage == 1 or dense == tuple(range(len(dense))),
-        f"an MoE model with dense layers among its MoE ones ({list(dense)}: model.moe_layer_step or dense_layers) "
-        "in a pipeline (parallel.stage > 1) is not built: the stages run the dense first layers "
-        "(model.first_k_dense) with the embedding and split the others, so every stage's layers are of one "
-        "kind; train it with the expert, data, fsdp, tensor and context axes (docs/moe.md)",
+        p.stage == 1 or unit is not None,
+        f"an MoE model's dense layers {list(dense)} (model.first_k_dense, moe_layer_step, dense_layers) in a "
+        "pipeline (parallel.stage > 1): the stages run the dense first layers with the embedding and split "
+        f"the others in whole repeats of one unit of at most {MAX_UNIT} dense and MoE layers (Qwen's "
+        "moe_layer_step=2: dense, MoE), and these repeat none; choose dense layers that do, or train it with "
+        "the expert, data, fsdp, tensor and context axes (docs/moe.md)",
     )
     _need(
-        p.stage == 1 or not dense or p.context == 1 or p.context_strategy != "ring",
+        p.stage == 1 or not unit or not unit.prefix or p.context == 1 or p.context_strategy != "ring",
         "an MoE model's dense first layers (model.first_k_dense) run with the embedding inside a branch that "
         "the first stage alone takes, and the ring's permutes (parallel.context_strategy=ring inside pipeline "
         "stages) must be entered by every stage; use context_strategy=all_gather or all_to_all (docs/moe.md)",
@@ -278,9 +279,9 @@ def _validate_parallel(cfg: RunConfig) -> None:
         _need(p.stage > 1 or p.virtual_stages == 1, f"parallel.virtual_stages={p.virtual_stages} {no_pipeline}")
         _need(p.stage > 1, f"parallel.pipeline_ticks={p.pipeline_ticks} {no_pipeline}")
         try:
-            prefix = len(m.dense_layer_ids)  # an MoE model's dense first layers: with the embedding
-            sizes = (p.pipeline_schedule, p.stage, t.microbatches, p.virtual_stages, m.staged_layers)
-            check_sizes(*sizes, p.pipeline_ticks, prefix)
+            unit = pipeline_unit(m)  # an MoE model's dense first layers run with the embedding
+            sizes = (p.pipeline_schedule, p.stage, t.microbatches, p.virtual_stages, unit and unit.count)
+            check_sizes(*sizes, p.pipeline_ticks, unit.prefix if unit else 0, len(unit.kinds) if unit else 1)
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
 

@@ -102,18 +102,21 @@ def _memory_row_json(r) -> dict:
 
 
 def _pipeline_note(cfg) -> str:
-    from meshlm import accounting
+    from meshlm import pipeline_memory
+    from meshlm.parallel.schedules import chunk_slots, pad_count, pipeline_unit
 
     par, m = cfg.parallel, cfg.model
-    from meshlm.parallel.schedules import chunk_slots
-
-    per = chunk_slots(m.staged_layers, par.stage * par.virtual_stages)  # uneven: pads too; no dense first layers
-    held = accounting.pipeline_in_flight(cfg)
+    unit, chunks = pipeline_unit(m), par.stage * par.virtual_stages
+    per = chunk_slots(unit.count, chunks)  # uneven: pads too; no dense first layers
+    what = "a layer each" if len(unit.kinds) == 1 else f"a unit of {len(unit.kinds)} layers each"
+    if pads := pad_count(unit.count, chunks):  # uneven stages
+        what += f"; {pads} of the {chunks * per} slots are pads, of zero weights"
+    held = pipeline_memory.pipeline_in_flight(cfg)
     return (
         f"pipeline: {par.pipeline_schedule} ({par.pipeline_ticks} ticks), {par.stage} stages x "
-        f"{par.virtual_stages} chunks of {per} layers, "
+        f"{par.virtual_stages} chunks of {per} slots ({what}), "
         f"{cfg.train.microbatches} microbatches; stage 0 (the largest) holds {held} microbatch-chunks' stored "
-        f"activations = {held * per} layers' worth, plus its buffers (formula = stage 0). Not measured here "
+        f"activations = {held * per} slots' worth, plus its buffers (formula = stage 0). Not measured here "
         "(the measurement is an unpipelined program); tests/test_pipeline.py checks stage 0 against the "
         "compiled pipeline."
     )

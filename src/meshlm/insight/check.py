@@ -33,6 +33,7 @@ from meshlm.data.loader import document_segments
 from meshlm.model.params import init_params, named_leaves, param_specs
 from meshlm.parallel.mesh import make_layout
 from meshlm.parallel.rules import reorder_sequence
+from meshlm.parallel.schedules import pipeline_unit
 from meshlm.step import batch_sharding, make_grad_step
 from meshlm.train_state import state_shardings
 from meshlm.validation import validate
@@ -97,12 +98,12 @@ def _relative(got: float, want: float) -> float:
 def shrink(cfg: RunConfig) -> RunConfig:
     """The check-size config: the layout's math kept, its sizes cut (see the module)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if p.stage > 1:  # two layers per pipeline chunk (the scan inside a chunk, its slicing), when it has two
-        chunks = p.stage * p.virtual_stages  # (and a dense first layer, run with the embedding)
-        layers = chunks * min(2, m.staged_layers // chunks)
-        if m.staged_layers % chunks:  # uneven stages stay uneven (a pad slot)
-            layers += 1 if layers == chunks else -1
-        layers += 1 if m.dense_layer_ids else 0
+    if p.stage > 1:  # two slots per pipeline chunk (the scan inside a chunk, its slicing), when it has two
+        chunks, unit = p.stage * p.virtual_stages, pipeline_unit(m)  # (and a dense first layer, run with the embedding)
+        slots = chunks * min(2, unit.count // chunks)
+        if unit.count % chunks:  # uneven stages stay uneven (a pad slot)
+            slots += 1 if slots == chunks else -1
+        layers = slots * len(unit.kinds) + (1 if unit.prefix else 0)
     else:  # a partial unroll stays partial; chained layers (unroll >= layers) stay chained
         layers = min(m.n_layers, m.scan_unroll + 1 if 1 < m.scan_unroll < m.n_layers else 2)
         # one layer of the first kind, then the other's scan: one more keeps its unroll partial

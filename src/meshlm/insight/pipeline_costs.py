@@ -10,7 +10,7 @@ import functools
 from meshlm import accounting
 from meshlm.config import ParallelConfig, RunConfig
 from meshlm.parallel.schedules import built as _schedule
-from meshlm.parallel.schedules import pad_count, runs_unbranched
+from meshlm.parallel.schedules import pad_count, pipeline_unit, runs_unbranched, staged_units
 
 
 def pipeline_send_bytes(cfg: RunConfig, interleave: int = 1) -> float:
@@ -85,15 +85,14 @@ def stage_extra_flops(cfg: RunConfig) -> dict[str, float]:
     ticks (a steady tick runs chunk 0 on stage 0 and the last chunk on the last stage), so the step
     pays the larger: the MTP part is what it adds beyond the dense layers' (absent when not more).
     Stages of uneven layer counts (`schedules.chunk_layers`) run ceil(L/(pv)) slots a chunk on every
-    stage, pads (zero-weight layers) included: (pv ceil(L/(pv)) - L)/p x (1 + b/f) x a layer's forward
-    FLOPs (the pads' collectives: `pad_slots`). All at the GEMM rate. {} without a pipeline."""
+    stage, pads (zero-weight layers, or units of them: `schedules.pipeline_unit`) included:
+    (pv ceil(L/(pv)) - L)/p x (1 + b/f) x a slot's forward FLOPs (the pads' collectives: `pad_slots`).
+    All at the GEMM rate. {} without a pipeline."""
     if cfg.parallel.stage == 1:
         return {}
     out = _prefix_and_mtp_flops(cfg)
     if pads := pad_slots(cfg):
-        out = out | {
-            PAD_SLOTS: _layer_forward_flops(cfg) * (1 + backward_over_forward(cfg)) * pads / cfg.parallel.stage
-        }
+        out = out | {PAD_SLOTS: _slot_forward_flops(cfg) * (1 + backward_over_forward(cfg)) * pads / cfg.parallel.stage}
     return out
 
 
@@ -104,27 +103,31 @@ def plannable_stages(layers: int, stages: int) -> bool:
     return layers >= stages and 8 * pad_count(layers, stages) <= layers
 
 
-def pad_slots(cfg: RunConfig) -> int:
-    """Uneven stages' pad slots (`schedules.chunk_layers`): p v ceil(L/(pv)) - L; each runs as a layer."""
-    return pad_count(cfg.model.staged_layers, cfg.parallel.stage * cfg.parallel.virtual_stages)
+def pad_slots(cfg: RunConfig, layers: bool = False) -> int:
+    """Uneven stages' pad slots (`schedules.chunk_layers`): p v ceil(L/(pv)) - L; each runs as a layer,
+    or a unit of layers (`schedules.pipeline_unit`; `layers`: their layers)."""
+    pads = pad_count(staged_units(cfg.model), cfg.parallel.stage * cfg.parallel.virtual_stages)
+    return pads * len(pipeline_unit(cfg.model).kinds) if layers and pads else pads
 
 
 @per_flops_key
-def _layer_forward_flops(cfg: RunConfig) -> float:
-    """One staged layer's forward FLOPs per step (an MoE model's: an MoE layer)."""
+def _slot_forward_flops(cfg: RunConfig) -> float:
+    """One pipeline slot's forward FLOPs per step: a staged layer's (an MoE model's: an MoE layer), or
+    a unit's dense and MoE layers (`schedules.pipeline_unit`)."""
     m, t = cfg.model, cfg.train
-    one = dataclasses.replace(accounting.layer_kinds(m)[0][0], n_layers=1, mtp_depth=0)
-    logits = 2 * t.global_batch * t.seq_len * m.d_model * m.vocab_size
-    return accounting.forward_flops_per_step(dataclasses.replace(cfg, model=one)) - logits
+    kinds, logits = accounting.layer_kinds(m), 2 * t.global_batch * t.seq_len * m.d_model * m.vocab_size
+    one = lambda k: dataclasses.replace(k, n_layers=1, mtp_depth=0)
+    layer = [accounting.forward_flops_per_step(dataclasses.replace(cfg, model=one(k))) - logits for k, _ in kinds]
+    return sum(layer[0 if moe or len(layer) == 1 else 1] for moe in pipeline_unit(m).kinds)
 
 
 @per_flops_key
 def _prefix_and_mtp_flops(cfg: RunConfig) -> dict[str, float]:
     m, par, t = cfg.model, cfg.parallel, cfg.train
     ratio, out = backward_over_forward(cfg), {}
-    if m.dense_layer_ids:
+    if k := pipeline_unit(m).prefix:
         dense = accounting.layer_kinds(m)[1][0]
-        prefix = dataclasses.replace(dense, n_layers=len(m.dense_layer_ids), mtp_depth=0)
+        prefix = dataclasses.replace(dense, n_layers=k, mtp_depth=0)
         logits = 2 * t.global_batch * t.seq_len * m.d_model * m.vocab_size
         forward = accounting.forward_flops_per_step(dataclasses.replace(cfg, model=prefix)) - logits
         out[FIRST_LAYERS] = forward * (2 + ratio - (1 + ratio) / par.stage)
@@ -178,8 +181,8 @@ def pipeline_schedules(cfg: RunConfig, stages: int) -> list[tuple[str, int, str]
     interleaved = [
         ("interleaved", v, "paired")
         for v in range(2, MAX_INTERLEAVE + 1)
-        if cfg.model.staged_layers % (stages * v) == 0
+        if staged_units(cfg.model) % (stages * v) == 0
     ]
     flat = [("1f1b", 1)] + ([] if cfg.model.moe else [("zb1", 1)])
-    zbv = [("zbv", 2, "single")] if not cfg.model.moe and cfg.model.staged_layers % (2 * stages) == 0 else []
+    zbv = [("zbv", 2, "single")] if not cfg.model.moe and staged_units(cfg.model) % (2 * stages) == 0 else []
     return [(name, v, ticks) for name, v in flat for ticks in ("paired", "single")] + interleaved + zbv

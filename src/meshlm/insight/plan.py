@@ -43,7 +43,7 @@ from meshlm.insight.pipeline_costs import (
 from meshlm.insight.step_peak import planned_loss_chunks, transient_terms
 from meshlm.model.moe_costs import expert_exchange_bytes, expert_hardware_flops
 from meshlm.model.params import ParamSpec, param_specs
-from meshlm.parallel import rules
+from meshlm.parallel import rules, schedules, stage_layout
 from meshlm.parallel.mesh import abstract_layout
 from meshlm.platform.hardware import Accelerator, matmul_precision, peak_for
 from meshlm.validation import validate
@@ -148,7 +148,8 @@ def sharded_params(cfg: RunConfig, experts_only: bool = False, part: str | None 
 def _sharded_params(model, mesh: tuple, _rules: tuple, experts_only: bool, part: str | None, trainable: bool) -> float:
     layout = abstract_layout(ParallelConfig(**dict(zip(_MESH_FIELDS, mesh, strict=True))))
     tree = param_specs(model)
-    if part is not None:
+    if part is not None:  # in a pipeline, "layers": a slot's, units of (dense, MoE) layers too
+        tree = stage_layout.staged_params(tree, model)
         tree = tree["layers"] if part == "layers" else {k: v for k, v in tree.items() if k != "layers"}
     specs = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, ParamSpec))
     specs = [s for s in specs if s.trainable or not trainable]
@@ -241,7 +242,7 @@ def _gathered(model, mesh: tuple, trainable: bool, rules_key: tuple, pads: int =
     count = lambda m, part: _sharded_params(model, m, rules_key, False, part, trainable)
     inside = {"layers": count(whole(fsdp=1), "layers"), "top": count(whole(fsdp=1, stage=1), "top")}
     if pads:  # uneven stages: a stage's L/p layers stored split over stage are its slots, pads too, regrouped whole
-        inside["layers"] *= (model.staged_layers + pads) / model.staged_layers  # (`stage_layout.regroup_stored`)
+        inside["layers"] *= 1 + pads / schedules.staged_units(model)  # (`stage_layout.regroup_stored`)
     return {k: n for k, n in inside.items() if n > count(mesh, k)}
 
 
@@ -335,7 +336,7 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
     # a dense prefix on stage 0 alone, MTP modules on the last stage alone: beyond the even share
     out |= {part: flops * pipeline / (n * peak) for part, flops in stage_extra_flops(cfg).items()}
     if par.tensor > 1:
-        layers_here = (accounting.attention_layers(m) + pad_slots(cfg)) / pipeline  # with MTP's, pads
+        layers_here = (accounting.attention_layers(m) + pad_slots(cfg, layers=True)) / pipeline  # with MTP's, pads
         out["tensor-parallel collectives"] = (
             t.microbatches * layers_here * tp_layer_bytes(cfg) / _link(device, par.tensor)
         )
@@ -547,12 +548,11 @@ def _paired(cfg: RunConfig) -> RunConfig:
 
 def _meshes(cfg: RunConfig, n_devices: int) -> list[dict[str, int]]:
     """Every factorisation of the device count over the mesh axes (context inside pipeline stages
-    too); pipelines over `plannable_stages` (of an MoE model's layers after its dense first ones; none
-    with dense layers among MoE ones). MoE: `expert` over the sizes that divide E, context dropless only."""
-    m, out = cfg.model, []
-    # an MoE model's dense first layers run with the embedding; dense layers among MoE ones refuse a pipeline
-    prefix_only = m.dense_layer_ids == tuple(range(len(m.dense_layer_ids)))
-    for stage in (p for p in _divisors(n_devices) if p == 1 or (prefix_only and plannable_stages(m.staged_layers, p))):
+    too); pipelines over `plannable_stages` of `schedules.pipeline_unit`'s units (an MoE model's dense
+    first layers run with the embedding; none where no unit repeats). MoE: `expert` over the sizes
+    that divide E, context dropless only."""
+    m, out, unit = cfg.model, [], schedules.pipeline_unit(cfg.model)
+    for stage in (p for p in _divisors(n_devices) if p == 1 or (unit and plannable_stages(unit.count, p))):
         for tensor in _divisors(n_devices // stage):
             rest = n_devices // stage // tensor
             experts = [e for e in _divisors(rest) if m.n_experts % e == 0] if m.moe else [1]

@@ -14,15 +14,14 @@ from typing import Any
 
 import jax
 
-from meshlm import accounting
+from meshlm import accounting, pipeline_memory
 from meshlm.config import RunConfig
 from meshlm.insight.memory import device_bytes
 from meshlm.insight.pipeline_costs import pipeline_overhead
 from meshlm.model import kernels
 from meshlm.model.params import named_leaves, param_specs, trainable_mask
-from meshlm.parallel.pipeline import schedule_for
 from meshlm.parallel.rules import Layout
-from meshlm.parallel.schedules import SPLIT, runs_unbranched
+from meshlm.parallel.schedules import SPLIT, runs_unbranched, schedule_for
 from meshlm.train_state import TrainState
 
 
@@ -57,7 +56,7 @@ def startup_report(
     pipeline = _pipeline(cfg)
     activations = "activations (per microbatch)"
     if pipeline is not None:
-        activations = f"activations (stage 0, {accounting.pipeline_in_flight(cfg)} in flight)"
+        activations = f"activations (stage 0, {pipeline_memory.pipeline_in_flight(cfg)} in flight)"
     predicted = {
         "parameters (fp32)": param_bytes,
         "gradients (fp32)": grad_bytes,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from meshlm.config import ModelConfig, RunConfig
-from meshlm.parallel.schedules import pad_count
+from meshlm.parallel.schedules import pad_count, pipeline_unit
 
 TILE = 128  # grouped rows per tile: each expert's group is padded to a multiple (the padding runs)
 CHUNK = 4  # tiles per step of the CPU kernel's loop: 512 rows (tuned at moe-tiny's shapes, BENCHMARKS.md)
@@ -145,7 +145,8 @@ def expert_exchange_bytes(cfg: RunConfig, platform: str = "cpu") -> float:
         n = par.expert * b * s * m.experts_per_token
         rows = n // par.expert if EXCHANGE_OP[platform] == "ragged" else n
         per_layer = (6 if again else 4) * rows * m.d_model * e + (2 if again else 1) * n * 4
-    pads = pad_count(m.staged_layers, par.stage * par.virtual_stages)  # uneven stages' pad slots exchange too
+    unit = pipeline_unit(m)  # uneven stages' pad slots exchange too (a unit's MoE layers each)
+    pads = pad_count(unit.count, par.stage * par.virtual_stages) * sum(unit.kinds)
     layers = (len(m.moe_stat_layer_ids) + pads) / par.stage  # MTP's too; a pipeline stage's share
     return t.microbatches * layers * per_layer * (par.expert - 1) / par.expert
 

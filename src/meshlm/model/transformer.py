@@ -413,15 +413,15 @@ def run_layers(
     split would copy (the pipeline recognises them and does not stash them)."""
     dtype = jnp.dtype(cfg.dtype)
     cast = partial(cast_layer, dtype=dtype)
-    block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy)
+    block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy=remat_policy, segments=segment_ids)
 
     def body(x_btd, layer):
         p, i = layer[:2]
-        layer_key = None if key is None else jax.random.fold_in(key, i)
+        key_of = lambda j: None if key is None else jax.random.fold_in(key, i if j is None else i[j])
         if taps is None:
-            return block(x_btd, cast(p), layer_key, segments=segment_ids)  # (x, RouterStats or None)
+            return in_order(block, x_btd, p, key_of, cast)  # (x, RouterStats or None)
         with recording(Recorder("forward", taps=layer[2])) as rec:
-            x_btd, stats = block(x_btd, cast(p), layer_key, segments=segment_ids)
+            x_btd, stats = in_order(block, x_btd, p, key_of, cast)
         return x_btd, (stats, rec.inputs)
 
     n = layer_ids.shape[0]
@@ -429,7 +429,8 @@ def run_layers(
     if taps is not None:
         if chain:
             raise ValueError("the split backward (taps) runs over a scan of layers, not a chain")
-        return jax.lax.scan(layer, x_btd, (stacked, layer_ids, taps), unroll=min(cfg.scan_unroll, n))
+        x_btd, (stats, inputs) = jax.lax.scan(layer, x_btd, (stacked, layer_ids, taps), unroll=min(cfg.scan_unroll, n))
+        return x_btd, (_units_flat(stats, layer_ids), inputs)
     if chain:
         # One split per stacked array, not n slices: the gradient of a split is one concatenate of
         # the layers' parts; that of n slices is a sum of n zero-padded copies of the whole stacked
@@ -441,49 +442,31 @@ def run_layers(
             x_btd, s = layer(x_btd, jax.tree.unflatten(tree, [jnp.squeeze(p[j], 0) for p in parts]))
             stats.append(s)
         return x_btd, None if stats[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *stats)
-    return jax.lax.scan(layer, x_btd, (stacked, layer_ids), unroll=min(cfg.scan_unroll, n))
+    x_btd, stats = jax.lax.scan(layer, x_btd, (stacked, layer_ids), unroll=min(cfg.scan_unroll, n))
+    return x_btd, _units_flat(stats, layer_ids)
 
 
-def region_shapes(x: jax.ShapeDtypeStruct, layer: dict, cfg: ModelConfig, layout: Layout | None) -> tuple:
-    """(inputs, outputs, weight names) of one layer's tensor-parallel regions, inputs and outputs
-    as shapes in call order: what a pending weight pass of each layer keeps (zb1, `parallel.taps`),
-    and the weights whose gradients the weight pass gives."""
-    rec = Recorder("probe")
-
-    def one(x, p):
-        with recording(rec):
-            BLOCKS[cfg.family](x, p, None, cfg=cfg, layout=layout, remat_policy="elementwise")
-
-    names = []
-
-    def one_named(x, p):
-        one(x, p)
-        names.extend(n for n, w in p.items() if id(w) in rec.weight_ids)
-
-    jax.eval_shape(one_named, x, layer)
-    return rec.inputs, rec.outputs, tuple(sorted(names))
+def in_order(block, x_btd, p: dict, key_of=lambda j: None, cast=lambda p: p):
+    """`block(x, weights, key)` of one layer, or of a pipeline unit's layers in order (their weights
+    named "j:name", `stage_layout.staged_params`; `key_of(j)` layer j's key, `key_of(None)` one
+    layer's): (x, the RouterStats of its MoE layers - a unit's stacked [its MoE layers, ...] - or None)."""
+    if not any(":" in n for n in p):
+        return block(x_btd, cast(p), key_of(None))
+    stats = []
+    for j in range(1 + max(int(n.split(":")[0]) for n in p)):
+        x_btd, st = block(
+            x_btd, cast({n.split(":", 1)[1]: w for n, w in p.items() if n.startswith(f"{j}:")}), key_of(j)
+        )
+        stats += [] if st is None else [st]
+    return x_btd, jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
 
 
-def weight_gradients(stacked: dict, inputs: list, grads: list, names: tuple, cfg: ModelConfig, layout) -> dict:
-    """zb1's weight pass W of a chunk of layers: the gradients of `names`, the weights its
-    tensor-parallel regions use, from each region's input recorded by the forward and each output's
-    gradient (the taps' gradients from B), all stacked [n, ...]. Each layer is traced with the
-    regions running on the recorded inputs; the rest of it is dead code, which XLA removes."""
-    block = partial(BLOCKS[cfg.family], cfg=cfg, layout=layout, remat_policy="elementwise")
-    x = jnp.zeros(inputs[0].shape[1:], inputs[0].dtype)  # the first region's input: the normed stream
-
-    def layer(_, xs):  # one loop over the layers, each differentiated on its own (nothing restacked)
-        p, ins, outs = xs
-
-        def objective(w):
-            rec = Recorder("weights", inputs=ins, grads=outs)
-            with recording(rec):
-                block(x, {**p, **w}, None)
-            return rec.objective
-
-        return None, jax.grad(objective)({n: p[n] for n in names})
-
-    return jax.lax.scan(layer, None, (stacked, inputs, grads))[1]
+def _units_flat(stats, layer_ids: jax.Array):
+    """A scan's RouterStats over pipeline units ([n, MoE layers a unit, ...], `layer_ids` [n, u]) as [n x
+    those, ...], one row per MoE layer in order; as they are over layers."""
+    if stats is None or layer_ids.ndim == 1:
+        return stats
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
 
 
 def logits(

@@ -32,8 +32,9 @@ are regrouped to [p, v, c, ...] (`stage_layout`: c = L/(pv); uneven: ceil, with 
 whose RouterStats and their cotangent `routed` zeroes);
 the embeddings and output layer are stored split over fsdp x stage. An MoE model's dense first layers
 (`model.first_k_dense`) run on the first chunk with the embedding, recomputed in its backward
-(`_Stage.embed`). Dropout draws at each element's global position, microbatch i from fold_in(key, i),
-as `step.gradients` does (docs/pipeline.md).
+(`_Stage.embed`); a slot holds one layer of the others, or a unit (dense, MoE: `sl.staged_params`).
+Dropout draws at each element's global position, microbatch i from fold_in(key, i), as
+`step.gradients` does (docs/pipeline.md).
 """
 
 from __future__ import annotations
@@ -50,20 +51,16 @@ from meshlm import axes as ax
 from meshlm.config import RunConfig
 from meshlm.model import moe, mtp
 from meshlm.model.params import param_specs, partition, trainable_mask
-from meshlm.model.transformer import RESIDUAL, embed, output_loss, region_shapes, run_layers, weight_gradients
+from meshlm.model.transformer import RESIDUAL, embed, output_loss, run_layers
+from meshlm.model.weight_pass import region_shapes, weight_gradients
 from meshlm.parallel import stage_layout as sl
 from meshlm.parallel.buffers import put as _put
 from meshlm.parallel.buffers import slots as _slots
 from meshlm.parallel.buffers import take as _take
 from meshlm.parallel.rules import Layout, constrain
-from meshlm.parallel.schedules import Schedule, build, pad_count, runs_unbranched
+from meshlm.parallel.schedules import pad_count, pipeline_unit, runs_unbranched, schedule_for, staged_units
 from meshlm.parallel.slots import tables
 from meshlm.parallel.stage_layout import AXIS
-
-
-def schedule_for(cfg: RunConfig) -> Schedule:
-    par = cfg.parallel
-    return build(par.pipeline_schedule, par.stage, cfg.train.microbatches, par.virtual_stages, par.pipeline_ticks)
 
 
 class Carry(NamedTuple):
@@ -96,17 +93,17 @@ class _Stage:
         self.local, self.top, self.micro, self.key = local, top, micro, key
         self.moe, self.tokens = cfg.model.moe, tokens  # MoE: each microbatch's counted tokens [m]
         self.p, self.m = cfg.parallel.stage, cfg.train.microbatches
-        self.prefix = len(cfg.model.dense_layer_ids)  # dense first layers, run with the embedding
-        self.depth = cfg.model.mtp_depth  # MTP modules, run with the loss on the last chunk
-        uneven = pad_count(cfg.model.staged_layers, self.p * cfg.parallel.virtual_stages)
+        unit = pipeline_unit(cfg.model)  # dense first layers, run with the embedding; the chunks' units of layers
+        self.prefix, self.depth = unit.prefix, cfg.model.mtp_depth  # MTP modules: with the loss on the last chunk
+        uneven = pad_count(unit.count, self.p * cfg.parallel.virtual_stages)
         self.per_chunk, self.routed = ids.shape[1], sl.routed if uneven else lambda st, _: st
-        self.layer_ids = ids  # [v, c] the layer ids of this stage's chunks, -1 a pad (`sl.layer_ids`)
+        self.layer_ids = ids  # [v, c(, u)] the layer ids of this stage's chunks, -1 a pad (`sl.layer_ids`)
         self.dtype = jnp.dtype(cfg.model.dtype)
         self.policy_chunks = cfg.remat.policy, cfg.remat.loss_chunks  # the output layer and loss (`output_loss`)
         b, s_len = micro["inputs"].shape[1:3]
         self.x_shape = (b, s_len, cfg.model.d_model)
         self.stage = jax.lax.axis_index(AXIS)
-        specs = param_specs(cfg.model)
+        specs = sl.staged_params(param_specs(cfg.model), cfg.model)
         # LoRA: only the adapters are differentiated and accumulated (a dense prefix's among the top
         # weights); the frozen weights, the embeddings and the output layer get no gradient
         mask = trainable_mask(sl.top_specs(specs))
@@ -537,9 +534,9 @@ def pipeline_gradients(
     schedule = schedule_for(cfg)
     tab = tables(schedule)
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
-    slots = sl.layer_slots(cfg.model.staged_layers, p * v)
+    slots = sl.layer_slots(staged_units(cfg.model), p * v)
     regroup = partial(sl.regroup_stored, schedule=schedule, slots=slots, layout=layout)
-    specs = param_specs(cfg.model)
+    params, specs = sl.staged_params(params, cfg.model), sl.staged_params(param_specs(cfg.model), cfg.model)  # "j:name"
     # Gathered once per step (not once per tick), their gradients summed after the loop and sliced
     # back to the shards by the caller's constraint: each stage's layers over fsdp, and the other
     # weights (embeddings, output layer, dense prefix, MTP), stored split over fsdp x stage (1/p of them
@@ -597,4 +594,4 @@ def pipeline_gradients(
     _, frozen, join = partition(sl.top_specs(params), top_mask)
     top = join(g_top, [jnp.zeros_like(w) for w in frozen])  # LoRA's base; an MTP module's router bias
     metrics = sl.moe_metrics(stats, cfg, schedule) | ({"mtp_loss_sum": mtp_sums} if cfg.model.mtp_depth else {})
-    return {"layers": layers, **top}, loss_sum, count, metrics
+    return sl.unstaged({"layers": layers, **top}, cfg.model), loss_sum, count, metrics

@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 Kind = Literal["F", "B", "W"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "zbv")
@@ -217,9 +217,11 @@ def check_sizes(
     layers: int | None = None,
     ticks: str = "paired",
     prefix: int = 0,
+    unit: int = 1,
 ) -> None:
     """The combinations a schedule cannot run, as a ScheduleError naming what to change. `layers`: those
-    the stages split, after `prefix` dense first layers that run with the embedding."""
+    the stages split, after `prefix` dense first layers that run with the embedding (`pipeline_unit`;
+    units of `unit` layers each)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown pipeline schedule {name!r}; choose from {', '.join(SCHEDULES)}")
     if ticks not in TICKS:
@@ -247,10 +249,60 @@ def check_sizes(
             f"{microbatches} is not a multiple of stage={stages}"
         )
     if layers is not None and layers < stages * virtual:
-        what = f"model.n_layers={layers + prefix}"
+        what = f"model.n_layers={layers * unit + prefix}"
         if prefix:  # an MoE model's dense first layers run with the embedding
-            what += f" less the {prefix} dense first layers (run with the embedding), {layers},"
+            what += f" less the {prefix} dense first layers (run with the embedding), {layers * unit},"
+        if unit > 1:
+            what += f" in {layers} units of {unit} dense and MoE layers (a chunk holds whole units),"
         raise ScheduleError(f"{what} leaves a chunk of stage x virtual_stages = {stages * virtual} without a layer")
+
+
+class Unit(NamedTuple):
+    """How pipeline stages split a model's layers (`pipeline_unit`): `prefix` dense first layers run
+    with the embedding on the first chunk, then `count` repeats of `kinds` (True: an MoE layer), the
+    slots the chunks hold."""
+
+    prefix: int
+    kinds: tuple[bool, ...]
+    count: int
+
+
+MAX_UNIT = 4  # the longest repeated unit of dense and MoE layers a pipeline splits
+
+
+@functools.cache
+def _unit(kinds: tuple[bool, ...]) -> Unit | None:
+    dense_first = next(i for i, moe in enumerate(kinds) if moe)  # the longest prefix there can be
+    for u in range(1, MAX_UNIT + 1):  # the shortest unit, after the fewest dense first layers
+        for prefix in range(dense_first + 1):
+            rest = kinds[prefix:]
+            if len(rest) % u == 0 and rest == rest[:u] * (len(rest) // u):
+                return Unit(prefix, rest[:u], len(rest) // u)
+    return None
+
+
+def pipeline_unit(m) -> Unit | None:
+    """A `model` config's layers as a pipeline splits them: an MoE model's dense first layers, then one
+    unit of dense and MoE layers (the shortest, at most `MAX_UNIT`; after it the fewest dense first
+    layers) repeated - DeepSeek-V3: 3, then (MoE,) x 58; Qwen's decoder_sparse_step=2: (dense, MoE)
+    x L/2; a dense model or an MoE model of MoE layers only: each layer a unit. None where the rest
+    repeats no unit (dense_layers=(5,) among 24 MoE layers, say): a pipeline refuses it."""
+    if not m.moe or not m.dense_layer_ids:
+        return Unit(0, (bool(m.moe),), m.n_layers)
+    moe = set(m.moe_layer_ids)
+    return _unit(tuple(i in moe for i in range(m.n_layers)))
+
+
+def staged_units(m) -> int:
+    """The slots the pipeline chunks split (`pipeline_unit`'s count; the layers when no unit repeats)."""
+    unit = pipeline_unit(m)
+    return unit.count if unit else m.n_layers
+
+
+def schedule_for(cfg) -> Schedule:
+    """A run config's pipeline schedule (`parallel.pipeline_schedule` and the sizes it runs)."""
+    par = cfg.parallel
+    return build(par.pipeline_schedule, par.stage, cfg.train.microbatches, par.virtual_stages, par.pipeline_ticks)
 
 
 def chunk_slots(layers: int, chunks: int) -> int:

@@ -15,6 +15,7 @@ passes through unchanged. Its routing statistics are dropped (`routed`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -24,12 +25,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshlm import axes as ax
-from meshlm.config import RunConfig
+from meshlm.config import ModelConfig, RunConfig
 from meshlm.model import moe
 from meshlm.model.params import ParamSpec
 from meshlm.parallel.collectives import region_weight_spec
 from meshlm.parallel.rules import Layout, as_part, part_names, spec_of
-from meshlm.parallel.schedules import Schedule, chunk_layers
+from meshlm.parallel.schedules import Schedule, chunk_layers, pipeline_unit
 
 AXIS = "stage"
 ROUTING = ("w_router", "mlp_norm")  # what a pad slot takes from layer 0 (`regroup`): the MoE router and its input norm
@@ -85,16 +86,74 @@ def layer_slots(layers: int, chunks: int) -> np.ndarray:
 
 def layer_ids(cfg: RunConfig, slots: np.ndarray) -> np.ndarray:
     """[chunks, c] each chunk slot's layer id in the whole model (`layer_slots` after an MoE model's
-    dense first layers), -1 a pad slot."""
-    return np.where(slots >= 0, slots + len(cfg.model.dense_layer_ids), -1).astype(np.int32)
+    dense first layers), -1 a pad slot; [chunks, c, u] with units of u layers (`staged_params`)."""
+    unit = pipeline_unit(cfg.model)
+    u = len(unit.kinds)
+    ids = np.where(slots[..., None] >= 0, unit.prefix + slots[..., None] * u + np.arange(u), -1).astype(np.int32)
+    return ids if u > 1 else ids[..., 0]
 
 
 def routed(stats, ids: jax.Array):
-    """A chunk's RouterStats, or their cotangent, with its pad slots' (`ids` < 0) zeroed: a pad
-    slot's zero-weight layer is the identity, but its router still picks experts."""
+    """A chunk's RouterStats [c x its unit's MoE layers, ...], or their cotangent, with its pad slots'
+    (`ids` < 0) zeroed: a pad slot's zero-weight layer is the identity, but its router still picks experts."""
     if stats is None:
         return None
-    return jax.tree.map(lambda a: jnp.where((ids >= 0).reshape(-1, *[1] * (a.ndim - 1)), a, 0), stats)
+    live = ids >= 0 if ids.ndim == 1 else (ids >= 0).all(-1)  # [c]: a unit's layers are pads together
+    keep = lambda a: jnp.repeat(live, a.shape[0] // live.shape[0]).reshape(-1, *[1] * (a.ndim - 1))
+    return jax.tree.map(lambda a: jnp.where(keep(a), a, 0), stats)
+
+
+def _positions(m: ModelConfig) -> list[tuple[str, int, int]] | None:
+    """Units of several layers (`schedules.pipeline_unit`): each unit layer's (stack, layers of its
+    kind a unit, its place among them); None where a unit is one layer."""
+    unit = pipeline_unit(m)
+    if len(unit.kinds) == 1:
+        return None
+    stack = lambda moe: "layers" if moe else PREFIX
+    return [(stack(k), unit.kinds.count(k), unit.kinds[:j].count(k)) for j, k in enumerate(unit.kinds)]
+
+
+def staged_params(tree: dict, m: ModelConfig) -> dict:
+    """The parameters (or their ParamSpecs) as the stages split them. Units of several layers
+    (Qwen's moe_layer_step=2: dense, MoE): "layers" holds each unit layer j's weights as "j:name"
+    [units, ...] (a strided slice of its stack), PREFIX the dense first layers only; else `tree`."""
+    places, unit = _positions(m), pipeline_unit(m)
+    if places is None:
+        return tree
+    first = {"layers": 0, PREFIX: unit.prefix}  # where each stack's unit layers begin
+
+    def take(w, stack, per, q):
+        if isinstance(w, ParamSpec):
+            return dataclasses.replace(w, shape=(unit.count, *w.shape[1:]))
+        return w[first[stack] :].reshape(unit.count, per, *w.shape[1:])[:, q]
+
+    layers = {f"{j}:{n}": take(w, *at) for j, at in enumerate(places) for n, w in tree[at[0]].items()}
+    prefix = lambda w: (
+        dataclasses.replace(w, shape=(unit.prefix, *w.shape[1:])) if isinstance(w, ParamSpec) else w[: unit.prefix]
+    )
+    out = {k: v for k, v in tree.items() if k not in ("layers", PREFIX)} | {"layers": layers}
+    return out | (
+        {PREFIX: jax.tree.map(prefix, tree[PREFIX], is_leaf=lambda x: isinstance(x, ParamSpec))} if unit.prefix else {}
+    )
+
+
+def unstaged(grads: dict, m: ModelConfig) -> dict:
+    """`staged_params` reversed, for gradients: each stack's unit layers interleaved back in model
+    order, the dense first layers' before the others."""
+    places, unit = _positions(m), pipeline_unit(m)
+    if places is None:
+        return grads
+    parts = {"layers": {}, PREFIX: {}}
+    for name, g in grads["layers"].items():
+        j, n = name.split(":", 1)
+        parts[places[int(j)][0]].setdefault(n, []).append(g)  # in unit order
+    joined = lambda gs: jnp.stack(gs, axis=1).reshape(-1, *gs[0].shape[1:])
+    out = {k: v for k, v in grads.items() if k not in ("layers", PREFIX)}
+    out["layers"] = {n: joined(gs) for n, gs in parts["layers"].items()}
+    dense = {n: joined(gs) for n, gs in parts[PREFIX].items()}
+    if unit.prefix:
+        dense = {n: jnp.concatenate([grads[PREFIX][n], g]) for n, g in dense.items()}
+    return out | {PREFIX: dense}
 
 
 def regroup(w: jax.Array, schedule: Schedule, slots: np.ndarray, name: str = "") -> jax.Array:
@@ -107,7 +166,7 @@ def regroup(w: jax.Array, schedule: Schedule, slots: np.ndarray, name: str = "")
     p, v = schedule.stages, schedule.virtual
     if (slots < 0).any():
         flat = slots.reshape(-1)
-        pad = w[:1] if name in ROUTING else jnp.zeros_like(w[:1])
+        pad = w[:1] if name.split(":")[-1] in ROUTING else jnp.zeros_like(w[:1])  # ("j:name": `staged_params`)
         w = jnp.concatenate([w, pad])[np.where(flat >= 0, flat, w.shape[0])]
     return jnp.swapaxes(_v(w.reshape(v, p, slots.shape[1], *w.shape[1:]), schedule), 0, 1)
 
@@ -179,7 +238,9 @@ def moe_metrics(stats: dict | None, cfg: RunConfig, schedule: Schedule) -> dict:
     `step.gradients` computes them; {} dense. ZB-V's V would reorder the layers: MoE refuses it."""
     if stats is None:
         return {}
-    m, slots = schedule.microbatches, layer_slots(cfg.model.staged_layers, schedule.stages * schedule.virtual)
+    m, unit = schedule.microbatches, pipeline_unit(cfg.model)
+    units, per = layer_slots(unit.count, schedule.stages * schedule.virtual)[..., None], sum(unit.kinds)
+    slots = np.where(units >= 0, units * per + np.arange(per), -1).reshape(len(units), -1)  # a unit's MoE layers
     real = np.flatnonzero(slots.reshape(-1) >= 0)  # uneven stages: the pad slots' stats dropped
     layer_major = lambda a: jnp.moveaxis(a, 0, 2).reshape(m, slots.size, *a.shape[4:])[:, real]
     layers = jax.tree.map(layer_major, stats["stats"])

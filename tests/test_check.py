@@ -370,3 +370,6 @@ def test_the_check_keeps_a_pipelines_units_of_dense_and_moe_layers():
         cfg = check.validate(_cfg("llama", "model.n_experts=8", "model.n_layers=14", "parallel.stage=4", kinds))
         small = pipeline_unit(check.shrink(cfg).model)
         assert (small.prefix, small.kinds, small.count) == want
+    # without a pipeline, the two kinds as before: (dense, dense, MoE) units cut to 2 layers keep an MoE one
+    cfg = check.validate(_cfg("llama", "model.n_experts=8", "model.n_layers=6", "model.moe_layer_step=3"))
+    assert check.validate(check.shrink(cfg)).model.moe_layer_ids == (1,)

@@ -456,6 +456,8 @@ def test_moe_plans_price_the_expert_all_to_all_and_shard_the_experts():
     assert {m["stage"] for m in planner._meshes(sparse_step, 64)} == {1, 2, 4, 8, 16}
     odd = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dense_layers=(5,)))
     assert all(m["stage"] == 1 for m in planner._meshes(odd, 64))
+    odd = validate(dataclasses.replace(odd, parallel=ParallelConfig(data=8, expert=2, tensor=4)))
+    assert planner.expert_exchange_bytes(odd) > 0  # (no pipeline unit: no pads to count)
     assert all(m["context"] == 1 for m in planner._meshes(recipes.get("moe-tiny"), 8))
     run = dataclasses.replace(cfg, parallel=ParallelConfig(data=8, expert=2, tensor=4))  # expert x tensor: a node
     cp = dataclasses.replace(cfg, parallel=ParallelConfig(data=4, context=2, expert=2, tensor=4))

@@ -61,15 +61,15 @@ def layer_kinds(cfg: ModelConfig) -> list[tuple[ModelConfig, int]]:
     return [(moe, len(cfg.moe_layer_ids)), (dense, len(cfg.dense_layer_ids))]
 
 
-def with_layers(cfg: ModelConfig, n: int) -> ModelConfig:
+def with_layers(cfg: ModelConfig, n: int, units: bool = False) -> ModelConfig:
     """The model cut to n layers (>= 2 when it has dense layers among MoE ones: then its first
-    layer's kind, then the other kind, so that both stay; a pipeline unit of several layers,
-    `schedules.pipeline_unit`, repeated after at most one dense first layer): `meshlm check` and the
-    planner's compile."""
+    layer's kind, then the other kind, so that both stay; `units`, for a pipeline: its unit of
+    several layers, `schedules.pipeline_unit`, repeated after at most one dense first layer):
+    `meshlm check` and the planner's compile."""
     if not cfg.dense_layer_ids:
         return dataclasses.replace(cfg, n_layers=n)
     unit = pipeline_unit(cfg)
-    if unit and len(unit.kinds) > 1:
+    if units and unit and len(unit.kinds) > 1:
         k, u = min(unit.prefix, 1), len(unit.kinds)
         dense = tuple(i for i in range(k, n) if not unit.kinds[(i - k) % u])
         return dataclasses.replace(cfg, n_layers=n, first_k_dense=k, moe_layer_step=1, dense_layers=dense)

@@ -4,7 +4,7 @@ the microbatch-chunks stage 0 holds in flight, and the buffers the executor keep
 
 from __future__ import annotations
 
-from meshlm.accounting import dtype_bytes, layer_activation_terms
+from meshlm.accounting import dtype_bytes, layer_activation_terms, layer_kinds
 from meshlm.config import RunConfig
 from meshlm.parallel.schedules import chunk_slots, first_stage_in_flight, megatron_in_flight, pipeline_unit
 from meshlm.parallel.slots import slot_counts
@@ -37,8 +37,8 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
     keeps, per weight slot (the pending weight passes' peak + a spare) and layer of the chunk, the
     inputs and the output gradients of the layer's tensor-parallel regions (whatever the remat
     policy), and one chunk's region inputs on their way to a slot; its stash then holds no region
-    input (`activation_memory` leaves `REGION_INPUTS` out of its layers' term). (Pipelines refuse
-    MoE models.)"""
+    input (`activation_memory` leaves `REGION_INPUTS` out of its layers' term). A unit of dense and
+    MoE layers (`schedules.pipeline_unit`): each of its layers' regions."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     shape = (par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages, par.pipeline_ticks)
     act_slots, grad_slots, weight_slots = slot_counts(*shape)
@@ -52,15 +52,18 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
         "cotangent_inbox": grad_slots * slot,
     }
     if weight_slots:
-        unit = pipeline_unit(m)  # a chunk's layers: its slots' units of layers
-        per_chunk = chunk_slots(unit.count, par.stage * par.virtual_stages) * len(unit.kinds)
+        unit, kinds = pipeline_unit(m), layer_kinds(m)  # a chunk's slots: units of layers of these kinds
+        per_chunk = chunk_slots(unit.count, par.stage * par.virtual_stages)
         rows = e * t.seq_len * b / par.tensor
-        # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width):
-        # the layer terms the stash of the elementwise policy keeps for them
-        layer = layer_activation_terms(m, t.seq_len, b, par.tensor, par.sequence_parallel)
-        inputs = sum(layer.get(k, 0.0) for k in REGION_INPUTS)
-        # Q, K, V, gpt's fc1 or llama's gate and up, and the two row-parallel outputs
-        grads = rows * ((m.n_heads + 2 * m.kv_heads) * m.dim_head + (1 if m.family == "gpt" else 2) * m.ffn) + 2 * slot
+        inputs = grads = 0.0
+        for k in (kinds[0 if moe or len(kinds) == 1 else 1][0] for moe in unit.kinds):
+            # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width):
+            # the layer terms the stash of the elementwise policy keeps for them
+            layer = layer_activation_terms(k, t.seq_len, b, par.tensor, par.sequence_parallel)
+            inputs += sum(layer.get(n, 0.0) for n in REGION_INPUTS)
+            # Q, K, V, gpt's fc1 or llama's gate and up, and the two row-parallel outputs
+            mlp = (1 if k.family == "gpt" else 2) * k.ffn
+            grads += rows * ((k.n_heads + 2 * k.kv_heads) * k.dim_head + mlp) + 2 * slot
         terms["weight_pass_region_inputs"] = (weight_slots + 1) * per_chunk * inputs  # + the one waiting
         terms["weight_pass_output_gradients"] = weight_slots * per_chunk * grads
     return terms

@@ -226,7 +226,8 @@ def _validate_moe(cfg: RunConfig) -> None:
     )
     _need(
         p.stage == 1 or not unit or not unit.prefix or p.context == 1 or p.context_strategy != "ring",
-        "an MoE model's dense first layers (model.first_k_dense) run with the embedding inside a branch that "
+        f"an MoE model's dense first layers ({unit and unit.prefix} before its repeated layers: model.first_k_dense, "
+        "moe_layer_step, dense_layers) run with the embedding inside a branch that "
         "the first stage alone takes, and the ring's permutes (parallel.context_strategy=ring inside pipeline "
         "stages) must be entered by every stage; use context_strategy=all_gather or all_to_all (docs/moe.md)",
     )

@@ -110,7 +110,7 @@ def _pipeline_note(cfg) -> str:
     per = chunk_slots(unit.count, chunks)  # uneven: pads too; no dense first layers
     what = "a layer each" if len(unit.kinds) == 1 else f"a unit of {len(unit.kinds)} layers each"
     if pads := pad_count(unit.count, chunks):  # uneven stages
-        what += f"; {pads} of the {chunks * per} slots are pads, of zero weights"
+        what += f"; pad slots, of zero weights: {pads} of {chunks * per}"
     held = pipeline_memory.pipeline_in_flight(cfg)
     return (
         f"pipeline: {par.pipeline_schedule} ({par.pipeline_ticks} ticks), {par.stage} stages x "

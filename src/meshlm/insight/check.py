@@ -112,7 +112,7 @@ def shrink(cfg: RunConfig) -> RunConfig:
     kv = p.tensor * (p.context if p.context_strategy == "all_to_all" else 1)  # the fewest kv heads the mesh splits
     seq = _check_seq_len(cfg)
     model = dataclasses.replace(
-        accounting.with_layers(m, layers),
+        accounting.with_layers(m, layers, units=p.stage > 1),
         n_heads=kv * group,
         n_kv_heads=kv if group > 1 else 0,
         head_dim=CHECK_HEAD_DIM,

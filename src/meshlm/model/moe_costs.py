@@ -146,7 +146,7 @@ def expert_exchange_bytes(cfg: RunConfig, platform: str = "cpu") -> float:
         rows = n // par.expert if EXCHANGE_OP[platform] == "ragged" else n
         per_layer = (6 if again else 4) * rows * m.d_model * e + (2 if again else 1) * n * 4
     unit = pipeline_unit(m)  # uneven stages' pad slots exchange too (a unit's MoE layers each)
-    pads = pad_count(unit.count, par.stage * par.virtual_stages) * sum(unit.kinds)
+    pads = pad_count(unit.count, par.stage * par.virtual_stages) * sum(unit.kinds) if unit and par.stage > 1 else 0
     layers = (len(m.moe_stat_layer_ids) + pads) / par.stage  # MTP's too; a pipeline stage's share
     return t.microbatches * layers * per_layer * (par.expert - 1) / par.expert
 

@@ -253,7 +253,7 @@ def check_sizes(
         if prefix:  # an MoE model's dense first layers run with the embedding
             what += f" less the {prefix} dense first layers (run with the embedding), {layers * unit},"
         if unit > 1:
-            what += f" in {layers} units of {unit} dense and MoE layers (a chunk holds whole units),"
+            what += f" makes {layers} unit(s) of {unit} dense and MoE layers (a chunk holds whole units), which"
         raise ScheduleError(f"{what} leaves a chunk of stage x virtual_stages = {stages * virtual} without a layer")
 
 

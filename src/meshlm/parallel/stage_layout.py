@@ -77,8 +77,9 @@ def _v(arms: jax.Array, schedule: Schedule) -> jax.Array:
 
 
 def layer_slots(layers: int, chunks: int) -> np.ndarray:
-    """[chunks, c] the staged layer (index in params["layers"]) each chunk's slot holds, by global
-    chunk (`schedules.chunk_layers`); -1 a pad slot (uneven stages only)."""
+    """[chunks, c] the staged layer (index in params["layers"]), or unit of layers
+    (`schedules.pipeline_unit`), each chunk's slot holds, by global chunk (`schedules.chunk_layers`);
+    -1 a pad slot (uneven stages only)."""
     table = chunk_layers(layers, chunks)
     per = max(len(c) for c in table)
     return np.array([[*c, *[-1] * (per - len(c))] for c in table], np.int32)
@@ -144,7 +145,7 @@ def unstaged(grads: dict, m: ModelConfig) -> dict:
     if places is None:
         return grads
     parts = {"layers": {}, PREFIX: {}}
-    for name, g in grads["layers"].items():
+    for name, g in sorted(grads["layers"].items(), key=lambda item: int(item[0].split(":")[0])):
         j, n = name.split(":", 1)
         parts[places[int(j)][0]].setdefault(n, []).append(g)  # in unit order
     joined = lambda gs: jnp.stack(gs, axis=1).reshape(-1, *gs[0].shape[1:])
@@ -221,8 +222,9 @@ def ungroup(g: jax.Array, schedule: Schedule, slots: np.ndarray) -> jax.Array:
 
 
 def stats_specs(cfg: RunConfig, batch_axes: tuple[str, ...]) -> dict | None:
-    """How the stage region returns the MoE router statistics: the staged layers' [p, m, v, c, b,
-    ...] and the MTP modules' [p, m, D, b, ...], each stage's own; None for a dense model."""
+    """How the stage region returns the MoE router statistics: the staged layers' [p, m, v, c (x a
+    unit's MoE layers), b, ...] and the MTP modules' [p, m, D, b, ...], each stage's own; None for a
+    dense model."""
     if not cfg.model.moe:
         return None
     rows = batch_axes or None

@@ -65,7 +65,7 @@ def with_layers(cfg: ModelConfig, n: int, units: bool = False) -> ModelConfig:
     """The model cut to n layers (>= 2 when it has dense layers among MoE ones: then its first
     layer's kind, then the other kind, so that both stay; `units`, for a pipeline: its unit of
     several layers, `schedules.pipeline_unit`, repeated after at most one dense first layer):
-    `meshlm check` and the planner's compile."""
+    `meshlm check` and the planner's compile. With `units`, n must be that layer and whole units."""
     if not cfg.dense_layer_ids:
         return dataclasses.replace(cfg, n_layers=n)
     unit = pipeline_unit(cfg)
@@ -523,7 +523,7 @@ def activation_memory(
     mean = lambda terms: sum(n * sum(x.values()) for x, (_, n) in zip(terms, kinds, strict=True)) / m.n_layers
     per_layer, host_per_layer = each[0], host[0]
     layer_total = sum(per_layer.values()) if len(kinds) == 1 else mean(each)
-    from meshlm.pipeline_memory import REGION_INPUTS, pipeline_buffer_terms, pipeline_in_flight  # (imports this)
+    from meshlm.pipeline_memory import pipeline_buffer_terms, pipeline_in_flight, region_inputs  # (imports this)
 
     own = pipeline is None and par.stage > 1
     p = par.stage if pipeline is None else pipeline
@@ -537,7 +537,8 @@ def activation_memory(
     per_slot = lambda terms: _unit_sum(terms, unit.kinds) if unit else mean(terms)
     stashed, host_slot = per_slot(each), per_slot(host)
     if own and par.pipeline_schedule in SPLIT:  # its weight slots hold the region inputs (outside)
-        stashed -= per_slot([{n: x.get(n, 0.0) for n in REGION_INPUTS} for x in each])
+        regions = [{n: x.get(n, 0.0) for n in region_inputs(k)} for x, (k, _) in zip(each, kinds, strict=True)]
+        stashed -= per_slot(regions)
     layers = held * stashed
     if own:
         outside = pipeline_buffer_terms(

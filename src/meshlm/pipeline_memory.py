@@ -5,7 +5,7 @@ the microbatch-chunks stage 0 holds in flight, and the buffers the executor keep
 from __future__ import annotations
 
 from meshlm.accounting import dtype_bytes, layer_activation_terms, layer_kinds
-from meshlm.config import RunConfig
+from meshlm.config import ModelConfig, RunConfig
 from meshlm.parallel.schedules import chunk_slots, first_stage_in_flight, megatron_in_flight, pipeline_unit
 from meshlm.parallel.slots import slot_counts
 
@@ -30,6 +30,12 @@ def pipeline_in_flight(cfg: RunConfig, pipeline: int | None = None, interleave: 
 REGION_INPUTS = ("qkv_input", "out_proj_input", "mlp_input", "fc2_input", "down_input")
 
 
+def region_inputs(m: ModelConfig) -> tuple[str, ...]:
+    """`REGION_INPUTS` of one kind of layer: an MoE layer's are its attention's (the experts run in the
+    MoE region, which zb1's weight pass does not defer)."""
+    return REGION_INPUTS[:2] if m.moe else REGION_INPUTS
+
+
 def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
     """What meshlm's executor (`parallel/pipeline.py`) keeps besides the stash: every microbatch's
     token ids and targets, and the inboxes of arrived activations and cotangents ([b, s, d] each,
@@ -37,8 +43,8 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
     keeps, per weight slot (the pending weight passes' peak + a spare) and layer of the chunk, the
     inputs and the output gradients of the layer's tensor-parallel regions (whatever the remat
     policy), and one chunk's region inputs on their way to a slot; its stash then holds no region
-    input (`activation_memory` leaves `REGION_INPUTS` out of its layers' term). A unit of dense and
-    MoE layers (`schedules.pipeline_unit`): each of its layers' regions."""
+    input (`activation_memory` leaves `region_inputs` out of its layers' term). A unit of dense and
+    MoE layers (`schedules.pipeline_unit`): each of its layers' regions (an MoE layer's: attention's)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     shape = (par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages, par.pipeline_ticks)
     act_slots, grad_slots, weight_slots = slot_counts(*shape)
@@ -60,10 +66,10 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
             # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width):
             # the layer terms the stash of the elementwise policy keeps for them
             layer = layer_activation_terms(k, t.seq_len, b, par.tensor, par.sequence_parallel)
-            inputs += sum(layer.get(n, 0.0) for n in REGION_INPUTS)
-            # Q, K, V, gpt's fc1 or llama's gate and up, and the two row-parallel outputs
-            mlp = (1 if k.family == "gpt" else 2) * k.ffn
-            grads += rows * ((k.n_heads + 2 * k.kv_heads) * k.dim_head + mlp) + 2 * slot
+            inputs += sum(layer.get(n, 0.0) for n in region_inputs(k))
+            # Q, K, V, gpt's fc1 or llama's gate and up, and the two row-parallel outputs (MoE: attention's)
+            mlp = 0 if k.moe else (1 if k.family == "gpt" else 2) * k.ffn
+            grads += rows * ((k.n_heads + 2 * k.kv_heads) * k.dim_head + mlp) + (1 if k.moe else 2) * slot
         terms["weight_pass_region_inputs"] = (weight_slots + 1) * per_chunk * inputs  # + the one waiting
         terms["weight_pass_output_gradients"] = weight_slots * per_chunk * grads
     return terms

@@ -61,6 +61,12 @@ def layer_kinds(cfg: ModelConfig) -> list[tuple[ModelConfig, int]]:
     return [(moe, len(cfg.moe_layer_ids)), (dense, len(cfg.dense_layer_ids))]
 
 
+def unit_kinds(cfg: ModelConfig) -> list[int]:
+    """Each layer of a pipeline unit (`schedules.pipeline_unit`) as its index into `layer_kinds`."""
+    one = len(layer_kinds(cfg)) == 1
+    return [0 if moe or one else 1 for moe in pipeline_unit(cfg).kinds]
+
+
 def with_layers(cfg: ModelConfig, n: int, units: bool = False) -> ModelConfig:
     """The model cut to n layers (>= 2 when it has dense layers among MoE ones: then its first
     layer's kind, then the other kind, so that both stay; `units`, for a pipeline: its unit of
@@ -477,11 +483,11 @@ def outside_activation_terms(
     return terms
 
 
-def _unit_sum(terms: list[dict], kinds: tuple[bool, ...]) -> float:
-    """A pipeline unit's layers' sum of `terms` (one dict per `layer_kinds` kind: MoE first, then dense).
+def _unit_sum(terms: list[dict], kinds: list[int]) -> float:
+    """A pipeline unit's layers' sum of `terms` (one dict per `layer_kinds` kind; `kinds`: `unit_kinds`).
     A policy that checkpoints whole layers (`full`, `dots`, `offload`: their `layer_input`) checkpoints
     a unit whole (`transformer.run_layers`): its input is stored once."""
-    total = sum(sum(terms[0 if moe or len(terms) == 1 else 1].values()) for moe in kinds)
+    total = sum(sum(terms[i].values()) for i in kinds)
     return total - (len(kinds) - 1) * terms[0].get("layer_input", 0.0)
 
 
@@ -534,7 +540,7 @@ def activation_memory(
     slots = chunk_slots(unit.count, p * v) if unit else m.n_layers / (p * v)
     held = pipeline_in_flight(cfg, pipeline, interleave) * slots
     # what a slot stores: its unit's layers of each kind (MoE, dense), else the mean layer
-    per_slot = lambda terms: _unit_sum(terms, unit.kinds) if unit else mean(terms)
+    per_slot = lambda terms: _unit_sum(terms, unit_kinds(m)) if unit else mean(terms)
     stashed, host_slot = per_slot(each), per_slot(host)
     if own and par.pipeline_schedule in SPLIT:  # its weight slots hold the region inputs (outside)
         regions = [{n: x.get(n, 0.0) for n in region_inputs(k)} for x, (k, _) in zip(each, kinds, strict=True)]

@@ -4,7 +4,7 @@ the microbatch-chunks stage 0 holds in flight, and the buffers the executor keep
 
 from __future__ import annotations
 
-from meshlm.accounting import dtype_bytes, layer_activation_terms, layer_kinds
+from meshlm.accounting import dtype_bytes, layer_activation_terms, layer_kinds, unit_kinds
 from meshlm.config import ModelConfig, RunConfig
 from meshlm.parallel.schedules import chunk_slots, first_stage_in_flight, megatron_in_flight, pipeline_unit
 from meshlm.parallel.slots import slot_counts
@@ -62,7 +62,7 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
         per_chunk = chunk_slots(unit.count, par.stage * par.virtual_stages)
         rows = e * t.seq_len * b / par.tensor
         inputs = grads = 0.0
-        for k in (kinds[0 if moe or len(kinds) == 1 else 1][0] for moe in unit.kinds):
+        for k in (kinds[i][0] for i in unit_kinds(m)):
             # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width):
             # the layer terms the stash of the elementwise policy keeps for them
             layer = layer_activation_terms(k, t.seq_len, b, par.tensor, par.sequence_parallel)

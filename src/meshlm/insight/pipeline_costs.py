@@ -118,7 +118,7 @@ def _slot_forward_flops(cfg: RunConfig) -> float:
     kinds, logits = accounting.layer_kinds(m), 2 * t.global_batch * t.seq_len * m.d_model * m.vocab_size
     one = lambda k: dataclasses.replace(k, n_layers=1, mtp_depth=0)
     layer = [accounting.forward_flops_per_step(dataclasses.replace(cfg, model=one(k))) - logits for k, _ in kinds]
-    return sum(layer[0 if moe or len(layer) == 1 else 1] for moe in pipeline_unit(m).kinds)
+    return sum(layer[i] for i in accounting.unit_kinds(m))
 
 
 @per_flops_key

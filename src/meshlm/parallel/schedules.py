@@ -46,6 +46,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from meshlm.config import _layer_kinds  # (cached; plain Python)
+
 Kind = Literal["F", "B", "W"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "zbv")
 SPLIT = ("zb1", "zbv")  # the schedules that split a backward into B and W
@@ -287,10 +289,17 @@ def pipeline_unit(m) -> Unit | None:
     layers) repeated - DeepSeek-V3: 3, then (MoE,) x 58; Qwen's decoder_sparse_step=2: (dense, MoE)
     x L/2; a dense model or an MoE model of MoE layers only: each layer a unit. None where the rest
     repeats no unit (dense_layers=(5,) among 24 MoE layers, say): a pipeline refuses it."""
-    if not m.moe or not m.dense_layer_ids:
-        return Unit(0, (bool(m.moe),), m.n_layers)
-    moe = set(m.moe_layer_ids)
-    return _unit(tuple(i in moe for i in range(m.n_layers)))
+    if not m.moe:
+        return Unit(0, (False,), m.n_layers)
+    return _model_unit(m.n_layers, m.first_k_dense, m.moe_layer_step, tuple(m.dense_layers))
+
+
+@functools.cache  # the planner asks for every layout: keyed on the fields that choose the layers' kinds
+def _model_unit(n_layers: int, first_k_dense: int, step: int, dense: tuple[int, ...]) -> Unit | None:
+    ids = set(_layer_kinds(n_layers, first_k_dense, max(step, 1), dense)[0])
+    if len(ids) == n_layers:
+        return Unit(0, (True,), n_layers)
+    return _unit(tuple(i in ids for i in range(n_layers)))
 
 
 def staged_units(m) -> int:

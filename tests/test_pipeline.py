@@ -509,7 +509,8 @@ def test_stage_zero_memory_follows_the_formula():
     microbatch-chunks in flight x L/(p v) layers' stored activations, plus inboxes and token ids;
     zb1 its weight slots).
     GPipe keeps every microbatch's residuals until its backward: each costs stage 0 its L/p layers'
-    activations plus the loss cotangent waiting for it - within 5%. 1F1B keeps at most 2p - 1 in
+    activations plus the loss cotangent waiting for it - exactly (RoPE's tables, the same for every
+    microbatch, are not stashed: 0.2% more if they were). 1F1B keeps at most 2p - 1 in
     flight (the paired table's warm-up + 1): flat in m from there, in the compiled program and in
     the formula; single ticks (Megatron's p) save what the formula says."""
     gpipe = {m: compiled_temp_bytes("gpipe", m) for m in (4, 8)}
@@ -517,7 +518,7 @@ def test_stage_zero_memory_follows_the_formula():
     per_layer = accounting.activation_memory(gpipe[4][1])["layer_total"]
     measured = gpipe[8][0] - gpipe[4][0]
     assert formula[8] - formula[4] > 4 * (LAYERS // 4) * per_layer  # the stash grows by 4 x L/p layers
-    assert measured == pytest.approx(formula[8] - formula[4], rel=0.05)
+    assert measured == pytest.approx(formula[8] - formula[4], rel=1e-4)
     one_f_one_b = {m: compiled_temp_bytes("1f1b", m) for m in (8, 16)}
     flat = {m: accounting.activation_memory(cfg)["total"] for m, (_, cfg) in one_f_one_b.items()}
     grown = one_f_one_b[16][0] - one_f_one_b[8][0]
@@ -585,6 +586,23 @@ def _with_micro(cfg: RunConfig, m: int) -> RunConfig:
     return validate(dataclasses.replace(cfg, train=train))
 
 
+def test_pipeline_buffers_hold_a_context_ranks_share_of_the_sequence():
+    """Under context parallelism the executor's inboxes, token ids and zb1's weight slots hold each
+    rank's 1/c of the sequence: the formula's buffer terms halve at context=2 (they counted the whole
+    sequence before). Compiled zb1-over-1F1B differences at these shapes follow the context kernels'
+    transients (stage=2 x context=2 x tensor=2, 4 layers: all_gather 1.16x, ring 0.61x the formula's,
+    0.48x / 0.25x the old one's), so the terms are checked as arithmetic."""
+    from meshlm.pipeline_memory import pipeline_buffer_terms
+
+    cfg = config("gpt", dict(stage=2, tensor=2), "zb1")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise", attention_block=8))
+    one = pipeline_buffer_terms(validate(cfg))
+    two = pipeline_buffer_terms(
+        validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context=2)))
+    )
+    assert "weight_pass_output_gradients" in one and two == {k: v / 2 for k, v in one.items()}
+
+
 @pytest.mark.parametrize(
     "model, dense_spec, policy",
     [
@@ -635,12 +653,9 @@ def test_a_dense_prefix_leaves_the_stages_moe_layers_to_stash(model, dense_spec,
     slot += sum(formula[4]["dense_per_layer"].values()) if model.moe_layer_step == 2 and policy != "full" else 0
     assert formula[8]["layers"] - formula[4]["layers"] == pytest.approx(4 * 2 * slot)
     want = formula[8]["total"] - formula[4]["total"]
-    if policy == "full":  # MoE under full stores more than the formula says in a pipeline (8% here; 16% with a
-        # dense first layer in a one-off run; not chased), but far less than each unit layer's input (a unit
-        # checkpointed per layer)
-        assert want < grown < 1.1 * want and grown < 0.75 * (want + 4 * 2 * formula[4]["per_layer"]["layer_input"])
-        return
-    assert grown == pytest.approx(want, rel=0.02)
+    # under full: 0.3% over, each MoE layer's router statistics (E floats a microbatch); 8% over while the
+    # stash held RoPE's tables per microbatch (`buffers.residual_source`), 25% were a unit checkpointed per layer
+    assert grown == pytest.approx(want, rel=0.005 if policy == "full" else 0.02)
     if model.first_k_dense:
         assert abs(grown - 4 * 5 / 2 * formula[4]["layer_total"]) > 0.05 * grown
 

@@ -39,10 +39,11 @@ def region_inputs(m: ModelConfig) -> tuple[str, ...]:
 def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
     """What meshlm's executor (`parallel/pipeline.py`) keeps besides the stash: every microbatch's
     token ids and targets, and the inboxes of arrived activations and cotangents ([b, s, d] each,
-    sequence-sharded under SP) with their spare slots, sized by the schedule's table. zb1 also
-    keeps, per weight slot (the pending weight passes' peak + a spare) and layer of the chunk, the
-    inputs and the output gradients of the layer's tensor-parallel regions (whatever the remat
-    policy), and one chunk's region inputs on their way to a slot; its stash then holds no region
+    sequence-sharded under SP) with their spare slots, sized by the schedule's table (all of them 1/c
+    of the sequence under context parallelism). zb1 also keeps, per weight slot (the pending weight
+    passes' peak + a spare) and layer of the chunk, the inputs and the output gradients of the
+    layer's tensor-parallel regions (whatever the remat policy), and one chunk's region inputs on
+    their way to a slot; its stash then holds no region
     input (`activation_memory` leaves `region_inputs` out of its layers' term). A unit of dense and
     MoE layers (`schedules.pipeline_unit`): each of its layers' regions (an MoE layer's: attention's)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
@@ -50,22 +51,22 @@ def pipeline_buffer_terms(cfg: RunConfig) -> dict[str, float]:
     act_slots, grad_slots, weight_slots = slot_counts(*shape)
     b = t.global_batch // t.microbatches // par.batch_shards
     r = par.tensor if par.sequence_parallel else 1
-    e = dtype_bytes(m.dtype)
-    slot = e * t.seq_len * b * m.d_model / r
+    e, s = dtype_bytes(m.dtype), t.seq_len // par.context  # each context rank: its 1/c of the sequence
+    slot = e * s * b * m.d_model / r
     terms = {
-        "token_ids_and_targets": 8 * t.seq_len * b * t.microbatches,
+        "token_ids_and_targets": 8 * s * b * t.microbatches,
         "activation_inbox": act_slots * slot,
         "cotangent_inbox": grad_slots * slot,
     }
     if weight_slots:
         unit, kinds = pipeline_unit(m), layer_kinds(m)  # a chunk's slots: units of layers of these kinds
         per_chunk = chunk_slots(unit.count, par.stage * par.virtual_stages)
-        rows = e * t.seq_len * b / par.tensor
+        rows = e * s * b / par.tensor
         inputs = grads = 0.0
         for k in (kinds[i][0] for i in unit_kinds(m)):
             # QKV's and the MLP's inputs (the residual stream), the output projections' (heads, MLP width):
             # the layer terms the stash of the elementwise policy keeps for them
-            layer = layer_activation_terms(k, t.seq_len, b, par.tensor, par.sequence_parallel)
+            layer = layer_activation_terms(k, s, b, par.tensor, par.sequence_parallel)
             inputs += sum(layer.get(n, 0.0) for n in region_inputs(k))
             # Q, K, V, gpt's fc1 or llama's gate and up, and the two row-parallel outputs (MoE: attention's)
             mlp = 0 if k.moe else (1 if k.family == "gpt" else 2) * k.ffn

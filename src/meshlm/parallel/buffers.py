@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def slots(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, fill: float, host: bool = False) -> jax.Array:
@@ -33,3 +34,24 @@ def put(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 
 def take(buf: jax.Array, slot: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
+
+
+CONSTANT = -1  # `residual_source`: a residual known while tracing
+
+
+def residual_source(residual, weights: list) -> int | None:
+    """Where B finds a residual of a chunk's vjp instead of a stash slot: the index of the chunk
+    weight it is, CONSTANT for a value known while tracing (RoPE's tables: the same for every
+    microbatch, so stashing them would hold a copy per microbatch-chunk in flight), else None (stashed)."""
+    if not isinstance(residual, jax.core.Tracer):
+        return CONSTANT
+    return next((j for j, w in enumerate(weights) if w is residual), None)
+
+
+def constants(leaves: list, where: tuple) -> list:
+    """The values of the CONSTANT residuals among a vjp's `leaves` (None for the others)."""
+    return [np.asarray(r) if j == CONSTANT else None for r, j in zip(leaves, where, strict=True)]
+
+
+def same_constants(consts: list, leaves: list) -> bool:
+    return all(c is None or np.array_equal(c, r) for c, r in zip(consts, leaves, strict=True))

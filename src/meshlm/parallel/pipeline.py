@@ -29,12 +29,12 @@ the branch that makes them; the two `ppermute`s are entered by every device on e
 any branch (what an idle stage sends lands in a spare slot). Buffers are slot arrays sized by the table
 (`parallel.slots`). Gradients are summed over the batch axes once, after the loop. The layers [L, ...]
 are regrouped to [p, v, c, ...] (`stage_layout`: c = L/(pv); uneven: ceil, with identity pad slots
-whose RouterStats and their cotangent `routed` zeroes);
-the embeddings and output layer are stored split over fsdp x stage. An MoE model's dense first layers
-(`model.first_k_dense`) run on the first chunk with the embedding, recomputed in its backward
-(`_Stage.embed`); a slot holds one layer of the others, or a unit (dense, MoE: `sl.staged_params`).
-Dropout draws at each element's global position, microbatch i from fold_in(key, i), as
-`step.gradients` does (docs/pipeline.md).
+whose RouterStats and their cotangent `routed` zeroes); the embeddings and output layer are stored
+split over fsdp x stage. An MoE model's dense first layers (`model.first_k_dense`) run on the first
+chunk with the embedding, recomputed in its backward (`_Stage.embed`); a slot holds one layer of the
+others, or a unit (dense, MoE: `sl.staged_params`). Residuals known while tracing (RoPE's tables) are
+not stashed (`buffers.residual_source`). Dropout draws at each element's global position, microbatch i from
+fold_in(key, i), as `step.gradients` does (docs/pipeline.md).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from meshlm.model.params import param_specs, partition, trainable_mask
 from meshlm.model.transformer import RESIDUAL, embed, output_loss, run_layers
 from meshlm.model.weight_pass import region_shapes, weight_gradients
 from meshlm.parallel import stage_layout as sl
+from meshlm.parallel.buffers import CONSTANT, constants, residual_source, same_constants
 from meshlm.parallel.buffers import put as _put
 from meshlm.parallel.buffers import slots as _slots
 from meshlm.parallel.buffers import take as _take
@@ -236,8 +237,7 @@ class _Stage:
         else:
             ((y, stats), vjp_fn), inputs = jax.vjp(lambda wo, x: run(x, {**wo, **held}), other, x), []
         w_leaves = jax.tree.leaves(w)
-        where = tuple(next((j for j, q in enumerate(w_leaves) if q is r), None) for r in jax.tree.leaves(vjp_fn))
-        return y, stats, vjp_fn, where, inputs
+        return y, stats, vjp_fn, tuple(residual_source(r, w_leaves) for r in jax.tree.leaves(vjp_fn)), inputs
 
     def _probe_residuals(self) -> None:
         """Trace one chunk's vjp abstractly: the residuals' structure, which are weights, where each lives."""
@@ -246,25 +246,28 @@ class _Stage:
         def residuals(w, x):
             mb, k, ids = self.context(0, 0)
             _, stats, vjp_fn, probe["where"], _ = self.vjp_parts(w, x, k, ids, mb.get("segment_ids"))
-            probe["host"] = [jax.typeof(r).memory_space == jax.memory.Space.Host for r in jax.tree.leaves(vjp_fn)]
+            leaves = jax.tree.leaves(vjp_fn)
+            probe["host"] = [jax.typeof(r).memory_space == jax.memory.Space.Host for r in leaves]
+            probe["consts"] = constants(leaves, probe["where"])  # taken again in B, not stashed
             return vjp_fn, stats
 
         w0 = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], self.dtype), self.local)
         x0 = jax.ShapeDtypeStruct(self.x_shape, self.dtype)
         vjp_shape, self.stats_shape = jax.eval_shape(residuals, w0, x0)
         leaves, self.treedef = jax.tree.flatten(vjp_shape)
-        self.where = probe["where"]
-        kinds = zip(leaves, self.where, probe["host"], strict=True)
-        self.stashed = [(leaf, host) for leaf, j, host in kinds if j is None]
+        self.where, self.consts = probe["where"], probe["consts"]
+        self.stashed = [(a, host) for a, j, host in zip(leaves, self.where, probe["host"], strict=True) if j is None]
 
     def stash_of(self, vjp_fn, w_where) -> list:
-        if w_where != self.where:
+        leaves = jax.tree.leaves(vjp_fn)
+        if w_where != self.where or not same_constants(self.consts, leaves):
             raise AssertionError("the chunk's residuals changed structure between traces")
-        return [leaf for leaf, j in zip(jax.tree.leaves(vjp_fn), self.where, strict=True) if j is None]
+        return [leaf for leaf, j in zip(leaves, self.where, strict=True) if j is None]
 
     def rebuilt_vjp(self, res, lc):
         w_leaves, it = jax.tree.leaves(self.chunk_weights(lc)), iter(res)
-        return jax.tree.unflatten(self.treedef, [next(it) if j is None else w_leaves[j] for j in self.where])
+        leaf = lambda j, c: next(it) if j is None else c if j == CONSTANT else w_leaves[j]
+        return jax.tree.unflatten(self.treedef, [leaf(j, c) for j, c in zip(self.where, self.consts, strict=True)])
 
     # ------------------------------------------------------------------ the phases
 

@@ -565,8 +565,14 @@ def test_uneven_stages_gather_their_own_chunks():
     the step trades that split for the chunks' with one all_to_all over `stage` per weight, and the
     gradients come back the same way (`stage_layout.regroup_stored`, `ungroup_stored`): no collective
     of the compiled gradient step moves an array as long as the layer stack (6) or the padded one (8)
-    - GSPMD alone brought the gradients back as an all-reduce of the [6, d/2, ...] stacks."""
+    - GSPMD alone brought the gradients back as an all-reduce of the [6, d/2, ...] stacks. Their bytes
+    are the planner's `uneven stages' regroup`, which even stages do not pay."""
     from meshlm.insight import hlo
+    from meshlm.insight.pipeline_costs import regroup_bytes
+    from meshlm.insight.plan import estimate, sharded_params
+    from meshlm.platform.hardware import ACCELERATORS
+
+    h100 = ACCELERATORS["h100"]
 
     cfg = tiny_config("llama", dict(stage=4, fsdp=2), n_layers=6, microbatches=4)
     layout = make_layout(cfg.parallel, jax.devices()[:8])
@@ -579,6 +585,11 @@ def test_uneven_stages_gather_their_own_chunks():
     lengths = {d.split(",")[0] for t in moved for d in re.findall(r"f32\[([\d,]+)\]", t)}
     assert lengths and not lengths & {"6", "8"}, lengths
     assert hlo.collectives(text)["all-to-all"] >= 2 * len(shardings["layers"])  # each weight's, both ways
+    # what they send is what the planner prices (`pipeline_costs.regroup_bytes`: the padded stack's share, both ways)
+    assert hlo.all_to_all_bytes(text) == regroup_bytes(cfg, sharded_params) > 0
+    even = tiny_config("llama", dict(stage=4, fsdp=2), n_layers=8, microbatches=4)
+    assert estimate(cfg, h100).time["uneven stages' regroup"] > 0
+    assert regroup_bytes(even, sharded_params) == 0 and "uneven stages' regroup" not in estimate(even, h100).time
 
 
 def _with_micro(cfg: RunConfig, m: int) -> RunConfig:

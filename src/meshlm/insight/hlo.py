@@ -68,6 +68,23 @@ def collectives(hlo_text: str, batch_rows: int | None = None) -> Counter:
     return found
 
 
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
+
+
+def all_to_all_bytes(hlo_text: str) -> float:
+    """Bytes one device sends by all_to_all in the program text (each op once, as `collectives`): of each
+    result, (g - 1)/g for a group of g devices (its own share stays)."""
+    total = 0.0
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        groups = replica_groups(line) if m and m.group(2) == "all-to-all" else None
+        if groups and len(groups[0]) > 1:
+            g = len(groups[0])
+            for dtype, shape in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+                total += _BYTES[dtype] * math.prod(_dims(shape)) * (g - 1) / g
+    return total
+
+
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 from meshlm import accounting
 from meshlm.config import ParallelConfig, RunConfig
@@ -108,6 +109,19 @@ def pad_slots(cfg: RunConfig, layers: bool = False) -> int:
     or a unit of layers (`schedules.pipeline_unit`; `layers`: their layers)."""
     pads = pad_count(staged_units(cfg.model), cfg.parallel.stage * cfg.parallel.virtual_stages)
     return pads * len(pipeline_unit(cfg.model).kinds) if layers and pads else pads
+
+
+def regroup_bytes(cfg: RunConfig, sharded_params: Callable) -> float:
+    """Bytes one device sends per step regrouping an uneven pipeline's layers (`stage_layout.regroup_stored`):
+    (p - 1)/p of its stored share of the staged layers (`sharded_params`: `insight.plan`'s) and of their
+    pad slots, fp32, by all_to_all over `stage`, and as much of their gradients back (LoRA: the
+    adapters'); 0 for even stages. The compiled program's all_to_all bytes (tests/test_pipeline.py)."""
+    p, pads = cfg.parallel.stage, pad_slots(cfg)
+    if not pads:
+        return 0.0
+    lora = bool(cfg.model.lora_rank)
+    layers = sum(sharded_params(cfg, part="layers", trainable=t) for t in (False, lora))  # weights, gradients
+    return 4 * (p - 1) / p * (1 + pads / staged_units(cfg.model)) * layers
 
 
 @per_flops_key

@@ -38,6 +38,7 @@ from meshlm.insight.pipeline_costs import (
     pipeline_schedules,
     pipeline_send_bytes,
     plannable_stages,
+    regroup_bytes,
     stage_extra_flops,
 )
 from meshlm.insight.step_peak import planned_loss_chunks, transient_terms
@@ -168,14 +169,13 @@ def estimate(
     bytes_per_param: float = MESHLM_BYTES_PER_PARAM,
     time_unfit: bool = True,
 ) -> Plan:
-    """Predicted memory and step time of one layout (`time_unfit=False`: a layout that does not fit
-    is rejected untimed). A run's own pipeline (`parallel.stage`) is
-    counted exactly (stage-sharded layers, embeddings stored split over stage and gathered for the
-    step, the executor's first-stage activations). An explicit `pipeline` > 1 on an unpipelined
-    config models P2's Table 3 layouts as Megatron runs them: states split p ways, P2's
-    first-stage formula. Both add the pipeline's idle time (`pipeline_overhead`: Megatron's bubble,
-    or meshlm's lockstep ticks) and its sends to the bound (idle ticks are the schedule's
-    structure, not an efficiency)."""
+    """Predicted memory and step time of one layout (`time_unfit=False`: a layout that does not fit is rejected
+    untimed). A run's own pipeline (`parallel.stage`) is counted exactly (stage-sharded layers, embeddings stored
+    split over stage and gathered for the step, the executor's first-stage activations, uneven stages' regroup).
+    An explicit `pipeline` > 1 on an unpipelined config models P2's Table 3 layouts as Megatron runs them: states
+    split p ways, P2's first-stage formula. Both add the pipeline's idle time (`pipeline_overhead`: Megatron's
+    bubble, or meshlm's lockstep ticks) and its sends to the bound (idle ticks are the schedule's structure, not
+    an efficiency)."""
     if cfg.parallel.stage > 1 and pipeline != 1:
         raise ValueError("estimate: an explicit pipeline models an unpipelined config (parallel.stage == 1)")
     own, pipeline, interleave, n = _pipeline_shape(cfg, pipeline, interleave)
@@ -362,9 +362,8 @@ def _roofline_parts(cfg: RunConfig, device: Accelerator, own: bool, pipeline: in
 
 
 def _data_parallel_bytes(cfg: RunConfig, own: bool, pipeline: int) -> float:
-    """Bytes one device sends per step reducing gradients (and gathering FSDP weights) over the
-    data-like axes. MoE: the experts' weights are reduced over data x fsdp only, every other weight
-    over `expert` too."""
+    """Bytes one device sends per step reducing gradients (and gathering FSDP weights) over the data-like axes.
+    MoE: the experts' weights are reduced over data x fsdp only, every other weight over `expert` too."""
     par = cfg.parallel
     params = sharded_params(cfg) if own else sharded_params(cfg) / pipeline
     experts = sharded_params(cfg, experts_only=True) * (params / sharded_params(cfg)) if cfg.model.moe else 0.0
@@ -393,12 +392,13 @@ def _reduce_bytes(cfg: RunConfig, own: bool, params: float, dp: int) -> float:
 
 
 def _pipeline_parts(cfg: RunConfig, pipeline: int, interleave: int, stage_work: float, send_bw: float) -> dict:
-    """The pipeline's idle time (`pipeline_overhead` of a stage's work) and its sends at `send_bw`:
-    one derivation for the roofline and the calibrated time, which differ only in their inputs."""
+    """The pipeline's idle time (`pipeline_overhead` of a stage's work), its sends and (a run's own, uneven
+    stages) the layers' regroup at `send_bw`: one derivation for the roofline and the calibrated time."""
+    regroup = regroup_bytes(cfg, sharded_params) if cfg.parallel.stage > 1 else 0.0
     return {
         "pipeline bubble": pipeline_overhead(cfg, pipeline, interleave) * stage_work,
         "pipeline sends": pipeline_send_bytes(cfg, interleave) / send_bw,
-    }
+    } | ({"uneven stages' regroup": regroup / send_bw} if regroup else {})
 
 
 @dataclass(frozen=True)

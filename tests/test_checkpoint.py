@@ -201,7 +201,7 @@ def test_resume_on_another_mesh_and_init_from(corpus_dir, tmp_path):
     assert result.final_step == 6 and sorted(logged_losses(tmp_path / "a")) == [1, 2, 3, 4, 5, 6]
     # --init-from: the weights of run a at its last step, a fresh optimizer and step 0
     fresh = _run_cfg(corpus_dir, tmp_path / "cache", dict(data=2), steps=0)
-    train(fresh, tmp_path / "b", quiet=True, init_from=str(tmp_path / "a"))
+    assert train(fresh, tmp_path / "b", quiet=True, init_from=str(tmp_path / "a")).train_loss is None  # none logged
     step, state = _final_params(fresh, tmp_path / "b")
     _, source = _final_params(cfg, tmp_path / "a")
     assert step == 0 and _equal(state.params, source.params)

@@ -202,7 +202,7 @@ class StepLoop:
         self.heartbeat = Heartbeat(os.environ.get("MESHLM_HEARTBEAT"))  # no beat before the first step ends
         self.stopped_by: int | None = None
         self.profiler = profiler
-        self.loss, self.val_loss = float("nan"), None  # the latest logged loss and validation loss
+        self.loss, self.val_loss = None, None  # the latest logged loss and validation loss (None: none logged)
         self.tokens_per_s = self.mfu = 0.0  # the latest logged rate
         self.t_last: float | None = None  # start of the rate window (after the step that ended it)
         self.step_last = 0

@@ -50,7 +50,7 @@ __all__ = ["NonFiniteStep", "Preempted", "RunResult", "TrainingError", "train"]
 @dataclass
 class RunResult:
     final_step: int
-    train_loss: float
+    train_loss: float | None  # None: no step logged (a run stopped before its first logged step)
     val_loss: float | None
     unigram_entropy: float
     tokens_per_s: float
@@ -323,12 +323,16 @@ def _start_loop(cfg, s: _Setup, log, run_dir: Path, profiler: Profiler, start: i
     return StepLoop(cfg, log, s.step_fn, eval_fn, bsharding, s.report, s.peak, profiler, run_dir)
 
 
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
 def _report_end(cfg: RunConfig, log: MetricsLogger, result: RunResult, entropy: float) -> None:
     steps = cfg.train.steps
     log.print(
         ("done: " if result.final_step >= steps else f"stopped (checkpointed; rerun to resume to {steps}): ")
-        + f"{result.final_step} steps, train loss {result.train_loss:.4f}, val loss "
-        f"{'-' if result.val_loss is None else f'{result.val_loss:.4f}'} (unigram entropy {entropy:.3f}), "
+        + f"{result.final_step} steps, train loss {_loss(result.train_loss)}, val loss {_loss(result.val_loss)} "
+        f"(unigram entropy {entropy:.3f}), "
         f"{result.tokens_per_s:.0f} tok/s, MFU {100 * result.mfu:.1f}%, compile {result.compile_s:.1f}s -> "
         f"{result.run_dir}"
     )

@@ -566,7 +566,8 @@ def test_uneven_stages_gather_their_own_chunks():
     gradients come back the same way (`stage_layout.regroup_stored`, `ungroup_stored`): no collective
     of the compiled gradient step moves an array as long as the layer stack (6) or the padded one (8)
     - GSPMD alone brought the gradients back as an all-reduce of the [6, d/2, ...] stacks. Their bytes
-    are the planner's `uneven stages' regroup`, which even stages do not pay."""
+    are the planner's "layers' regroup", which even stages of one chunk do not pay; interleaved ones do
+    (GSPMD's regroup: on 2 stages its all_to_all bytes are the same formula's)."""
     from meshlm.insight import hlo
     from meshlm.insight.pipeline_costs import regroup_bytes
     from meshlm.insight.plan import estimate, sharded_params
@@ -586,10 +587,21 @@ def test_uneven_stages_gather_their_own_chunks():
     assert lengths and not lengths & {"6", "8"}, lengths
     assert hlo.collectives(text)["all-to-all"] >= 2 * len(shardings["layers"])  # each weight's, both ways
     # what they send is what the planner prices (`pipeline_costs.regroup_bytes`: the padded stack's share, both ways)
-    assert hlo.all_to_all_bytes(text) == regroup_bytes(cfg, sharded_params) > 0
+    want = regroup_bytes(cfg, sharded_params)
+    assert want and hlo.all_to_all_bytes(text) == pytest.approx(want)
+    assert estimate(cfg, h100).time["layers' regroup"] > 0
     even = tiny_config("llama", dict(stage=4, fsdp=2), n_layers=8, microbatches=4)
-    assert estimate(cfg, h100).time["uneven stages' regroup"] > 0
-    assert regroup_bytes(even, sharded_params) == 0 and "uneven stages' regroup" not in estimate(even, h100).time
+    assert regroup_bytes(even, sharded_params) == 0 and "layers' regroup" not in estimate(even, h100).time
+    # two chunks a stage (interleaved, even): GSPMD's regroup, the same bytes on 2 stages
+    two = tiny_config(
+        "llama", dict(stage=2, pipeline_schedule="interleaved", virtual_stages=2), n_layers=8, microbatches=4
+    )
+    layout = make_layout(two.parallel, jax.devices()[:2])
+    shardings = state_shardings(param_specs(two.model), layout, optax.sgd(1.0)).params
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), param_specs(two.model))
+    text = make_grad_step(two, layout, shardings).lower(abstract, abstract_batch(two, layout), 0).compile().as_text()
+    want = regroup_bytes(two, sharded_params)
+    assert want and hlo.all_to_all_bytes(text) == pytest.approx(want)
 
 
 def _with_micro(cfg: RunConfig, m: int) -> RunConfig:
@@ -599,19 +611,20 @@ def _with_micro(cfg: RunConfig, m: int) -> RunConfig:
 
 def test_pipeline_buffers_hold_a_context_ranks_share_of_the_sequence():
     """Under context parallelism the executor's inboxes, token ids and zb1's weight slots hold each
-    rank's 1/c of the sequence: the formula's buffer terms halve at context=2 (they counted the whole
-    sequence before). Compiled zb1-over-1F1B differences at these shapes follow the context kernels'
-    transients (stage=2 x context=2 x tensor=2, 4 layers: all_gather 1.16x, ring 0.61x the formula's,
-    0.48x / 0.25x the old one's), so the terms are checked as arithmetic."""
+    rank's 1/c of the sequence: the formula's buffer terms and the planner's send bytes halve at
+    context=2 (they counted the whole sequence before). Compiled zb1-over-1F1B differences at these
+    shapes follow the context kernels' transients (stage=2 x context=2 x tensor=2, 4 layers: all_gather
+    1.16x, ring 0.61x the formula's, 0.48x / 0.25x the old one's), so the terms are checked as arithmetic."""
+    from meshlm.insight.pipeline_costs import pipeline_send_bytes
     from meshlm.pipeline_memory import pipeline_buffer_terms
 
     cfg = config("gpt", dict(stage=2, tensor=2), "zb1")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise", attention_block=8))
     one = pipeline_buffer_terms(validate(cfg))
-    two = pipeline_buffer_terms(
-        validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context=2)))
-    )
+    split = validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context=2)))
+    two = pipeline_buffer_terms(split)
     assert "weight_pass_output_gradients" in one and two == {k: v / 2 for k, v in one.items()}
+    assert pipeline_send_bytes(split) == pipeline_send_bytes(validate(cfg)) / 2  # and so do the sends
 
 
 @pytest.mark.parametrize(

@@ -69,19 +69,34 @@ def collectives(hlo_text: str, batch_rows: int | None = None) -> Counter:
 
 
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
+
+
+def group_size(line: str) -> int | None:
+    """Devices in each group of one collective's HLO line: `replica_groups` listed or iota, or over
+    named mesh axes (`mesh['axis_0'=2,...] {'axis_0'}`, as GSPMD writes them); None when it names none."""
+    if m := _MESH_GROUPS.search(line):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+    groups = replica_groups(line)
+    return len(groups[0]) if groups else None
 
 
 def all_to_all_bytes(hlo_text: str) -> float:
-    """Bytes one device sends by all_to_all in the program text (each op once, as `collectives`): of each
-    result, (g - 1)/g for a group of g devices (its own share stays)."""
+    """Bytes one device sends by synchronous all_to_all (XLA:CPU's) in the program text, each op once (as
+    `collectives`): of each result, (g - 1)/g for groups of g devices (its own share stays)."""
     total = 0.0
     for line in hlo_text.splitlines():
         m = _COLLECTIVE.search(line)
-        groups = replica_groups(line) if m and m.group(2) == "all-to-all" else None
-        if groups and len(groups[0]) > 1:
-            g = len(groups[0])
-            for dtype, shape in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
-                total += _BYTES[dtype] * math.prod(_dims(shape)) * (g - 1) / g
+        if not m or m.group(2) != "all-to-all":
+            continue
+        if "all-to-all-start(" in line:
+            raise NotImplementedError("asynchronous all-to-all: its shape lists operands and results")
+        g = group_size(line)
+        if g is None:
+            raise ValueError(f"an all-to-all without replica groups: {line.strip()[:200]}")
+        for dtype, shape in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+            total += _BYTES[dtype] * math.prod(_dims(shape)) * (g - 1) / g
     return total
 
 

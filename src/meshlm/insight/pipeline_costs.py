@@ -18,10 +18,11 @@ def pipeline_send_bytes(cfg: RunConfig, interleave: int = 1) -> float:
     """Bytes one device sends per step between pipeline stages. Megatron (an explicit `pipeline`):
     an activation forward and a cotangent backward per microbatch and chunk, 1/t of each
     (scatter-gather). meshlm's executor (`parallel.stage`): both directions on every tick, idle ones
-    included (a filler), each device its own copy of the [b, s, d] activation (1/t under SP)."""
+    included (a filler), each device its own copy of the [b, s, d] activation (1/t under SP; a context
+    rank's 1/c of the sequence)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     b = t.global_batch // t.microbatches // par.batch_shards
-    activation = t.seq_len * b * m.d_model * accounting.dtype_bytes(m.dtype)
+    activation = t.seq_len // par.context * b * m.d_model * accounting.dtype_bytes(m.dtype)
     if par.stage > 1:
         shape = (par.pipeline_schedule, par.stage, t.microbatches, par.virtual_stages, par.pipeline_ticks)
         ticks = _schedule(*shape).ticks
@@ -112,16 +113,18 @@ def pad_slots(cfg: RunConfig, layers: bool = False) -> int:
 
 
 def regroup_bytes(cfg: RunConfig, sharded_params: Callable) -> float:
-    """Bytes one device sends per step regrouping an uneven pipeline's layers (`stage_layout.regroup_stored`):
-    (p - 1)/p of its stored share of the staged layers (`sharded_params`: `insight.plan`'s) and of their
-    pad slots, fp32, by all_to_all over `stage`, and as much of their gradients back (LoRA: the
-    adapters'); 0 for even stages. The compiled program's all_to_all bytes (tests/test_pipeline.py)."""
-    p, pads = cfg.parallel.stage, pad_slots(cfg)
-    if not pads:
+    """Bytes one device sends per step regrouping a pipeline's stored layers into its chunks' order
+    (`stage_layout.regroup_stored`): none for even stages of one chunk each. Uneven stages (one
+    all_to_all over `stage` per weight) and interleaved or ZB-V chunks (GSPMD's regroup) move (p - 1)/p
+    of a device's fp32 share of the staged layers (`sharded_params`: `insight.plan`'s) and of their pad
+    slots, and as much of the trained ones' gradients back. The compiled step's all_to_all bytes equal
+    it for uneven stages and for interleaving on 2 stages (tests/test_pipeline.py); on more stages and
+    for ZB-V GSPMD adds collective-permutes (a lower bound there)."""
+    par, pads = cfg.parallel, pad_slots(cfg)
+    if not pads and par.virtual_stages == 1:
         return 0.0
-    lora = bool(cfg.model.lora_rank)
-    layers = sum(sharded_params(cfg, part="layers", trainable=t) for t in (False, lora))  # weights, gradients
-    return 4 * (p - 1) / p * (1 + pads / staged_units(cfg.model)) * layers
+    layers = sum(sharded_params(cfg, part="layers", trainable=t) for t in (False, True))  # weights, gradients
+    return 4 * (par.stage - 1) / par.stage * (1 + pads / staged_units(cfg.model)) * layers
 
 
 @per_flops_key

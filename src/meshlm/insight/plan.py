@@ -171,7 +171,7 @@ def estimate(
 ) -> Plan:
     """Predicted memory and step time of one layout (`time_unfit=False`: a layout that does not fit is rejected
     untimed). A run's own pipeline (`parallel.stage`) is counted exactly (stage-sharded layers, embeddings stored
-    split over stage and gathered for the step, the executor's first-stage activations, uneven stages' regroup).
+    split over stage and gathered for the step, the executor's first-stage activations, the layers' regroup).
     An explicit `pipeline` > 1 on an unpipelined config models P2's Table 3 layouts as Megatron runs them: states
     split p ways, P2's first-stage formula. Both add the pipeline's idle time (`pipeline_overhead`: Megatron's
     bubble, or meshlm's lockstep ticks) and its sends to the bound (idle ticks are the schedule's structure, not
@@ -392,13 +392,13 @@ def _reduce_bytes(cfg: RunConfig, own: bool, params: float, dp: int) -> float:
 
 
 def _pipeline_parts(cfg: RunConfig, pipeline: int, interleave: int, stage_work: float, send_bw: float) -> dict:
-    """The pipeline's idle time (`pipeline_overhead` of a stage's work), its sends and (a run's own, uneven
-    stages) the layers' regroup at `send_bw`: one derivation for the roofline and the calibrated time."""
+    """The pipeline's idle time (`pipeline_overhead` of a stage's work), its sends and (a run's own: uneven
+    or several chunks) the layers' regroup at `send_bw`: one derivation for roofline and calibrated time."""
     regroup = regroup_bytes(cfg, sharded_params) if cfg.parallel.stage > 1 else 0.0
     return {
         "pipeline bubble": pipeline_overhead(cfg, pipeline, interleave) * stage_work,
         "pipeline sends": pipeline_send_bytes(cfg, interleave) / send_bw,
-    } | ({"uneven stages' regroup": regroup / send_bw} if regroup else {})
+    } | ({"layers' regroup": regroup / send_bw} if regroup else {})
 
 
 @dataclass(frozen=True)

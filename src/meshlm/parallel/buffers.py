@@ -49,8 +49,8 @@ def residual_source(residual, weights: list) -> int | None:
 
 
 def constants(leaves: list, where: tuple) -> list:
-    """The values of the CONSTANT residuals among a vjp's `leaves` (None for the others)."""
-    return [np.asarray(r) if j == CONSTANT else None for r, j in zip(leaves, where, strict=True)]
+    """The CONSTANT residuals among a vjp's `leaves`, as they are (None for the others)."""
+    return [r if j == CONSTANT else None for r, j in zip(leaves, where, strict=True)]
 
 
 def same_constants(consts: list, leaves: list) -> bool:

@@ -261,7 +261,7 @@ class _Stage:
     def stash_of(self, vjp_fn, w_where) -> list:
         leaves = jax.tree.leaves(vjp_fn)
         if w_where != self.where or not same_constants(self.consts, leaves):
-            raise AssertionError("the chunk's residuals changed structure between traces")
+            raise AssertionError("the chunk's residuals changed structure or constants between traces")
         return [leaf for leaf, j in zip(leaves, self.where, strict=True) if j is None]
 
     def rebuilt_vjp(self, res, lc):

@@ -15,9 +15,9 @@ in alternating rounds in one process:
 The dispatch's share of one MoE layer is itemised with forward + backward of its parts, jitted apart
 at the recipe's shapes, as a fraction of the 1-device step: routing (router GEMM, softmax, top-k,
 slot assignment), dispatch + combine (the gathers into and out of the capacity buffers), the expert
-GEMMs over the buffers, the dropless grouped path (grouping, gathers and the tiled kernel) at the
-kernel's tile x step sizes (the constants in `moe_costs`, TILE x CHUNK, chosen from this table), and
-the expert=2 all_to_alls (two simulated devices: memory copies here, not a network).
+GEMMs over the buffers, the dropless grouped path (grouping, gathers and the tiled kernel) at
+tiles of 64, 128 and 256 rows (`moe_costs.TILE`, chosen from this table), and the expert=2
+all_to_alls (two simulated devices: memory copies here, not a network).
 
     python benchmarks/moe.py [--rounds 5] [--steps 3] [--write] [--one-device]
 
@@ -150,28 +150,23 @@ def layer_parts(cfg: RunConfig) -> dict[str, float]:
         "routing": _timed(jax.jit(jax.grad(routing, argnums=(0, 1))), x, p["w_router"]),
         "dispatch + combine": _timed(jax.jit(jax.grad(dispatch_combine)), x),
         "expert GEMMs": _timed(grads(experts_fn), buf, *ws),
-        **{
-            f"dropless grouped, tile {tile} x step {chunk} tiles": _tiled(grouped, tile, chunk, x, *ws)
-            for tile, chunk in ((128, 4), (128, 8), (128, 2), (64, 8))
-        },
+        **{f"dropless grouped, tiles of {tile} rows": _tiled(grouped, tile, x, *ws) for tile in (128, 64, 256)},
         "all_to_all dispatch + return on expert=2 (the global batch's buffers)": _timed(
             jax.jit(jax.grad(exchange)), buf
         ),
     }
 
 
-def _tiled(fn, tile: int, chunk: int, *args) -> float:
-    """`_timed` of fn(*args) with the grouped kernel's tile and step sizes set to these."""
+def _tiled(fn, tile: int, *args) -> float:
+    """`_timed` of fn(*args) with the grouped kernel's tile set to `tile` rows."""
     from meshlm.model import grouped
 
-    saved = moe_costs.TILE, moe_costs.CHUNK
+    saved = moe_costs.TILE
     moe_costs.TILE = grouped.TILE = tile
-    moe_costs.CHUNK = grouped.CHUNK = chunk
     try:
         return _timed(jax.jit(jax.grad(fn, argnums=(0, 1, 2, 3))), *args)
     finally:
-        moe_costs.TILE = grouped.TILE = saved[0]
-        moe_costs.CHUNK = grouped.CHUNK = saved[1]
+        moe_costs.TILE = grouped.TILE = saved
 
 
 def main() -> None:

@@ -3,16 +3,18 @@ group (a grouped GEMM), instead of capacity buffers that run every expert over e
 
 **Layout** (every kernel): the assignments in expert order, each expert's run padded to a whole
 number of TILE-row tiles (MegaBlocks' block padding: at most E x (TILE - 1) rows more than routed),
-then to whole steps of up to CHUNK tiles: a static buffer of `grouped_rows` rows, of which the
-first `used` tiles hold assignments and the rest zeros. A token's assignment to expert e sits at
-row start_e + (its rank among e's assignments, in token order).
+a static buffer of `grouped_rows` rows, of which the first `used` tiles hold assignments and the
+rest zeros. A token's assignment to expert e sits at row start_e + (its rank among e's
+assignments, in token order).
 
 **Kernels** (`model.moe_kernel`; `auto` takes the device's):
-- `tiled` (CPU, meshlm's own): a loop over steps of CHUNK tiles. Each step gathers its tiles'
-  expert weights (gate and up side by side, [CHUNK, d, 2f], one GEMM for both) and runs batched
-  GEMMs; steps past the last used tile are skipped (`lax.cond`). Its custom VJP runs the same loop
-  backward, recomputing silu(gate) x up from the kept gate and up, and adding each tile's weight
-  gradient (fp32) into its expert's.
+- `tiled` (CPU, meshlm's own): a loop over the tiles, each two GEMMs with its expert's weights
+  sliced out (gate and up side by side, [d, 2f], one GEMM for both); tiles past the last used one
+  are skipped (`lax.cond`). Its custom VJP runs the same loop backward, recomputing silu(gate) x up
+  from the kept gate and up, and adding each tile's weight gradients (fp32) into its expert's. (Before
+  2026-12-07 a step was 4 tiles with their weights gathered and batched GEMMs: forward + backward
+  1.18x slower at moe-tiny's shapes, alternating rounds; XLA:CPU's gather of the weights cost more
+  than the GEMMs it saved.)
 - `ragged_dot` (GPU, and TPU, where it ran 1.5x megablox): `jax.lax.ragged_dot` over the padded
   groups. Whether XLA:GPU lowers it to a grouped GEMM is unverified here (no GPU has run it);
   XLA:CPU lowers it to a dense dot over every group, so on CPU it is a reference only.
@@ -47,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from meshlm.model.moe_costs import CHUNK, TILE
+from meshlm.model.moe_costs import TILE
 
 
 def rank_within(ids: jax.Array, n: int, axis: int = 0) -> tuple[jax.Array, jax.Array]:
@@ -120,32 +122,30 @@ def _tile(n: int) -> int:
     return next((c for c in (512, 256, 128) if n % c == 0), n)
 
 
-def _t(a: jax.Array) -> jax.Array:
-    """[c, t, n] -> [c, n, t], materialised: a weight gradient's left operand with its contracted
-    rows last. XLA:CPU runs that form as a library GEMM and the folded transpose (the rows
-    contracted in place) as a plain dot, slower (profiled at moe-tiny's shapes); the barrier keeps
-    XLA from folding it back."""
-    return jax.lax.optimization_barrier(jnp.swapaxes(a, 1, 2))
-
-
-def _steps(a: jax.Array, chunk: int) -> jax.Array:
-    """[tiles x TILE, ...] -> [steps, chunk, TILE, ...]."""
-    return a.reshape(-1, chunk, TILE, *a.shape[1:])
-
-
-def _loop(x, tile_expert) -> tuple[int, jax.Array, jax.Array]:
-    """(tiles per step, each step's tiles' experts [steps, chunk], each step's first row [steps])."""
-    chunk = min(CHUNK, x.shape[0] // TILE)
-    return (
-        chunk,
-        tile_expert.reshape(-1, chunk),
-        jnp.arange(x.shape[0] // (chunk * TILE), dtype=jnp.int32) * chunk * TILE,
-    )
+def _w(w: jax.Array, e: jax.Array) -> jax.Array:
+    """Expert e's weight: a dynamic slice (one expert's, contiguous), not a gather."""
+    return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
 
 
 def _gate_up(w_gate, w_up, e) -> jax.Array:
-    """The step's experts' gate and up weights side by side [chunk, d, 2f]: one GEMM for both."""
-    return jnp.concatenate([w_gate[e], w_up[e]], axis=-1)
+    """Expert e's gate and up weights side by side [d, 2f]: one GEMM for both."""
+    return jnp.concatenate([_w(w_gate, e), _w(w_up, e)], axis=-1)
+
+
+def _batched(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b as a dot with a batch dimension (of 1): the `dots` remat policy, which keeps dots without
+    batch dimensions, recomputes it, as the accounting counts the experts under it."""
+    return jax.lax.dot_general(a[None], b[None], (((2,), (1,)), ((0,), (0,))))[0]
+
+
+def _tiles(a: jax.Array) -> jax.Array:
+    """[tiles x TILE, ...] -> [tiles, TILE, ...]."""
+    return a.reshape(-1, TILE, *a.shape[1:])
+
+
+def _firsts(x: jax.Array) -> jax.Array:
+    """Each tile's first row."""
+    return jnp.arange(x.shape[0] // TILE, dtype=jnp.int32) * TILE
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -155,50 +155,48 @@ def _tiled(x, tile_expert, used_rows, w_gate, w_up, w_down, act):
 
 def _tiled_fwd(x, tile_expert, used_rows, w_gate, w_up, w_down, act):
     """Keeps x, gate and up (one [rows, 2f] array) and the weights as they came (no copy)."""
-    chunk, experts, firsts = _loop(x, tile_expert)
     dtype = jnp.result_type(x, w_gate)
 
     def step(_, inputs):
         xs, e, first = inputs
 
         def run(xs):
-            gate_up = jnp.einsum("ctd,cdf->ctf", xs, _gate_up(w_gate, w_up, e))
-            gate, up = jnp.split(gate_up, 2, axis=-1)
-            return gate_up, jnp.einsum("ctf,cfd->ctd", act(gate, up), w_down[e])
+            gate_up = _batched(xs, _gate_up(w_gate, w_up, e))
+            return gate_up, _batched(act(*jnp.split(gate_up, 2, axis=-1)), _w(w_down, e))
 
         def skip(xs):
-            return jnp.zeros((chunk, TILE, 2 * w_gate.shape[-1]), dtype), jnp.zeros(
-                (*xs.shape[:2], w_down.shape[-1]), dtype
-            )
+            return jnp.zeros((TILE, 2 * w_gate.shape[-1]), dtype), jnp.zeros((TILE, w_down.shape[-1]), dtype)
 
         return None, jax.lax.cond(first < used_rows, run, skip, xs)
 
-    _, (gate_up, out) = jax.lax.scan(step, None, (_steps(x, chunk), experts, firsts))
+    _, (gate_up, out) = jax.lax.scan(step, None, (_tiles(x), tile_expert, _firsts(x)))
     rows = x.shape[0]
     return out.reshape(rows, -1), (x, tile_expert, used_rows, gate_up.reshape(rows, -1), w_gate, w_up, w_down)
 
 
 def _tiled_bwd(act, residuals, dy):
     x, tile_expert, used_rows, gate_up, w_gate, w_up, w_down = residuals
-    chunk, experts, firsts = _loop(x, tile_expert)
     f32 = jnp.float32
+    E, d, f = w_gate.shape
 
     def step(grads, inputs):
         xs, gus, dys, e, first = inputs
 
-        def run(grads):
-            dw_gate_up, dw_down = grads
+        def run(_):  # the tile's weight gradients apart: the accumulators do not pass through the cond
             h, vjp = jax.vjp(act, *jnp.split(gus, 2, axis=-1))
-            dw_down = dw_down.at[e].add(jnp.einsum("cft,ctd->cfd", _t(h), dys, preferred_element_type=f32))
-            dgu = jnp.concatenate(vjp(jnp.einsum("ctd,cfd->ctf", dys, w_down[e])), axis=-1)
-            dw_gate_up = dw_gate_up.at[e].add(jnp.einsum("cdt,ctf->cdf", _t(xs), dgu, preferred_element_type=f32))
-            return (dw_gate_up, dw_down), jnp.einsum("ctf,cdf->ctd", dgu, _gate_up(w_gate, w_up, e)).astype(xs.dtype)
+            dgu = jnp.concatenate(vjp(dys @ _w(w_down, e).T), axis=-1)
+            dw_gate_up = jnp.dot(xs.T, dgu, preferred_element_type=f32)
+            dw_down = jnp.dot(h.T, dys, preferred_element_type=f32)
+            return dw_gate_up, dw_down, (dgu @ _gate_up(w_gate, w_up, e).T).astype(xs.dtype)
 
-        return jax.lax.cond(first < used_rows, run, lambda grads: (grads, jnp.zeros_like(xs)), grads)
+        def skip(_):
+            return jnp.zeros((d, 2 * f), f32), jnp.zeros(w_down.shape[1:], f32), jnp.zeros_like(xs)
 
-    E, d, f = w_gate.shape
+        dw_gate_up, dw_down, dx = jax.lax.cond(first < used_rows, run, skip, None)
+        return (grads[0].at[e].add(dw_gate_up), grads[1].at[e].add(dw_down)), dx
+
     zeros = (jnp.zeros((E, d, 2 * f), f32), jnp.zeros(w_down.shape, f32))
-    inputs = (*(_steps(a, chunk) for a in (x, gate_up, dy)), experts, firsts)
+    inputs = (*(_tiles(a) for a in (x, gate_up, dy)), tile_expert, _firsts(x))
     (dw_gate_up, dw_down), dx = jax.lax.scan(step, zeros, inputs)
     dw_gate, dw_up = jnp.split(dw_gate_up, 2, axis=-1)
     dw = [g.astype(w.dtype) for g, w in zip((dw_gate, dw_up, dw_down), (w_gate, w_up, w_down), strict=True)]

@@ -11,7 +11,6 @@ from meshlm.config import ModelConfig, RunConfig
 from meshlm.parallel.schedules import pad_count, pipeline_unit
 
 TILE = 128  # grouped rows per tile: each expert's group is padded to a multiple (the padding runs)
-CHUNK = 4  # tiles per step of the CPU kernel's loop: 512 rows (tuned at moe-tiny's shapes, BENCHMARKS.md)
 # `model.moe_kernel=auto`, dropless. TPU: ragged_dot ran 1.5x megablox at Qwen3-30B-A3B's expert shapes on
 # a v5e (45.3 vs 30.1 TFLOP/s, benchmarks/tpu.sh; BENCHMARKS.md "First accelerator")
 DEVICE_KERNEL = {"cpu": "tiled", "gpu": "ragged_dot", "tpu": "ragged_dot"}
@@ -30,10 +29,8 @@ def expert_capacity(cfg: ModelConfig, t: int) -> int:
 
 def grouped_rows(n: int, n_experts: int) -> int:
     """Static rows of the grouped buffer for n assignments over n_experts groups: the tiles the
-    worst case needs (every group padded by TILE - 1), rounded up to whole steps of the loop."""
-    tiles = math.ceil((n + n_experts * (TILE - 1)) / TILE)
-    chunk = min(CHUNK, tiles)
-    return math.ceil(tiles / chunk) * chunk * TILE
+    worst case needs (every group padded by TILE - 1)."""
+    return math.ceil((n + n_experts * (TILE - 1)) / TILE) * TILE
 
 
 def expert_kernel(m: ModelConfig, rows: int, tokens: int, expert: int = 1, platform: str = "cpu") -> str:

@@ -269,7 +269,7 @@ def test_grouped_moe_runs_the_tile_rows_it_is_counted_for(policy):
     """Dropless on the grouped CPU kernel: the compiled step, with each loop body x its trip count
     (`hlo.executed_dot_flops`), runs exactly the hardware FLOPs, whose experts run over
     `moe_costs.grouped_rows` (the routed rows and the tile padding; recomputed under full and dots).
-    Counting each loop body once, as `dot_flops` does, sees only one step of the tile loop."""
+    Counting each loop body once, as `dot_flops` does, sees only one tile of the loop."""
     cfg, _, compiled = _step_programs("moe-grouped", policy)
     counted, executed = accounting.expert_slot_flops(cfg)
     assert executed == 2 * counted  # 1,024 rows for the 512 assignments of 4 x 64 tokens, top-2

@@ -519,8 +519,8 @@ def _own_counts_only(moe_tick):
 
 
 def test_the_tile_loop_skips_the_steps_past_the_routed_rows():
-    """16 assignments, 2 per expert, each padded to a 128-row tile: 1,024 used rows (2 steps of 4 x
-    128) in a buffer of 4 steps. The other 2 steps are skipped: their rows, ones here, come out
+    """16 assignments, 2 per expert, each padded to a 128-row tile: 1,024 used rows (8 tiles) in a
+    buffer of 16 tiles. The other 8 tiles are skipped: their rows, ones here, come out
     zero (run, they would not), and a NaN cotangent on them reaches no weight gradient (run
     backward, it would). The used rows equal each expert's SwiGLU."""
     from meshlm.model import grouped
@@ -635,7 +635,7 @@ def test_the_grouped_cpu_kernel_runs_at_most_1_25x_the_routed_flops():
     compiled forward and backward, every loop body x its trip count, run 3 x 5,120 rows' expert
     GEMMs for 4,096 routed assignments (1.25x: 8 experts' padding to 128-row tiles) besides the
     router's; the capacity buffers would run 4x. Counted once per loop body, the tile loop would
-    look 10 times cheaper than it is."""
+    look 40 times cheaper than it is (40 tiles)."""
     from meshlm.insight import hlo
 
     m = dataclasses.replace(recipes.get("moe-tiny").model, expert_capacity_factor=0.0, n_layers=1)
@@ -649,7 +649,7 @@ def test_the_grouped_cpu_kernel_runs_at_most_1_25x_the_routed_flops():
     assert moe_costs.expert_kernel(m, 16, 128) == "tiled" and moe_costs.grouped_rows(4096, 8) == 5120
     assert moe_costs.expert_kernel(m, 16, 128, platform="tpu") == "ragged_dot"  # 1.5x megablox on a v5e
     assert experts == 3 * 5120 * one_row and experts <= 1.25 * 3 * routed
-    assert hlo.dot_flops(text) < 3 * routed / 2  # the loop body's text holds one step of 512 rows
+    assert hlo.dot_flops(text) < 3 * routed / 2  # the loop body's text holds one tile of 128 rows
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,9 @@ assignments, in token order).
   are skipped (`lax.cond`). Its custom VJP runs the same loop backward, recomputing silu(gate) x up
   from the kept gate and up, and adding each tile's weight gradients (fp32) into its expert's. (Before
   2026-12-07 a step was 4 tiles with their weights gathered and batched GEMMs: forward + backward
-  1.18x slower at moe-tiny's shapes, alternating rounds; XLA:CPU's gather of the weights cost more
-  than the GEMMs it saved.)
+  1.12-1.18x slower at moe-tiny's shapes in a one-device process, alternating rounds, where the
+  gather of the weights cost more than the GEMMs it saved; but 1.14x faster in an 8-device process,
+  where XLA:CPU runs the small GEMMs slower, cause not found. BENCHMARKS.md has both.)
 - `ragged_dot` (GPU, and TPU, where it ran 1.5x megablox): `jax.lax.ragged_dot` over the padded
   groups. Whether XLA:GPU lowers it to a grouped GEMM is unverified here (no GPU has run it);
   XLA:CPU lowers it to a dense dot over every group, so on CPU it is a reference only.
@@ -26,7 +27,7 @@ ragged_dot and megablox paths by a checkpoint that saves those two by name).
 **Expert parallelism** (`exchange`): each device packs its assignments by destination into a
 worst-case buffer [X, n, d] (any device may receive all n of another's assignments: X x its routed
 rows, where capacity buffers dropless send E/k x) and sends it with the local expert ids; each runs
-its experts over the X n received rows (the tile loop skips the empty steps) and sends the rows
+its experts over the X n received rows (the tile loop skips the empty tiles) and sends the rows
 back. How the rows travel (`moe_costs.EXCHANGE_OP`, by platform):
 - `all_to_all` (CPU): the whole buffer, padding included: X x the routed rows.
 - `ragged` (GPU, TPU): `jax.lax.ragged_all_to_all` sends each destination's used rows only (the

@@ -52,7 +52,7 @@ def expert_kernel(m: ModelConfig, rows: int, tokens: int, expert: int = 1, platf
 def expert_rows(m: ModelConfig, rows: int, tokens: int, expert: int = 1) -> int:
     """Rows one device's expert GEMMs run over per layer: E x C per row in capacity buffers; grouped,
     each device's routed assignments with their tile padding, as if the routing were balanced (the
-    exchange's worst-case buffer holds `expert` x that, but the loop skips its empty steps)."""
+    exchange's worst-case buffer holds `expert` x that, but the loop skips its empty tiles)."""
     if expert_kernel(m, rows, tokens, expert) == "buffers":  # the grouped kernels share one layout
         return m.n_experts * rows * expert_capacity(m, tokens)
     return grouped_rows(rows * tokens * m.experts_per_token, m.n_experts // expert)

@@ -13,9 +13,9 @@ assignments, in token order).
   are skipped (`lax.cond`). Its custom VJP runs the same loop backward, recomputing silu(gate) x up
   from the kept gate and up, and adding each tile's weight gradients (fp32) into its expert's. (Before
   2026-12-07 a step was 4 tiles with their weights gathered and batched GEMMs: forward + backward
-  1.12-1.18x slower at moe-tiny's shapes in a one-device process, alternating rounds, where the
-  gather of the weights cost more than the GEMMs it saved; but 1.14x faster in an 8-device process,
-  where XLA:CPU runs the small GEMMs slower, cause not found. BENCHMARKS.md has both.)
+  1.12-1.18x slower at moe-tiny's shapes in a one-device process (alternating rounds of a scratch
+  A/B script, not committed), where the gather of the weights cost more than the GEMMs it saved; but
+  1.14x faster in an 8-device process, where XLA:CPU runs the small GEMMs slower, cause not found.)
 - `ragged_dot` (GPU, and TPU, where it ran 1.5x megablox): `jax.lax.ragged_dot` over the padded
   groups. Whether XLA:GPU lowers it to a grouped GEMM is unverified here (no GPU has run it);
   XLA:CPU lowers it to a dense dot over every group, so on CPU it is a reference only.
